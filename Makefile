@@ -1,0 +1,36 @@
+# zmpi: `make demo` trains a small GPT under mpiexec; `make test` runs the test suite.
+# Both create .venv and install everything on first use (MPI comes from the mpich wheel).
+VENV   ?= .venv
+PYTHON ?= python3
+PY     := $(VENV)/bin/python
+MPIEXEC := $(VENV)/bin/mpiexec
+STAMP  := $(VENV)/.installed
+NP     ?= 2
+STAGE  ?= 3
+
+# One BLAS thread per rank, or oversubscribed ranks fight for the cores.
+export OMP_NUM_THREADS=1
+export OPENBLAS_NUM_THREADS=1
+export MKL_NUM_THREADS=1
+export ZMPI_BACKEND ?= numpy
+
+.PHONY: install test demo lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(MPIEXEC) -n $(NP) $(PY) -m zmpi.cli train --stage $(STAGE)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check zmpi models experiments tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache runs

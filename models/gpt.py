@@ -1,0 +1,139 @@
+"""GPT-2 style decoder-only transformer built from zmpi.nn, as ZeRO units (no dropout).
+
+Units: [TokenPositionEmbedding, Block x n_layer, LMHead]. The LM head reuses the token
+embedding as its output projection (tied weights, as GPT-2): it lists the embedding unit in
+`shared_units`, reads `wte` at call time and accumulates into the same `wte.grad`, so `wte`
+gets gradient from both ends of the model but is owned (and named) only by unit 0.
+
+    model = GPT(GPTConfig(vocab_size=65, seq_len=64, n_layer=4, n_head=4, d_model=128))
+    loss = model.loss(idx, targets)   # idx, targets (B, T) int, T <= seq_len
+    model.backward_loss()             # grads accumulate into p.grad
+"""
+
+import math
+from dataclasses import dataclass
+
+import numpy
+
+from zmpi.nn import (
+    Block,
+    LayerNorm,
+    Module,
+    UnitModel,
+    accumulate_grad_,
+    array_module,
+    compute_data,
+    embedding_lookup,
+    live,
+    normal_parameter,
+)
+from zmpi.nn import functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 65
+    seq_len: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+
+
+class TokenPositionEmbedding(Module):
+    """Unit 0: x = wte[idx] + wpe[arange(T)].  idx (B, T) int -> x (B, T, C), compute dtype.
+
+    wte (V, C) token embedding (also the LM head's output projection), wpe (seq_len, C).
+    """
+
+    def __init__(self, vocab_size, seq_len, d_model, rng, dtype):
+        self.wte = normal_parameter(rng, (vocab_size, d_model), 0.02, dtype)
+        self.wpe = normal_parameter(rng, (seq_len, d_model), 0.02, dtype)
+
+    def forward(self, idx):
+        wte = live(self.wte)
+        xp = array_module(wte)
+        idx = xp.asarray(idx)
+        B, T = idx.shape
+        if T > self.wpe.shape[0]:
+            raise ValueError(f"sequence length {T} > seq_len {self.wpe.shape[0]}")
+        tok, tok_cache = embedding_lookup(self.wte, idx)  # (B, T, C)
+        pos, pos_cache = embedding_lookup(self.wpe, xp.arange(T))  # (T, C)
+        self._save(tok_cache, pos_cache)
+        return tok + pos
+
+    def backward(self, dx):
+        tok_cache, pos_cache = self._pop()
+        accumulate_grad_(self.wte, F.embedding_backward(dx, tok_cache))
+        accumulate_grad_(self.wpe, F.embedding_backward(dx.sum(axis=0), pos_cache))
+        return None
+
+
+class LMHead(Module):
+    """Last unit: logits = ln_f(x) @ wte.T.  x (B, T, C) -> logits (B, T, V).
+
+    Owns ln_f; borrows wte from the embedding unit (`shared_units = (embedding,)`).
+    """
+
+    def __init__(self, embedding, d_model, dtype):
+        self.shared_units = (embedding,)
+        self.ln_f = LayerNorm(d_model, dtype=dtype)
+
+    @property
+    def wte(self):
+        """The tied token embedding Parameter, owned by the embedding unit."""
+        return self.shared_units[0].wte
+
+    def forward(self, x):
+        h = self.ln_f.forward(x)  # (B, T, C)
+        logits, (h, _) = F.linear_forward(h, compute_data(self.wte).T)  # (B, T, V)
+        self._save(h)
+        return logits
+
+    def backward(self, dlogits):
+        h = self._pop()
+        WT = compute_data(self.wte).T  # (C, V)
+        dh, dWT, _ = F.linear_backward(dlogits.astype(WT.dtype, copy=False), (h, WT))
+        accumulate_grad_(self.wte, dWT.T)
+        return self.ln_f.backward(dh)
+
+
+class GPT(UnitModel):
+    """GPT-2: token+position embedding, n_layer pre-LN blocks, final LayerNorm, tied LM head.
+
+    Parameters are stored in `dtype` (float32, float64, float16 or ml_dtypes.bfloat16) and
+    initialised as GPT-2, deterministically from `seed`: weights normal(0, 0.02), residual
+    projections (attn.proj, mlp.proj) normal(0, 0.02 / sqrt(2 n_layer)), biases 0, LayerNorm 1/0.
+    """
+
+    def __init__(self, config, seed=0, dtype=numpy.float32):
+        self.config = c = config
+        rng = numpy.random.default_rng(seed)
+        proj_std = 0.02 / math.sqrt(2 * c.n_layer)
+        embedding = TokenPositionEmbedding(c.vocab_size, c.seq_len, c.d_model, rng, dtype)
+        blocks = [Block(c.d_model, c.n_head, rng=rng, dtype=dtype, proj_std=proj_std)
+                  for _ in range(c.n_layer)]
+        super().__init__([embedding, *blocks, LMHead(embedding, c.d_model, dtype)])
+
+    def generate(self, idx, max_new_tokens, temperature=1.0, rng=None):
+        """Sample `max_new_tokens` tokens after `idx` (B, T0) int; returns (B, T0 + new) int.
+
+        Each step runs the model on the last seq_len tokens and samples from
+        softmax(logits / temperature) with `rng` (a numpy Generator or seed), on the host.
+        """
+        rng = numpy.random.default_rng(rng)
+        idx = numpy.asarray(_to_host(idx))
+        for _ in range(max_new_tokens):
+            logits = _to_host(self.forward(idx[:, -self.config.seq_len:])[:, -1, :])  # (B, V)
+            z = logits.astype(numpy.float64) / temperature
+            p = numpy.exp(z - z.max(axis=-1, keepdims=True))
+            cdf = numpy.cumsum(p / p.sum(axis=-1, keepdims=True), axis=-1)  # (B, V)
+            u = rng.random((idx.shape[0], 1))
+            nxt = numpy.minimum((cdf < u).sum(axis=-1), cdf.shape[-1] - 1)  # (B,)
+            idx = numpy.concatenate([idx, nxt[:, None].astype(idx.dtype)], axis=1)
+        self.clear_cache()
+        return idx
+
+
+def _to_host(a):
+    """A NumPy copy of a NumPy or CuPy array."""
+    return a.get() if hasattr(a, "get") else a

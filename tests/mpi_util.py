@@ -1,0 +1,111 @@
+"""Launch a rank script under mpiexec from a test and collect what each rank reports.
+
+    from mpi_util import RANKS_DIR, run_mpi
+    reports = run_mpi(RANKS_DIR / "comm_checks.py", nprocs=3)   # list of dicts, by rank
+
+The rank script prints one `ZMPI_REPORT <json>` line per rank via `tests/ranks/_report.py`
+(`from _report import report`), which also writes it to `$ZMPI_REPORT_DIR/rank-<r>.json`
+(set here), because mpiexec may interleave long lines from different ranks.
+Every launch has a hard timeout: on expiry the whole process group is killed and the test
+fails with the output so far; a non-zero exit fails the test with stdout and stderr.
+Use `launch_mpi` to examine a run that is expected to fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RANKS_DIR = Path(__file__).resolve().parent / "ranks"
+PREFIX = "ZMPI_REPORT "
+
+
+def mpiexec_path() -> str:
+    """mpiexec next to the running interpreter (the venv's mpich wheel), else on PATH."""
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.exists():
+        return str(local)
+    found = shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("no mpiexec found next to sys.executable or on PATH")
+    return found
+
+
+@dataclass
+class MPIResult:
+    returncode: int | None  # None: killed on timeout
+    stdout: str
+    stderr: str
+    seconds: float
+    timed_out: bool
+
+    def describe(self) -> str:
+        return (f"returncode={self.returncode} after {self.seconds:.1f}s"
+                f"{' (TIMED OUT, killed)' if self.timed_out else ''}\n"
+                f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}")
+
+
+def launch_mpi(script, nprocs: int, args=(), timeout: float = 120, env=None) -> MPIResult:
+    """Run `mpiexec -n nprocs python script *args` with a hard timeout; never raises on failure.
+
+    The child gets OMP_NUM_THREADS=1, the repo root prepended to PYTHONPATH, and `env` on top.
+    """
+    full_env = dict(os.environ)
+    full_env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    path = full_env.get("PYTHONPATH")
+    full_env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + path if path else "")
+    full_env.update(env or {})
+    cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, str(script), *map(str, args)]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env, cwd=REPO_ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec, its proxies and all ranks
+        out, err = proc.communicate()
+        timed_out = True
+    seconds = time.monotonic() - start
+    return MPIResult(None if timed_out else proc.returncode, out, err, seconds, timed_out)
+
+
+def parse_reports(stdout: str, report_dir=None) -> list[dict]:
+    """Each rank's report, sorted by 'rank': the files in `report_dir` if any, else the
+    `ZMPI_REPORT` lines of stdout."""
+    files = sorted(Path(report_dir).glob("rank-*.json")) if report_dir else []
+    if files:
+        reports = [json.loads(f.read_text()) for f in files]
+    else:
+        reports = [json.loads(line[len(PREFIX):]) for line in stdout.splitlines()
+                   if line.startswith(PREFIX)]
+    return sorted(reports, key=lambda r: r["rank"])
+
+
+def run_mpi(script, nprocs: int, args=(), timeout: float = 120, env=None) -> list[dict]:
+    """Run a rank script on `nprocs` ranks; fail the test on timeout, a non-zero exit, or
+    not exactly one report per rank. Returns the reports sorted by rank."""
+    with tempfile.TemporaryDirectory(prefix="zmpi-reports-") as report_dir:
+        env = {"ZMPI_REPORT_DIR": report_dir, **(env or {})}
+        result = launch_mpi(script, nprocs, args=args, timeout=timeout, env=env)
+        reports = parse_reports(result.stdout, report_dir)
+    if result.timed_out:
+        pytest.fail(f"mpiexec -n {nprocs} {script} timed out after {timeout}s\n"
+                    + result.describe())
+    if result.returncode != 0:
+        pytest.fail(f"mpiexec -n {nprocs} {script} failed\n" + result.describe())
+    if [r["rank"] for r in reports] != list(range(nprocs)):
+        pytest.fail(f"expected one report from each of ranks 0..{nprocs - 1}, got ranks "
+                    f"{[r['rank'] for r in reports]}\n" + result.describe())
+    return reports

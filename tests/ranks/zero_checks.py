@@ -1,0 +1,140 @@
+"""Rank side of tests/test_zero.py: every ZeRO check for one world size, in one launch.
+
+    mpiexec -n N python tests/ranks/zero_checks.py OUT_DIR
+
+Parity runs write rank 0's gathered parameters to OUT_DIR/<case>.npz (the test compares them
+with the single-process reference); everything else goes into the rank's one JSON report.
+"""
+import hashlib
+import sys
+
+import numpy as np
+from _report import report
+
+from models.gpt import GPT, GPTConfig
+from models.mlp import MLPModel
+from zmpi.comm import Comm
+from zmpi.data import SyntheticSource
+from zmpi.engine import Engine
+
+GPT_CONFIG = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=2, d_model=16)
+GLOBAL_BATCH = 12  # rows per micro-step over all ranks: splits over 1, 2, 3 and 4 ranks
+STEPS = 5
+VARIANTS = {  # name: (precision, gradient_accumulation_steps, gradient_clipping)
+    "fp64": ("fp64", 1, 0.0),  # a float64 model: fp64 storage and master, for exactness
+    "fp64_accum_clip": ("fp64", 2, 0.05),
+    "fp32": ("fp32", 1, 0.0),
+    "fp32_accum_clip": ("fp32", 2, 0.05),
+    "fp16": ("fp16", 1, 0.0),
+    "bf16": ("bf16", 1, 0.0),
+}
+
+
+def config(stage, dtype="fp32", accumulation=1, clip=0.0, n=1, **fp16):
+    cfg = {
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // n,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000},
+    }
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, **fp16}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def digest(arrays) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def gpt_data(comm, accumulation):
+    return SyntheticSource(GPT_CONFIG.vocab_size, GPT_CONFIG.seq_len,
+                           GLOBAL_BATCH * accumulation, comm.rank, comm.size, seed=1)
+
+
+def parity(comm, out_dir):
+    results = []
+    for stage in range(4):
+        for variant, (dtype, accumulation, clip) in VARIANTS.items():
+            model = GPT(GPT_CONFIG, seed=0, dtype=np.float64 if dtype == "fp64" else np.float32)
+            engine = Engine(model, config(stage, dtype, accumulation, clip, comm.size), comm)
+            data = gpt_data(comm, accumulation)
+            losses = [engine.train_step(*data.sample(step)) for step in range(STEPS)]
+            params = engine.gather_parameters()
+            resident = engine.strategy.params_full
+            case = f"stage{stage}_{variant}"
+            if comm.rank == 0:
+                np.savez(f"{out_dir}/{case}.npz", **params)
+            results.append({"case": case, "losses": losses,
+                    "gathered": digest(params[k] for k in sorted(params)),
+                    "resident": None if resident is None else digest([resident])})
+    return results
+
+
+def memory_and_traffic(comm):
+    results = []
+    models = {"gpt": lambda: GPT(GPT_CONFIG, seed=0), "mlp": lambda: MLPModel(seed=0)}
+    for model_name, build in models.items():
+        for stage in range(4):
+            engine = Engine(build(), config(stage, "fp16", n=comm.size), comm)
+            if model_name == "gpt":
+                batch = gpt_data(comm, 1).sample(0)
+            else:
+                rng = np.random.default_rng(comm.rank)
+                batch = (rng.standard_normal((GLOBAL_BATCH // comm.size, 16)).astype(np.float32),
+                         rng.integers(0, 8, GLOBAL_BATCH // comm.size))
+            engine.memory.reset_peaks()
+            engine.train_step(*batch)
+            layout = engine.layout
+            results.append({"model": model_name, "stage": stage,
+                    "num_params": layout.num_params, "full_numel": layout.full_numel,
+                    "unit_padded": [u.padded_numel for u in layout.units],
+                    "shared": [list(s) for s in engine.strategy._shared],
+                    "model_state_bytes": engine.memory.model_state_bytes(),
+                    "by_category": {c: engine.memory.current(c) for c in
+                                    ("param", "grad", "master", "adam_m", "adam_v")},
+                    "peak_model_state": engine.memory.peak(
+                        ("param", "grad", "master", "adam_m", "adam_v")),
+                    "counters": engine.comm.counters_snapshot()})
+    return results
+
+
+def loss_scaler(comm):
+    """fp16, window 2, hysteresis 1, scale 2^8; an inf planted in rank N-1's gradient at step 2
+    must skip the step on every rank and halve the scale."""
+    results = []
+    for stage in (0, 3):
+        engine = Engine(GPT(GPT_CONFIG, seed=0),
+                        config(stage, "fp16", n=comm.size, initial_scale_power=8,
+                               loss_scale_window=2, hysteresis=1), comm)
+        data, scales, skipped_change = gpt_data(comm, 1), [], None
+        before_step = engine.strategy.before_step
+
+        def poisoned_before_step(step):
+            before_step()
+            if step == 2 and comm.rank == comm.size - 1:
+                engine.strategy.optimizer_grads()[0] = np.inf
+
+        for step in range(6):
+            engine.strategy.before_step = lambda s=step: poisoned_before_step(s)
+            before = engine.gather_parameters() if step == 2 else None
+            engine.train_step(*data.sample(step))
+            if before is not None:
+                after = engine.gather_parameters()
+                skipped_change = max(float(np.abs(after[k] - before[k]).max()) for k in before)
+            scales.append(engine.scaler.scale)
+        results.append({"stage": stage, "scales": scales,
+                "skipped": engine.scaler.skipped_steps, "global_steps": engine.global_steps,
+                "skipped_change": skipped_change})
+    return results
+
+
+if __name__ == "__main__":
+    comm = Comm()
+    report({"parity": parity(comm, sys.argv[1]), "memory_traffic": memory_and_traffic(comm),
+            "loss_scaler": loss_scaler(comm)})

@@ -1,0 +1,169 @@
+"""Tests for zmpi.backend on NumPy (always) and CuPy (marked gpu; skipped without a device).
+
+    .venv/bin/python -m pytest tests/test_backend.py -q
+"""
+
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from zmpi import backend
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _cupy_with_device():
+    try:
+        import cupy
+
+        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
+    except Exception:
+        return None
+
+
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(
+    _cupy_with_device() is None or not backend.is_gpu,
+    reason="needs CuPy, a CUDA device and the cupy backend",
+)
+
+
+def test_chosen_backend_is_consistent():
+    assert backend.name in ("numpy", "cupy")
+    assert backend.is_gpu == (backend.name == "cupy")
+    assert backend.xp.__name__ == backend.name
+
+
+def test_choose_follows_env(monkeypatch):
+    monkeypatch.setenv("ZMPI_BACKEND", "numpy")
+    assert backend._choose() == (np, "numpy")
+    monkeypatch.setenv("ZMPI_BACKEND", "tensorflow")
+    with pytest.raises(ValueError, match="numpy' or 'cupy"):
+        backend._choose()
+    monkeypatch.delenv("ZMPI_BACKEND")
+    expected = "cupy" if _cupy_with_device() is not None else "numpy"
+    assert backend._choose()[1] == expected
+
+
+def test_import_pulls_in_neither_mpi_nor_cupy_under_numpy():
+    code = ("import sys, zmpi.backend as b; "
+            "assert b.name == 'numpy'; "
+            "assert 'mpi4py' not in sys.modules and 'cupy' not in sys.modules")
+    env = {"ZMPI_BACKEND": "numpy", "PATH": "", "PYTHONPATH": str(backend.__file__)[:-len(
+        "/zmpi/backend.py")]}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
+
+
+def test_array_module_on_numpy():
+    assert backend.array_module(np.zeros(2)) is np
+    assert backend.array_module(np.zeros(2), np.ones(1)) is np
+    assert backend.is_device_array(np.zeros(2)) is False
+
+
+@pytest.mark.parametrize("name, dtype", [
+    ("float32", np.float32), ("fp32", np.float32), ("float16", np.float16), ("fp16", np.float16),
+    ("float64", np.float64), ("bf16", BF16), ("bfloat16", BF16), ("FP32", np.float32),
+])
+def test_dtype_from_name(name, dtype, monkeypatch):
+    monkeypatch.setattr(backend, "is_gpu", False)
+    assert backend.dtype_from_name(name) == np.dtype(dtype)
+
+
+def test_dtype_from_name_errors(monkeypatch):
+    with pytest.raises(ValueError, match="valid names: .*bfloat16"):
+        backend.dtype_from_name("float8")
+    monkeypatch.setattr(backend, "is_gpu", True)
+    with pytest.raises(NotImplementedError, match="CuPy has no bfloat16"):
+        backend.dtype_from_name("bf16")
+    assert backend.dtype_from_name("fp16") == np.float16
+
+
+def test_compute_dtype(monkeypatch):
+    monkeypatch.setattr(backend, "is_gpu", False)
+    assert backend.compute_dtype(np.float16) == np.float32
+    assert backend.compute_dtype(BF16) == np.float32
+    assert backend.compute_dtype(np.float32) == np.float32
+    assert backend.compute_dtype(np.float64) == np.float64
+    assert backend.compute_dtype("int32") == np.int32
+    monkeypatch.setattr(backend, "is_gpu", True)
+    assert backend.compute_dtype(np.float16) == np.float16
+    assert backend.compute_dtype(np.float32) == np.float32
+
+
+@pytest.mark.skipif(backend.is_gpu, reason="numpy backend behaviour")
+def test_numpy_backend_functions():
+    assert backend.select_device(3) is None
+    e, z = backend.empty((2, 3), np.float32), backend.zeros((4,), BF16)
+    assert isinstance(e, np.ndarray) and e.shape == (2, 3) and e.dtype == np.float32
+    assert z.dtype == BF16 and not z.astype(np.float32).any()
+    a = np.arange(6, dtype=np.float32)
+    assert backend.to_host(a) is a
+    out = np.empty(6, np.float32)
+    assert backend.to_host(a, out=out) is out and np.array_equal(out, a)
+    dev = backend.to_device(a)
+    assert isinstance(dev, np.ndarray) and np.array_equal(dev, a)
+    out2 = np.zeros(6, np.float32)
+    assert backend.to_device(a, out=out2) is out2 and np.array_equal(out2, a)
+    p = backend.pinned_empty((3, 2), BF16)
+    assert isinstance(p, np.ndarray) and p.shape == (3, 2) and p.dtype == BF16
+    backend.synchronize()
+    assert backend.device_memory_in_use() == 0
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@gpu
+@needs_gpu
+def test_gpu_host_device_roundtrip():
+    import cupy
+
+    assert backend.select_device(0) == 0
+    host = np.arange(12, dtype=np.float16).reshape(3, 4)
+    dev = backend.to_device(host)
+    assert isinstance(dev, cupy.ndarray) and backend.is_device_array(dev)
+    assert backend.array_module(dev) is cupy and backend.array_module(host) is np
+    out = backend.pinned_empty((3, 4), np.float16)
+    assert backend.to_host(dev * 2, out=out) is out
+    assert np.array_equal(out, host * 2)
+    dev2 = backend.zeros((3, 4), np.float16)
+    backend.to_device(out, out=dev2)
+    backend.synchronize()
+    assert np.array_equal(cupy.asnumpy(dev2), host * 2)
+    assert backend.device_memory_in_use() > 0
+
+
+@gpu
+@needs_gpu
+def test_gpu_staging_through_host(monkeypatch):
+    import cupy
+
+    from zmpi.comm import Comm, wait_all
+
+    monkeypatch.setenv("ZMPI_CUDA_AWARE", "0")
+    comm = Comm()
+    buf = cupy.arange(8, dtype=cupy.float32)
+    assert comm.allreduce(buf) is buf and cupy.asnumpy(buf).tolist() == list(range(8))
+    recv = cupy.zeros(8, cupy.float16)
+    req = comm.ireduce_scatter(cupy.arange(8, dtype=cupy.float16), recv)
+    gathered = cupy.zeros(8, cupy.float32)
+    req2 = comm.iallgather(buf, gathered)
+    wait_all([req, req2])
+    assert cupy.asnumpy(recv).tolist() == list(range(8))
+    assert cupy.asnumpy(gathered).tolist() == list(range(8))
+
+
+@gpu
+@needs_gpu
+def test_gpu_collectives_on_two_ranks():
+    from mpi_util import RANKS_DIR, run_mpi
+
+    reports = run_mpi(RANKS_DIR / "comm_gpu_checks.py", 2, env={"ZMPI_BACKEND": "cupy"})
+    for r, rep in enumerate(reports):
+        assert rep["allreduce"] == [1.0] * 5  # 0 + 1
+        assert rep["reduce_scatter"] == [2.0 * (2 * r + j) + 1 for j in range(2)]
+        assert rep["allgather"] == [0.0, 0.0, 1.0, 1.0]
+        assert rep["broadcast"] == [0.0, 1.0, 2.0]

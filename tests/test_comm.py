@@ -1,0 +1,314 @@
+"""Tests for zmpi.comm: a size-1 Comm in this process, then real collectives on 2, 3 and 4
+ranks under mpiexec (tests/ranks/comm_checks.py reports raw results; expectations are computed
+here from rank and size), and abort-on-exception.
+
+    .venv/bin/python -m pytest tests/test_comm.py -q
+"""
+
+import pickle
+
+import ml_dtypes
+import numpy as np
+import pytest
+from mpi4py import MPI
+from mpi_util import RANKS_DIR, launch_mpi, run_mpi
+
+from zmpi import backend
+from zmpi import comm as zcomm
+from zmpi.comm import OPS, Comm, wait_all
+
+BF16 = ml_dtypes.bfloat16
+
+
+def ring(nbytes, n, k=1):
+    """Bytes one rank sends in a ring collective: k (N-1)/N nbytes, rounded down."""
+    return nbytes * k * (n - 1) // n
+
+
+# --------------------------------------------------------------------------- size 1, in process
+
+
+@pytest.fixture
+def comm():
+    return Comm()
+
+
+def test_size_one_comm_without_mpiexec(comm):
+    assert (comm.rank, comm.size, comm.local_rank, comm.local_size) == (0, 1, 0, 1)
+    assert comm.is_cuda_aware is False
+    buf = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert comm.allreduce(buf) is buf and np.array_equal(buf.ravel(), np.arange(6))
+    recv = np.empty(4, BF16)
+    comm.reduce_scatter(np.arange(4, dtype=BF16), recv)
+    assert np.array_equal(recv.astype(np.float32), np.arange(4))
+    gathered = comm.allgather(np.arange(3.0), np.empty(3))
+    assert np.array_equal(gathered, np.arange(3.0))
+    assert np.array_equal(comm.allgather_inplace(np.arange(3.0)), np.arange(3.0))
+    assert np.array_equal(comm.broadcast(np.arange(2, dtype=np.int64)), [0, 1])
+    assert comm.allreduce_scalar(2.5) == 2.5 and comm.allreduce_scalar(2.5, "max") == 2.5
+    assert comm.bcast_object({"a": 1}) == {"a": 1}
+    assert comm.allgather_object("x") == ["x"]
+    comm.barrier()
+
+
+def test_size_one_nonblocking(comm):
+    a, b = np.ones(3, np.float16), np.ones(4, BF16)
+    requests = [comm.iallreduce(a), comm.iallgather_inplace(b)]
+    results = wait_all(requests)
+    assert results[0] is a and results[1] is b
+    assert all(r.test() for r in requests)
+    assert requests[0].wait() is a  # idempotent
+
+
+def test_counters_size_one(comm):
+    comm.allreduce(np.zeros(10, np.float32))
+    comm.allgather(np.zeros(2), np.zeros(2))
+    snap = comm.counters_snapshot()
+    assert set(snap) == set(OPS)
+    assert snap["allreduce"] == {"calls": 1, "bytes": 40, "sent": 0}  # nothing leaves one rank
+    assert snap["allgather"] == {"calls": 1, "bytes": 16, "sent": 0}
+    snap["allreduce"]["calls"] = 99  # a copy
+    assert comm.counters["allreduce"].calls == 1
+    comm.reset_counters()
+    assert all(c == {"calls": 0, "bytes": 0, "sent": 0} for c in comm.counters_snapshot().values())
+
+
+def test_split_size_one(comm):
+    sub = comm.split(0)
+    assert (sub.rank, sub.size) == (0, 1) and sub.counters is not comm.counters
+    sub.allreduce(np.zeros(2))
+    assert sub.counters["allreduce"].calls == 1 and comm.counters["allreduce"].calls == 0
+    sub.free()
+    assert comm.split(MPI.UNDEFINED) is None
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda c: c.reduce_scatter(np.zeros(5), np.zeros(4)), r"send.size \(5\).*recv.size \(4\)"),
+    (lambda c: c.allgather(np.zeros(2), np.zeros(3)), r"recv.size \(3\).*send.size \(2\)"),
+    (lambda c: c.allgather(np.zeros(2, np.float32), np.zeros(2)), "dtype"),
+    (lambda c: c.allreduce(np.zeros((3, 3))[:, 1]), "contiguous"),
+    (lambda c: c.allreduce(np.zeros(3), op="prod"), "sum, max, min"),
+    (lambda c: c.allreduce(np.zeros(3, np.complex128)), "not supported"),
+    (lambda c: c.broadcast(np.zeros(3), root=1), "root"),
+])
+def test_local_errors(comm, call, match):
+    with pytest.raises(ValueError, match=match):
+        call(comm)
+    assert comm.counters["allreduce"].calls == 0  # nothing counted, nothing sent
+
+
+def test_cuda_aware_env_override(monkeypatch):
+    monkeypatch.setenv("ZMPI_CUDA_AWARE", "1")
+    assert Comm().is_cuda_aware is True
+    monkeypatch.setenv("ZMPI_CUDA_AWARE", "0")
+    assert Comm().is_cuda_aware is False
+    monkeypatch.setenv("ZMPI_CUDA_AWARE", "yes")
+    with pytest.raises(ValueError, match="ZMPI_CUDA_AWARE"):
+        Comm()
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "min"])
+@pytest.mark.parametrize("dtype", [BF16, np.float16])
+def test_user_reduction_op_matches_float32_reference(op, dtype):
+    """The user-defined op (bf16, and fp16 where MPI lacks one) computes in float32 and rounds
+    once: exactly round(float32(a) op float32(b))."""
+    rng = np.random.default_rng(0)
+    a = (rng.standard_normal(4096) * 10).astype(dtype)
+    b = (rng.standard_normal(4096) * 10).astype(dtype)
+    expected = zcomm._NUMPY_OPS[op](a.astype(np.float32), b.astype(np.float32)).astype(dtype)
+    inout = b.copy()
+    user_op = zcomm._user_op(op, dtype)
+    user_op.Reduce_local([a.view(np.uint16), MPI.UINT16_T], [inout.view(np.uint16), MPI.UINT16_T])
+    assert np.array_equal(inout.view(np.uint16), expected.view(np.uint16))
+
+
+class FakeDevice(np.ndarray):
+    """A NumPy array that Comm is told lives on a device: exercises host staging on a CPU."""
+
+    def get(self, out=None):
+        np.copyto(out, self.view(np.ndarray))
+        return out
+
+    def set(self, arr):
+        np.copyto(self.view(np.ndarray), arr)
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    monkeypatch.setattr(backend, "is_device_array", lambda a: isinstance(a, FakeDevice))
+    return lambda a: np.asarray(a).view(FakeDevice)
+
+
+def test_staging_copies_back_on_wait_and_reuses_buffers(monkeypatch, fake_device):
+    monkeypatch.setenv("ZMPI_CUDA_AWARE", "0")
+    comm = Comm()
+    send, recv = fake_device(np.arange(8.0, dtype=np.float32)), fake_device(np.zeros(8, np.float32))
+    req = comm.ireduce_scatter(send, recv)
+    while not req._mpi.Test():  # MPI done, but the result is still in the host buffer
+        pass
+    assert np.array_equal(recv, np.zeros(8))
+    assert req.wait() is recv and np.array_equal(recv, np.arange(8.0))
+    pooled = zcomm.staging_nbytes()
+    for _ in range(3):  # same shapes again: no new staging memory
+        comm.reduce_scatter(send, recv)
+        comm.allreduce(recv)
+    assert zcomm.staging_nbytes() == pooled
+    # two requests in flight need two distinct staging buffers of the same shape
+    a, b = fake_device(np.ones(8, np.float32)), fake_device(np.full(8, 2, np.float32))
+    wait_all([comm.iallreduce(a), comm.iallreduce(b)])
+    assert np.array_equal(a, np.ones(8)) and np.array_equal(b, np.full(8, 2))
+    bf = fake_device(np.arange(6, dtype=BF16))
+    assert np.array_equal(comm.allgather_inplace(bf).astype(np.float32), np.arange(6))
+
+
+def test_staging_skipped_when_cuda_aware_except_user_ops(monkeypatch, fake_device):
+    monkeypatch.setenv("ZMPI_CUDA_AWARE", "1")
+    comm = Comm()
+    calls = []
+    real_acquire = zcomm._POOL.acquire
+    monkeypatch.setattr(zcomm._POOL, "acquire", lambda *a: calls.append(a) or real_acquire(*a))
+    comm.allreduce(fake_device(np.ones(4, np.float32)))
+    assert calls == []  # handed to MPI directly
+    comm.allreduce(fake_device(np.ones(4, BF16)))  # bf16 reduces in a host-side user op
+    assert calls == [((4,), np.dtype(BF16))]
+
+
+# --------------------------------------------------------------------------- 2, 3, 4 ranks
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def reports(request):
+    return run_mpi(RANKS_DIR / "comm_checks.py", request.param, timeout=60)
+
+
+def test_mpi_basics(reports):
+    n = len(reports)
+    for r, rep in enumerate(reports):
+        assert rep["size"] == n and rep["backend"] == backend.name
+        assert (rep["local_rank"], rep["local_size"]) == (r, n)  # one node
+        assert rep["is_cuda_aware"] is False
+
+
+def test_mpi_allreduce(reports):
+    n = len(reports)
+    s = n * (n - 1) / 2
+    for rep in reports:
+        for k, v in rep["allreduce_sum"].items():
+            assert v == [[s] * 3] * 2, k
+        for k, v in rep["allreduce_max"].items():
+            assert v == [n - 1, 7], k
+        for k, v in rep["allreduce_min"].items():
+            assert v == [0, 7 - (n - 1)], k
+        assert rep["bf16_signed_max"] == [0, 0.25 * (n - 1), 3]
+        assert rep["bf16_signed_min"] == [-1.5 * (n - 1), 0, 3 - (n - 1)]
+        assert rep["allreduce_scalar"] == {"sum": s + 0.5 * n, "max": n - 0.5, "min": 0.5}
+
+
+def test_mpi_bf16_sum_matches_float32(reports):
+    n = len(reports)
+    xs = [np.random.default_rng(1234 + r).standard_normal(1000).astype(BF16).astype(np.float32)
+          for r in range(n)]
+    ref = np.sum(xs, axis=0)
+    # each of the n-1 pairwise adds rounds to bf16: error <= 2^-8 relative per step
+    tol = (n - 1) * 2.0**-8 * np.sum(np.abs(xs), axis=0)
+    got = np.array(reports[0]["bf16_random_sum"])
+    assert np.all(np.abs(got - ref) <= tol)
+    assert np.array_equal(got, got.astype(BF16).astype(np.float64))  # bf16 values
+    assert all(rep["bf16_random_sum"] == reports[0]["bf16_random_sum"] for rep in reports)
+
+
+def test_mpi_reduce_scatter(reports):
+    n = len(reports)
+    s = n * (n - 1) / 2
+    for r, rep in enumerate(reports):
+        expected = [s + n * (2 * r + j) for j in range(2)]  # sum_q (q + 2r + j)
+        for k, v in rep["reduce_scatter"].items():
+            assert v == expected, k
+        assert rep["reduce_scatter_max"] == [n - 1 + 2 * r + j for j in range(2)]
+
+
+def test_mpi_allgather_and_broadcast(reports):
+    n = len(reports)
+    for rep in reports:
+        for k, v in rep["allgather"].items():
+            dt = BF16 if k == "bfloat16" else np.dtype(k)
+            blocks = [(q + 0.5 * np.arange(3)).astype(dt).astype(np.float64) for q in range(n)]
+            assert v == np.concatenate(blocks).tolist(), k
+        for k, v in rep["allgather_inplace"].items():
+            assert v == np.repeat(np.arange(1, n + 1), 3).tolist(), k
+        for k, v in rep["broadcast"].items():
+            assert v == list(range(5)), k
+        assert rep["bcast_object"] == {"from": 0, "list": [1, 2]}
+        assert rep["allgather_object"] == [["r", q] for q in range(n)]
+
+
+def test_mpi_nonblocking(reports):
+    n = len(reports)
+    s = n * (n - 1) / 2
+    for r, rep in enumerate(reports):
+        assert rep["nb_allreduce"] == [[s] * 4, [s] * 6, True, True]
+        assert rep["nb_reduce_scatter"] == [s + n * (2 * r + j) for j in range(2)]
+        assert rep["nb_allgather"] == np.repeat(np.arange(n), 2).tolist()
+        assert rep["nb_allgather_inplace"] == np.repeat(np.arange(1, n + 1), 2).tolist()
+        assert rep["nb_results_are_outputs"] == [True, True, True]
+
+
+def test_mpi_split(reports):
+    n = len(reports)
+    for r, rep in enumerate(reports):
+        members = [q for q in range(n) if q % 2 == r % 2]
+        assert rep["split"] == {"rank": members.index(r), "size": len(members),
+                                "sum": float(sum(members)), "gather": members,
+                                "sub_calls": 2, "parent_calls": 0}
+
+
+def test_mpi_local_errors_raise_on_every_rank_without_hanging(reports):
+    n = len(reports)
+    for rep in reports:
+        assert all(msg is not None for msg in rep["errors"].values()), rep["errors"]
+        assert f"send.size ({2 * n + 1})" in rep["errors"]["reduce_scatter_size"]
+        assert f"recv.size ({2 * n - 1})" in rep["errors"]["allgather_size"]
+        assert rep["after_errors"] == n
+
+
+def test_mpi_counters_follow_ring_model(reports):
+    """Every op, every size: calls, payload and ring-model bytes sent, exactly."""
+    n = len(reports)
+    obj_bytes = len(pickle.dumps([1, 2, 3], protocol=pickle.HIGHEST_PROTOCOL))
+    gathered = sum(len(pickle.dumps(q, protocol=pickle.HIGHEST_PROTOCOL)) for q in range(n))
+    for r, rep in enumerate(reports):
+        root = 1 % n
+        expected = {
+            # 2 x float32[10] + float16[7]
+            "allreduce": {"calls": 3, "bytes": 94, "sent": 2 * ring(40, n, 2) + ring(14, n, 2)},
+            # send float32[3n] + bf16[2n]
+            "reduce_scatter": {"calls": 2, "bytes": 16 * n, "sent": 16 * (n - 1)},
+            # recv float64[2n] + float32[5n] + float16[n]
+            "allgather": {"calls": 3, "bytes": 38 * n, "sent": 38 * (n - 1)},
+            "broadcast": {"calls": 1, "bytes": 24, "sent": 24 if r == root else 0},
+            "allreduce_scalar": {"calls": 1, "bytes": 8, "sent": ring(8, n, 2)},
+            "object": {"calls": 2, "bytes": obj_bytes + gathered,
+                       "sent": (obj_bytes if r == 0 else 0) + ring(gathered, n)},
+        }
+        assert rep["counters"] == expected
+        assert rep["objects"] == [[1, 2, 3], list(range(n))]
+        assert all(v == {"calls": 0, "bytes": 0, "sent": 0}
+                   for v in rep["counters_after_reset"].values())
+
+
+def test_ring_model_matches_zero_paper():
+    """Reduce-scatter + allgather of Psi moves what one allreduce of Psi does: 2 (N-1)/N Psi."""
+    psi = 2 * 1_000_000 * 12  # fp16 bytes, divisible by every N below
+    for n in (2, 3, 4, 8):
+        assert ring(psi, n) + ring(psi, n) == ring(psi, n, 2) == 2 * psi * (n - 1) // n
+
+
+def test_abort_on_exception_ends_the_job():
+    """Rank 1 raises before a collective that ranks 0 and 2 enter: without the excepthook
+    MPICH would hang forever; with it the job dies in seconds with rank 1's traceback."""
+    result = launch_mpi(RANKS_DIR / "raise_on_rank.py", 3, timeout=30)
+    assert not result.timed_out, result.describe()
+    assert result.returncode != 0, result.describe()
+    assert result.seconds < 20, result.describe()
+    assert "[rank 1] RuntimeError: deliberate failure on rank 1" in result.stderr
+    assert "UNREACHABLE" not in result.stdout

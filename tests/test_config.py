@@ -1,0 +1,274 @@
+"""Config: DeepSpeed JSON in, typed and validated objects out, round trip, batch rule."""
+
+import ast
+import dataclasses
+import json
+import pathlib
+import pickle
+
+import pytest
+
+from zmpi.config import (
+    BF16Config,
+    Config,
+    ConfigError,
+    FP16Config,
+    OffloadConfig,
+    OptimizerConfig,
+    ZeroConfig,
+)
+
+CONFIGS = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.json"))
+
+DEEPSPEED_EXAMPLE = """
+{
+  "train_batch_size": 64,
+  "train_micro_batch_size_per_gpu": 4,
+  "gradient_accumulation_steps": 4,
+  "gradient_clipping": 1.0,
+  "steps_per_print": 100,
+  "wall_clock_breakdown": false,
+  "optimizer": {"type": "adamw",
+                "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+  "fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 16,
+           "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+  "zero_optimization": {"stage": 2, "allgather_partitions": true, "allgather_bucket_size": 2e8,
+                        "overlap_comm": true, "reduce_scatter": true,
+                        "reduce_bucket_size": 200000000, "contiguous_gradients": true,
+                        "round_robin_gradients": false}
+}
+"""
+
+
+def test_defaults():
+    c = Config()
+    assert c.zero_optimization.stage == 0 and c.strategy_name == "stage0"
+    assert c.dtype_name == "float32" and c.optimizer.type == "AdamW"
+    assert c.optimizer.betas == (0.9, 0.999) and c.zero_optimization.prefetch
+    assert c.zero_optimization.offload_optimizer == OffloadConfig(device="none")
+    assert Config.from_dict({}) == c
+
+
+def test_deepspeed_example_loads(tmp_path):
+    d = json.loads(DEEPSPEED_EXAMPLE)
+    c = Config.from_dict(d)
+    assert c.zero_optimization.allgather_bucket_size == 200_000_000  # "2e8", as in DeepSpeed
+    assert isinstance(c.zero_optimization.allgather_bucket_size, int)
+    assert c.optimizer == OptimizerConfig("AdamW", 3e-4, (0.9, 0.95), 1e-8, 0.1)
+    assert c.fp16.enabled and c.fp16.loss_scale == 0.0 and c.fp16.min_loss_scale == 1.0
+    assert isinstance(c.fp16.min_loss_scale, float)  # int accepted, stored as float
+    assert c.zero_optimization.stage == 2 and c.zero_optimization.overlap_comm
+    assert c.gradient_clipping == 1.0 and c.dtype_name == "float16"
+    assert c.strategy_name == "stage2"
+    assert c.resolve_batch(4).train_batch_size == 64
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(d))
+    assert Config.from_json(path) == c == Config.from_json(str(path)) == Config.from_json(
+        json.dumps(d))
+
+
+def test_non_integral_float_where_int_expected_fails():
+    with pytest.raises(ConfigError, match=r"allgather_bucket_size: expected int, got float "
+                                          r"\(2\.5\)"):
+        Config.from_json(DEEPSPEED_EXAMPLE.replace("2e8", "2.5"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_example_configs_load_and_round_trip(path):
+    c = Config.from_json(path)
+    assert Config.from_dict(c.to_dict()) == c
+    assert c.resolve_batch(2).train_batch_size is not None
+
+
+def test_example_configs_exist():
+    names = {p.name for p in CONFIGS}
+    assert {"gpt_stage0_fp32.json", "gpt_stage3_fp16.json", "gpt_stage2_fp16.json"} <= names
+
+
+def test_round_trip_non_defaults():
+    c = Config(train_batch_size=24, train_micro_batch_size_per_gpu=3,
+               gradient_accumulation_steps=2, gradient_clipping=0.5,
+               optimizer=OptimizerConfig("Adam", 1e-2, (0.8, 0.9), 1e-6, 0.01),
+               bf16=BF16Config(True),
+               zero_optimization=ZeroConfig(stage=3, strategy="hybrid", overlap_comm=True,
+                                            prefetch=False, reduce_bucket_size=10,
+                                            offload_optimizer=OffloadConfig("cpu", True)),
+               seed=7, steps_per_print=1)
+    d = c.to_dict()
+    assert json.loads(json.dumps(d)) == d
+    assert d["optimizer"] == {"type": "Adam", "params": {"lr": 1e-2, "betas": [0.8, 0.9],
+                                                         "eps": 1e-6, "weight_decay": 0.01}}
+    assert Config.from_dict(d) == c
+    assert c.strategy_name == "hybrid" and c.dtype_name == "bfloat16"
+    assert "train_batch_size" not in Config().to_dict()  # None keys omitted
+
+
+def test_optimizer_type_normalised():
+    for t, want in [("adam", "Adam"), ("ADAMW", "AdamW"), ("AdamW", "AdamW")]:
+        assert Config.from_dict({"optimizer": {"type": t}}).optimizer.type == want
+    assert OptimizerConfig(type="adam").type == "Adam"
+
+
+def test_replace():
+    c = Config()
+    c2 = c.replace(seed=3, zero_optimization={"stage": 3}, optimizer={"lr": 0.5})
+    assert (c2.seed, c2.zero_optimization.stage, c2.optimizer.lr) == (3, 3, 0.5)
+    assert c2.zero_optimization.reduce_bucket_size == c.zero_optimization.reduce_bucket_size
+    assert c.zero_optimization.stage == 0  # frozen original unchanged
+    assert c.replace(fp16=FP16Config(enabled=True)).dtype_name == "float16"
+    with pytest.raises(ConfigError, match=r"^zero_optimization\.stage: must be one of 0, 1, 2, 3, "
+                                          r"got 5"):
+        c.replace(zero_optimization={"stage": 5})
+    with pytest.raises(ConfigError, match="stagee"):
+        c.replace(stagee=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.seed = 1
+
+
+@pytest.mark.parametrize("d, match", [
+    ({"zero_optimization": {"stagee": 1}},
+     r"zero_optimization\.stagee: unknown key; did you mean 'stage'\? allowed keys: stage, "),
+    ({"zero_optimizaton": {}}, r"^zero_optimizaton: unknown key; did you mean "
+                               r"'zero_optimization'\?.*allowed keys:.*train_batch_size"),
+    ({"fp16": {"enabled": True, "auto_cast": True}}, r"^fp16\.auto_cast: unknown key; allowed"),
+    ({"optimizer": {"params": {"lrr": 1}}}, r"optimizer\.params\.lrr: unknown key; did you "
+                                            r"mean 'lr'\? allowed keys: lr, betas, eps"),
+    ({"optimizer": {"type": "Adam", "param": {}}}, r"optimizer\.param: unknown key; did you "
+                                                   r"mean 'params'\?"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "nvme_path": "/x"}}},
+     r"zero_optimization\.offload_optimizer\.nvme_path: unknown key"),
+])
+def test_unknown_keys(d, match):
+    with pytest.raises(ConfigError, match=match):
+        Config.from_dict(d)
+
+
+@pytest.mark.parametrize("d, match", [
+    ({"zero_optimization": {"stage": True}}, r"zero_optimization\.stage: expected int, got bool"),
+    ({"zero_optimization": {"stage": "2"}}, r"zero_optimization\.stage: expected int, got str"),
+    ({"zero_optimization": {"stage": 2.5}}, r"zero_optimization\.stage: expected int, got float"),
+    ({"fp16": {"enabled": 1}}, r"fp16\.enabled: expected bool, got int"),
+    ({"gradient_clipping": "1.0"}, r"gradient_clipping: expected float, got str"),
+    ({"gradient_clipping": True}, r"gradient_clipping: expected float, got bool"),
+    ({"optimizer": {"params": {"betas": [0.9]}}},
+     r"optimizer\.params\.betas: expected list of 2 numbers"),
+    ({"optimizer": {"params": {"betas": [0.9, "x"]}}},
+     r"optimizer\.params\.betas\[1\]: expected float, got str"),
+    ({"optimizer": {"type": 3}}, r"optimizer\.type: expected str, got int"),
+    ({"zero_optimization": []}, r"zero_optimization: expected object, got list"),
+    ({"zero_optimization": {"strategy": 3}}, r"zero_optimization\.strategy: expected str or null"),
+    ({"zero_optimization": {"reduce_scatter": "yes"}},
+     r"zero_optimization\.reduce_scatter: expected bool, got str"),
+    ({"train_batch_size": 8.5}, r"train_batch_size: expected int or null, got float"),
+    ({"optimizer": {"params": []}}, r"optimizer\.params: expected object, got list"),
+])
+def test_wrong_types(d, match):
+    with pytest.raises(ConfigError, match=match):
+        Config.from_dict(d)
+
+
+@pytest.mark.parametrize("d, match", [
+    ({"zero_optimization": {"stage": 4}}, r"zero_optimization\.stage: must be one of 0, 1, 2, 3,"
+                                          r" got 4"),
+    ({"zero_optimization": {"stage": -1}}, r"stage: must be one of 0, 1, 2, 3, got -1"),
+    ({"optimizer": {"type": "SGD"}}, r"optimizer\.type: unknown optimizer 'SGD'; allowed: Adam, "
+                                     r"AdamW"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+     r"fp16 and bf16 are both enabled"),
+    ({"optimizer": {"params": {"lr": 0}}}, r"optimizer\.params\.lr: must be > 0, got 0"),
+    ({"optimizer": {"params": {"lr": -1e-3}}}, r"optimizer\.params\.lr: must be > 0"),
+    ({"optimizer": {"params": {"betas": [1.0, 0.9]}}},
+     r"optimizer\.params\.betas\[0\]: must be in \[0, 1\), got 1\.0"),
+    ({"optimizer": {"params": {"betas": [0.9, -0.1]}}}, r"betas\[1\]: must be in \[0, 1\)"),
+    ({"optimizer": {"params": {"eps": 0}}}, r"optimizer\.params\.eps: must be > 0"),
+    ({"optimizer": {"params": {"weight_decay": -1}}}, r"weight_decay: must be >= 0"),
+    ({"gradient_clipping": -1}, r"gradient_clipping: must be >= 0 \(0 = off\), got -1"),
+    ({"train_micro_batch_size_per_gpu": 0}, r"train_micro_batch_size_per_gpu: must be >= 1"),
+    ({"gradient_accumulation_steps": 0}, r"gradient_accumulation_steps: must be >= 1, got 0"),
+    ({"train_batch_size": 0}, r"train_batch_size: must be >= 1, got 0"),
+    ({"steps_per_print": 0}, r"steps_per_print: must be >= 1"),
+    ({"seed": -1}, r"seed: must be >= 0"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+     r"zero_optimization\.offload_optimizer\.device: must be one of 'none', 'cpu', got 'nvme'"),
+    ({"zero_optimization": {"reduce_bucket_size": 0}},
+     r"zero_optimization\.reduce_bucket_size: must be >= 1"),
+    ({"zero_optimization": {"strategy": ""}}, r"zero_optimization\.strategy: must not be empty"),
+    ({"fp16": {"loss_scale": -1}}, r"fp16\.loss_scale: must be >= 0 \(0 = dynamic\)"),
+    ({"fp16": {"min_loss_scale": 0}}, r"fp16\.min_loss_scale: must be > 0"),
+    ({"fp16": {"hysteresis": 0}}, r"fp16\.hysteresis: must be >= 1"),
+    ({"fp16": {"loss_scale_window": 0}}, r"fp16\.loss_scale_window: must be >= 1"),
+    ({"fp16": {"initial_scale_power": 100}}, r"fp16\.initial_scale_power: must be in 0\.\.64"),
+])
+def test_invalid_values(d, match):
+    with pytest.raises(ConfigError, match=match):
+        Config.from_dict(d)
+
+
+def test_direct_construction_is_validated():
+    with pytest.raises(ConfigError, match=r"^stage: expected int, got bool"):
+        ZeroConfig(stage=True)
+    with pytest.raises(ConfigError, match=r"^lr: must be > 0"):
+        OptimizerConfig(lr=0.0)
+    with pytest.raises(ConfigError, match="both enabled"):
+        Config(fp16=FP16Config(enabled=True), bf16=BF16Config(enabled=True))
+    assert OptimizerConfig(betas=[0.5, 0.6]).betas == (0.5, 0.6)
+
+
+def test_config_error_is_value_error_and_picklable():
+    with pytest.raises(ValueError):
+        Config.from_dict({"seed": -1})
+    e = pickle.loads(pickle.dumps(ConfigError("a.b", "bad")))
+    assert (e.key, e.msg, str(e)) == ("a.b", "bad", "a.b: bad")
+
+
+def test_from_json_errors(tmp_path):
+    with pytest.raises(ConfigError, match="invalid JSON"):
+        Config.from_json('{"seed": }')
+    with pytest.raises(FileNotFoundError):
+        Config.from_json(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match="expected object, got list"):
+        Config.from_dict([])
+
+
+def test_resolve_batch_fills_in():
+    c = Config(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=3)
+    r = c.resolve_batch(2)
+    assert r.train_batch_size == 24 and c.train_batch_size is None
+    assert r.resolve_batch(2) == r  # consistent: returned unchanged
+
+
+def test_resolve_batch_checks():
+    c = Config(train_batch_size=32, train_micro_batch_size_per_gpu=4,
+               gradient_accumulation_steps=2)
+    assert c.resolve_batch(4) is c
+    with pytest.raises(ConfigError, match=r"train_batch_size: 32 != train_micro_batch_size_per_gpu"
+                                          r" \(4\) \* gradient_accumulation_steps \(2\) \* "
+                                          r"world_size \(2\) = 16; gradient_accumulation_steps=4"
+                                          r" would match"):
+        c.resolve_batch(2)
+    with pytest.raises(ConfigError, match=r"= 24$"):
+        c.resolve_batch(3)  # 32 not divisible by 4*3: no hint
+    for bad in (0, True, 2.0):
+        with pytest.raises(ConfigError, match="world_size: must be an int >= 1"):
+            c.resolve_batch(bad)
+
+
+def test_ignored_deepspeed_keys_accepted():
+    c = Config.from_dict({"wall_clock_breakdown": True, "zero_optimization": {
+        "stage": 1, "reduce_scatter": False, "allgather_partitions": True,
+        "round_robin_gradients": True}})
+    assert c == Config(zero_optimization=ZeroConfig(stage=1))
+
+
+@pytest.mark.parametrize("module", ["config.py", "memory.py", "data/__init__.py"])
+def test_no_mpi_import(module):
+    """config, memory and data are per-process bookkeeping: they never import MPI."""
+    tree = ast.parse((pathlib.Path(__file__).parent.parent / "zmpi" / module).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        else:
+            continue
+        assert not any(n.split(".")[0] in ("mpi4py", "zmpi") for n in names), names

@@ -1,0 +1,201 @@
+"""The array backend: NumPy on a CPU, CuPy on a GPU. The only module that knows which.
+
+Everything else in zmpi allocates through `xp` (or `empty`/`zeros` here) and moves data across
+the host/device boundary only through `to_host`, `to_device` and `pinned_empty`, so that an
+offload policy is a choice of where buffers live, not a rewrite.
+
+The backend is picked once, at import:
+
+    ZMPI_BACKEND=numpy   always NumPy
+    ZMPI_BACKEND=cupy    CuPy (fails loudly if it cannot be imported)
+    (unset)              CuPy if it imports and a CUDA device is visible, else NumPy
+
+Precision: NumPy has no fast float16 matmul (~250x slower than float32), so under NumPy
+float16/bfloat16 are *storage and communication* dtypes and arithmetic runs in float32
+(`compute_dtype`). CuPy has no bfloat16, so bfloat16 is refused there.
+
+This module imports no MPI; `zmpi.comm` calls `synchronize()` before handing a device
+buffer to MPI.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import ml_dtypes
+import numpy as np
+
+_DTYPES = {
+    "float64": np.dtype(np.float64),
+    "fp64": np.dtype(np.float64),
+    "float32": np.dtype(np.float32),
+    "fp32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "fp16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "bf16": np.dtype(ml_dtypes.bfloat16),
+}
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _cuda_device_visible(cupy) -> bool:
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver, no device, broken install: all mean "no GPU"
+        return False
+
+
+def _choose():
+    """Return (array module, name) according to ZMPI_BACKEND."""
+    want = os.environ.get("ZMPI_BACKEND", "").strip().lower()
+    if want not in ("", "numpy", "cupy"):
+        raise ValueError(f"ZMPI_BACKEND={want!r}: expected 'numpy' or 'cupy'")
+    if want == "numpy":
+        return np, "numpy"
+    try:
+        import cupy
+    except ImportError:
+        if want == "cupy":
+            raise
+        return np, "numpy"
+    if want == "cupy" or _cuda_device_visible(cupy):
+        return cupy, "cupy"
+    return np, "numpy"
+
+
+xp, name = _choose()
+is_gpu = name == "cupy"
+
+
+def _cupy():
+    """The cupy module if something imported it, else None.
+
+    No array can be a CuPy array unless cupy was imported, so we never import it just to ask.
+    """
+    return sys.modules.get("cupy")
+
+
+def array_module(*arrays):
+    """numpy or cupy, whichever the arrays belong to (like `cupy.get_array_module`)."""
+    cupy = _cupy()
+    if cupy is not None:
+        return cupy.get_array_module(*arrays)
+    return np
+
+
+def is_device_array(arr) -> bool:
+    """True for a CuPy array (device memory), False for anything else."""
+    cupy = _cupy()
+    return cupy is not None and isinstance(arr, cupy.ndarray)
+
+
+def dtype_from_name(dtype_name: str) -> np.dtype:
+    """'float32'|'fp32'|'float16'|'fp16'|'bfloat16'|'bf16'|'float64'|'fp64' -> numpy dtype."""
+    key = str(dtype_name).strip().lower()
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype_name!r}; valid names: {', '.join(_DTYPES)}")
+    dtype = _DTYPES[key]
+    if dtype == BFLOAT16 and is_gpu:
+        raise NotImplementedError(
+            "bfloat16 is not supported on the cupy backend (CuPy has no bfloat16 dtype); "
+            "use float16, or run with ZMPI_BACKEND=numpy"
+        )
+    return dtype
+
+
+def compute_dtype(dtype) -> np.dtype:
+    """The dtype to do arithmetic in for data stored as `dtype`.
+
+    NumPy: float16/bfloat16 -> float32. CuPy: float16 stays float16 (bfloat16 -> float32).
+    Everything else is returned unchanged.
+    """
+    dtype = np.dtype(dtype)
+    if dtype == BFLOAT16:
+        return np.dtype(np.float32)
+    if dtype == np.float16 and not is_gpu:
+        return np.dtype(np.float32)
+    return dtype
+
+
+def select_device(local_rank: int):
+    """Bind this process to GPU `local_rank % device_count` (CuPy); returns its id, or None."""
+    if not is_gpu:
+        return None
+    device_id = local_rank % xp.cuda.runtime.getDeviceCount()
+    xp.cuda.Device(device_id).use()
+    return device_id
+
+
+def empty(shape, dtype):
+    """Uninitialised array in the backend's memory."""
+    return xp.empty(shape, dtype=dtype)
+
+
+def zeros(shape, dtype):
+    """Zero-filled array in the backend's memory."""
+    return xp.zeros(shape, dtype=dtype)
+
+
+def synchronize():
+    """Wait for all work queued on the current CUDA stream (no-op under NumPy).
+
+    Call before handing a device buffer to MPI: MPI does not see the stream.
+    """
+    cupy = _cupy()
+    if cupy is not None and is_gpu:
+        cupy.cuda.get_current_stream().synchronize()
+
+
+def to_host(arr, out=None):
+    """Copy `arr` (device or host) into a NumPy array; `out` (NumPy, same shape/dtype) if given.
+
+    Returns only once the data is on the host (blocking copy), so the result is safe to read
+    or to hand to MPI. A NumPy `arr` without `out` is returned as is (no copy).
+    """
+    if is_device_array(arr):
+        # blocking=True (the default) waits for the copy on the current stream.
+        return arr.get(out=out)
+    if out is None:
+        return np.asarray(arr)
+    np.copyto(out, arr)
+    return out
+
+
+def to_device(arr, out=None):
+    """Copy host array `arr` into backend memory; into `out` (same shape/dtype) if given.
+
+    Under NumPy this is `np.asarray` / `np.copyto`. Under CuPy the copy is queued on the
+    current stream: call `synchronize()` before overwriting the source host buffer.
+    """
+    if out is None:
+        return xp.asarray(arr)
+    if not is_device_array(out):
+        return to_host(arr, out=out)
+    if is_device_array(arr):
+        out[...] = arr
+    else:
+        out.set(np.ascontiguousarray(arr, dtype=out.dtype).reshape(out.shape))
+    return out
+
+
+def pinned_empty(shape, dtype) -> np.ndarray:
+    """NumPy array in page-locked host memory under CuPy (fast, async-capable copies);
+    a plain `np.empty` under NumPy."""
+    if not is_gpu:
+        return np.empty(shape, dtype=dtype)
+    import cupyx
+
+    if hasattr(cupyx, "empty_pinned"):
+        return cupyx.empty_pinned(shape, dtype=dtype)
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    mem = xp.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
+    return np.frombuffer(mem, dtype=dtype, count=count).reshape(shape)
+
+
+def device_memory_in_use() -> int:
+    """Bytes currently held by CuPy's default memory pool (0 under NumPy)."""
+    if not is_gpu:
+        return 0
+    return int(xp.get_default_memory_pool().used_bytes())

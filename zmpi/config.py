@@ -1,0 +1,368 @@
+"""Typed, validated training config that reads DeepSpeed-style JSON.
+
+Every section is a frozen dataclass whose fields are type-checked and validated on
+construction, so a `Config` that exists is a valid one. `Config.from_json` accepts the
+DeepSpeed schema users know (https://www.deepspeed.ai/docs/config-json/) restricted to what
+zmpi implements; unknown keys are errors that name the full key path, list the allowed keys and
+suggest the closest one. Example (`configs/gpt_stage2_fp16.json`)::
+
+    {
+      "train_batch_size": 32,
+      "train_micro_batch_size_per_gpu": 8,
+      "gradient_accumulation_steps": 2,
+      "gradient_clipping": 1.0,
+      "optimizer": {"type": "AdamW",
+                    "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                               "weight_decay": 0.1}},
+      "fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 16},
+      "zero_optimization": {"stage": 2, "reduce_bucket_size": 50000000,
+                            "overlap_comm": true}
+    }
+
+Usage::
+
+    cfg = Config.from_json("configs/gpt_stage2_fp16.json").resolve_batch(world_size=2)
+    cfg.dtype_name, cfg.strategy_name            # ('float16', 'stage2')
+    cfg.replace(zero_optimization={"stage": 3})  # a new, re-validated Config
+
+zmpi extensions to the schema: `zero_optimization.strategy` (a registered strategy name,
+default f"stage{stage}"; checked against the registry by the engine, not here) and
+`zero_optimization.prefetch` (stage-3 prefetch of the next unit). This module imports no MPI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+__all__ = ["ConfigError", "OptimizerConfig", "FP16Config", "BF16Config", "OffloadConfig",
+           "ZeroConfig", "Config"]
+
+
+class ConfigError(ValueError):
+    """A config problem; `key` is the dotted path of the offending key ('' for the root)."""
+
+    def __init__(self, key: str, msg: str):
+        self.key, self.msg = key, msg
+        super().__init__(f"{key}: {msg}" if key else msg)
+
+    def __reduce__(self):  # picklable, e.g. to send across ranks
+        return (ConfigError, (self.key, self.msg))
+
+    def prefixed(self, prefix: str) -> ConfigError:
+        return ConfigError(f"{prefix}.{self.key}" if self.key else prefix, self.msg)
+
+
+def _type_name(tp) -> str:
+    if tp is type(None):
+        return "null"
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is tuple:
+        return f"list of {len(args)} numbers"
+    if args:  # X | None
+        return " or ".join(_type_name(a) for a in args)
+    return "object" if dataclasses.is_dataclass(tp) else tp.__name__
+
+
+def _coerce(key: str, value, tp):
+    """Check `value` against the annotation `tp`; return it normalised (int->float, list->tuple,
+    dict->section, integral float->int as DeepSpeed's "5e8" bucket sizes need). Booleans are
+    neither ints nor floats."""
+    bad = ConfigError(key, f"expected {_type_name(tp)}, got {type(value).__name__} ({value!r})")
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise bad
+        return tuple(_coerce(f"{key}[{i}]", v, a)
+                     for i, (v, a) in enumerate(zip(value, args, strict=True)))
+    if args:  # Optional[X], written X | None
+        if value is None:
+            return None
+        try:
+            return _coerce(key, value, next(a for a in args if a is not type(None)))
+        except ConfigError as e:  # a mismatch here names the full type, 'int or null'
+            raise (bad if e.key == key else e) from None
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, Mapping):
+            try:
+                return tp.from_dict(value)
+            except ConfigError as e:
+                raise e.prefixed(key) from None
+        raise bad
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) != (tp is bool) or not isinstance(value, tp):
+        raise bad
+    return value
+
+
+def _check(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(key, msg)
+
+
+class _Section:
+    """Mixin for the frozen dataclasses below: type checks on construction, then `_validate`.
+
+    `_IGNORED` maps DeepSpeed keys that are accepted (type-checked) but have no effect in zmpi
+    to their type; everything else that is not a field is an unknown key.
+    """
+
+    _IGNORED: dict = {}
+
+    def __post_init__(self):
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
+        self._validate()
+
+    def _validate(self) -> None:
+        pass
+
+    def _at_least(self, lo, *keys, strict=False, note=""):
+        """Check that each (non-None) field in `keys` is >= lo (> lo if strict)."""
+        for k in keys:
+            v = getattr(self, k)
+            if v is not None and not (v > lo if strict else v >= lo):
+                raise ConfigError(k, f"must be {'>' if strict else '>='} {lo}{note}, got {v}")
+
+    @classmethod
+    def _check_keys(cls, d, allowed) -> None:
+        if not isinstance(d, Mapping):
+            raise ConfigError("", f"expected object, got {type(d).__name__} ({d!r})")
+        for k in d:
+            if k not in allowed:
+                close = difflib.get_close_matches(str(k), allowed, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ConfigError(str(k), f"unknown key; {hint}allowed keys: {', '.join(allowed)}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping):
+        """Build from a JSON-style dict; missing keys take their defaults."""
+        cls._check_keys(d, [f.name for f in fields(cls)] + list(cls._IGNORED))
+        for k, tp in cls._IGNORED.items():
+            if k in d:
+                _coerce(k, d[k], tp)
+        return cls(**{k: v for k, v in d.items() if k not in cls._IGNORED})
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict that `from_dict` maps back to an equal object (None keys omitted)."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, _Section):
+                v = v.to_dict()
+            elif isinstance(v, tuple):
+                v = list(v)
+            if v is not None:
+                out[f.name] = v
+        return out
+
+    def replace(self, **kw):
+        """A copy with fields replaced and re-validated; a dict for a section updates it."""
+        for k, v in kw.items():
+            cur = getattr(self, k, None)
+            if isinstance(cur, _Section) and isinstance(v, Mapping):
+                try:
+                    kw[k] = cur.replace(**v)
+                except ConfigError as e:
+                    raise e.prefixed(k) from None
+        try:
+            return dataclasses.replace(self, **kw)
+        except TypeError as e:  # unknown field name
+            raise ConfigError("", str(e)) from None
+
+
+_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW"}
+
+
+@dataclass(frozen=True)
+class OptimizerConfig(_Section):
+    """Adam(W). JSON form: {"type": "AdamW", "params": {"lr", "betas", "eps", "weight_decay"}}.
+
+    `type` is case-insensitive and normalised to "Adam" or "AdamW" (Adam adds weight decay to
+    the gradient, AdamW decays the weights directly; Loshchilov & Hutter, ICLR'19).
+    """
+
+    type: str = "AdamW"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def _validate(self):
+        _check(self.type.lower() in _OPTIMIZERS, "type",
+               f"unknown optimizer {self.type!r}; allowed: {', '.join(_OPTIMIZERS.values())}")
+        object.__setattr__(self, "type", _OPTIMIZERS[self.type.lower()])
+        self._at_least(0, "lr", "eps", strict=True)
+        self._at_least(0, "weight_decay")
+        for i, b in enumerate(self.betas):
+            _check(0.0 <= b < 1.0, f"betas[{i}]", f"must be in [0, 1), got {b}")
+
+    @classmethod
+    def from_dict(cls, d):
+        cls._check_keys(d, ["type", "params"])
+        params = d.get("params", {})
+        try:
+            cls._check_keys(params, [f.name for f in fields(cls) if f.name != "type"])
+        except ConfigError as e:
+            raise e.prefixed("params") from None
+        try:
+            return cls(**({"type": d["type"]} if "type" in d else {}), **params)
+        except ConfigError as e:
+            raise (e if e.key == "type" else e.prefixed("params")) from None
+
+    def to_dict(self):
+        flat = super().to_dict()
+        return {"type": flat.pop("type"), "params": flat}
+
+
+@dataclass(frozen=True)
+class FP16Config(_Section):
+    """fp16 mixed precision; `loss_scale` 0 means dynamic scaling starting at
+    2**initial_scale_power, halved on overflow after `hysteresis` overflows, doubled after
+    `loss_scale_window` clean steps, never below `min_loss_scale` (DeepSpeed semantics)."""
+
+    enabled: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+    def _validate(self):
+        self._at_least(0, "loss_scale", note=" (0 = dynamic)")
+        self._at_least(1, "loss_scale_window", "hysteresis")
+        self._at_least(0, "min_loss_scale", strict=True)
+        _check(0 <= self.initial_scale_power <= 64, "initial_scale_power",
+               f"must be in 0..64, got {self.initial_scale_power}")
+
+
+@dataclass(frozen=True)
+class BF16Config(_Section):
+    """bfloat16 mixed precision (no loss scaling needed: bf16 has fp32's exponent range)."""
+
+    enabled: bool = False
+
+
+_OFFLOAD_DEVICES = ("none", "cpu")
+
+
+@dataclass(frozen=True)
+class OffloadConfig(_Section):
+    """Where fp32 master weights and Adam state live (ZeRO-Offload, ATC'21)."""
+
+    device: str = "none"
+    pin_memory: bool = False
+
+    def _validate(self):
+        _check(self.device in _OFFLOAD_DEVICES, "device",
+               f"must be one of {', '.join(map(repr, _OFFLOAD_DEVICES))}, got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class ZeroConfig(_Section):
+    """`zero_optimization`: which stage (or registered strategy) and its bucket sizes.
+
+    DeepSpeed keys accepted without effect (zmpi always reduce-scatters gradients and
+    allgathers partitions): reduce_scatter, allgather_partitions, round_robin_gradients.
+    """
+
+    _IGNORED = {"reduce_scatter": bool, "allgather_partitions": bool,
+                "round_robin_gradients": bool}
+
+    stage: int = 0
+    strategy: str | None = None
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    prefetch: bool = True
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+
+    def _validate(self):
+        _check(self.stage in (0, 1, 2, 3), "stage", f"must be one of 0, 1, 2, 3, got {self.stage}")
+        _check(self.strategy is None or self.strategy != "", "strategy", "must not be empty")
+        self._at_least(1, "reduce_bucket_size", "allgather_bucket_size")
+
+    @property
+    def strategy_name(self) -> str:
+        return self.strategy if self.strategy is not None else f"stage{self.stage}"
+
+
+@dataclass(frozen=True)
+class Config(_Section):
+    """The whole training config. Batch rule (DeepSpeed): train_batch_size ==
+    train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size; see
+    `resolve_batch`. Accepted without effect: wall_clock_breakdown."""
+
+    _IGNORED = {"wall_clock_breakdown": bool}
+
+    train_batch_size: int | None = None
+    train_micro_batch_size_per_gpu: int = 1
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.0
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    fp16: FP16Config = field(default_factory=FP16Config)
+    bf16: BF16Config = field(default_factory=BF16Config)
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    seed: int = 0
+    steps_per_print: int = 10
+
+    def _validate(self):
+        self._at_least(1, "train_batch_size", "train_micro_batch_size_per_gpu",
+                       "gradient_accumulation_steps", "steps_per_print")
+        self._at_least(0, "gradient_clipping", note=" (0 = off)")
+        self._at_least(0, "seed")
+        _check(not (self.fp16.enabled and self.bf16.enabled), "fp16.enabled",
+               "fp16 and bf16 are both enabled; enable at most one")
+
+    @classmethod
+    def from_json(cls, path_or_str: str | os.PathLike) -> Config:
+        """Load from a file path, or from a JSON string if it starts with '{'."""
+        text = str(path_or_str)
+        if not text.lstrip().startswith("{"):
+            with open(path_or_str, encoding="utf-8") as fh:
+                text = fh.read()
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError("", f"invalid JSON in {path_or_str!s:.60}: {e}") from None
+        return cls.from_dict(d)
+
+    @property
+    def dtype_name(self) -> str:
+        """Storage/communication dtype of parameters and gradients."""
+        return "float16" if self.fp16.enabled else "bfloat16" if self.bf16.enabled else "float32"
+
+    @property
+    def strategy_name(self) -> str:
+        return self.zero_optimization.strategy_name
+
+    def resolve_batch(self, world_size: int) -> Config:
+        """Fill in train_batch_size (or check it) for `world_size` ranks; raise ConfigError if
+        train_batch_size != micro * grad_accum * world_size."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError("world_size", f"must be an int >= 1, got {world_size!r}")
+        micro, accum = self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+        product = micro * accum * world_size
+        if self.train_batch_size is None:
+            return self.replace(train_batch_size=product)
+        if self.train_batch_size != product:
+            q, r = divmod(self.train_batch_size, micro * world_size)
+            hint = f"; gradient_accumulation_steps={q} would match" if r == 0 and q else ""
+            raise ConfigError(
+                "train_batch_size",
+                f"{self.train_batch_size} != train_micro_batch_size_per_gpu ({micro}) * "
+                f"gradient_accumulation_steps ({accum}) * world_size ({world_size}) "
+                f"= {product}{hint}")
+        return self

@@ -1,0 +1,227 @@
+"""Engine: trains a unit model with a ZeRO partition strategy over MPI.
+
+    from zmpi.engine import Engine
+    engine = Engine(model, {"train_micro_batch_size_per_gpu": 4,
+                            "zero_optimization": {"stage": 3}, "fp16": {"enabled": True}})
+    loss = engine.train_step(x, y)      # x, y: this rank's rows of the step's global batch
+
+Run under `mpiexec -n N python -m mpi4py script.py` (or plain `python` for one rank).
+
+The engine owns every buffer (through the strategy, accounted in `engine.memory`), runs the
+model's units with the strategy's hooks, and does what is the same for every stage: loss
+scaling, the overflow check, averaging over the global batch, global-norm gradient clipping
+across shards, and Adam on the rank's master shard. The strategy decides what is kept and
+which collectives run (zero/strategy.py).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from zmpi import backend
+from zmpi.config import Config
+from zmpi.memory import MemoryLedger
+from zmpi.optim.adam import Adam
+from zmpi.optim.loss_scaler import LossScaler
+from zmpi.zero.flat import ModelLayout, UnitLayout
+from zmpi.zero.strategy import get_strategy
+
+
+def as_config(config) -> Config:
+    """A Config from a Config, a DeepSpeed-style dict, a JSON path, or None (defaults)."""
+    if config is None:
+        return Config()
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, dict):
+        return Config.from_dict(config)
+    return Config.from_json(Path(config).read_text())
+
+
+class Engine:
+    """ZeRO data-parallel training of `model` (a zmpi.nn UnitModel built in fp32, identically
+    seeded on every rank). After construction the model's Parameters are views into buffers the
+    engine owns; in ZeRO-3 they are None while their unit is released."""
+
+    def __init__(self, model, config=None, comm=None):
+        if comm is None:
+            from zmpi.comm import Comm
+
+            comm = Comm()
+        self.model, self.comm = model, comm
+        self.config = as_config(config).resolve_batch(comm.size)
+        self.micro_batch = self.config.train_micro_batch_size_per_gpu
+        self.accumulation = self.config.gradient_accumulation_steps
+        self.xp = backend.xp
+        self.memory = MemoryLedger()
+
+        units = list(model.units)
+        names = {id(p): name for name, p in model.named_parameters()}  # model-wide names
+        unit_params = [{names[id(p)]: p for _, p in unit.named_parameters()} for unit in units]
+        self._check_units(units, unit_params)
+        self.dtype = self._storage_dtype(unit_params)
+        # fp32 master weights and Adam state; fp64 when the model itself is fp64 (exactness tests).
+        self.master_dtype = np.dtype(np.float64 if self.dtype == np.float64 else np.float32)
+        self.layout = ModelLayout([UnitLayout.build({n: p.data.shape for n, p in ps.items()},
+                                                    comm.size) for ps in unit_params])
+        initial = np.zeros(self.layout.full_numel, self.master_dtype)
+        for u, params in enumerate(unit_params):
+            views = self.layout.units[u].views(initial[self.layout.full_slice(u)])
+            for name, p in params.items():
+                views[name][...] = backend.to_host(p.data)
+        self._check_same_on_all_ranks(initial)
+
+        cls = get_strategy(self.config.strategy_name)
+        self.strategy = cls(units, unit_params, self.layout, comm, self.memory, self.dtype,
+                            self.master_dtype, self.xp, self.config.zero_optimization)
+        self.strategy.initialize(initial)
+        self._unit_index = {id(unit): u for u, unit in enumerate(units)}
+        model.hooks = self
+
+        opt = self.config.optimizer
+        self.optimizer = Adam(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                              weight_decay=opt.weight_decay, decoupled=opt.type == "AdamW")
+        fp16 = self.config.fp16
+        self.scaler = LossScaler.from_config(fp16) if fp16.enabled else LossScaler.disabled()
+        self.global_steps = 0
+        self.comm.reset_counters()
+
+    # ---- model hooks: unit object -> strategy hook on its index --------------------------
+    def before_forward(self, unit):
+        self.strategy.before_forward(self._unit_index[id(unit)])
+
+    def after_forward(self, unit):
+        self.strategy.after_forward(self._unit_index[id(unit)])
+
+    def before_backward(self, unit):
+        self.strategy.before_backward(self._unit_index[id(unit)])
+
+    def after_backward(self, unit):
+        self.strategy.after_backward(self._unit_index[id(unit)])
+
+    # ---- training -------------------------------------------------------------------------
+    def train_step(self, inputs, targets) -> float:
+        """One optimizer step on this rank's rows of the global batch.
+
+        inputs, targets: (micro_batch * gradient_accumulation_steps, ...) — this rank's share;
+        they are split into micro-batches. Gradients are averaged over the global batch
+        (all ranks, all micro-batches). Returns the global mean loss (same on every rank).
+        """
+        rows = self.micro_batch * self.accumulation
+        if len(inputs) != rows or len(targets) != rows:
+            raise ValueError(
+                f"train_step got {len(inputs)} input and {len(targets)} target rows; the config "
+                f"asks for train_micro_batch_size_per_gpu ({self.micro_batch}) x "
+                f"gradient_accumulation_steps ({self.accumulation}) = {rows} rows per rank")
+        total = 0.0
+        for i in range(self.accumulation):
+            rows_i = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
+            self.strategy.sync_gradients = i == self.accumulation - 1
+            total += self.model.loss(self.xp.asarray(inputs[rows_i]),
+                                     self.xp.asarray(targets[rows_i]))
+            self.model.backward_loss(scale=self.scaler.scale)
+        self._step()
+        return self.comm.allreduce_scalar(total / self.accumulation) / self.comm.size
+
+    def eval_loss(self, inputs, targets) -> float:
+        """Mean loss of a forward pass over every rank's `inputs` (no gradients, no update)."""
+        loss = self.model.loss(self.xp.asarray(inputs), self.xp.asarray(targets))
+        return self.comm.allreduce_scalar(loss) / self.comm.size
+
+    def _step(self) -> None:
+        strategy = self.strategy
+        strategy.wait_pending()
+        strategy.before_step()
+        # Gradient of the global-batch mean in the master's dtype and layout (this rank's shard).
+        grads = strategy.optimizer_grads().astype(self.master_dtype)
+        grads *= 1.0 / (self.scaler.scale * self.comm.size * self.accumulation)
+        if self._any_rank(not bool(self.xp.isfinite(grads).all())):
+            if not self.config.fp16.enabled:
+                raise FloatingPointError(
+                    f"non-finite gradients at step {self.global_steps} ({self.dtype.name})")
+            self.scaler.update(overflow=True)  # skip the step on every rank
+        else:
+            self._clip_(grads)
+            self.optimizer.step_(strategy.master, grads, strategy.adam_m, strategy.adam_v)
+            strategy.publish_params()
+            self.scaler.update(overflow=False)
+            self.global_steps += 1
+        strategy.zero_grads()
+
+    def _clip_(self, grads) -> None:
+        """Scale `grads` so the global L2 norm over all ranks' shards is <= gradient_clipping."""
+        max_norm = self.config.gradient_clipping
+        if max_norm <= 0:
+            return
+        sq = float(self.xp.dot(grads, grads))
+        if self.strategy.shard_optimizer:
+            sq = self.comm.allreduce_scalar(sq)
+        coef = max_norm / (math.sqrt(sq) + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+        if coef < 1:
+            grads *= coef
+
+    def _storage_dtype(self, unit_params) -> np.dtype:
+        """fp16/bf16 when the config enables them, else the model's own float32 or float64."""
+        if self.config.dtype_name != "float32":
+            return backend.dtype_from_name(self.config.dtype_name)
+        dtypes = {np.dtype(p.data.dtype) for params in unit_params for p in params.values()}
+        if len(dtypes) != 1 or not dtypes <= {np.dtype(np.float32), np.dtype(np.float64)}:
+            raise ValueError(f"build the model in float32 (or float64), not {sorted(map(str, dtypes))}"
+                             "; select fp16/bf16 storage with the config's fp16/bf16 sections")
+        return dtypes.pop()
+
+    def _any_rank(self, flag: bool) -> bool:
+        return self.comm.allreduce_scalar(float(flag), op="max") > 0
+
+    # ---- inspection -------------------------------------------------------------------------
+    def gather_parameters(self) -> dict[str, np.ndarray]:
+        """Full master value (fp32; fp64 for fp64 models) of every parameter, on every rank.
+        A collective: every rank must call it."""
+        full = backend.to_host(self.strategy.full_master())
+        out = {}
+        for u, unit_layout in enumerate(self.layout.units):
+            for name, view in unit_layout.views(full[self.layout.full_slice(u)]).items():
+                out[name] = view.copy()
+        return out
+
+    @property
+    def num_params(self) -> int:
+        return self.layout.num_params
+
+    def describe(self) -> dict:
+        """What this run is: config, world size, strategy, layout sizes (for run outputs)."""
+        return {"config": self.config.to_dict(), "world_size": self.comm.size,
+                "strategy": self.strategy.name, "num_params": self.num_params,
+                "padding": self.layout.padding, "dtype": self.dtype.name,
+                "backend": backend.name}
+
+    # ---- checks -----------------------------------------------------------------------------
+    @staticmethod
+    def _check_units(units, unit_params) -> None:
+        seen = {}
+        for u, params in enumerate(unit_params):
+            if not params:
+                raise ValueError(f"unit {u} ({type(units[u]).__name__}) has no parameters")
+            for name, p in params.items():
+                if id(p) in seen:
+                    raise ValueError(f"parameter {name} belongs to units {seen[id(p)]} and {u}")
+                seen[id(p)] = u
+        for u, unit in enumerate(units):
+            for shared in getattr(unit, "shared_units", ()):
+                if shared not in units or units.index(shared) >= u:
+                    raise ValueError(f"unit {u} shares weights with a unit that is not an "
+                                     "earlier unit of the model")
+
+    def _check_same_on_all_ranks(self, full32) -> None:
+        checksum = float(np.abs(full32).sum(dtype=np.float64))
+        low = self.comm.allreduce_scalar(checksum, op="min")
+        high = self.comm.allreduce_scalar(checksum, op="max")
+        if low != high:
+            raise ValueError("ranks built different initial models: seed the model identically "
+                             "on every rank")
+
+    def __repr__(self) -> str:
+        return f"Engine({json.dumps(self.describe(), default=str)})"

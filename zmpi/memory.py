@@ -1,0 +1,202 @@
+"""Memory accounting: the MemoryLedger and the ZeRO paper's model-state formulas.
+
+Every persistent buffer zmpi allocates is registered with one `MemoryLedger` per rank under a
+category (what it holds) and a device (where it lives), so experiments and tests can compare
+the bytes that were actually held with the formulas of ZeRO (Rajbhandari et al., SC'20, Fig. 1)::
+
+    ledger = MemoryLedger()
+    w = ledger.allocate((1024,), "float16", "param")      # zeros, registered
+    ledger.current("param"), ledger.peak(device="device") # 2048, 2048
+    ledger.release(w)
+    print(ledger.report())
+
+    model_state_bytes(7.5e9, 64, stage=3) / 1e9           # 1.875 (paper: 1.9 GB)
+
+Register owning buffers, not views into them, or bytes are counted twice. This module imports
+no MPI; it is per-rank bookkeeping.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy
+
+__all__ = ["CATEGORIES", "MODEL_STATE", "DEVICES", "MemoryLedger", "model_state_breakdown",
+           "model_state_bytes", "comm_volume_elements"]
+
+CATEGORIES = ("param", "grad", "master", "adam_m", "adam_v", "activation", "comm_buffer")
+MODEL_STATE = ("param", "grad", "master", "adam_m", "adam_v")
+DEVICES = ("device", "host")
+_MiB = 2**20
+
+
+def _check_choice(kind: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {kind} {value!r}; valid: {', '.join(allowed)}")
+
+
+class MemoryLedger:
+    """Bytes held per (category, device) on this rank, now and at peak.
+
+    Peaks are exact for every filter `current`/`peak` accept: the ledger keeps a running total
+    for each (set of categories, device or None=both) pair, 2**7 * 3 of them, and updates the
+    ones containing the changed (category, device) on every register/release.
+    """
+
+    def __init__(self):
+        self._entries: dict[int, tuple] = {}  # id(array) -> (array, name, category, device)
+        subsets = [frozenset(s) for r in range(1, len(CATEGORIES) + 1)
+                   for s in itertools.combinations(CATEGORIES, r)]
+        self._total = {(s, d): 0 for s in subsets for d in (*DEVICES, None)}
+        self._peak = dict(self._total)
+        self._keys_for = {(c, d): [k for k in self._total if c in k[0] and k[1] in (d, None)]
+                          for c in CATEGORIES for d in DEVICES}
+
+    # -- registration ----------------------------------------------------------------------
+    def register(self, array, category: str, device: str = "device", name: str = ""):
+        """Account for `array` (anything with .nbytes); returns it. The ledger holds a reference
+        until `release`, so ids stay unique. Registering the same array twice is an error."""
+        _check_choice("category", category, CATEGORIES)
+        _check_choice("device", device, DEVICES)
+        if id(array) in self._entries:
+            prev = self._entries[id(array)]
+            raise ValueError(f"array already registered as {prev[1]!r} ({prev[2]}, {prev[3]})")
+        self._entries[id(array)] = (array, name, category, device)
+        self._add(category, device, int(array.nbytes))
+        return array
+
+    def release(self, array) -> None:
+        """Stop accounting for `array`; KeyError if it is not registered."""
+        entry = self._entries.pop(id(array), None)
+        if entry is None:
+            raise KeyError(f"array {type(array).__name__}{getattr(array, 'shape', '')} "
+                           "is not registered with this ledger")
+        self._add(entry[2], entry[3], -int(array.nbytes))
+
+    def allocate(self, shape, dtype, category: str, device: str = "device", name: str = "",
+                 xp=numpy):
+        """A registered array of zeros; `xp` is the array module (numpy or cupy) used for
+        device="device"; host buffers are always numpy."""
+        _check_choice("category", category, CATEGORIES)
+        _check_choice("device", device, DEVICES)
+        mod = numpy if device == "host" else xp
+        return self.register(mod.zeros(shape, dtype=dtype), category, device, name)
+
+    def _add(self, category: str, device: str, nbytes: int) -> None:
+        for k in self._keys_for[(category, device)]:
+            self._total[k] += nbytes
+            if self._total[k] > self._peak[k]:
+                self._peak[k] = self._total[k]
+
+    # -- queries ---------------------------------------------------------------------------
+    @staticmethod
+    def _key(category, device):
+        cats = CATEGORIES if category is None else (
+            (category,) if isinstance(category, str) else tuple(category))
+        for c in cats:
+            _check_choice("category", c, CATEGORIES)
+        if device is not None:
+            _check_choice("device", device, DEVICES)
+        return frozenset(cats), device
+
+    def current(self, category=None, device=None) -> int:
+        """Bytes held now; `category` is a name, a tuple of names or None (all); `device` is
+        'device', 'host' or None (both)."""
+        return self._total[self._key(category, device)]
+
+    def peak(self, category=None, device=None) -> int:
+        """Highest value `current(category, device)` has had since creation or `reset_peaks`."""
+        return self._peak[self._key(category, device)]
+
+    def model_state_bytes(self, device=None) -> int:
+        """Current bytes of params, grads, fp32 master and Adam moments."""
+        return self.current(MODEL_STATE, device)
+
+    def reset_peaks(self) -> None:
+        """Start peak tracking afresh from the current totals (e.g. after initialisation)."""
+        self._peak = dict(self._total)
+
+    def buffers(self) -> list[tuple]:
+        """(name, category, device, shape, dtype, nbytes) per registered array, in order."""
+        return [(name, cat, dev, tuple(getattr(a, "shape", ())), str(getattr(a, "dtype", "")),
+                 int(a.nbytes)) for a, name, cat, dev in self._entries.values()]
+
+    def report(self) -> str:
+        """Table of current and peak MiB per category and device, plus model-state and total."""
+        rows = [(c, c) for c in CATEGORIES] + [("model state", MODEL_STATE), ("total", None)]
+        head = f"{'category':<12}" + "".join(f"{d + ' now':>14}{d + ' peak':>14}"
+                                             for d in DEVICES)
+        lines = [head + "   (MiB)", "-" * len(head)]
+        for label, cats in rows:
+            cells = "".join(f"{self.current(cats, d) / _MiB:>14.2f}"
+                            f"{self.peak(cats, d) / _MiB:>14.2f}" for d in DEVICES)
+            lines.append(f"{label:<12}{cells}")
+        return "\n".join(lines)
+
+    def snapshot(self) -> dict:
+        """JSON-serialisable state: bytes now and at peak per device and category."""
+        def table(which):
+            return {d: {**{c: which(c, d) for c in CATEGORIES},
+                        "model_state": which(MODEL_STATE, d), "total": which(None, d)}
+                    for d in DEVICES}
+        return {"current": table(self.current), "peak": table(self.peak),
+                "buffers": [{"name": n, "category": c, "device": d, "shape": list(s),
+                             "dtype": t, "nbytes": b} for n, c, d, s, t, b in self.buffers()]}
+
+
+# -- ZeRO formulas (SC'20, Section 5 and Figure 1) --------------------------------------------
+# Which model-state categories each stage partitions over the N data-parallel ranks:
+# P_os (stage 1) shards optimizer state, P_os+g (stage 2) adds gradients, P_os+g+p (stage 3)
+# adds parameters. Unsharded categories are replicated on every rank.
+_SHARDED = {0: (), 1: ("master", "adam_m", "adam_v")}
+_SHARDED[2] = _SHARDED[1] + ("grad",)
+_SHARDED[3] = _SHARDED[2] + ("param",)
+# Collective passes over the parameters per step: reduce-scatter + allgather (or allreduce) of
+# gradients/parameters for stages 0-2; stage 3 gathers parameters twice (forward, backward).
+_PASSES = {0: 2, 1: 2, 2: 2, 3: 3}
+
+
+def _check_stage(stage) -> None:
+    if isinstance(stage, bool) or stage not in _SHARDED:
+        raise ValueError(f"unknown ZeRO stage {stage!r}; valid: 0, 1, 2, 3")
+
+
+def _check_sizes(num_params, world_size) -> None:
+    if num_params < 0:
+        raise ValueError(f"num_params must be >= 0, got {num_params}")
+    if isinstance(world_size, bool) or int(world_size) != world_size or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size}")
+
+
+def model_state_breakdown(num_params, world_size, stage, param_bytes=2, grad_bytes=2,
+                          master_bytes=4, moment_bytes=4) -> dict[str, float]:
+    """Bytes per rank of each model-state category under ZeRO `stage`.
+
+    Defaults are mixed-precision Adam (fp16 params and grads, fp32 master, m and v: K = 12).
+    For fp32 training pass param_bytes=4, grad_bytes=4, master_bytes=0.
+    """
+    _check_stage(stage)
+    _check_sizes(num_params, world_size)
+    per_param = {"param": param_bytes, "grad": grad_bytes, "master": master_bytes,
+                 "adam_m": moment_bytes, "adam_v": moment_bytes}
+    return {c: b * num_params / (world_size if c in _SHARDED[stage] else 1)
+            for c, b in per_param.items()}
+
+
+def model_state_bytes(num_params, world_size, stage, param_bytes=2, grad_bytes=2,
+                      optimizer_bytes=12) -> float:
+    """Model-state bytes per rank, ZeRO Fig. 1 with K = optimizer_bytes:
+    stage 0 (p+g+K) Psi, 1 (p+g) Psi + K Psi/N, 2 p Psi + (g+K) Psi/N, 3 (p+g+K) Psi/N."""
+    # All optimizer-state categories shard together, so K can be carried as 'master' alone.
+    parts = model_state_breakdown(num_params, world_size, stage, param_bytes, grad_bytes,
+                                  master_bytes=optimizer_bytes, moment_bytes=0)
+    return sum(parts.values())
+
+
+def comm_volume_elements(num_params, world_size, stage) -> float:
+    """Elements each rank sends per step with ring collectives: 2 Psi (N-1)/N for stages 0-2,
+    3 Psi (N-1)/N for stage 3 (ZeRO Section 7). Multiply by the element size for bytes."""
+    _check_stage(stage)
+    _check_sizes(num_params, world_size)
+    return _PASSES[stage] * num_params * (world_size - 1) / world_size

@@ -1,0 +1,204 @@
+"""Pure forward/backward kernels (NumPy or CuPy), in the style of llm.c's train_gpt2.c.
+
+Each op is a pair: `y, cache = op_forward(...)` returns the output and exactly what backward
+needs; `grads = op_backward(dy, cache)` returns the gradients of the inputs (it never
+accumulates: the layers do that). Kernels run in the dtype of their inputs; callers pass arrays
+already in the compute dtype. The array module comes from the inputs (`array_module`), so the
+same code runs on CuPy.
+
+Caches that hold a parameter keep it as the *last* tuple entry, e.g. linear's `(x, W)`: a layer
+keeps only the activations and passes the parameter it reads at backward time, so ZeRO-3 may
+release and re-gather the parameter between forward and backward.
+
+Shapes: B batch, T time, C channels, V vocabulary, nh heads, hd = C // nh head size.
+"""
+
+import math
+
+from zmpi.backend import array_module
+
+# -- linear -----------------------------------------------------------------------------------
+
+
+def linear_forward(x, W, b=None):
+    """y = x @ W + b.  x (..., Cin), W (Cin, Cout), b (Cout,) or None -> y (..., Cout).
+
+    cache = (x, W).
+    """
+    y = (x.reshape(-1, x.shape[-1]) @ W).reshape(*x.shape[:-1], W.shape[1])  # (..., Cout)
+    if b is not None:
+        y += b
+    return y, (x, W)
+
+
+def linear_backward(dy, cache):
+    """dy (..., Cout) -> dx (..., Cin), dW (Cin, Cout), db (Cout,) (a layer without bias
+    ignores db)."""
+    x, W = cache
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])  # (N, Cin), (N, Cout)
+    dx = (dy2 @ W.T).reshape(x.shape)  # (..., Cin)
+    dW = x2.T @ dy2  # (Cin, Cout)
+    db = dy2.sum(axis=0)  # (Cout,)
+    return dx, dW, db
+
+
+# -- embedding --------------------------------------------------------------------------------
+
+
+def embedding_forward(idx, W):
+    """y = W[idx].  idx (...) int, W (V, C) -> y (..., C).  cache = (idx, V)."""
+    return W[idx], (idx, W.shape[0])
+
+
+def embedding_backward(dy, cache):
+    """dy (..., C) -> dW (V, C): rows scatter-added, so repeated indices sum."""
+    idx, V = cache
+    xp = array_module(dy)
+    C = dy.shape[-1]
+    dW = xp.zeros((V, C), dtype=dy.dtype)
+    xp.add.at(dW, idx.reshape(-1), dy.reshape(-1, C))
+    return dW
+
+
+# -- layernorm --------------------------------------------------------------------------------
+
+
+def layernorm_forward(x, w, b, eps=1e-5):
+    """y = (x - mean) / sqrt(var + eps) * w + b over the last axis (biased variance).
+
+    x (..., C), w (C,), b (C,) -> y (..., C).  cache = (xhat, rstd, w).
+    """
+    xp = array_module(x)
+    mean = x.mean(axis=-1, keepdims=True)  # (..., 1)
+    xc = x - mean
+    var = (xc * xc).mean(axis=-1, keepdims=True)  # (..., 1)
+    rstd = 1.0 / xp.sqrt(var + eps)  # (..., 1)
+    xhat = xc * rstd  # (..., C)
+    return xhat * w + b, (xhat, rstd, w)
+
+
+def layernorm_backward(dy, cache):
+    """dy (..., C) -> dx (..., C), dw (C,), db (C,).
+
+    With g = dy * w: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), the three terms being
+    the direct path and the paths through mean and variance (llm.c doc/layernorm/layernorm.md).
+    """
+    xhat, rstd, w = cache
+    C = dy.shape[-1]
+    dy2, xhat2 = dy.reshape(-1, C), xhat.reshape(-1, C)
+    dw = (dy2 * xhat2).sum(axis=0)  # (C,)
+    db = dy2.sum(axis=0)  # (C,)
+    g = dy * w  # (..., C)
+    dx = rstd * (g - g.mean(axis=-1, keepdims=True)
+                 - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+    return dx, dw, db
+
+
+# -- gelu -------------------------------------------------------------------------------------
+
+_GELU_S = math.sqrt(2.0 / math.pi)
+
+
+def gelu_forward(x):
+    """GELU, tanh approximation as GPT-2: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+
+    x (...) -> y (...).  cache = x.
+    """
+    xp = array_module(x)
+    return 0.5 * x * (1.0 + xp.tanh(_GELU_S * (x + 0.044715 * x * x * x))), x
+
+
+def gelu_backward(dy, cache):
+    """dy (...) -> dx (...)."""
+    x = cache
+    xp = array_module(x)
+    t = xp.tanh(_GELU_S * (x + 0.044715 * x * x * x))
+    dt = _GELU_S * (1.0 + 3 * 0.044715 * x * x) * (1.0 - t * t)  # d tanh(u(x)) / dx
+    return dy * (0.5 * (1.0 + t) + 0.5 * x * dt)
+
+
+# -- causal self-attention --------------------------------------------------------------------
+
+
+def _softmax_(a):
+    """Softmax over the last axis, in place (max-subtracted, so exp never overflows)."""
+    xp = array_module(a)
+    a -= a.max(axis=-1, keepdims=True)
+    xp.exp(a, out=a)
+    a /= a.sum(axis=-1, keepdims=True)
+    return a
+
+
+def attention_forward(qkv, n_head):
+    """Multi-head causal attention core: y = softmax(q k^T / sqrt(hd) + mask) v, heads merged.
+
+    qkv (B, T, 3C) holding [q | k | v] -> y (B, T, C).  cache = (q, k, v, att), with
+    q, k, v (B, nh, T, hd) and att (B, nh, T, T) the attention probabilities.
+    """
+    xp = array_module(qkv)
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hd = C // n_head
+    qkv = qkv.reshape(B, T, 3, n_head, hd).transpose(2, 0, 3, 1, 4)  # (3, B, nh, T, hd)
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    att = xp.matmul(q, k.swapaxes(-1, -2)) * (1.0 / math.sqrt(hd))  # (B, nh, T, T)
+    # -inf above the diagonal; every row keeps its diagonal, so the row max stays finite
+    future = xp.triu(xp.ones((T, T), dtype=bool), k=1)  # (T, T)
+    att += xp.where(future, -xp.inf, 0.0).astype(att.dtype)  # (T, T), broadcast over B, nh
+    _softmax_(att)
+    y = xp.matmul(att, v)  # (B, nh, T, hd)
+    y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C)
+    return y, (q, k, v, att)
+
+
+def attention_backward(dy, cache):
+    """dy (B, T, C) -> dqkv (B, T, 3C)."""
+    xp = array_module(dy)
+    q, k, v, att = cache
+    B, nh, T, hd = q.shape
+    dy = dy.reshape(B, T, nh, hd).transpose(0, 2, 1, 3)  # (B, nh, T, hd)
+    datt = xp.matmul(dy, v.swapaxes(-1, -2))  # (B, nh, T, T)
+    dv = xp.matmul(att.swapaxes(-1, -2), dy)  # (B, nh, T, hd)
+    # softmax backward: dpre = att * (datt - sum(datt * att)); masked entries have att = 0
+    dpre = att * (datt - (datt * att).sum(axis=-1, keepdims=True))
+    dpre *= 1.0 / math.sqrt(hd)
+    dq = xp.matmul(dpre, k)  # (B, nh, T, hd)
+    dk = xp.matmul(dpre.swapaxes(-1, -2), q)  # (B, nh, T, hd)
+    dqkv = xp.stack([dq, dk, dv])  # (3, B, nh, T, hd)
+    return dqkv.transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * nh * hd)
+
+
+# -- softmax cross-entropy --------------------------------------------------------------------
+
+
+def cross_entropy_forward(logits, targets):
+    """Mean over all positions of -log softmax(logits)[target].
+
+    logits (..., V) float, targets (...) int -> loss (0-d array, float32 or float64).
+    Runs in float32 at least (float64 logits stay float64).  cache = (probs (N, V), targets (N,),
+    shape of logits).
+    """
+    xp = array_module(logits)
+    dtype = xp.promote_types(logits.dtype, xp.float32)
+    shape = logits.shape
+    V = shape[-1]
+    z = logits.reshape(-1, V).astype(dtype)  # (N, V), a copy we may overwrite
+    targets = xp.asarray(targets).reshape(-1)  # (N,)
+    N = z.shape[0]
+    z -= z.max(axis=-1, keepdims=True)  # log-softmax without overflow
+    lse = xp.log(xp.exp(z).sum(axis=-1))  # (N,)
+    rows = xp.arange(N)
+    loss = (lse - z[rows, targets]).mean()
+    probs = xp.exp(z - lse[:, None])  # (N, V)
+    return loss, (probs, targets, shape)
+
+
+def cross_entropy_backward(cache, dloss=1.0):
+    """dlogits (..., V) = dloss * (softmax(logits) - onehot(targets)) / N, in the loss dtype."""
+    xp = array_module(cache[0])
+    probs, targets, shape = cache
+    N = probs.shape[0]
+    dlogits = probs.copy()  # (N, V)
+    dlogits[xp.arange(N), targets] -= 1.0
+    dlogits *= dloss / N
+    return dlogits.reshape(shape)

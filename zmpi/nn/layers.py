@@ -1,0 +1,199 @@
+"""Layers: thin Modules that hold Parameters and a cache, and delegate the math to functional.
+
+Contract of every layer: `y = layer.forward(x)` keeps on `self` exactly the activations that
+backward needs (never a parameter array: parameters are read again at backward time, so ZeRO-3
+may release them in between); `dx = layer.backward(dy)` returns the input gradient and
+accumulates (`+=`) into each `p.grad`; backward without forward raises RuntimeError.
+
+Mixed precision: with float16/bfloat16 parameter storage, a layer computes in
+`compute_dtype(p.data.dtype)` (float32 on NumPy), activations flow in that dtype and parameter
+gradients are rounded back to the storage dtype as they are accumulated.
+
+Init (GPT-2): weights normal(0, std), biases 0, LayerNorm weight 1 and bias 0. `rng` is a
+`numpy.random.Generator` or a seed; initial values are made on the host with NumPy.
+"""
+
+import math
+
+import numpy
+
+from zmpi.backend import compute_dtype
+from zmpi.nn import functional as F
+from zmpi.nn.module import Module
+from zmpi.nn.parameter import Parameter, accumulate_grad_, compute_data, live
+
+
+def normal_parameter(rng, shape, std, dtype):
+    """A Parameter initialised from normal(0, std), drawn in float64 then cast to `dtype`."""
+    return Parameter(numpy.random.default_rng(rng).normal(0.0, std, shape).astype(dtype))
+
+
+def constant_parameter(shape, value, dtype):
+    """A Parameter filled with `value`."""
+    return Parameter(numpy.full(shape, value, dtype=dtype))
+
+
+class Linear(Module):
+    """y = x @ W + b.  x (..., in_features) -> y (..., out_features).
+
+    weight (in_features, out_features), bias (out_features,) or None. Default init std is
+    1/sqrt(in_features); GPT-2 layers pass std=0.02.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, rng=None, dtype=numpy.float32,
+                 std=None):
+        rng = numpy.random.default_rng(rng)
+        std = 1.0 / math.sqrt(in_features) if std is None else std
+        self.weight = normal_parameter(rng, (in_features, out_features), std, dtype)
+        self.bias = constant_parameter((out_features,), 0.0, dtype) if bias else None
+
+    def forward(self, x):
+        W = compute_data(self.weight)  # (Cin, Cout)
+        b = compute_data(self.bias) if self.bias is not None else None
+        y, (x, _) = F.linear_forward(x.astype(W.dtype, copy=False), W, b)
+        self._save(x)
+        return y
+
+    def backward(self, dy):
+        x = self._pop()
+        W = compute_data(self.weight)
+        dx, dW, db = F.linear_backward(dy.astype(W.dtype, copy=False), (x, W))
+        accumulate_grad_(self.weight, dW)
+        if self.bias is not None:
+            accumulate_grad_(self.bias, db)
+        return dx
+
+
+class Embedding(Module):
+    """y = weight[idx].  idx (...) int -> y (..., dim) in the compute dtype; weight (num, dim).
+
+    backward(dy) accumulates the scatter-add of dy into weight.grad and returns None (the
+    input is an index array).
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, rng=None, dtype=numpy.float32, std=0.02):
+        self.weight = normal_parameter(rng, (num_embeddings, embedding_dim), std, dtype)
+
+    def forward(self, idx):
+        y, cache = embedding_lookup(self.weight, idx)
+        self._save(cache)
+        return y
+
+    def backward(self, dy):
+        accumulate_grad_(self.weight, F.embedding_backward(dy, self._pop()))
+        return None
+
+
+def embedding_lookup(p, idx):
+    """Rows `idx` of Parameter `p`, gathered in the storage dtype then cast to the compute dtype
+    (so float16 storage never makes a float32 copy of the whole table).
+
+    Returns (y (..., C), embedding cache).
+    """
+    W = live(p)  # (V, C)
+    y, cache = F.embedding_forward(idx, W)
+    return y.astype(compute_dtype(W.dtype), copy=False), cache
+
+
+class LayerNorm(Module):
+    """Layer normalisation over the last axis (Ba et al. 2016).  x (..., C) -> y (..., C)."""
+
+    def __init__(self, dim, eps=1e-5, dtype=numpy.float32):
+        self.eps = eps
+        self.weight = constant_parameter((dim,), 1.0, dtype)
+        self.bias = constant_parameter((dim,), 0.0, dtype)
+
+    def forward(self, x):
+        w, b = compute_data(self.weight), compute_data(self.bias)
+        y, (xhat, rstd, _) = F.layernorm_forward(x.astype(w.dtype, copy=False), w, b, self.eps)
+        self._save(xhat, rstd)
+        return y
+
+    def backward(self, dy):
+        xhat, rstd = self._pop()
+        dx, dw, db = F.layernorm_backward(dy, (xhat, rstd, compute_data(self.weight)))
+        accumulate_grad_(self.weight, dw)
+        accumulate_grad_(self.bias, db)
+        return dx
+
+
+class GELU(Module):
+    """GELU, tanh approximation (as GPT-2). No parameters."""
+
+    def forward(self, x):
+        y, cache = F.gelu_forward(x)
+        self._save(cache)
+        return y
+
+    def backward(self, dy):
+        return F.gelu_backward(dy, self._pop())
+
+
+class CausalSelfAttention(Module):
+    """Multi-head causal self-attention.  x (B, T, C) -> y (B, T, C).
+
+    qkv: Linear (C, 3C) producing [q | k | v]; proj: Linear (C, C), init std `proj_std`
+    (GPT-2 scales it by 1/sqrt(2 n_layer) because it writes into the residual stream).
+    """
+
+    def __init__(self, d_model, n_head, rng=None, dtype=numpy.float32, std=0.02, proj_std=None):
+        if d_model % n_head:
+            raise ValueError(f"d_model={d_model} is not divisible by n_head={n_head}")
+        rng = numpy.random.default_rng(rng)
+        self.n_head = n_head
+        self.qkv = Linear(d_model, 3 * d_model, rng=rng, dtype=dtype, std=std)
+        self.proj = Linear(d_model, d_model, rng=rng, dtype=dtype,
+                           std=std if proj_std is None else proj_std)
+
+    def forward(self, x):
+        y, cache = F.attention_forward(self.qkv.forward(x), self.n_head)  # (B, T, C)
+        self._save(cache)
+        return self.proj.forward(y)
+
+    def backward(self, dy):
+        cache = self._pop()
+        return self.qkv.backward(F.attention_backward(self.proj.backward(dy), cache))
+
+
+class MLP(Module):
+    """Transformer feed-forward: x (..., C) -> fc (C, 4C) -> GELU -> proj (4C, C)."""
+
+    def __init__(self, d_model, rng=None, dtype=numpy.float32, std=0.02, proj_std=None):
+        rng = numpy.random.default_rng(rng)
+        self.fc = Linear(d_model, 4 * d_model, rng=rng, dtype=dtype, std=std)
+        self.gelu = GELU()
+        self.proj = Linear(4 * d_model, d_model, rng=rng, dtype=dtype,
+                           std=std if proj_std is None else proj_std)
+
+    def forward(self, x):
+        self._save(True)
+        return self.proj.forward(self.gelu.forward(self.fc.forward(x)))
+
+    def backward(self, dy):
+        self._pop()
+        return self.fc.backward(self.gelu.backward(self.proj.backward(dy)))
+
+
+class Block(Module):
+    """Pre-LN transformer block (GPT-2): x = x + attn(ln1(x)); x = x + mlp(ln2(x)).
+
+    x (B, T, C) -> (B, T, C).
+    """
+
+    def __init__(self, d_model, n_head, rng=None, dtype=numpy.float32, std=0.02, proj_std=None):
+        rng = numpy.random.default_rng(rng)
+        self.ln1 = LayerNorm(d_model, dtype=dtype)
+        self.attn = CausalSelfAttention(d_model, n_head, rng=rng, dtype=dtype, std=std,
+                                        proj_std=proj_std)
+        self.ln2 = LayerNorm(d_model, dtype=dtype)
+        self.mlp = MLP(d_model, rng=rng, dtype=dtype, std=std, proj_std=proj_std)
+
+    def forward(self, x):
+        self._save(True)
+        x = x + self.attn.forward(self.ln1.forward(x))
+        return x + self.mlp.forward(self.ln2.forward(x))
+
+    def backward(self, dy):
+        self._pop()
+        dx = dy + self.ln2.backward(self.mlp.backward(dy))
+        return dx + self.ln1.backward(self.attn.backward(dx))

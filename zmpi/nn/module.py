@@ -1,0 +1,191 @@
+"""Module, the base of every layer, and UnitModel, a model made of ZeRO units.
+
+Module finds Parameters by walking its attributes (Parameters, Modules, lists/tuples of
+Modules) in definition order, so names look like `units.1.attn.qkv.weight`. A module may also
+*read* Parameters it does not own (tied weights, e.g. GPT-2's LM head reading the token
+embedding); those owners are listed in `shared_units` and are never walked.
+
+UnitModel is an ordered list of units, the granularity at which ZeRO-3 gathers and releases
+parameters. It runs the units with engine hooks around each call, and owns the loss:
+
+    loss = model.loss(inputs, targets)   # forward + mean softmax cross-entropy, a float
+    model.backward_loss(scale=1.0)       # backward from dloss = scale (the loss scale)
+"""
+
+from zmpi.nn import functional as F
+from zmpi.nn.parameter import Parameter
+
+
+class Module:
+    """Base class: parameter discovery and the forward/backward cache discipline.
+
+    Subclasses implement `forward(x)`, which stores what backward needs with `_save(...)`, and
+    `backward(dy)`, which takes it back with `_pop()` (a RuntimeError without a preceding
+    forward, or on a second backward), returns dx and accumulates into each `p.grad`.
+    """
+
+    shared_units: tuple = ()  # Modules whose Parameters this one reads but does not own
+    _cache = None
+
+    def forward(self, x):
+        raise NotImplementedError
+
+    def backward(self, dy):
+        raise NotImplementedError
+
+    def __call__(self, x):
+        return self.forward(x)
+
+    # -- cache discipline ---------------------------------------------------------------------
+    def _save(self, *cache):
+        self._cache = cache
+
+    def _pop(self):
+        cache = self._cache
+        if cache is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.backward called without a preceding forward "
+                "(or twice after one forward: the cache is consumed)"
+            )
+        self._cache = None
+        return cache if len(cache) != 1 else cache[0]
+
+    def clear_cache(self):
+        """Drop every saved activation in this module and its children (e.g. after inference)."""
+        for m in self.modules():
+            m._cache = None
+
+    # -- parameter discovery ------------------------------------------------------------------
+    def _children(self):
+        """(name, Parameter | Module) pairs owned by this module, in attribute order.
+
+        Skipped: `shared_units` and anything in it, and private attributes (leading `_`).
+        """
+        shared = {id(m) for m in self.shared_units}
+        for name, value in vars(self).items():
+            if name == "shared_units" or name.startswith("_") or id(value) in shared:
+                continue
+            if isinstance(value, (Parameter, Module)):
+                yield name, value
+            elif isinstance(value, (list, tuple)) and value and all(
+                isinstance(v, Module) for v in value
+            ):
+                for i, v in enumerate(value):
+                    if id(v) not in shared:
+                        yield f"{name}.{i}", v
+
+    def modules(self):
+        """This module and every owned submodule, depth first, in attribute order."""
+        yield self
+        for _, child in self._children():
+            if isinstance(child, Module):
+                yield from child.modules()
+
+    def named_parameters(self, prefix=""):
+        """Yield (dotted_name, Parameter) for every owned Parameter, in a deterministic order.
+
+        Each Parameter appears once (first name wins). Borrowed Parameters (in `shared_units`)
+        are not listed.
+        """
+        seen = set()
+        for name, p in self._named_parameters(prefix):
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+    def _named_parameters(self, prefix):
+        for name, child in self._children():
+            if isinstance(child, Parameter):
+                yield prefix + name, child
+            else:
+                yield from child._named_parameters(f"{prefix}{name}.")
+
+    def parameters(self):
+        """List of owned Parameters, in `named_parameters` order."""
+        return [p for _, p in self.named_parameters()]
+
+    def num_parameters(self):
+        """Number of owned parameter elements (tied weights counted once, by their owner)."""
+        return sum(p.size for p in self.parameters())
+
+    def zero_grad(self):
+        """Fill every owned (non-released) grad with 0, in place."""
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.fill(0)
+
+
+class UnitHooks:
+    """Engine hooks around each unit call. These do nothing; a ZeRO strategy overrides them."""
+
+    def before_forward(self, unit):
+        pass
+
+    def after_forward(self, unit):
+        pass
+
+    def before_backward(self, unit):
+        pass
+
+    def after_backward(self, unit):
+        pass
+
+
+class UnitModel(Module):
+    """A model as an ordered list of units, run with `self.hooks` around each unit call.
+
+    Parameters are named `units.{i}.<name in unit>`. The last unit produces logits (..., V);
+    `loss` and `backward_loss` add softmax cross-entropy (mean over all tokens) on top.
+    Assign `model.hooks` to install engine hooks.
+    """
+
+    def __init__(self, units):
+        self.units = list(units)
+        self.hooks = UnitHooks()
+
+    def forward(self, x):
+        """Run the units in order; returns the last unit's output (logits)."""
+        for u in self.units:
+            self.hooks.before_forward(u)
+            x = u.forward(x)
+            self.hooks.after_forward(u)
+        return x
+
+    def backward(self, dy=None, *, scale=1.0):
+        """Run the units in reverse from upstream gradient `dy` and return the input gradient.
+
+        With dy=None this is `backward_loss(scale)`.
+        """
+        if dy is None:
+            return self.backward_loss(scale)
+        for u in reversed(self.units):
+            self.hooks.before_backward(u)
+            dy = u.backward(dy)
+            self.hooks.after_backward(u)
+        return dy
+
+    def loss(self, inputs, targets):
+        """Forward, then mean softmax cross-entropy over all positions; returns a Python float.
+
+        inputs: what unit 0 takes; targets: int array of the logits' shape without V.
+        The cross-entropy runs in float32 (float64 when the logits are float64).
+        """
+        logits = self.forward(inputs)
+        loss, self._loss_cache = F.cross_entropy_forward(logits, targets)
+        return float(loss)
+
+    def backward_loss(self, scale=1.0):
+        """Backward from dloss = `scale` after `loss` (scale: the loss scale, 1.0 without).
+
+        Accumulates every parameter gradient (scaled by `scale`); returns the input gradient.
+        """
+        cache = getattr(self, "_loss_cache", None)
+        if cache is None:
+            raise RuntimeError("backward_loss called without a preceding loss(...)")
+        self._loss_cache = None
+        dlogits = F.cross_entropy_backward(cache, dloss=scale)
+        return self.backward(dlogits)
+
+    def clear_cache(self):
+        super().clear_cache()
+        self._loss_cache = None

@@ -1,0 +1,1 @@
+"""Optimizers on flat buffers and loss scaling."""

@@ -1,0 +1,31 @@
+"""Stage 1: optimizer-state partitioning (ZeRO P_os; Rajbhandari et al., SC'20, Sec. 5.1).
+
+Each rank keeps full fp16 parameters and gradients but only its 1/N shard of the fp32 master
+weights and Adam moments. Backward accumulates full gradients locally; at the step each unit's
+gradient is reduce-scattered so a rank receives the summed gradient of the shard it updates,
+then the updated shards are allgathered into every rank's parameters.
+Traffic per step: reduce-scatter Psi + allgather Psi = 2 Psi (N-1)/N per rank.
+"""
+from zmpi.zero.strategy import Strategy, register
+
+
+@register("stage1")
+class Stage1(Strategy):
+    shard_optimizer = True
+
+    def before_step(self):
+        # The reduced shard lives only for the step: a step-time buffer, not model state.
+        self.grads_shard = self._alloc(self.layout.shard_numel, self.dtype, "comm_buffer", "rs")
+        for u in range(len(self.units)):
+            self._launch(self.comm.ireduce_scatter(self.grads_full[self.layout.full_slice(u)],
+                                                   self.grads_shard[self.layout.shard_slice(u)]))
+        self.wait_pending()
+
+    def publish_params(self):
+        self.publish_sharded_params()
+
+    def zero_grads(self):
+        super().zero_grads()
+        if self.grads_shard is not None:
+            self.ledger.release(self.grads_shard)
+            self.grads_shard = None

@@ -1,0 +1,23 @@
+"""Stage 2: + gradient partitioning (ZeRO P_os+g; Rajbhandari et al., SC'20, Sec. 5.2).
+
+Parameters stay whole on every rank. A unit's full gradient exists only from its backward until
+it is reduce-scattered right after (every micro-step: gradient accumulation adds into the owned
+shard); the rank then frees it, keeping the 1/N shard it updates. After Adam the updated
+parameter shards are allgathered. Traffic per step: 2 Psi (N-1)/N per rank, as stage 1.
+"""
+from zmpi.zero.strategy import Strategy, register
+
+
+@register("stage2")
+class Stage2(Strategy):
+    shard_optimizer = True
+    shard_gradients = True
+
+    def before_backward(self, u):
+        self.ensure_unit_grads(u)
+
+    def after_backward(self, u):
+        self.reduce_scatter_unit_grads(u)
+
+    def publish_params(self):
+        self.publish_sharded_params()

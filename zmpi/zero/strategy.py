@@ -1,0 +1,229 @@
+"""Partition strategies: the shared ZeRO mechanism, and the registry of policies over it.
+
+A strategy decides what each rank keeps and which collective runs at each hook (DESIGN.md,
+"Partition strategy"). `Strategy` holds the mechanism every policy shares: buffers laid out by
+`zero.flat`, binding parameter views, gathering and releasing a unit, reduce-scattering a
+unit's gradients, writing updated master weights back. A policy (`stage0.py` ... `stage3.py`)
+declares which model states it shards and overrides the hooks:
+
+    hook                      called by the engine
+    before_forward(u)         before unit u's forward
+    after_forward(u)          after it
+    before_backward(u)        before unit u's backward
+    after_backward(u)         after it; `self.sync_gradients` is False on the micro-steps of
+                              gradient accumulation that must not communicate
+    before_step()             pending collectives are done; reduce what is still unreduced
+    publish_params()          after Adam updated the master shard: refresh the params
+    zero_grads()              end of step: clear gradients (and drop step-only buffers)
+
+Buffers (1-D, model-wide; `P` = layout.full_numel, `S` = layout.shard_numel = P / N):
+
+    params_full  (P, dtype)  unless shard_parameters     grads_full  (P, dtype)  unless shard_gradients
+    params_shard (S, dtype)  if shard_parameters         grads_shard (S, dtype)  if shard_gradients
+    master, adam_m, adam_v  (S fp32 if shard_optimizer, else P fp32)
+
+Every buffer is allocated through the MemoryLedger and every collective goes through Comm, so
+what a stage holds and moves is measured, not assumed. A new strategy is one file: subclass,
+set the flags, override hooks, decorate with `@register("name")`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register(name: str):
+    """Class decorator: make a Strategy subclass available under `name`."""
+
+    def deco(cls):
+        if name in _REGISTRY:
+            raise ValueError(f"strategy {name!r} is already registered")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def get_strategy(name: str) -> type[Strategy]:
+    from zmpi.zero import stage0, stage1, stage2, stage3  # noqa: F401  (registers built-ins)
+
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown partition strategy {name!r}; valid: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def available_strategies() -> list[str]:
+    get_strategy("stage0")
+    return sorted(_REGISTRY)
+
+
+class Strategy:
+    """The mechanism. Subclasses set the three flags and override hooks (all no-ops here)."""
+
+    name = "base"
+    shard_optimizer = False  # ZeRO P_os
+    shard_gradients = False  # ZeRO P_g
+    shard_parameters = False  # ZeRO P_p
+
+    def __init__(self, units, unit_params, layout, comm, ledger, dtype, master_dtype, xp,
+                 zero_config):
+        """units: the model's unit Modules, in forward order. unit_params[u]: name -> Parameter
+        of unit u (names as in layout.units[u]). layout: ModelLayout. dtype: storage dtype of
+        parameters and gradients; master_dtype: of master weights and Adam moments (fp32, or
+        fp64 for exactness runs). xp: array module of device buffers."""
+        self.units, self.unit_params, self.layout = units, unit_params, layout
+        self.comm, self.ledger, self.xp = comm, ledger, xp
+        self.dtype, self.master_dtype = dtype, master_dtype
+        self.config = zero_config
+        self.overlap = zero_config.overlap_comm
+        self.sync_gradients = True
+        self.rank, self.world_size = comm.rank, comm.size
+        self._pending = []  # (request, callback) of collectives still in flight
+        self._gathered = {}  # u -> [full param buffer, request or None]   (param sharding)
+        self._unit_grads = {}  # u -> full grad buffer of one unit           (grad sharding)
+        self._shared = [tuple(units.index(s) for s in getattr(m, "shared_units", ()))
+                        for m in units]
+        P, S = layout.full_numel, layout.shard_numel
+        alloc = self._alloc
+        self.params_full = None if self.shard_parameters else alloc(P, dtype, "param", "params")
+        self.params_shard = alloc(S, dtype, "param", "params") if self.shard_parameters else None
+        self.grads_full = None if self.shard_gradients else alloc(P, dtype, "grad", "grads")
+        self.grads_shard = alloc(S, dtype, "grad", "grads") if self.shard_gradients else None
+        n_opt = S if self.shard_optimizer else P
+        self.master = alloc(n_opt, master_dtype, "master", "master")
+        self.adam_m = alloc(n_opt, master_dtype, "adam_m", "adam_m")
+        self.adam_v = alloc(n_opt, master_dtype, "adam_v", "adam_v")
+
+    # ---- set-up -------------------------------------------------------------------------
+    def initialize(self, initial) -> None:
+        """Load initial values from `initial` (P, master dtype: the whole model in the full
+        layout, identical on every rank) and bind every parameter view this policy keeps."""
+        initial = self.xp.asarray(initial)
+        own = self.owned(initial)
+        self.master[...] = initial if not self.shard_optimizer else own
+        if self.shard_parameters:
+            self.params_shard[...] = own
+        else:
+            self.params_full[...] = initial
+            for u in range(len(self.units)):
+                self._bind(u, "data", self.params_full[self.layout.full_slice(u)])
+        if not self.shard_gradients:
+            for u in range(len(self.units)):
+                self._bind(u, "grad", self.grads_full[self.layout.full_slice(u)])
+
+    def owned(self, full):
+        """This rank's shards of every unit of a full-layout array, concatenated (S)."""
+        return self.xp.concatenate([full[self.layout.owned_slice(u, self.rank)]
+                                    for u in range(len(self.units))])
+
+    def optimizer_grads(self):
+        """Reduced gradients in the master's layout, valid after before_step()."""
+        return self.grads_shard if self.shard_optimizer else self.grads_full
+
+    # ---- hooks (policies override) -----------------------------------------------------
+    def before_forward(self, u: int) -> None: ...
+    def after_forward(self, u: int) -> None: ...
+    def before_backward(self, u: int) -> None: ...
+    def after_backward(self, u: int) -> None: ...
+    def before_step(self) -> None: ...
+    def publish_params(self) -> None: ...
+
+    def zero_grads(self) -> None:
+        for g in (self.grads_full, self.grads_shard):
+            if g is not None:
+                g.fill(0)
+
+    # ---- mechanism ----------------------------------------------------------------------
+    def _alloc(self, numel, dtype, category, name):
+        return self.ledger.allocate((numel,), dtype, category, name=name, xp=self.xp)
+
+    def _bind(self, u: int, attr: str, flat) -> None:
+        """Point each parameter's .data or .grad of unit u at its view of `flat` (or None)."""
+        views = self.layout.units[u].views(flat) if flat is not None else {}
+        for name, p in self.unit_params[u].items():
+            setattr(p, attr, views.get(name))
+
+    def _launch(self, request, callback=None) -> None:
+        """Run `callback` once `request` completes: now, or at wait_pending() when overlapping
+        communication with computation (`overlap_comm`)."""
+        if self.overlap:
+            self._pending.append((request, callback))
+        else:
+            request.wait()
+            if callback:
+                callback()
+
+    def wait_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for request, callback in pending:
+            request.wait()
+            if callback:
+                callback()
+
+    def needs(self, u: int) -> tuple[int, ...]:
+        """Units whose parameters unit u reads: itself and the units it shares weights with."""
+        return (u,) + self._shared[u]
+
+    def gather(self, u: int, wait: bool = True) -> None:
+        """Allgather unit u's parameters from the shards into a full buffer (param sharding).
+        With wait=False the allgather is only started (prefetch); a later gather() finishes it."""
+        if u not in self._gathered:
+            buf = self._alloc(self.layout.units[u].padded_numel, self.dtype, "param", f"gathered{u}")
+            send = self.params_shard[self.layout.shard_slice(u)]
+            self._gathered[u] = [buf, self.comm.iallgather(send, buf)]
+        entry = self._gathered[u]
+        if wait and entry[1] is not None:
+            entry[1].wait()
+            entry[1] = None
+            self._bind(u, "data", entry[0])
+
+    def release(self, u: int) -> None:
+        """Free unit u's gathered parameters (param sharding)."""
+        buf, request = self._gathered.pop(u)
+        if request is not None:
+            request.wait()
+        self._bind(u, "data", None)
+        self.ledger.release(buf)
+
+    def ensure_unit_grads(self, u: int) -> None:
+        """Give unit u (and the units it writes gradients into) a zeroed full grad buffer."""
+        for w in self.needs(u):
+            if w not in self._unit_grads:
+                buf = self._alloc(self.layout.units[w].padded_numel, self.dtype, "grad", f"grad{w}")
+                self._unit_grads[w] = buf
+                self._bind(w, "grad", buf)
+
+    def reduce_scatter_unit_grads(self, u: int) -> None:
+        """Reduce-scatter unit u's full gradient; add this rank's shard into grads_shard and
+        free the full buffer (gradient sharding: non-owned gradient memory is released)."""
+        full = self._unit_grads.pop(u)
+        self._bind(u, "grad", None)
+        part = self._alloc(self.layout.units[u].shard_numel, self.dtype, "comm_buffer", "rs")
+        request = self.comm.ireduce_scatter(full, part)
+
+        def done():
+            self.grads_shard[self.layout.shard_slice(u)] += part
+            self.ledger.release(full)
+            self.ledger.release(part)
+
+        self._launch(request, done)
+
+    def publish_sharded_params(self) -> None:
+        """Write each unit's updated master shard into params_full and allgather in place."""
+        for u in range(len(self.units)):
+            self.params_full[self.layout.owned_slice(u, self.rank)] = \
+                self.master[self.layout.shard_slice(u)]
+            self._launch(self.comm.iallgather_inplace(self.params_full[self.layout.full_slice(u)]))
+        self.wait_pending()
+
+    def full_master(self):
+        """The master weights of the whole model in the full layout (P), on every rank."""
+        if not self.shard_optimizer:
+            return self.master
+        full = self.xp.zeros(self.layout.full_numel, self.master_dtype)
+        for u in range(len(self.units)):
+            self.comm.allgather(self.master[self.layout.shard_slice(u)],
+                                full[self.layout.full_slice(u)])
+        return full
