@@ -7,6 +7,7 @@ MPIEXEC := $(VENV)/bin/mpiexec
 STAMP  := $(VENV)/.installed
 NP     ?= 2
 STAGE  ?= 3
+PRECISION ?= fp16
 
 # One BLAS thread per rank, or oversubscribed ranks fight for the cores.
 export OMP_NUM_THREADS=1
@@ -27,7 +28,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(MPIEXEC) -n $(NP) $(PY) -m zmpi.cli train --stage $(STAGE)
+	$(MPIEXEC) -n $(NP) $(PY) -m zmpi.cli train --stage $(STAGE) --precision $(PRECISION)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check zmpi models experiments tests

@@ -45,7 +45,7 @@ def run(request, tmp_path_factory):
 def references():
     """(initial params, trained params, losses) of the reference for each variant."""
     out = {}
-    for variant, (_, accumulation, clip) in zero_checks.VARIANTS.items():
+    for variant, (_, accumulation, clip, _) in zero_checks.VARIANTS.items():
         source = SyntheticSource(zero_checks.GPT_CONFIG.vocab_size, zero_checks.GPT_CONFIG.seq_len,
                                  zero_checks.GLOBAL_BATCH * accumulation, seed=1)
         batches = [source.global_sample(step) for step in range(zero_checks.STEPS)]

@@ -88,10 +88,10 @@ class OpCounter:
 
 @dataclass(frozen=True)
 class _Wire:
-    """How one numpy dtype travels: MPI datatype, and whether reductions need a user op."""
+    """How one numpy dtype travels over MPI."""
 
     datatype: MPI.Datatype
-    as_words: bool  # True: pass the buffer viewed as uint16 (no MPI type for it)
+    as_words: bool  # no MPI type: pass the buffer viewed as uint16, reduce with a user op
 
 
 _FLOAT16_T = getattr(MPI, "FLOAT16_T", MPI.DATATYPE_NULL)
@@ -226,6 +226,8 @@ def wait_all(requests):
     pending = [r for r in requests if not r.done and r._mpi is not None]
     if pending:
         MPI.Request.Waitall([r._mpi for r in pending])
+        for r in pending:
+            r._mpi = None  # completed; wait() below only finishes (copies back, frees)
     return [r.wait() for r in requests]
 
 

@@ -169,8 +169,9 @@ class Engine:
             return backend.dtype_from_name(self.config.dtype_name)
         dtypes = {np.dtype(p.data.dtype) for params in unit_params for p in params.values()}
         if len(dtypes) != 1 or not dtypes <= {np.dtype(np.float32), np.dtype(np.float64)}:
-            raise ValueError(f"build the model in float32 (or float64), not {sorted(map(str, dtypes))}"
-                             "; select fp16/bf16 storage with the config's fp16/bf16 sections")
+            raise ValueError(f"build the model in float32 (or float64), not "
+                             f"{sorted(map(str, dtypes))}; select fp16/bf16 storage with the "
+                             "config's fp16/bf16 sections")
         return dtypes.pop()
 
     def _any_rank(self, flag: bool) -> bool:

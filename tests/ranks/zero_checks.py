@@ -20,23 +20,25 @@ from zmpi.engine import Engine
 GPT_CONFIG = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=2, d_model=16)
 GLOBAL_BATCH = 12  # rows per micro-step over all ranks: splits over 1, 2, 3 and 4 ranks
 STEPS = 5
-VARIANTS = {  # name: (precision, gradient_accumulation_steps, gradient_clipping)
-    "fp64": ("fp64", 1, 0.0),  # a float64 model: fp64 storage and master, for exactness
-    "fp64_accum_clip": ("fp64", 2, 0.05),
-    "fp32": ("fp32", 1, 0.0),
-    "fp32_accum_clip": ("fp32", 2, 0.05),
-    "fp16": ("fp16", 1, 0.0),
-    "bf16": ("bf16", 1, 0.0),
+VARIANTS = {  # name: (precision, gradient_accumulation_steps, gradient_clipping, overlap_comm)
+    "fp64": ("fp64", 1, 0.0, False),  # a float64 model: fp64 storage and master, for exactness
+    "fp64_accum_clip": ("fp64", 2, 0.05, False),
+    "fp64_overlap": ("fp64", 2, 0.05, True),  # non-blocking collectives; stage 3 w/o prefetch
+    "fp32": ("fp32", 1, 0.0, False),
+    "fp32_accum_clip": ("fp32", 2, 0.05, False),
+    "fp16": ("fp16", 1, 0.0, False),
+    "bf16": ("bf16", 1, 0.0, False),
 }
 
 
-def config(stage, dtype="fp32", accumulation=1, clip=0.0, n=1, **fp16):
+def config(stage, dtype="fp32", accumulation=1, clip=0.0, overlap=False, n=1, **fp16):
     cfg = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // n,
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000,
+                              "overlap_comm": overlap, "prefetch": not overlap},
     }
     if dtype == "fp16":
         cfg["fp16"] = {"enabled": True, **fp16}
@@ -60,9 +62,10 @@ def gpt_data(comm, accumulation):
 def parity(comm, out_dir):
     results = []
     for stage in range(4):
-        for variant, (dtype, accumulation, clip) in VARIANTS.items():
+        for variant, (dtype, accumulation, clip, overlap) in VARIANTS.items():
             model = GPT(GPT_CONFIG, seed=0, dtype=np.float64 if dtype == "fp64" else np.float32)
-            engine = Engine(model, config(stage, dtype, accumulation, clip, comm.size), comm)
+            cfg = config(stage, dtype, accumulation, clip, overlap, comm.size)
+            engine = Engine(model, cfg, comm)
             data = gpt_data(comm, accumulation)
             losses = [engine.train_step(*data.sample(step)) for step in range(STEPS)]
             params = engine.gather_parameters()
@@ -113,15 +116,12 @@ def loss_scaler(comm):
                         config(stage, "fp16", n=comm.size, initial_scale_power=8,
                                loss_scale_window=2, hysteresis=1), comm)
         data, scales, skipped_change = gpt_data(comm, 1), [], None
-        before_step = engine.strategy.before_step
-
-        def poisoned_before_step(step):
-            before_step()
-            if step == 2 and comm.rank == comm.size - 1:
-                engine.strategy.optimizer_grads()[0] = np.inf
-
+        strategy = engine.strategy
+        reduce = strategy.before_step
         for step in range(6):
-            engine.strategy.before_step = lambda s=step: poisoned_before_step(s)
+            poison = step == 2 and comm.rank == comm.size - 1
+            strategy.before_step = lambda r=reduce, s=strategy, p=poison: (
+                r(), p and s.optimizer_grads().__setitem__(0, np.inf))
             before = engine.gather_parameters() if step == 2 else None
             engine.train_step(*data.sample(step))
             if before is not None:

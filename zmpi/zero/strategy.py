@@ -18,9 +18,11 @@ declares which model states it shards and overrides the hooks:
 
 Buffers (1-D, model-wide; `P` = layout.full_numel, `S` = layout.shard_numel = P / N):
 
-    params_full  (P, dtype)  unless shard_parameters     grads_full  (P, dtype)  unless shard_gradients
-    params_shard (S, dtype)  if shard_parameters         grads_shard (S, dtype)  if shard_gradients
-    master, adam_m, adam_v  (S fp32 if shard_optimizer, else P fp32)
+    params_full  (P, dtype)  unless shard_parameters
+    params_shard (S, dtype)  if shard_parameters
+    grads_full   (P, dtype)  unless shard_gradients
+    grads_shard  (S, dtype)  if shard_gradients
+    master, adam_m, adam_v   (S if shard_optimizer, else P; fp32, or fp64 for an fp64 model)
 
 Every buffer is allocated through the MemoryLedger and every collective goes through Comm, so
 what a stage holds and moves is measured, not assumed. A new strategy is one file: subclass,
@@ -170,7 +172,8 @@ class Strategy:
         """Allgather unit u's parameters from the shards into a full buffer (param sharding).
         With wait=False the allgather is only started (prefetch); a later gather() finishes it."""
         if u not in self._gathered:
-            buf = self._alloc(self.layout.units[u].padded_numel, self.dtype, "param", f"gathered{u}")
+            numel = self.layout.units[u].padded_numel
+            buf = self._alloc(numel, self.dtype, "param", f"gathered{u}")
             send = self.params_shard[self.layout.shard_slice(u)]
             self._gathered[u] = [buf, self.comm.iallgather(send, buf)]
         entry = self._gathered[u]
@@ -191,7 +194,8 @@ class Strategy:
         """Give unit u (and the units it writes gradients into) a zeroed full grad buffer."""
         for w in self.needs(u):
             if w not in self._unit_grads:
-                buf = self._alloc(self.layout.units[w].padded_numel, self.dtype, "grad", f"grad{w}")
+                numel = self.layout.units[w].padded_numel
+                buf = self._alloc(numel, self.dtype, "grad", f"grad{w}")
                 self._unit_grads[w] = buf
                 self._bind(w, "grad", buf)
 
@@ -204,7 +208,8 @@ class Strategy:
         request = self.comm.ireduce_scatter(full, part)
 
         def done():
-            self.grads_shard[self.layout.shard_slice(u)] += part
+            with np.errstate(over="ignore"):  # fp16 overflow -> inf: the loss scaler's signal
+                self.grads_shard[self.layout.shard_slice(u)] += part
             self.ledger.release(full)
             self.ledger.release(part)
 

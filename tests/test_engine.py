@@ -1,0 +1,101 @@
+"""Engine behaviour in one process (a size-1 Comm, no mpiexec): errors, registry, API."""
+import numpy as np
+import pytest
+
+from models.gpt import GPT, GPTConfig
+from models.mlp import MLPModel
+from zmpi.config import ConfigError
+from zmpi.engine import Engine
+from zmpi.zero import available_strategies, get_strategy, register
+from zmpi.zero.stage1 import Stage1
+
+CFG = GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, d_model=8)
+
+
+def batch(rows, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 16, (rows, 8)), rng.integers(0, 16, (rows, 8))
+
+
+def test_unknown_strategy_lists_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown partition strategy 'stage9'.*stage0.*stage3"):
+        Engine(GPT(CFG), {"zero_optimization": {"strategy": "stage9"}})
+
+
+def test_invalid_config_names_the_key():
+    with pytest.raises(ConfigError, match="zero_optimization.stage"):
+        Engine(GPT(CFG), {"zero_optimization": {"stage": 7}})
+    with pytest.raises(ConfigError, match="stagee"):
+        Engine(GPT(CFG), {"zero_optimization": {"stagee": 1}})
+
+
+def test_batch_not_matching_config_is_an_error():
+    engine = Engine(GPT(CFG), {"train_micro_batch_size_per_gpu": 2,
+                               "gradient_accumulation_steps": 2})
+    with pytest.raises(ValueError, match=r"got 3 input.*= 4 rows per rank"):
+        engine.train_step(*batch(3))
+    assert np.isfinite(engine.train_step(*batch(4)))
+
+
+def test_train_batch_size_must_match_world():
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        Engine(GPT(CFG), {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2})
+
+
+def test_half_precision_model_is_rejected():
+    with pytest.raises(ValueError, match="build the model in float32"):
+        Engine(GPT(CFG, dtype=np.float16), {})
+
+
+def test_non_finite_fp32_gradient_raises_instead_of_training_on_nan():
+    engine = Engine(MLPModel(seed=0), {"train_micro_batch_size_per_gpu": 4})
+    x = np.full((4, 16), np.nan, np.float32)
+    with pytest.raises(FloatingPointError, match="non-finite gradients"):
+        engine.train_step(x, np.zeros(4, np.int64))
+
+
+def test_registered_strategy_is_picked_by_name():
+    @register("test_stage1_copy")
+    class Stage1Copy(Stage1):
+        """A new strategy is one class; this one reuses stage 1's policy unchanged."""
+
+    assert "test_stage1_copy" in available_strategies()
+    assert get_strategy("test_stage1_copy") is Stage1Copy
+    with pytest.raises(ValueError, match="already registered"):
+        register("test_stage1_copy")(Stage1Copy)
+    results = []
+    for name in ("stage1", "test_stage1_copy"):
+        engine = Engine(GPT(CFG), {"train_micro_batch_size_per_gpu": 4,
+                                   "zero_optimization": {"strategy": name}})
+        assert engine.strategy.name == name
+        for step in range(3):
+            engine.train_step(*batch(4, step))
+        results.append(engine.gather_parameters())
+    for name in results[0]:
+        np.testing.assert_array_equal(results[0][name], results[1][name])
+
+
+def test_parameters_are_views_into_engine_buffers():
+    model = GPT(CFG)
+    engine = Engine(model, {"zero_optimization": {"stage": 0}})
+    wte = model.units[0].wte
+    assert np.shares_memory(wte.data, engine.strategy.params_full)
+    assert np.shares_memory(wte.grad, engine.strategy.grads_full)
+
+
+def test_stage3_releases_parameters_between_passes():
+    model = GPT(CFG)
+    engine = Engine(model, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}})
+    engine.train_step(*batch(2))
+    assert all(p.data is None for p in model.parameters())
+    assert engine.memory.current("param") == engine.strategy.params_shard.nbytes
+    assert np.isfinite(engine.eval_loss(*batch(2)))
+    assert all(p.data is None for p in model.parameters())
+
+
+def test_eval_loss_matches_plain_model():
+    x, y = batch(4)
+    want = GPT(CFG).loss(x, y)
+    for stage in range(4):
+        engine = Engine(GPT(CFG), {"zero_optimization": {"stage": stage}})
+        assert engine.eval_loss(x, y) == pytest.approx(want, rel=1e-6)
