@@ -173,3 +173,10 @@ def test_invalid_arguments(fn):
         fn(100, 0, 1)
     with pytest.raises(ValueError, match="num_params"):
         fn(-1, 2, 1)
+
+
+def test_device_pool_reading_is_reported():
+    ledger = MemoryLedger(device_pool=lambda: 3 * 2**20)
+    assert ledger.device_pool_bytes() == 3 * 2**20
+    assert "device pool" in ledger.report() and ledger.snapshot()["device_pool"] == 3 * 2**20
+    assert MemoryLedger().device_pool_bytes() == 0

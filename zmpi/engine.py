@@ -56,7 +56,7 @@ class Engine:
         self.micro_batch = self.config.train_micro_batch_size_per_gpu
         self.accumulation = self.config.gradient_accumulation_steps
         self.xp = backend.xp
-        self.memory = MemoryLedger()
+        self.memory = MemoryLedger(backend.device_memory_in_use if backend.is_gpu else None)
 
         units = list(model.units)
         names = {id(p): name for name, p in model.named_parameters()}  # model-wide names

@@ -44,7 +44,10 @@ class MemoryLedger:
     ones containing the changed (category, device) on every register/release.
     """
 
-    def __init__(self):
+    def __init__(self, device_pool=None):
+        """device_pool: optional callable returning the bytes the device allocator holds (the
+        engine passes CuPy's memory-pool reading on a GPU), reported beside the ledger."""
+        self._device_pool = device_pool
         self._entries: dict[int, tuple] = {}  # id(array) -> (array, name, category, device)
         subsets = [frozenset(s) for r in range(1, len(CATEGORIES) + 1)
                    for s in itertools.combinations(CATEGORIES, r)]
@@ -122,6 +125,11 @@ class MemoryLedger:
         return [(name, cat, dev, tuple(getattr(a, "shape", ())), str(getattr(a, "dtype", "")),
                  int(a.nbytes)) for a, name, cat, dev in self._entries.values()]
 
+    def device_pool_bytes(self) -> int:
+        """What the device allocator holds (CuPy's pool: ledger buffers, temporaries and
+        cached blocks); 0 without a device pool reader."""
+        return int(self._device_pool()) if self._device_pool else 0
+
     def report(self) -> str:
         """Table of current and peak MiB per category and device, plus model-state and total."""
         rows = [(c, c) for c in CATEGORIES] + [("model state", MODEL_STATE), ("total", None)]
@@ -132,6 +140,8 @@ class MemoryLedger:
             cells = "".join(f"{self.current(cats, d) / _MiB:>14.2f}"
                             f"{self.peak(cats, d) / _MiB:>14.2f}" for d in DEVICES)
             lines.append(f"{label:<12}{cells}")
+        if self._device_pool:
+            lines.append(f"{'device pool':<12}{self.device_pool_bytes() / _MiB:>14.2f}")
         return "\n".join(lines)
 
     def snapshot(self) -> dict:
@@ -141,6 +151,7 @@ class MemoryLedger:
                         "model_state": which(MODEL_STATE, d), "total": which(None, d)}
                     for d in DEVICES}
         return {"current": table(self.current), "peak": table(self.peak),
+                "device_pool": self.device_pool_bytes(),
                 "buffers": [{"name": n, "category": c, "device": d, "shape": list(s),
                              "dtype": t, "nbytes": b} for n, c, d, s, t, b in self.buffers()]}
 
