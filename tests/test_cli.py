@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from mpi_util import REPO_ROOT, launch_mpi
 
 
@@ -32,3 +33,29 @@ def test_train_two_ranks_end_to_end(tmp_path):
         assert measured == formula, table
     assert "--- sample ---" in result.stdout
     assert (tmp_path / "logs" / "rank1.log").read_text().count("step") >= 3
+
+
+def _args(**kw):
+    import argparse
+
+    base = {"config": None, "batch": None, "lr": None, "stage": None, "precision": None,
+            "seed": 0}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_flags_override_config(tmp_path):
+    from zmpi.cli import build_config
+    from zmpi.config import Config
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"train_batch_size": 64, "gradient_accumulation_steps": 2,
+                                "fp16": {"enabled": True, "loss_scale_window": 100}}))
+    cfg = Config.from_dict(build_config(_args(config=str(path)), 4)).resolve_batch(4)
+    assert cfg.train_micro_batch_size_per_gpu == 8 and cfg.train_batch_size == 64
+    cfg = Config.from_dict(build_config(_args(config=str(path), precision="bf16", batch=16), 4))
+    assert cfg.dtype_name == "bfloat16" and cfg.fp16.loss_scale_window == 100
+    assert cfg.resolve_batch(4).train_micro_batch_size_per_gpu == 2
+    assert Config.from_dict(build_config(_args(config=str(path), precision="fp32"), 4)) \
+        .dtype_name == "float32"
+    with pytest.raises(SystemExit, match="does not split"):
+        build_config(_args(batch=30), 4)

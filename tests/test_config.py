@@ -97,7 +97,8 @@ def test_round_trip_non_defaults():
     d = c.to_dict()
     assert json.loads(json.dumps(d)) == d
     assert d["optimizer"] == {"type": "Adam", "params": {"lr": 1e-2, "betas": [0.8, 0.9],
-                                                         "eps": 1e-6, "weight_decay": 0.01}}
+                                                         "eps": 1e-6, "weight_decay": 0.01,
+                                                         "adam_w_mode": True}}
     assert Config.from_dict(d) == c
     assert c.strategy_name == "hybrid" and c.dtype_name == "bfloat16"
     assert "train_batch_size" not in Config().to_dict()  # None keys omitted

@@ -99,3 +99,41 @@ def test_eval_loss_matches_plain_model():
     for stage in range(4):
         engine = Engine(GPT(CFG), {"zero_optimization": {"stage": stage}})
         assert engine.eval_loss(x, y) == pytest.approx(want, rel=1e-6)
+
+
+def test_engine_recovers_after_a_caught_non_finite_step():
+    for stage in range(4):
+        engine = Engine(MLPModel(seed=0), {"train_micro_batch_size_per_gpu": 4,
+                                           "zero_optimization": {"stage": stage}})
+        x, y = np.ones((4, 16), np.float32), np.zeros(4, np.int64)
+        engine.train_step(x, y)
+        held = engine.memory.current()
+        with pytest.raises(FloatingPointError):
+            engine.train_step(np.full_like(x, np.nan), y)
+        assert np.isfinite(engine.train_step(x, y)) and engine.global_steps == 2
+        assert engine.memory.current() == held, f"stage {stage} leaked a buffer"
+
+
+def test_sharded_states_are_released_right_after_setup():
+    model = GPT(CFG)
+    Engine(model, {"zero_optimization": {"stage": 3}})
+    assert all(p.data is None and p.grad is None for p in model.parameters())
+    model = GPT(CFG)
+    Engine(model, {"zero_optimization": {"stage": 2}})
+    assert all(p.data is not None and p.grad is None for p in model.parameters())
+
+
+def test_nan_initial_model_and_offload_are_clear_errors():
+    model = GPT(CFG)
+    model.units[0].wte.data[0, 0] = np.nan
+    with pytest.raises(ValueError, match="NaN or inf"):
+        Engine(model, {})
+    with pytest.raises(NotImplementedError, match="offload_optimizer"):
+        Engine(GPT(CFG), {"zero_optimization": {"stage": 2,
+                                                "offload_optimizer": {"device": "cpu"}}})
+
+
+def test_deepspeed_adam_means_decoupled_decay_unless_adam_w_mode_false():
+    assert Engine(GPT(CFG), {"optimizer": {"type": "Adam"}}).optimizer.decoupled
+    engine = Engine(GPT(CFG), {"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}})
+    assert not engine.optimizer.decoupled

@@ -30,26 +30,29 @@ DEFAULTS = {  # the demo: ~0.8M parameters, about 1.5 minutes on 2 cores
 
 
 def build_config(args, world_size: int) -> dict:
-    """DeepSpeed-style config: --config file if given, else from flags; flags override."""
+    """DeepSpeed-style config: --config file if given, else defaults; flags override it.
+
+    The global batch (--batch, or the config's train_batch_size) counts sequences per optimizer
+    step over all ranks and accumulation steps; it must split evenly over both.
+    """
     cfg = json.loads(Path(args.config).read_text()) if args.config else {}
+    accumulation = cfg.get("gradient_accumulation_steps", 1)
     if args.batch is not None or "train_micro_batch_size_per_gpu" not in cfg:
-        batch = args.batch or DEFAULTS["batch"]
-        if batch % world_size:
-            raise SystemExit(f"--batch {batch} does not split over {world_size} ranks")
-        cfg["train_micro_batch_size_per_gpu"] = batch // world_size
-        cfg.pop("train_batch_size", None)
-    cfg.setdefault("optimizer", {"type": "AdamW",
-                                 "params": {"lr": args.lr or DEFAULTS["lr"], "weight_decay": 0.0}})
+        batch = args.batch or cfg.get("train_batch_size") or DEFAULTS["batch"]
+        if batch % (world_size * accumulation):
+            raise SystemExit(f"global batch {batch} does not split over {world_size} ranks x "
+                             f"{accumulation} accumulation steps")
+        cfg["train_micro_batch_size_per_gpu"] = batch // (world_size * accumulation)
+        cfg["train_batch_size"] = batch
+    cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": DEFAULTS["lr"]}})
     if args.lr is not None:
         cfg["optimizer"].setdefault("params", {})["lr"] = args.lr
     cfg.setdefault("gradient_clipping", 1.0)
-    zero = cfg.setdefault("zero_optimization", {})
     if args.stage is not None:
-        zero["stage"] = args.stage
-    if args.precision == "fp16":
-        cfg["fp16"] = {"enabled": True}
-    elif args.precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
+        cfg.setdefault("zero_optimization", {})["stage"] = args.stage
+    if args.precision is not None:  # exactly one of fp16/bf16 on (or neither for fp32)
+        for section in ("fp16", "bf16"):
+            cfg[section] = {**cfg.get(section, {}), "enabled": args.precision == section}
     cfg["seed"] = args.seed
     return cfg
 
@@ -161,10 +164,12 @@ def main(argv=None) -> None:
     t.add_argument("--config", help="DeepSpeed-style JSON config (flags below override it)")
     t.add_argument("--stage", type=int, choices=range(4), help="ZeRO stage (default 3)")
     t.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,
-                   help="parameter/gradient storage (default: from --config, else fp32)")
+                   help="parameter/gradient storage; overrides the config's fp16/bf16 "
+                   "sections (default: from --config, else fp32)")
     t.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     t.add_argument("--batch", type=int, default=None,
-                   help=f"global batch in sequences (default {DEFAULTS['batch']})")
+                   help="sequences per optimizer step over all ranks and accumulation steps "
+                   f"(default: the config's train_batch_size, else {DEFAULTS['batch']})")
     t.add_argument("--lr", type=float, default=None, help=f"default {DEFAULTS['lr']}")
     for name in ("seq_len", "n_layer", "n_head", "d_model"):
         t.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=DEFAULTS[name])

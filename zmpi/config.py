@@ -187,10 +187,12 @@ _OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW"}
 
 @dataclass(frozen=True)
 class OptimizerConfig(_Section):
-    """Adam(W). JSON form: {"type": "AdamW", "params": {"lr", "betas", "eps", "weight_decay"}}.
+    """Adam(W). JSON form: {"type": "AdamW", "params": {"lr", "betas", "eps", "weight_decay",
+    "adam_w_mode"}}.
 
-    `type` is case-insensitive and normalised to "Adam" or "AdamW" (Adam adds weight decay to
-    the gradient, AdamW decays the weights directly; Loshchilov & Hutter, ICLR'19).
+    `type` is case-insensitive and normalised to "Adam" or "AdamW". As in DeepSpeed, "Adam"
+    decays the weights directly (AdamW; Loshchilov & Hutter, ICLR'19) unless `adam_w_mode` is
+    false, which adds weight decay to the gradient instead (L2, torch.optim.Adam).
     """
 
     type: str = "AdamW"
@@ -198,6 +200,11 @@ class OptimizerConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    adam_w_mode: bool = True
+
+    @property
+    def decoupled_weight_decay(self) -> bool:
+        return self.type == "AdamW" or self.adam_w_mode
 
     def _validate(self):
         _check(self.type.lower() in _OPTIMIZERS, "type",

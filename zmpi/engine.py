@@ -52,7 +52,12 @@ class Engine:
 
             comm = Comm()
         self.model, self.comm = model, comm
+        backend.select_device(comm.local_rank)  # one device per node-local rank (GPU only)
         self.config = as_config(config).resolve_batch(comm.size)
+        if self.config.zero_optimization.offload_optimizer.device != "none":
+            raise NotImplementedError("zero_optimization.offload_optimizer is not implemented "
+                                      "yet (ZeRO-Offload is a later issue); remove it or set "
+                                      'its "device" to "none"')
         self.micro_batch = self.config.train_micro_batch_size_per_gpu
         self.accumulation = self.config.gradient_accumulation_steps
         self.xp = backend.xp
@@ -83,7 +88,8 @@ class Engine:
 
         opt = self.config.optimizer
         self.optimizer = Adam(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-                              weight_decay=opt.weight_decay, decoupled=opt.type == "AdamW")
+                              weight_decay=opt.weight_decay,
+                              decoupled=opt.decoupled_weight_decay)
         fp16 = self.config.fp16
         self.scaler = LossScaler.from_config(fp16) if fp16.enabled else LossScaler.disabled()
         self.global_steps = 0
@@ -127,11 +133,19 @@ class Engine:
         return self.comm.allreduce_scalar(total / self.accumulation) / self.comm.size
 
     def eval_loss(self, inputs, targets) -> float:
-        """Mean loss of a forward pass over every rank's `inputs` (no gradients, no update)."""
+        """Mean loss of a forward pass over every rank's `inputs` (no gradients, no update).
+        A collective: every rank must call it (stage 3 gathers parameters, and the mean is
+        an allreduce)."""
         loss = self.model.loss(self.xp.asarray(inputs), self.xp.asarray(targets))
         return self.comm.allreduce_scalar(loss) / self.comm.size
 
     def _step(self) -> None:
+        try:
+            self._reduce_and_update()
+        finally:
+            self.strategy.zero_grads()  # also after an error, so the next step starts clean
+
+    def _reduce_and_update(self) -> None:
         strategy = self.strategy
         strategy.wait_pending()
         strategy.before_step()
@@ -149,7 +163,6 @@ class Engine:
             strategy.publish_params()
             self.scaler.update(overflow=False)
             self.global_steps += 1
-        strategy.zero_grads()
 
     def _clip_(self, grads) -> None:
         """Scale `grads` so the global L2 norm over all ranks' shards is <= gradient_clipping."""
@@ -216,8 +229,10 @@ class Engine:
                     raise ValueError(f"unit {u} shares weights with a unit that is not an "
                                      "earlier unit of the model")
 
-    def _check_same_on_all_ranks(self, full32) -> None:
-        checksum = float(np.abs(full32).sum(dtype=np.float64))
+    def _check_same_on_all_ranks(self, initial) -> None:
+        checksum = float(np.abs(initial).sum(dtype=np.float64))
+        if not math.isfinite(checksum):
+            raise ValueError("the model's initial parameters contain NaN or inf")
         low = self.comm.allreduce_scalar(checksum, op="min")
         high = self.comm.allreduce_scalar(checksum, op="max")
         if low != high:

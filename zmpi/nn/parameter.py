@@ -77,5 +77,5 @@ def accumulate_grad_(p, dW):
     else:
         # A float16 overflow to inf here is expected: the loss scaler detects it and skips
         # the step, so NumPy's cast warning is noise (CuPy does not warn).
-        with numpy.errstate(over="ignore"):
+        with numpy.errstate(over="ignore", invalid="ignore"):
             grad[...] = grad.astype(dW.dtype) + dW

@@ -14,7 +14,8 @@ class Stage1(Strategy):
     shard_optimizer = True
 
     def before_step(self):
-        # The reduced shard lives only for the step: a step-time buffer, not model state.
+        # The reduced shard lives only for the step: a step-time buffer, not model state
+        # (zero_grads releases it, also when the step raised).
         self.grads_shard = self._alloc(self.layout.shard_numel, self.dtype, "comm_buffer", "rs")
         for u in range(len(self.units)):
             self._launch(self.comm.ireduce_scatter(self.grads_full[self.layout.full_slice(u)],

@@ -107,13 +107,15 @@ class Strategy:
         self.master[...] = initial if not self.shard_optimizer else own
         if self.shard_parameters:
             self.params_shard[...] = own
+            for u in range(len(self.units)):  # released until a hook gathers the unit
+                self._bind(u, "data", None)
         else:
             self.params_full[...] = initial
             for u in range(len(self.units)):
                 self._bind(u, "data", self.params_full[self.layout.full_slice(u)])
-        if not self.shard_gradients:
-            for u in range(len(self.units)):
-                self._bind(u, "grad", self.grads_full[self.layout.full_slice(u)])
+        for u in range(len(self.units)):  # sharded: bound only during the unit's backward
+            full = None if self.shard_gradients else self.grads_full[self.layout.full_slice(u)]
+            self._bind(u, "grad", full)
 
     def owned(self, full):
         """This rank's shards of every unit of a full-layout array, concatenated (S)."""
@@ -208,7 +210,7 @@ class Strategy:
         request = self.comm.ireduce_scatter(full, part)
 
         def done():
-            with np.errstate(over="ignore"):  # fp16 overflow -> inf: the loss scaler's signal
+            with np.errstate(over="ignore", invalid="ignore"):  # fp16 inf/nan: scaler's signal
                 self.grads_shard[self.layout.shard_slice(u)] += part
             self.ledger.release(full)
             self.ledger.release(part)
