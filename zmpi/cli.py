@@ -59,12 +59,10 @@ def build_config(args, world_size: int) -> dict:
 
 def memory_table(engine, comm) -> str:
     """Every rank's measured model-state bytes (ledger) next to the SC'20 formula."""
-    pbytes = engine.dtype.itemsize
-    stage = int(engine.strategy.name[-1]) if engine.strategy.name[-1].isdigit() else None
-    psi = engine.layout.full_numel
-    k = 3 * engine.master_dtype.itemsize
-    formula = model_state_bytes(psi, comm.size, stage, pbytes, pbytes, k) if stage is not None \
-        else float("nan")
+    s = engine.strategy
+    stage = s.shard_optimizer + s.shard_gradients + s.shard_parameters  # the formula's stage
+    pbytes, k = engine.dtype.itemsize, 3 * engine.master_dtype.itemsize
+    formula = model_state_bytes(engine.layout.full_numel, comm.size, stage, pbytes, pbytes, k)
     rows = comm.allgather_object((comm.rank, engine.memory.model_state_bytes(),
                                   engine.memory.peak(("param", "grad", "master", "adam_m",
                                                       "adam_v"))))
