@@ -18,7 +18,7 @@ from models.gpt import GPT, GPTConfig
 from zmpi.comm import Comm
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
-from zmpi.memory import comm_volume_elements, model_state_bytes
+from zmpi.memory import MODEL_STATE, comm_volume_elements, model_state_bytes
 from zmpi.runinfo import run_metadata
 
 MIB = 2**20
@@ -40,7 +40,7 @@ def measure(comm, model_cfg, stage, micro_batch):
         "stage": stage, "psi": engine.num_params, "padding": engine.layout.padding,
         "measured_MiB": engine.memory.model_state_bytes() / MIB,
         "formula_MiB": model_state_bytes(psi, comm.size, stage, 2, 2, 12) / MIB,
-        "peak_MiB": engine.memory.peak(("param", "grad", "master", "adam_m", "adam_v")) / MIB,
+        "peak_MiB": engine.memory.peak(MODEL_STATE) / MIB,
         "sent_MiB": sent / MIB,
         "formula_sent_MiB": 2 * comm_volume_elements(psi, comm.size, stage) / MIB,
         "tied_extra_MiB": (2 * 2 * tied * (comm.size - 1) / comm.size / MIB) if stage == 3 else 0.0,

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from models.gpt import GPT, GPTConfig
-from zmpi.memory import model_state_bytes
+from zmpi.memory import MODEL_STATE, model_state_bytes
 
 DEFAULTS = {  # the demo: ~0.8M parameters, about 1.5 minutes on 2 cores
     "steps": 600, "batch": 32, "seq_len": 64, "n_layer": 4, "n_head": 4, "d_model": 128,
@@ -64,8 +64,7 @@ def memory_table(engine, comm) -> str:
     pbytes, k = engine.dtype.itemsize, 3 * engine.master_dtype.itemsize
     formula = model_state_bytes(engine.layout.full_numel, comm.size, stage, pbytes, pbytes, k)
     rows = comm.allgather_object((comm.rank, engine.memory.model_state_bytes(),
-                                  engine.memory.peak(("param", "grad", "master", "adam_m",
-                                                      "adam_v"))))
+                                  engine.memory.peak(MODEL_STATE)))
     lines = [f"model-state memory per rank ({engine.strategy.name}, {engine.dtype.name} params, "
              f"Psi = {engine.num_params:,} + {engine.layout.padding} padding, "
              f"K = {k}, N = {comm.size})",
@@ -79,14 +78,12 @@ def memory_table(engine, comm) -> str:
 def train(args) -> None:
     from tqdm import tqdm
 
-    from zmpi import backend
     from zmpi.comm import Comm
     from zmpi.data import BatchSampler, CharTokenizer, load_text, train_val_split
     from zmpi.engine import Engine
     from zmpi.runinfo import rank_logger, run_metadata
 
     comm = Comm()
-    backend.select_device(comm.local_rank)
     log = rank_logger(comm.rank, args.log_dir)
     text = load_text()
     tokenizer = CharTokenizer(text)

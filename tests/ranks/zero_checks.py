@@ -16,6 +16,7 @@ from models.mlp import MLPModel
 from zmpi.comm import Comm
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
+from zmpi.memory import MODEL_STATE
 
 GPT_CONFIG = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=2, d_model=16)
 GLOBAL_BATCH = 12  # rows per micro-step over all ranks: splits over 1, 2, 3 and 4 ranks
@@ -99,10 +100,8 @@ def memory_and_traffic(comm):
                     "unit_padded": [u.padded_numel for u in layout.units],
                     "shared": [list(s) for s in engine.strategy._shared],
                     "model_state_bytes": engine.memory.model_state_bytes(),
-                    "by_category": {c: engine.memory.current(c) for c in
-                                    ("param", "grad", "master", "adam_m", "adam_v")},
-                    "peak_model_state": engine.memory.peak(
-                        ("param", "grad", "master", "adam_m", "adam_v")),
+                    "by_category": {c: engine.memory.current(c) for c in MODEL_STATE},
+                    "peak_model_state": engine.memory.peak(MODEL_STATE),
                     "counters": engine.comm.counters_snapshot()})
     return results
 
