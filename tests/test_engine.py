@@ -123,14 +123,21 @@ def test_sharded_states_are_released_right_after_setup():
     assert all(p.data is not None and p.grad is None for p in model.parameters())
 
 
-def test_nan_initial_model_and_offload_are_clear_errors():
+def test_nan_initial_model_is_a_clear_error():
     model = GPT(CFG)
     model.units[0].wte.data[0, 0] = np.nan
     with pytest.raises(ValueError, match="NaN or inf"):
         Engine(model, {})
-    with pytest.raises(NotImplementedError, match="offload_optimizer"):
-        Engine(GPT(CFG), {"zero_optimization": {"stage": 2,
-                                                "offload_optimizer": {"device": "cpu"}}})
+
+
+@pytest.mark.parametrize("zero, key", [
+    ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer.device"),
+    ({"stage": 2, "offload_param": {"device": "cpu"}}, "offload_param.device"),
+    ({"strategy": "stage1", "offload_param": {"device": "cpu"}}, "offload_param.device"),
+])
+def test_offload_with_a_strategy_that_cannot_is_a_config_error(zero, key):
+    with pytest.raises(ConfigError, match=rf"zero_optimization\.{key}: .* needs .*stage"):
+        Engine(GPT(CFG), {"zero_optimization": zero})
 
 
 def test_deepspeed_adam_means_decoupled_decay_unless_adam_w_mode_false():

@@ -179,6 +179,56 @@ def to_device(arr, out=None):
     return out
 
 
+def copy_(dst, src):
+    """dst[...] = src, cast to dst's dtype, whichever memory (host or device) each lives in.
+
+    Host -> device casts on the host, then copies (only dst.nbytes cross the bus: what
+    ZeRO-Offload sends back after the host update is fp16 parameters). Device -> host casts
+    on the device, then copies. Returns once dst holds the values."""
+    if is_device_array(dst) == is_device_array(src):
+        dst[...] = src
+    elif is_device_array(dst):
+        to_device(np.asarray(src, dtype=dst.dtype), out=dst)
+        synchronize()
+    else:
+        to_host(src.astype(dst.dtype, copy=False), out=dst)
+    return dst
+
+
+class HostCopy:
+    """A device -> host copy in flight: `wait()` returns the host array once it holds the data.
+
+    Under CuPy the copy runs on a side stream after the work already queued on the current
+    stream (an event orders them), so it overlaps whatever the current stream does next;
+    `keep` holds the device source alive until then. Under NumPy the copy is done at once."""
+
+    _stream = None  # the side stream, created on first use
+
+    def __init__(self, src, out):
+        self.out = out
+        self._event = None
+        if not is_device_array(src):
+            np.copyto(out, src)
+            return
+        if HostCopy._stream is None:
+            HostCopy._stream = xp.cuda.Stream(non_blocking=True)
+        ready = xp.cuda.get_current_stream().record()
+        HostCopy._stream.wait_event(ready)
+        src.get(out=out, stream=HostCopy._stream, blocking=False)
+        self._event = HostCopy._stream.record()
+        self._keep = src
+
+    def ready(self) -> bool:
+        """True once the data has landed (never blocks)."""
+        return self._event is None or self._event.done
+
+    def wait(self):
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = self._keep = None
+        return self.out
+
+
 def pinned_empty(shape, dtype) -> np.ndarray:
     """NumPy array in page-locked host memory under CuPy (fast, async-capable copies);
     a plain `np.empty` under NumPy."""

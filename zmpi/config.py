@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 __all__ = ["ConfigError", "OptimizerConfig", "FP16Config", "BF16Config", "OffloadConfig",
-           "ZeroConfig", "Config"]
+           "OffloadParamConfig", "ZeroConfig", "Config"]
 
 
 class ConfigError(ValueError):
@@ -265,15 +265,45 @@ _OFFLOAD_DEVICES = ("none", "cpu")
 
 
 @dataclass(frozen=True)
-class OffloadConfig(_Section):
-    """Where fp32 master weights and Adam state live (ZeRO-Offload, ATC'21)."""
+class OffloadParamConfig(_Section):
+    """`zero_optimization.offload_param`: keep stage 3's parameter shards in host memory
+    (ZeRO-Infinity's CPU tier); a unit reaches the device only while it is gathered.
+    `pin_memory`: page-locked host buffers (faster, asynchronous copies on a GPU)."""
 
     device: str = "none"
     pin_memory: bool = False
 
     def _validate(self):
+        _check(self.device != "nvme", "device",
+               "'nvme' (ZeRO-Infinity's NVMe tier) is not implemented in zmpi; use 'cpu' or "
+               "'none'")
         _check(self.device in _OFFLOAD_DEVICES, "device",
                f"must be one of {', '.join(map(repr, _OFFLOAD_DEVICES))}, got {self.device!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.device == "cpu"
+
+
+@dataclass(frozen=True)
+class OffloadConfig(OffloadParamConfig):
+    """`zero_optimization.offload_optimizer`: fp32 master weights, Adam's moments and the
+    update on the host (ZeRO-Offload, Ren et al., ATC'21); stages 1-3.
+
+    zmpi extension: `delay_update` turns on the one-step delayed parameter update (DPU, ATC'21
+    Sec. 5.2) after `delay_update_warmup` synchronous steps (the paper uses 40): the host Adam
+    of step t runs in a background thread while forward and backward of step t+1 use the
+    parameters of step t-1.
+    """
+
+    delay_update: bool = False
+    delay_update_warmup: int = 40
+
+    def _validate(self):
+        super()._validate()
+        self._at_least(0, "delay_update_warmup")
+        _check(self.enabled or not self.delay_update, "delay_update",
+               'needs the optimizer on the host: set "device": "cpu"')
 
 
 @dataclass(frozen=True)
@@ -295,6 +325,7 @@ class ZeroConfig(_Section):
     contiguous_gradients: bool = True
     prefetch: bool = True
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
 
     def _validate(self):
         _check(self.stage in (0, 1, 2, 3), "stage", f"must be one of 0, 1, 2, 3, got {self.stage}")

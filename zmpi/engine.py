@@ -12,11 +12,21 @@ model's units with the strategy's hooks, and does what is the same for every sta
 scaling, the overflow check, averaging over the global batch, global-norm gradient clipping
 across shards, and Adam on the rank's master shard. The strategy decides what is kept and
 which collectives run (zero/strategy.py).
+
+ZeRO-Offload (`zero_optimization.offload_optimizer = {"device": "cpu"}`) puts the master
+shard, Adam's moments and the reduced gradient shard on the host, where `HostAdam` updates
+them. With `"delay_update": true` (DPU, Ren et al., ATC'21 Sec. 5.2), after
+`delay_update_warmup` synchronous steps the host Adam of step t runs in a background thread
+while forward and backward of step t+1 run with the parameters of step t-1: the update of step
+t lands (and its parameters are published) at the end of step t+1's backward. `flush()` lands
+an update in flight; `eval_loss`, `gather_parameters` and `close` call it.
 """
 from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +34,7 @@ import numpy as np
 from zmpi import backend
 from zmpi.config import Config
 from zmpi.memory import MemoryLedger
-from zmpi.optim.adam import Adam
+from zmpi.optim.adam import Adam, HostAdam, host_threads
 from zmpi.optim.loss_scaler import LossScaler
 from zmpi.zero.flat import ModelLayout, UnitLayout
 from zmpi.zero.strategy import get_strategy
@@ -54,10 +64,6 @@ class Engine:
         self.model, self.comm = model, comm
         backend.select_device(comm.local_rank)  # one device per node-local rank (GPU only)
         self.config = as_config(config).resolve_batch(comm.size)
-        if self.config.zero_optimization.offload_optimizer.device != "none":
-            raise NotImplementedError("zero_optimization.offload_optimizer is not implemented "
-                                      "yet (ZeRO-Offload is a later issue); remove it or set "
-                                      'its "device" to "none"')
         self.micro_batch = self.config.train_micro_batch_size_per_gpu
         self.accumulation = self.config.gradient_accumulation_steps
         self.xp = backend.xp
@@ -87,9 +93,17 @@ class Engine:
         model.hooks = self
 
         opt = self.config.optimizer
-        self.optimizer = Adam(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-                              weight_decay=opt.weight_decay,
-                              decoupled=opt.decoupled_weight_decay)
+        hyper = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                     weight_decay=opt.weight_decay, decoupled=opt.decoupled_weight_decay)
+        if isinstance(self.strategy.master, np.ndarray):  # host memory: offload, or a CPU run
+            self.optimizer = HostAdam(**hyper, threads=host_threads(comm.local_size))
+        else:
+            self.optimizer = Adam(**hyper)
+        offload = self.config.zero_optimization.offload_optimizer
+        self.delay_update, self.delay_update_warmup = (offload.delay_update,
+                                                       offload.delay_update_warmup)
+        self._update = None  # the delayed update in flight: (thread, outcome dict)
+        self.update_timing = {"optimizer_s": 0.0, "waited_s": 0.0, "delayed_steps": 0}
         fp16 = self.config.fp16
         self.scaler = LossScaler.from_config(fp16) if fp16.enabled else LossScaler.disabled()
         self.global_steps = 0
@@ -135,9 +149,31 @@ class Engine:
     def eval_loss(self, inputs, targets) -> float:
         """Mean loss of a forward pass over every rank's `inputs` (no gradients, no update).
         A collective: every rank must call it (stage 3 gathers parameters, and the mean is
-        an allreduce)."""
+        an allreduce). A delayed update in flight lands first."""
+        self.flush()
         loss = self.model.loss(self.xp.asarray(inputs), self.xp.asarray(targets))
         return self.comm.allreduce_scalar(loss) / self.comm.size
+
+    def flush(self) -> None:
+        """Land the delayed update in flight, if any: wait for the host Adam thread, raise
+        its error, publish the parameters it produced. A collective in stages 1-2 (the
+        updated shards are allgathered): every rank calls it."""
+        if self._update is None:
+            return
+        thread, outcome = self._update
+        start = time.perf_counter()
+        thread.join()
+        self.update_timing["waited_s"] += time.perf_counter() - start
+        self._update = None
+        if "error" in outcome:
+            raise RuntimeError(f"the delayed optimizer step {outcome['step']} failed in its "
+                               "background thread") from outcome["error"]
+        self.strategy.publish_params()
+
+    def close(self) -> None:
+        """Land any delayed update and stop the optimizer's threads."""
+        self.flush()
+        self.optimizer.close()
 
     def _step(self) -> None:
         try:
@@ -149,32 +185,57 @@ class Engine:
         strategy = self.strategy
         strategy.wait_pending()
         strategy.before_step()
-        # Gradient of the global-batch mean in the master's dtype and layout (this rank's shard).
-        grads = strategy.optimizer_grads().astype(self.master_dtype)
-        grads *= 1.0 / (self.scaler.scale * self.comm.size * self.accumulation)
-        if self._any_rank(not bool(self.xp.isfinite(grads).all())):
+        # Reduced gradients (this rank's shard, storage dtype): the optimizer reads them as
+        # grads * grad_scale (the global-batch mean) * clip_coef, converted chunk by chunk.
+        grads = strategy.optimizer_grads()
+        grad_scale = 1.0 / (self.scaler.scale * self.comm.size * self.accumulation)
+        finite, sumsq = self.optimizer.grad_stats(grads, grad_scale, self.master_dtype)
+        self.flush()  # the previous step's delayed update lands (its compute overlapped ours)
+        if self._any_rank(not finite):
             if not self.config.fp16.enabled:
                 raise FloatingPointError(
                     f"non-finite gradients at step {self.global_steps} ({self.dtype.name})")
             self.scaler.update(overflow=True)  # skip the step on every rank
+            return
+        update = (strategy.master, grads, strategy.adam_m, strategy.adam_v, grad_scale,
+                  self._clip_coef(sumsq))
+        if self.delay_update and self.global_steps >= self.delay_update_warmup:
+            strategy.swap_grad_buffers()  # backward of the next step fills the other buffer
+            self._start_delayed_update(update)
         else:
-            self._clip_(grads)
-            self.optimizer.step_(strategy.master, grads, strategy.adam_m, strategy.adam_v)
+            start = time.perf_counter()
+            self.optimizer.step_(*update)
+            self.update_timing["optimizer_s"] += time.perf_counter() - start
             strategy.publish_params()
-            self.scaler.update(overflow=False)
-            self.global_steps += 1
+        self.scaler.update(overflow=False)
+        self.global_steps += 1
 
-    def _clip_(self, grads) -> None:
-        """Scale `grads` so the global L2 norm over all ranks' shards is <= gradient_clipping."""
+    def _start_delayed_update(self, update) -> None:
+        outcome = {"step": self.global_steps}
+
+        def run():
+            start = time.perf_counter()
+            try:
+                self.optimizer.step_(*update)
+            except BaseException as e:  # handed to the training thread by flush()
+                outcome["error"] = e
+            self.update_timing["optimizer_s"] += time.perf_counter() - start
+
+        thread = threading.Thread(target=run, name="zmpi-delayed-update")
+        thread.start()
+        self._update = (thread, outcome)
+        self.update_timing["delayed_steps"] += 1
+
+    def _clip_coef(self, sumsq: float) -> float:
+        """Factor that brings the global L2 norm over all ranks' shards to gradient_clipping
+        (1.0 when it is below, or clipping is off)."""
         max_norm = self.config.gradient_clipping
         if max_norm <= 0:
-            return
-        sq = float(self.xp.dot(grads, grads))
+            return 1.0
         if self.strategy.shard_optimizer:
-            sq = self.comm.allreduce_scalar(sq)
-        coef = max_norm / (math.sqrt(sq) + 1e-6)  # as torch.nn.utils.clip_grad_norm_
-        if coef < 1:
-            grads *= coef
+            sumsq = self.comm.allreduce_scalar(sumsq)
+        coef = max_norm / (math.sqrt(sumsq) + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+        return min(coef, 1.0)
 
     def _storage_dtype(self, unit_params) -> np.dtype:
         """fp16/bf16 when the config enables them, else the model's own float32 or float64."""
@@ -193,7 +254,8 @@ class Engine:
     # ---- inspection -------------------------------------------------------------------------
     def gather_parameters(self) -> dict[str, np.ndarray]:
         """Full master value (fp32; fp64 for fp64 models) of every parameter, on every rank.
-        A collective: every rank must call it."""
+        A collective: every rank must call it. A delayed update in flight lands first."""
+        self.flush()
         full = backend.to_host(self.strategy.full_master())
         out = {}
         for u, unit_layout in enumerate(self.layout.units):

@@ -1,22 +1,86 @@
-"""Adam and AdamW on flat fp32 arrays, in place (Kingma & Ba 2015; Loshchilov & Hutter 2019).
+"""Adam and AdamW on flat arrays, in place (Kingma & Ba 2015; Loshchilov & Hutter 2019).
 
-The same code runs on NumPy (host) and CuPy (device) arrays: it uses only in-place ufuncs of
-the arrays' own module, so the update allocates two temporaries of the array's size and no
-more. The engine calls it once per step on the rank's contiguous shard of master weights.
+    opt = HostAdam(lr=1e-3, weight_decay=0.1)             # NumPy shards (host, or CPU run)
+    finite, sumsq = opt.grad_stats(grads, grad_scale)     # before the step: overflow, norm
+    opt.step_(param, grads, m, v, grad_scale, clip_coef)  # param, m, v updated in place
+
+One update rule, `adam_chunk_`, serves every optimizer here. `Adam` applies it to the whole
+shard at once: on CuPy that is a handful of device kernels. `HostAdam` (the ZeRO-Offload
+host optimizer, Ren et al., ATC'21, Sec. 5.1) applies it to cache-sized chunks, so the
+temporaries are two chunk-sized scratch arrays per thread instead of arrays the size of the
+shard, and spreads the chunks over threads (NumPy ufuncs release the GIL). Because the rule is
+elementwise and the gradient statistics are summed chunk by chunk in a fixed order, results do
+not depend on the number of threads, and `HostAdam` on a host shard equals `HostAdam` on the
+same shard in "device" memory on a CPU run bit for bit: offload changes where, not what.
+
+Gradients are read, never written: they may be fp16/bf16 (the storage dtype) and are
+converted chunk by chunk to the master dtype and multiplied by `grad_scale` (loss scale,
+averaging) and `clip_coef`. `param`, `m` and `v` share the master dtype (fp32, or fp64).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from zmpi.backend import array_module
+
+HOST_CHUNK = 65536  # elements; p, m, v and two fp32 scratch chunks stay within L2/L3
+
+
+def adam_chunk_(param, grads, m, v, scratch, step, lr, betas, eps, weight_decay, decoupled,
+                grad_scale=1.0, clip_coef=1.0) -> None:
+    """One Adam(W) update of a contiguous chunk, in place. `grads` (any float dtype) is read
+    only; `scratch` is two arrays of the master dtype, each at least len(param) long."""
+    xp = array_module(param)
+    n = param.shape[0]
+    g, t = scratch[0][:n], scratch[1][:n]
+    beta1, beta2 = betas
+    g[...] = grads                                         # g = grad in master dtype
+    g *= grad_scale                                        # / (loss scale x ranks x accumulation)
+    if clip_coef != 1.0:
+        g *= clip_coef                                     # global-norm clipping
+    if weight_decay and not decoupled:
+        xp.multiply(param, weight_decay, out=t)
+        g += t                                             # g = g + wd p        (L2, Adam)
+    m *= beta1
+    xp.multiply(g, 1 - beta1, out=t)
+    m += t                                                 # m = b1 m + (1 - b1) g
+    v *= beta2
+    xp.multiply(g, g, out=t)
+    t *= 1 - beta2
+    v += t                                                 # v = b2 v + (1 - b2) g^2
+    bias1 = 1 - beta1**step
+    bias2_sqrt = math.sqrt(1 - beta2**step)
+    xp.sqrt(v, out=t)
+    t += eps * bias2_sqrt                                  # (sqrt(v_hat) + eps) * sqrt(bias2)
+    if weight_decay and decoupled:
+        param *= 1 - lr * weight_decay                     # p = p - lr wd p     (AdamW)
+    xp.divide(m, t, out=t)
+    t *= lr * bias2_sqrt / bias1
+    param -= t                                             # p = p - lr m_hat / (sqrt(v_hat) + eps)
+
+
+def _sumsq_chunk(grads, scratch, grad_scale) -> tuple[bool, float]:
+    """(all finite, sum of squares) of grads * grad_scale in the scratch dtype."""
+    xp = array_module(scratch[0])
+    g = scratch[0][: grads.shape[0]]
+    g[...] = grads
+    g *= grad_scale
+    sq = float(xp.dot(g, g))
+    return math.isfinite(sq) or bool(xp.isfinite(g).all()), sq
 
 
 @dataclass
 class Adam:
-    """Hyper-parameters and step count; the state (m, v) belongs to the caller's buffers.
+    """Hyper-parameters and the step count; the state (m, v) lives in the caller's buffers.
 
     decoupled=True is AdamW (weight decay applied to the weights, not through the gradient),
     matching torch.optim.AdamW; decoupled=False matches torch.optim.Adam's L2 weight decay.
+    `chunk` is the number of elements updated per pass (None: the whole array).
     """
 
     lr: float = 1e-3
@@ -25,33 +89,88 @@ class Adam:
     weight_decay: float = 0.0
     decoupled: bool = True
     step_count: int = 0
+    chunk: int | None = None
+    threads: int = 1
+    _scratch: dict = field(default_factory=dict, repr=False, compare=False)
+    _pool: ThreadPoolExecutor | None = field(default=None, repr=False, compare=False)
 
-    def step_(self, param, grad, m, v) -> None:
-        """One update of `param` (fp32, 1-D) from `grad` (fp32, same shape; may be modified)."""
+    def __post_init__(self):
+        if self.chunk is not None and self.chunk < 1:
+            raise ValueError(f"chunk must be >= 1 or None, got {self.chunk}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+    def state_dict(self) -> dict:
+        return {"step_count": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = int(state["step_count"])
+
+    def grad_stats(self, grads, grad_scale=1.0, master_dtype=np.float32) -> tuple[bool, float]:
+        """(every element of grads * grad_scale is finite, their sum of squares), computed in
+        `master_dtype` chunk by chunk and summed in chunk order (same on any thread count)."""
+        parts = self._map(lambda c, s: _sumsq_chunk(grads[c], s, grad_scale),
+                          grads.shape[0], master_dtype, array_module(grads))
+        return all(f for f, _ in parts), math.fsum(sq for _, sq in parts)
+
+    def step_(self, param, grads, m, v, grad_scale=1.0, clip_coef=1.0) -> None:
+        """One update of `param` (1-D) and its moments `m`, `v` from `grads` (same length)."""
+        if not param.shape == grads.shape == m.shape == v.shape:
+            raise ValueError(f"shapes differ: param {param.shape}, grads {grads.shape}, "
+                             f"m {m.shape}, v {v.shape}")
         self.step_count += 1
-        adam_update_(param, grad, m, v, self.step_count, self.lr, self.betas, self.eps,
-                     self.weight_decay, self.decoupled)
+        hyper = (self.step_count, self.lr, self.betas, self.eps, self.weight_decay,
+                 self.decoupled, grad_scale, clip_coef)
+        self._map(lambda c, s: adam_chunk_(param[c], grads[c], m[c], v[c], s, *hyper),
+                  param.shape[0], param.dtype, array_module(param))
+
+    def close(self) -> None:
+        """Stop the worker threads (a later step starts them again)."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def _map(self, fn, n, dtype, xp) -> list:
+        """fn(slice, scratch) over consecutive chunks of [0, n); results in chunk order.
+        Thread k takes every chunk c with c % threads == k and uses its own scratch."""
+        size = max(1, n if self.chunk is None else min(self.chunk, n))
+        chunks = [slice(i, min(i + size, n)) for i in range(0, n, size)]
+        threads = min(self.threads, len(chunks))
+
+        def worker(k):
+            scratch = self._scratch_for(k, size, dtype, xp)
+            return [fn(c, scratch) for c in chunks[k::threads]]
+
+        if threads <= 1:
+            return worker(0)
+        if self._pool is None or self._pool._max_workers < threads:
+            self.close()
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="zmpi-adam")
+        per_thread = list(self._pool.map(worker, range(threads)))
+        return [per_thread[i % threads][i // threads] for i in range(len(chunks))]
+
+    def _scratch_for(self, k, size, dtype, xp):
+        """Two scratch arrays: kept between calls when chunked (they are small), else
+        temporaries of the array's size that are freed after the call."""
+        if self.chunk is None:
+            return xp.empty(size, dtype), xp.empty(size, dtype)
+        key = (k, np.dtype(dtype), xp.__name__)
+        bufs = self._scratch.get(key)
+        if bufs is None or bufs[0].shape[0] < size:
+            bufs = self._scratch[key] = (xp.empty(size, dtype), xp.empty(size, dtype))
+        return bufs
 
 
-def adam_update_(param, grad, m, v, step, lr, betas, eps, weight_decay, decoupled) -> None:
-    """In-place Adam(W) update; `grad` is used as scratch space and left overwritten."""
-    xp = array_module(param)
-    beta1, beta2 = betas
-    if weight_decay and not decoupled:
-        grad += weight_decay * param                       # g = g + wd * p   (L2, Adam)
-    m *= beta1
-    m += (1 - beta1) * grad                                # m = b1 m + (1 - b1) g
-    v *= beta2
-    grad *= grad
-    v += (1 - beta2) * grad                                # v = b2 v + (1 - b2) g^2
-    bias1 = 1 - beta1**step
-    bias2 = 1 - beta2**step
-    denom = grad                                           # reuse g's memory
-    xp.sqrt(v, out=denom)
-    denom /= bias2**0.5
-    denom += eps                                           # sqrt(v_hat) + eps
-    if weight_decay and decoupled:
-        param *= 1 - lr * weight_decay                     # p = p - lr wd p   (AdamW)
-    xp.divide(m, denom, out=denom)
-    denom *= lr / bias1
-    param -= denom                                         # p = p - lr m_hat / (sqrt(v_hat) + eps)
+def host_threads(ranks_on_node: int = 1) -> int:
+    """Cores this process may use, shared among the node's ranks (at least 1)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, ranks_on_node))
+
+
+class HostAdam(Adam):
+    """Adam on NumPy arrays in cache-sized chunks, on `threads` threads (default: this rank's
+    share of the node's cores). What ZeRO-Offload runs on the host, and what a CPU run uses."""
+
+    def __init__(self, *args, chunk: int | None = HOST_CHUNK, threads: int | None = None,
+                 **kwargs):
+        super().__init__(*args, chunk=chunk, threads=threads or host_threads(), **kwargs)

@@ -14,12 +14,14 @@ class Stage1(Strategy):
     shard_optimizer = True
 
     def before_step(self):
-        # The reduced shard lives only for the step: a step-time buffer, not model state
-        # (zero_grads releases it, also when the step raised).
-        self.grads_shard = self._alloc(self.layout.shard_numel, self.dtype, "comm_buffer", "rs")
+        if not self.offload_optimizer:
+            # The reduced shard lives only for the step: a step-time buffer, not model state
+            # (zero_grads releases it, also when the step raised). Offload keeps it on the host.
+            self.grads_shard = self.alloc(self.layout.shard_numel, self.dtype, "comm_buffer",
+                                          "rs")
         for u in range(len(self.units)):
-            self._launch(self.comm.ireduce_scatter(self.grads_full[self.layout.full_slice(u)],
-                                                   self.grads_shard[self.layout.shard_slice(u)]))
+            self.reduce_scatter_to_shard(u, self.grads_full[self.layout.full_slice(u)],
+                                         accumulate=False)
         self.wait_pending()
 
     def publish_params(self):
@@ -27,6 +29,6 @@ class Stage1(Strategy):
 
     def zero_grads(self):
         super().zero_grads()
-        if self.grads_shard is not None:
+        if not self.offload_optimizer and self.grads_shard is not None:
             self.ledger.release(self.grads_shard)
             self.grads_shard = None

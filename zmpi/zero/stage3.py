@@ -7,6 +7,7 @@ the next unit is started before the current one computes. Gradients are reduce-s
 unit by unit as in stage 2. Adam writes the owned parameter shard directly: nothing to gather
 after the step. Traffic per step: 2 allgathers + 1 reduce-scatter = 3 Psi (N-1)/N per rank.
 """
+from zmpi import backend
 from zmpi.zero.strategy import Strategy, register
 
 
@@ -43,4 +44,4 @@ class Stage3(Strategy):
         self._release(u)
 
     def publish_params(self):
-        self.params_shard[...] = self.master
+        backend.copy_(self.params_shard, self.master)  # host -> device when offloaded

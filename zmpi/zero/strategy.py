@@ -18,11 +18,24 @@ declares which model states it shards and overrides the hooks:
 
 Buffers (1-D, model-wide; `P` = layout.full_numel, `S` = layout.shard_numel = P / N):
 
-    params_full  (P, dtype)  unless shard_parameters
-    params_shard (S, dtype)  if shard_parameters
-    grads_full   (P, dtype)  unless shard_gradients
-    grads_shard  (S, dtype)  if shard_gradients
-    master, adam_m, adam_v   (S if shard_optimizer, else P; fp32, or fp64 for an fp64 model)
+    params_full  (P, dtype)  unless shard_parameters                      device
+    params_shard (S, dtype)  if shard_parameters                          device, host if
+                                                                          offload_param
+    grads_full   (P, dtype)  unless shard_gradients                       device
+    grads_shard  (S, dtype)  the reduced gradient shard the optimizer     device, host if
+                             reads: if shard_gradients or offload_optimizer  offload_optimizer
+                             (stage 1 without offload makes one per step)
+    master, adam_m, adam_v   (S if shard_optimizer, else P; fp32, or      device, host if
+                             fp64 for an fp64 model)                      offload_optimizer
+
+ZeRO-Offload (Ren et al., ATC'21) is this same mechanism with some buffers placed on the host:
+`offload_optimizer` puts the master weights, Adam's moments and the reduced gradient shard
+there (each unit's shard is copied device -> host as soon as its reduce-scatter completes, so
+the copies overlap the rest of backward; the host Adam's result comes back as fp16/bf16
+parameters), and `offload_param` keeps stage 3's parameter shards there (the allgather of a
+unit reads the host shard and fills a device buffer). With `delay_update` a second host
+gradient shard lets the host Adam of one step run while the next step's backward fills the
+other (`swap_grad_buffers`).
 
 Every buffer is allocated through the MemoryLedger and every collective goes through Comm, so
 what a stage holds and moves is measured, not assumed. A new strategy is one file: subclass,
@@ -31,6 +44,10 @@ set the flags, override hooks, decorate with `@register("name")`.
 from __future__ import annotations
 
 import numpy as np
+
+from zmpi import backend
+from zmpi.backend import HostCopy, array_module
+from zmpi.config import ConfigError
 
 _REGISTRY: dict[str, type[Strategy]] = {}
 
@@ -61,6 +78,12 @@ def available_strategies() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def _add_(dst, src) -> None:
+    """dst += src, quietly: an fp16 inf here is the loss scaler's overflow signal."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        array_module(dst).add(dst, src, out=dst)
+
+
 class Strategy:
     """The mechanism. Subclasses set the three flags and override hooks (all no-ops here)."""
 
@@ -82,35 +105,56 @@ class Strategy:
         self.overlap = zero_config.overlap_comm
         self.sync_gradients = True
         self.rank, self.world_size = comm.rank, comm.size
+        offload, offload_param = zero_config.offload_optimizer, zero_config.offload_param
+        self.offload_optimizer, self.offload_param = offload.enabled, offload_param.enabled
+        self._check_offload()
         self._pending = []  # (request, callback) of collectives still in flight
+        self._host_copies = []  # device -> host gradient copies in flight (optimizer offload)
         self._gathered = {}  # u -> [full param buffer, request or None]   (param sharding)
         self._unit_grads = {}  # u -> full grad buffer of one unit           (grad sharding)
         self._shared = [tuple(units.index(s) for s in getattr(m, "shared_units", ()))
                         for m in units]
         P, S = layout.full_numel, layout.shard_numel
-        alloc = self._alloc
+        opt_dev = "host" if self.offload_optimizer else "device"
+        self._pinned = offload.pin_memory
+        alloc = self.alloc
         self.params_full = None if self.shard_parameters else alloc(P, dtype, "param", "params")
-        self.params_shard = alloc(S, dtype, "param", "params") if self.shard_parameters else None
+        self.params_shard = alloc(S, dtype, "param", "params", "host" if self.offload_param
+                                  else "device", offload_param.pin_memory) \
+            if self.shard_parameters else None
         self.grads_full = None if self.shard_gradients else alloc(P, dtype, "grad", "grads")
-        self.grads_shard = alloc(S, dtype, "grad", "grads") if self.shard_gradients else None
+        self.grads_shard = alloc(S, dtype, "grad", "grads", opt_dev, self._pinned) \
+            if self.shard_gradients or self.offload_optimizer else None
+        self.grads_spare = alloc(S, dtype, "grad", "grads_spare", opt_dev, self._pinned) \
+            if offload.delay_update else None
         n_opt = S if self.shard_optimizer else P
-        self.master = alloc(n_opt, master_dtype, "master", "master")
-        self.adam_m = alloc(n_opt, master_dtype, "adam_m", "adam_m")
-        self.adam_v = alloc(n_opt, master_dtype, "adam_v", "adam_v")
+        self.master = alloc(n_opt, master_dtype, "master", "master", opt_dev)
+        self.adam_m = alloc(n_opt, master_dtype, "adam_m", "adam_m", opt_dev)
+        self.adam_v = alloc(n_opt, master_dtype, "adam_v", "adam_v", opt_dev)
+
+    def _check_offload(self) -> None:
+        if self.offload_optimizer and not self.shard_optimizer:
+            raise ConfigError("zero_optimization.offload_optimizer.device",
+                              f"optimizer offload needs a strategy that shards the optimizer "
+                              f"state (stages 1-3); {self.name!r} does not")
+        if self.offload_param and not self.shard_parameters:
+            raise ConfigError("zero_optimization.offload_param.device",
+                              f"parameter offload needs a strategy that shards the parameters "
+                              f"(stage 3); {self.name!r} does not")
 
     # ---- set-up -------------------------------------------------------------------------
     def initialize(self, initial) -> None:
         """Load initial values from `initial` (P, master dtype: the whole model in the full
-        layout, identical on every rank) and bind every parameter view this policy keeps."""
-        initial = self.xp.asarray(initial)
+        layout, identical on every rank, host) and bind every parameter view this policy
+        keeps."""
         own = self.owned(initial)
-        self.master[...] = initial if not self.shard_optimizer else own
+        backend.copy_(self.master, initial if not self.shard_optimizer else own)
         if self.shard_parameters:
-            self.params_shard[...] = own
+            backend.copy_(self.params_shard, own)
             for u in range(len(self.units)):  # released until a hook gathers the unit
                 self._bind(u, "data", None)
         else:
-            self.params_full[...] = initial
+            backend.copy_(self.params_full, initial)
             for u in range(len(self.units)):
                 self._bind(u, "data", self.params_full[self.layout.full_slice(u)])
         for u in range(len(self.units)):  # sharded: bound only during the unit's backward
@@ -119,12 +163,20 @@ class Strategy:
 
     def owned(self, full):
         """This rank's shards of every unit of a full-layout array, concatenated (S)."""
-        return self.xp.concatenate([full[self.layout.owned_slice(u, self.rank)]
-                                    for u in range(len(self.units))])
+        return array_module(full).concatenate([full[self.layout.owned_slice(u, self.rank)]
+                                               for u in range(len(self.units))])
 
     def optimizer_grads(self):
-        """Reduced gradients in the master's layout, valid after before_step()."""
+        """Reduced gradients in the master's layout and memory, valid after before_step()."""
         return self.grads_shard if self.shard_optimizer else self.grads_full
+
+    def swap_grad_buffers(self):
+        """Delayed update: hand the reduced gradients of this step to the optimizer and give
+        backward the spare buffer (zeroed by zero_grads). Returns the handed-over buffer."""
+        if self.grads_spare is None:
+            raise RuntimeError("swap_grad_buffers needs offload_optimizer.delay_update")
+        self.grads_shard, self.grads_spare = self.grads_spare, self.grads_shard
+        return self.grads_spare
 
     # ---- hooks (policies override) -----------------------------------------------------
     def before_forward(self, u: int) -> None: ...
@@ -140,7 +192,14 @@ class Strategy:
                 g.fill(0)
 
     # ---- mechanism ----------------------------------------------------------------------
-    def _alloc(self, numel, dtype, category, name):
+    def alloc(self, numel, dtype, category, name, device="device", pinned=False):
+        """A zeroed 1-D buffer registered with the ledger: on the device (the array module
+        `xp`) or on the host (NumPy; page-locked if `pinned` and on a GPU). Release it with
+        `self.ledger.release(buf)`."""
+        if device == "host":
+            buf = backend.pinned_empty(numel, dtype) if pinned else np.empty(numel, dtype)
+            buf.fill(0)
+            return self.ledger.register(buf, category, "host", name)
         return self.ledger.allocate((numel,), dtype, category, name=name, xp=self.xp)
 
     def _bind(self, u: int, attr: str, flat) -> None:
@@ -160,11 +219,14 @@ class Strategy:
                 callback()
 
     def wait_pending(self) -> None:
+        """Complete every collective in flight (running its callback) and every device ->
+        host gradient copy."""
         pending, self._pending = self._pending, []
         for request, callback in pending:
             request.wait()
             if callback:
                 callback()
+        self._land_host_copies(block=True)
 
     def needs(self, u: int) -> tuple[int, ...]:
         """Units whose parameters unit u reads: itself and the units it shares weights with."""
@@ -175,7 +237,7 @@ class Strategy:
         With wait=False the allgather is only started (prefetch); a later gather() finishes it."""
         if u not in self._gathered:
             numel = self.layout.units[u].padded_numel
-            buf = self._alloc(numel, self.dtype, "param", f"gathered{u}")
+            buf = self.alloc(numel, self.dtype, "param", f"gathered{u}")
             send = self.params_shard[self.layout.shard_slice(u)]
             self._gathered[u] = [buf, self.comm.iallgather(send, buf)]
         entry = self._gathered[u]
@@ -197,31 +259,61 @@ class Strategy:
         for w in self.needs(u):
             if w not in self._unit_grads:
                 numel = self.layout.units[w].padded_numel
-                buf = self._alloc(numel, self.dtype, "grad", f"grad{w}")
+                buf = self.alloc(numel, self.dtype, "grad", f"grad{w}")
                 self._unit_grads[w] = buf
                 self._bind(w, "grad", buf)
 
     def reduce_scatter_unit_grads(self, u: int) -> None:
-        """Reduce-scatter unit u's full gradient; add this rank's shard into grads_shard and
+        """Reduce-scatter unit u's full gradient, add this rank's shard into grads_shard and
         free the full buffer (gradient sharding: non-owned gradient memory is released)."""
         full = self._unit_grads.pop(u)
         self._bind(u, "grad", None)
-        part = self._alloc(self.layout.units[u].shard_numel, self.dtype, "comm_buffer", "rs")
+        self.reduce_scatter_to_shard(u, full, accumulate=True, free=(full,))
+
+    def reduce_scatter_to_shard(self, u: int, full, accumulate: bool, free=()) -> None:
+        """Reduce-scatter `full` (unit u's whole gradient, device) so that this rank's summed
+        shard is added into grads_shard[shard_slice(u)] (or written, if not `accumulate`).
+        If grads_shard is on the host (optimizer offload) the shard is copied device -> host
+        as soon as the reduction completes. Buffers in `free` are released when done."""
+        dst = self.grads_shard[self.layout.shard_slice(u)]
+        to_host = self.offload_optimizer
+        direct = not accumulate and not to_host
+        part = dst if direct else self.alloc(dst.shape[0], self.dtype, "comm_buffer", "rs")
         request = self.comm.ireduce_scatter(full, part)
 
         def done():
-            with np.errstate(over="ignore", invalid="ignore"):  # fp16 inf/nan: scaler's signal
-                self.grads_shard[self.layout.shard_slice(u)] += part
-            self.ledger.release(full)
-            self.ledger.release(part)
+            if to_host:  # into dst directly, or into a host buffer that is added on landing
+                landing = self.alloc(dst.shape[0], self.dtype, "comm_buffer", "d2h", "host",
+                                     self._pinned) if accumulate else dst
+                self._host_copies.append((HostCopy(part, landing), dst, part))
+                self._land_host_copies(block=False)
+            elif not direct:
+                _add_(dst, part)
+                self.ledger.release(part)
+            for buf in free:
+                self.ledger.release(buf)
 
         self._launch(request, done)
+
+    def _land_host_copies(self, block: bool) -> None:
+        """Finish device -> host gradient copies in order: add each landed shard into its
+        destination and free the buffers. Without `block`, stop at the first still in flight."""
+        while self._host_copies:
+            copy, dst, part = self._host_copies[0]
+            if not (block or copy.ready()):
+                return
+            self._host_copies.pop(0)
+            landed = copy.wait()
+            if landed is not dst:
+                _add_(dst, landed)
+                self.ledger.release(landed)
+            self.ledger.release(part)
 
     def publish_sharded_params(self) -> None:
         """Write each unit's updated master shard into params_full and allgather in place."""
         for u in range(len(self.units)):
-            self.params_full[self.layout.owned_slice(u, self.rank)] = \
-                self.master[self.layout.shard_slice(u)]
+            backend.copy_(self.params_full[self.layout.owned_slice(u, self.rank)],
+                          self.master[self.layout.shard_slice(u)])
             self._launch(self.comm.iallgather_inplace(self.params_full[self.layout.full_slice(u)]))
         self.wait_pending()
 
@@ -229,7 +321,7 @@ class Strategy:
         """The master weights of the whole model in the full layout (P), on every rank."""
         if not self.shard_optimizer:
             return self.master
-        full = self.xp.zeros(self.layout.full_numel, self.master_dtype)
+        full = array_module(self.master).zeros(self.layout.full_numel, self.master_dtype)
         for u in range(len(self.units)):
             self.comm.allgather(self.master[self.layout.shard_slice(u)],
                                 full[self.layout.full_slice(u)])
