@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from zmpi.optim.adam import Adam
+from zmpi.optim.adam import Adam, HostAdam
 from zmpi.optim.loss_scaler import LossScaler
 
 
@@ -24,6 +24,77 @@ def test_adam_matches_formula(decoupled):
         np.testing.assert_allclose(p, want, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(m, wm, rtol=1e-12)
     assert opt.step_count == 3
+
+
+def _textbook(p, grads, lr, betas, eps, weight_decay, decoupled):
+    """Adam(W) in float64, one formula per line, over a list of gradients."""
+    p, m, v = p.astype(np.float64), np.zeros(p.size), np.zeros(p.size)
+    for t, g in enumerate(grads, start=1):
+        wd = weight_decay
+        g = g.astype(np.float64) + (0 if decoupled else wd * p)
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = betas[1] * v + (1 - betas[1]) * g * g
+        p = p * (1 - lr * wd if decoupled else 1)
+        p = p - lr * (m / (1 - betas[0] ** t)) / (np.sqrt(v / (1 - betas[1] ** t)) + eps)
+    return p, m, v
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("size, chunk, threads", [(1001, 7, 1), (1001, 64, 3), (5, 65536, 2)])
+def test_host_adam_matches_textbook_over_many_steps(decoupled, size, chunk, threads):
+    """fp32 state, fp16 gradients scaled back by grad_scale; chunk boundaries fall anywhere
+    (a flat shard packs many parameters back to back, so also across them)."""
+    rng = np.random.default_rng(1)
+    p0 = rng.standard_normal(size).astype(np.float32)
+    scale = 1024.0
+    grads16 = [(rng.standard_normal(size) * scale).astype(np.float16) for _ in range(60)]
+    hyper = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05, decoupled=decoupled)
+    opt = HostAdam(**hyper, chunk=chunk, threads=threads)
+    p, m, v = p0.copy(), np.zeros(size, np.float32), np.zeros(size, np.float32)
+    for g in grads16:
+        opt.step_(p, g, m, v, grad_scale=1 / scale)
+    want_p, want_m, want_v = _textbook(p0, [g.astype(np.float64) / scale for g in grads16],
+                                       **hyper)
+    assert np.abs(p - want_p).max() <= 1e-6 * np.abs(want_p).max()
+    assert np.abs(m - want_m).max() <= 1e-6 * np.abs(want_m).max()
+    assert np.abs(v - want_v).max() <= 1e-6 * np.abs(want_v).max()
+    opt.close()
+
+
+def test_chunks_threads_and_devices_give_identical_bits():
+    """The rule is elementwise: any chunking and thread count, and the whole-array Adam the
+    device uses, produce the same bits (what makes offload on == offload off)."""
+    rng = np.random.default_rng(2)
+    p0 = rng.standard_normal(777).astype(np.float32)
+    grads = [rng.standard_normal(777).astype(np.float16) for _ in range(5)]
+    results = []
+    for opt in (Adam(weight_decay=0.1), HostAdam(weight_decay=0.1, chunk=10, threads=1),
+                HostAdam(weight_decay=0.1, chunk=33, threads=4)):
+        p, m, v = p0.copy(), np.zeros(777, np.float32), np.zeros(777, np.float32)
+        for g in grads:
+            opt.step_(p, g, m, v, grad_scale=0.5, clip_coef=0.25)
+        results.append(np.concatenate([p, m, v]))
+        opt.close()
+    assert all(np.array_equal(results[0], r) for r in results[1:])
+    g = grads[0]
+    stats = [HostAdam(chunk=10, threads=t).grad_stats(g, 0.5) for t in (1, 3)]
+    assert stats[0] == stats[1]
+    assert stats[0][0] and stats[0][1] == pytest.approx(((g * 0.5).astype(np.float64) ** 2).sum())
+
+
+def test_grad_stats_finds_inf_and_nan_and_never_writes_grads():
+    opt = HostAdam(chunk=4, threads=2)
+    for bad in (np.inf, -np.inf, np.nan):
+        g = np.ones(11, np.float16)
+        g[9] = bad
+        finite, _ = opt.grad_stats(g)
+        assert not finite and g[0] == 1 and (np.isnan(g[9]) or g[9] == bad)
+    big = np.full(11, 60000, np.float16)  # finite, but the fp32 sum of squares is large
+    assert opt.grad_stats(big)[0]
+    with pytest.raises(ValueError, match="shapes differ"):
+        opt.step_(np.zeros(3, np.float32), np.zeros(4, np.float32), np.zeros(3, np.float32),
+                  np.zeros(3, np.float32))
+    opt.close()
 
 
 def test_dynamic_scaler_hysteresis_window_and_floor():

@@ -23,7 +23,7 @@ import itertools
 import numpy
 
 __all__ = ["CATEGORIES", "MODEL_STATE", "DEVICES", "MemoryLedger", "model_state_breakdown",
-           "model_state_bytes", "comm_volume_elements"]
+           "model_state_bytes", "model_state_placement", "comm_volume_elements"]
 
 CATEGORIES = ("param", "grad", "master", "adam_m", "adam_v", "activation", "comm_buffer")
 MODEL_STATE = ("param", "grad", "master", "adam_m", "adam_v")
@@ -203,6 +203,42 @@ def model_state_bytes(num_params, world_size, stage, param_bytes=2, grad_bytes=2
     parts = model_state_breakdown(num_params, world_size, stage, param_bytes, grad_bytes,
                                   master_bytes=optimizer_bytes, moment_bytes=0)
     return sum(parts.values())
+
+
+def model_state_placement(num_params, world_size, stage, param_bytes=2, grad_bytes=2,
+                          master_bytes=4, moment_bytes=4, offload_optimizer=False,
+                          offload_param=False, delay_update=False) -> dict[str, dict]:
+    """Bytes per rank of each model-state category on the device and on the host:
+    {"device": {category: bytes}, "host": {category: bytes}}.
+
+    Without offload everything is on the device (`model_state_breakdown`). ZeRO-Offload
+    (ATC'21) with `offload_optimizer` (stages 1-3) moves the fp32 master weights and Adam's
+    moments (K Psi / N) to the host, together with the reduced gradient shard the host Adam
+    reads (g Psi / N; twice that with `delay_update`, whose host step reads one shard while
+    backward fills the other); stage 1 still keeps its full gradients on the device (g Psi),
+    stages 2-3 none. `offload_param` (stage 3) keeps the parameter shards (p Psi / N) on the
+    host: the device then holds no model state between units. For Psi = 7.5e9, N = 64, fp16:
+    stage 2 + optimizer offload holds 15 GB on the device and 1.6 GB on the host per rank.
+    """
+    parts = model_state_breakdown(num_params, world_size, stage, param_bytes, grad_bytes,
+                                  master_bytes, moment_bytes)
+    if offload_optimizer and stage == 0:
+        raise ValueError("optimizer offload needs stage 1, 2 or 3 (stage 0 keeps the "
+                         "optimizer state whole on every rank)")
+    if offload_param and stage != 3:
+        raise ValueError("parameter offload needs stage 3 (parameter partitioning)")
+    if delay_update and not offload_optimizer:
+        raise ValueError("delay_update needs offload_optimizer")
+    device, host = dict(parts), dict.fromkeys(MODEL_STATE, 0.0)
+    if offload_optimizer:
+        for c in ("master", "adam_m", "adam_v"):
+            host[c], device[c] = device[c], 0.0
+        host["grad"] = grad_bytes * num_params / world_size * (2 if delay_update else 1)
+        if stage >= 2:
+            device["grad"] = 0.0
+    if offload_param:
+        host["param"], device["param"] = device["param"], 0.0
+    return {"device": device, "host": host}
 
 
 def comm_volume_elements(num_params, world_size, stage) -> float:
