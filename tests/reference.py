@@ -32,7 +32,7 @@ def reference_train(model, batches, lr, betas=(0.9, 0.999), eps=1e-8, weight_dec
                 grads = {n: g * coef for n, g in grads.items()}
         delayed = delay_after is not None and t > delay_after
         published = {n: w.copy() for n, w in master.items()}  # visible at the next step
-        for n, p in params.items():
+        for n in params:
             g, w = grads[n], master[n].astype(np.float64)
             if weight_decay and not adamw:
                 g = g + weight_decay * w
