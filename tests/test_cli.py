@@ -18,6 +18,7 @@ def test_estimate_reproduces_design_table():
 def test_train_two_ranks_end_to_end(tmp_path):
     result = launch_mpi(REPO_ROOT / "zmpi" / "cli.py", 2, timeout=180, args=[
         "train", "--stage", "3", "--precision", "fp16", "--steps", "30", "--n-layer", "1",
+        "--delay-update", "10",
         "--d-model", "32", "--seq-len", "32", "--sample-tokens", "20",
         "--out", tmp_path / "run", "--log-dir", tmp_path / "logs"])
     assert result.returncode == 0, result.describe()
@@ -28,9 +29,10 @@ def test_train_two_ranks_end_to_end(tmp_path):
     losses = [float(line.split(",")[1]) for line in lines[1:]]
     assert len(losses) == 30 and losses[-1] < losses[0] - 0.3  # it learns
     table = result.stdout[result.stdout.index("model-state memory"):].splitlines()
-    for row in table[2:4]:  # per rank: measured == formula
-        rank, measured, formula, _ = row.split()
-        assert measured == formula, table
+    for row in table[2:4]:  # per rank: measured == formula, on the device and on the host
+        rank, device, device_formula, host, host_formula, _ = row.split()
+        assert device == device_formula and host == host_formula, table
+        assert float(host) > 0 and "optimizer on" in table[0]
     assert "--- sample ---" in result.stdout
     assert (tmp_path / "logs" / "rank1.log").read_text().count("step") >= 3
 
@@ -39,7 +41,7 @@ def _args(**kw):
     import argparse
 
     base = {"config": None, "batch": None, "lr": None, "stage": None, "precision": None,
-            "seed": 0}
+            "seed": 0, "offload_optimizer": False, "offload_param": False, "delay_update": None}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -59,3 +61,32 @@ def test_flags_override_config(tmp_path):
         .dtype_name == "float32"
     with pytest.raises(SystemExit, match="does not split"):
         build_config(_args(batch=30), 4)
+    notes = []
+    build_config(_args(config=str(path), precision="bf16", stage=1), 4, notes)
+    assert notes == ["--precision overrides the config's fp16.enabled = True with False"]
+
+
+def test_offload_flags_set_deepspeed_keys(tmp_path):
+    from zmpi.cli import build_config
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "none", "pin_memory": False}}}))
+    notes = []
+    zero = build_config(_args(config=str(path), delay_update=5, offload_param=True), 2,
+                        notes)["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": False,
+                                         "delay_update": True, "delay_update_warmup": 5}
+    assert zero["offload_param"] == {"device": "cpu"}
+    assert notes == ["--delay-update overrides the config's "
+                     "zero_optimization.offload_optimizer.device = 'none' with 'cpu'"]
+
+
+def test_estimate_with_offload_gives_device_and_host_memory():
+    out = subprocess.run([sys.executable, "-m", "zmpi.cli", "estimate", "--params", "7.5e9",
+                          "--world-size", "64", "--offload-optimizer"], capture_output=True,
+                         text=True, check=True, cwd=REPO_ROOT).stdout
+    rows = {line.split()[0]: line.split()[1:3] for line in out.splitlines()[2:]}
+    assert rows["0"] == ["-", "-"] and "needs stage 1, 2 or 3" in out
+    assert rows["1"] == ["30.0", "1.6"] and rows["2"] == ["15.0", "1.6"]
+    assert rows["3"] == ["0.2", "1.6"], out

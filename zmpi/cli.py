@@ -3,6 +3,7 @@
     mpiexec -n 2 python -m zmpi.cli train --stage 3          # what `make demo` runs
     mpiexec -n 4 python -m zmpi.cli train --config configs/gpt_stage2_fp16.json --steps 200
     python -m zmpi.cli estimate --params 7.5e9 --world-size 64   # the ZeRO paper's Fig. 1
+    mpiexec -n 2 python -m zmpi.cli train --stage 2 --offload-optimizer --delay-update
 
 `train` trains a character-level GPT on the shipped Tiny Shakespeare corpus with any ZeRO
 stage, shows a progress bar on rank 0 (loss, tokens/s), prints every rank's measured
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from models.gpt import GPT, GPTConfig
-from zmpi.memory import MODEL_STATE, model_state_bytes
+from zmpi.memory import DEVICES, MODEL_STATE, model_state_bytes, model_state_placement
 
 DEFAULTS = {  # the demo: ~0.8M parameters, about 1.5 minutes on 2 cores
     "steps": 600, "batch": 32, "seq_len": 64, "n_layer": 4, "n_head": 4, "d_model": 128,
@@ -29,12 +30,24 @@ DEFAULTS = {  # the demo: ~0.8M parameters, about 1.5 minutes on 2 cores
 }
 
 
-def build_config(args, world_size: int) -> dict:
-    """DeepSpeed-style config: --config file if given, else defaults; flags override it.
+def _set(cfg: dict, path: str, value, flag: str, notes: list) -> None:
+    """cfg[a][b]... = value for path 'a.b...'; a note when it replaces a different value."""
+    *parents, key = path.split(".")
+    for name in parents:
+        cfg = cfg.setdefault(name, {})
+    if key in cfg and cfg[key] != value:
+        notes.append(f"{flag} overrides the config's {path} = {cfg[key]!r} with {value!r}")
+    cfg[key] = value
+
+
+def build_config(args, world_size: int, notes: list | None = None) -> dict:
+    """DeepSpeed-style config: --config file if given, else defaults; flags override it, and
+    each override of a value the config set is described in `notes` (the CLI prints them).
 
     The global batch (--batch, or the config's train_batch_size) counts sequences per optimizer
     step over all ranks and accumulation steps; it must split evenly over both.
     """
+    notes = [] if notes is None else notes
     cfg = json.loads(Path(args.config).read_text()) if args.config else {}
     accumulation = cfg.get("gradient_accumulation_steps", 1)
     if args.batch is not None or "train_micro_batch_size_per_gpu" not in cfg:
@@ -42,36 +55,54 @@ def build_config(args, world_size: int) -> dict:
         if batch % (world_size * accumulation):
             raise SystemExit(f"global batch {batch} does not split over {world_size} ranks x "
                              f"{accumulation} accumulation steps")
-        cfg["train_micro_batch_size_per_gpu"] = batch // (world_size * accumulation)
-        cfg["train_batch_size"] = batch
+        _set(cfg, "train_micro_batch_size_per_gpu", batch // (world_size * accumulation),
+             "--batch", notes)
+        _set(cfg, "train_batch_size", batch, "--batch", notes)
     cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": DEFAULTS["lr"]}})
     if args.lr is not None:
-        cfg["optimizer"].setdefault("params", {})["lr"] = args.lr
+        _set(cfg, "optimizer.params.lr", args.lr, "--lr", notes)
     cfg.setdefault("gradient_clipping", 1.0)
     if args.stage is not None:
-        cfg.setdefault("zero_optimization", {})["stage"] = args.stage
+        _set(cfg, "zero_optimization.stage", args.stage, "--stage", notes)
     if args.precision is not None:  # exactly one of fp16/bf16 on (or neither for fp32)
         for section in ("fp16", "bf16"):
-            cfg[section] = {**cfg.get(section, {}), "enabled": args.precision == section}
-    cfg["seed"] = args.seed
+            _set(cfg, f"{section}.enabled", args.precision == section, "--precision", notes)
+    if args.offload_optimizer or args.delay_update is not None:
+        flag = "--offload-optimizer" if args.offload_optimizer else "--delay-update"
+        _set(cfg, "zero_optimization.offload_optimizer.device", "cpu", flag, notes)
+        if args.delay_update is not None:
+            for key, value in (("delay_update", True), ("delay_update_warmup", args.delay_update)):
+                _set(cfg, f"zero_optimization.offload_optimizer.{key}", value, "--delay-update",
+                     notes)
+    if args.offload_param:
+        _set(cfg, "zero_optimization.offload_param.device", "cpu", "--offload-param", notes)
+    _set(cfg, "seed", args.seed, "--seed", notes)
     return cfg
 
 
 def memory_table(engine, comm) -> str:
-    """Every rank's measured model-state bytes (ledger) next to the SC'20 formula."""
+    """Every rank's measured model-state bytes (ledger) on the device and on the host, next
+    to the SC'20 formula extended with ZeRO-Offload's placement (zmpi.memory)."""
     s = engine.strategy
     stage = s.shard_optimizer + s.shard_gradients + s.shard_parameters  # the formula's stage
-    pbytes, k = engine.dtype.itemsize, 3 * engine.master_dtype.itemsize
-    formula = model_state_bytes(engine.layout.full_numel, comm.size, stage, pbytes, pbytes, k)
-    rows = comm.allgather_object((comm.rank, engine.memory.model_state_bytes(),
-                                  engine.memory.peak(MODEL_STATE)))
-    lines = [f"model-state memory per rank ({engine.strategy.name}, {engine.dtype.name} params, "
+    pbytes, mbytes = engine.dtype.itemsize, engine.master_dtype.itemsize
+    formula = model_state_placement(engine.layout.full_numel, comm.size, stage, pbytes, pbytes,
+                                    mbytes, mbytes, s.offload_optimizer, s.offload_param,
+                                    s.grads_spare is not None)
+    rows = comm.allgather_object((comm.rank, *(engine.memory.model_state_bytes(d)
+                                               for d in DEVICES),
+                                  engine.memory.peak(MODEL_STATE, "device")))
+    want = [sum(formula[d].values()) / 2**20 for d in DEVICES]
+    lines = [f"model-state memory per rank ({s.name}, {engine.dtype.name} params, "
              f"Psi = {engine.num_params:,} + {engine.layout.padding} padding, "
-             f"K = {k}, N = {comm.size})",
-             f"{'rank':>4} {'measured MiB':>13} {'formula MiB':>12} {'peak MiB':>9}"]
-    for rank, now, peak in rows:
-        lines.append(f"{rank:>4} {now / 2**20:>13.3f} {formula / 2**20:>12.3f} "
-                     f"{peak / 2**20:>9.3f}")
+             f"K = {3 * mbytes}, N = {comm.size}; offload: optimizer "
+             f"{'on' if s.offload_optimizer else 'off'}, params "
+             f"{'on' if s.offload_param else 'off'})",
+             f"{'rank':>4} {'device MiB':>11} {'formula':>9} {'host MiB':>9} {'formula':>9} "
+             f"{'device peak':>12}"]
+    for rank, device, host, peak in rows:
+        lines.append(f"{rank:>4} {device / 2**20:>11.3f} {want[0]:>9.3f} {host / 2**20:>9.3f} "
+                     f"{want[1]:>9.3f} {peak / 2**20:>12.3f}")
     return "\n".join(lines)
 
 
@@ -90,7 +121,10 @@ def train(args) -> None:
     train_tokens, val_tokens = train_val_split(tokenizer.encode(text), 0.1)
     model_cfg = GPTConfig(tokenizer.vocab_size, args.seq_len, args.n_layer, args.n_head,
                           args.d_model)
-    engine = Engine(GPT(model_cfg, seed=args.seed), build_config(args, comm.size), comm)
+    notes = []
+    engine = Engine(GPT(model_cfg, seed=args.seed), build_config(args, comm.size, notes), comm)
+    for note in notes:
+        log.info(note)
     cfg = engine.config
     rows = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
     global_batch = rows * comm.size
@@ -116,6 +150,7 @@ def train(args) -> None:
         if args.log_dir and step % 10 == 0:
             log.info(f"step {step} loss {loss:.4f} tokens/s {tokens_per_s:.0f}")
     elapsed = time.perf_counter() - start
+    engine.flush()  # a delayed update in flight lands before evaluation
     val_loss = np.mean([engine.eval_loss(*val_data.sample(i)) for i in range(4)])
     mean_tps = args.steps * global_batch * args.seq_len / elapsed
     log.info(f"loss {metrics[0][1]:.3f} -> {metrics[-1][1]:.3f} (val {val_loss:.3f}); "
@@ -139,17 +174,32 @@ def train(args) -> None:
 
 
 def estimate(args) -> None:
-    """Print the paper's per-rank model-state memory and traffic for each stage."""
+    """Print the paper's per-rank model-state memory and traffic for each stage; with
+    --offload-optimizer / --offload-param, device and host memory (ZeRO-Offload)."""
     from zmpi.memory import comm_volume_elements
 
-    psi, n = args.params, args.world_size
-    print(f"Psi = {psi:.3g} parameters, N = {n} ranks, {args.param_bytes}-byte params and "
-          f"grads, K = {args.optimizer_bytes}")
-    print(f"{'stage':>5} {'GB per rank':>12} {'traffic per step (elements)':>28}")
+    psi, n, pb, k = args.params, args.world_size, args.param_bytes, args.optimizer_bytes
+    offload = args.offload_optimizer or args.offload_param
+    print(f"Psi = {psi:.3g} parameters, N = {n} ranks, {pb}-byte params and grads, K = {k}"
+          + (f"; offload: optimizer {'on' if args.offload_optimizer else 'off'}, params "
+             f"{'on' if args.offload_param else 'off'}" if offload else ""))
+    if not offload:
+        print(f"{'stage':>5} {'GB per rank':>12} {'traffic per step (elements)':>28}")
+        for stage in range(4):
+            gb = model_state_bytes(psi, n, stage, pb, pb, k) / 1e9
+            print(f"{stage:>5} {gb:>12.1f} {comm_volume_elements(psi, n, stage):>28.3g}")
+        return
+    print(f"{'stage':>5} {'device GB':>10} {'host GB':>9} {'traffic per step (elements)':>28}")
     for stage in range(4):
-        gb = model_state_bytes(psi, n, stage, args.param_bytes, args.param_bytes,
-                               args.optimizer_bytes) / 1e9
-        print(f"{stage:>5} {gb:>12.1f} {comm_volume_elements(psi, n, stage):>28.3g}")
+        try:
+            place = model_state_placement(psi, n, stage, pb, pb, k / 3, k / 3,
+                                          args.offload_optimizer, args.offload_param)
+        except ValueError as e:
+            print(f"{stage:>5} {'-':>10} {'-':>9} {'':>28}  ({e})")
+            continue
+        device, host = (sum(place[d].values()) / 1e9 for d in DEVICES)
+        print(f"{stage:>5} {device:>10.1f} {host:>9.1f} "
+              f"{comm_volume_elements(psi, n, stage):>28.3g}")
 
 
 def main(argv=None) -> None:
@@ -168,6 +218,14 @@ def main(argv=None) -> None:
     t.add_argument("--lr", type=float, default=None, help=f"default {DEFAULTS['lr']}")
     for name in ("seq_len", "n_layer", "n_head", "d_model"):
         t.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=DEFAULTS[name])
+    t.add_argument("--offload-optimizer", action="store_true",
+                   help="ZeRO-Offload: master weights, Adam state and update on the host "
+                   "(sets zero_optimization.offload_optimizer.device=cpu; stages 1-3)")
+    t.add_argument("--offload-param", action="store_true",
+                   help="stage 3: parameter shards on the host (offload_param.device=cpu)")
+    t.add_argument("--delay-update", type=int, metavar="WARMUP", default=None,
+                   help="one-step delayed update after WARMUP synchronous steps (implies "
+                   "--offload-optimizer; the paper uses 40)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--sample-tokens", type=int, default=200)
     t.add_argument("--out", help="output directory (default runs/<time>)")
@@ -177,6 +235,10 @@ def main(argv=None) -> None:
     e.add_argument("--world-size", type=int, required=True)
     e.add_argument("--param-bytes", type=int, default=2)
     e.add_argument("--optimizer-bytes", type=int, default=12)
+    e.add_argument("--offload-optimizer", action="store_true",
+                   help="master weights, Adam state and gradient shard on the host")
+    e.add_argument("--offload-param", action="store_true",
+                   help="stage 3 parameter shards on the host")
     args = parser.parse_args(argv)
     if args.command == "train":
         if args.stage is None and not args.config:
