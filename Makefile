@@ -15,7 +15,7 @@ export OPENBLAS_NUM_THREADS=1
 export MKL_NUM_THREADS=1
 export ZMPI_BACKEND ?= numpy
 
-.PHONY: install test demo lint clean
+.PHONY: install test demo lint clean bench-install bench-adam bench-offload
 
 install: $(STAMP)
 
@@ -29,6 +29,16 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) -m zmpi.cli train --stage $(STAGE) --precision $(PRECISION)
+
+# Benchmarks (not tests: timings never decide pass/fail). torch and matplotlib: the bench extra.
+bench-install: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[bench]'
+
+bench-adam: bench-install
+	$(PY) experiments/bench_adam.py --out results/bench_adam
+
+bench-offload: bench-install
+	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_offload.py --out results/offload_n$(NP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check zmpi models experiments tests

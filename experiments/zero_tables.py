@@ -7,19 +7,16 @@ writes what the MemoryLedger and Comm counted next to the SC'20 formulas (Fig. 1
 Sec. 7 traffic) as CSV and Markdown, plus run.json (config, git revision, environment).
 """
 import argparse
-import csv
-import json
 import sys
-from pathlib import Path
 
 import numpy as np
+from results import write_results
 
 from models.gpt import GPT, GPTConfig
 from zmpi.comm import Comm
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
 from zmpi.memory import MODEL_STATE, comm_volume_elements, model_state_bytes
-from zmpi.runinfo import run_metadata
 
 MIB = 2**20
 
@@ -70,16 +67,7 @@ def main():
                   f"{r['tied_extra_MiB']:.3f} |")
     print("\n".join(md))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "table.md").write_text("\n".join(md) + "\n")
-        with open(out / "table.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k != "calls"])
-            writer.writeheader()
-            writer.writerows({k: v for k, v in r.items() if k != "calls"} for r in rows)
-        (out / "run.json").write_text(json.dumps(run_metadata(
-            comm, argv=sys.argv, model=vars(model_cfg), rows=rows), indent=2, default=str))
-
+        write_results(args.out, rows, md, comm, argv=sys.argv, model=vars(model_cfg))
 
 if __name__ == "__main__":
     np.seterr(over="ignore")

@@ -125,3 +125,17 @@ def test_scaler_state_round_trip_and_validation():
     assert s.state_dict() == t.state_dict() and t.scale == 2.0**17
     with pytest.raises(ValueError):
         LossScaler(scale=0)
+
+
+def test_grad_stats_and_step_never_share_scratch():
+    """The delayed update runs step_ in a background thread while the next step's grad_stats
+    runs in the training thread: no scratch array may be used by both (or by two threads)."""
+    opt = HostAdam(chunk=8, threads=2)
+    p, g = np.ones(40, np.float32), np.ones(40, np.float16)
+    opt.step_(p, g, np.zeros(40, np.float32), np.zeros(40, np.float32))
+    opt.grad_stats(g)
+    arrays = [a for pair in opt._scratch.values() for a in pair]
+    assert len(arrays) == 2 * 2 * 2  # (stats, step) x 2 threads x 2 arrays
+    for i, a in enumerate(arrays):
+        assert not any(np.shares_memory(a, b) for b in arrays[i + 1:])
+    opt.close()

@@ -39,10 +39,8 @@ def adam_chunk_(param, grads, m, v, scratch, step, lr, betas, eps, weight_decay,
     n = param.shape[0]
     g, t = scratch[0][:n], scratch[1][:n]
     beta1, beta2 = betas
-    g[...] = grads                                         # g = grad in master dtype
-    g *= grad_scale                                        # / (loss scale x ranks x accumulation)
-    if clip_coef != 1.0:
-        g *= clip_coef                                     # global-norm clipping
+    _scaled_(g, grads, grad_scale * clip_coef)             # g = grad / (loss scale x ranks x
+                                                           #     accumulation) x clip coef
     if weight_decay and not decoupled:
         xp.multiply(param, weight_decay, out=t)
         g += t                                             # g = g + wd p        (L2, Adam)
@@ -64,12 +62,23 @@ def adam_chunk_(param, grads, m, v, scratch, step, lr, betas, eps, weight_decay,
     param -= t                                             # p = p - lr m_hat / (sqrt(v_hat) + eps)
 
 
+def _scaled_(out, grads, scale) -> None:
+    """out = grads * scale in out's dtype: one pass when the dtypes agree, else convert first
+    (a mixed-dtype multiply with a Python float would compute in the narrower dtype)."""
+    xp = array_module(out)
+    if grads.dtype == out.dtype:
+        xp.multiply(grads, scale, out=out)
+        return
+    out[...] = grads
+    if scale != 1.0:
+        out *= scale
+
+
 def _sumsq_chunk(grads, scratch, grad_scale) -> tuple[bool, float]:
     """(all finite, sum of squares) of grads * grad_scale in the scratch dtype."""
     xp = array_module(scratch[0])
     g = scratch[0][: grads.shape[0]]
-    g[...] = grads
-    g *= grad_scale
+    _scaled_(g, grads, grad_scale)
     sq = float(xp.dot(g, g))
     return math.isfinite(sq) or bool(xp.isfinite(g).all()), sq
 
@@ -110,7 +119,7 @@ class Adam:
         """(every element of grads * grad_scale is finite, their sum of squares), computed in
         `master_dtype` chunk by chunk and summed in chunk order (same on any thread count)."""
         parts = self._map(lambda c, s: _sumsq_chunk(grads[c], s, grad_scale),
-                          grads.shape[0], master_dtype, array_module(grads))
+                          grads.shape[0], master_dtype, array_module(grads), "stats")
         return all(f for f, _ in parts), math.fsum(sq for _, sq in parts)
 
     def step_(self, param, grads, m, v, grad_scale=1.0, clip_coef=1.0) -> None:
@@ -122,7 +131,7 @@ class Adam:
         hyper = (self.step_count, self.lr, self.betas, self.eps, self.weight_decay,
                  self.decoupled, grad_scale, clip_coef)
         self._map(lambda c, s: adam_chunk_(param[c], grads[c], m[c], v[c], s, *hyper),
-                  param.shape[0], param.dtype, array_module(param))
+                  param.shape[0], param.dtype, array_module(param), "step")
 
     def close(self) -> None:
         """Stop the worker threads (a later step starts them again)."""
@@ -130,15 +139,17 @@ class Adam:
             self._pool.shutdown()
             self._pool = None
 
-    def _map(self, fn, n, dtype, xp) -> list:
+    def _map(self, fn, n, dtype, xp, purpose) -> list:
         """fn(slice, scratch) over consecutive chunks of [0, n); results in chunk order.
-        Thread k takes every chunk c with c % threads == k and uses its own scratch."""
+        Thread k takes every chunk c with c % threads == k and uses its own scratch, one set
+        per `purpose`: with the delayed update, `grad_stats` of one step runs while `step_`
+        of the previous one is still running in the background."""
         size = max(1, n if self.chunk is None else min(self.chunk, n))
         chunks = [slice(i, min(i + size, n)) for i in range(0, n, size)]
         threads = min(self.threads, len(chunks))
 
         def worker(k):
-            scratch = self._scratch_for(k, size, dtype, xp)
+            scratch = self._scratch_for((purpose, k), size, dtype, xp)
             return [fn(c, scratch) for c in chunks[k::threads]]
 
         if threads <= 1:
