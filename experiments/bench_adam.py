@@ -1,6 +1,6 @@
 """Host Adam speed: zmpi's HostAdam against a naive NumPy Adam and PyTorch's CPU AdamW.
 
-    make bench-adam                     # or: python experiments/bench_adam.py --out results/bench_adam
+    make bench-adam          # python experiments/bench_adam.py --out results/bench_adam
 
 On the same arrays, one thread each (the setting an offloading rank gets per core), for
 shards of 1 M to 64 M fp32 elements: zmpi's `HostAdam` (fp32 gradients, and fp16 gradients
@@ -20,8 +20,8 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
-from results import write_results  # noqa: E402
 
+from results import write_results  # noqa: E402
 from zmpi.comm import Comm  # noqa: E402
 from zmpi.optim.adam import HostAdam  # noqa: E402
 

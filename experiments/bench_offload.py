@@ -18,9 +18,9 @@ import sys
 import time
 
 import numpy as np
-from results import write_results
 
 from models.gpt import GPT, GPTConfig
+from results import write_results
 from zmpi.comm import Comm
 from zmpi.data import BatchSampler, CharTokenizer, load_text, train_val_split
 from zmpi.engine import Engine
