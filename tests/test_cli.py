@@ -25,6 +25,7 @@ def test_train_two_ranks_end_to_end(tmp_path):
     meta = json.loads((tmp_path / "run" / "run.json").read_text())
     assert meta["world_size"] == 2 and meta["engine"]["strategy"] == "stage3"
     assert meta["git_revision"] and meta["environment"]["mpi_library"]
+    assert meta["optimizer_timing"]["delayed_steps"] == 30 - 10  # --delay-update 10
     lines = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
     losses = [float(line.split(",")[1]) for line in lines[1:]]
     assert len(losses) == 30 and losses[-1] < losses[0] - 0.3  # it learns

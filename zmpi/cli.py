@@ -168,9 +168,11 @@ def train(args) -> None:
             csv.writer(f).writerows([("step", "loss", "tokens_per_s", "loss_scale"), *metrics])
         meta = run_metadata(comm, argv=sys.argv, config=cfg.to_dict(), model=vars(model_cfg),
                             engine=engine.describe(), val_loss=float(val_loss),
-                            tokens_per_s=mean_tps, memory=engine.memory.snapshot())
+                            tokens_per_s=mean_tps, memory=engine.memory.snapshot(),
+                            optimizer_timing=engine.update_timing)
         (out / "run.json").write_text(json.dumps(meta, indent=2, default=str))
         log.info(f"wrote {out}/run.json, metrics.csv, sample.txt")
+    engine.close()
 
 
 def estimate(args) -> None:
