@@ -130,7 +130,7 @@ PSI, N = 7.5e9, 64
 
 @pytest.mark.parametrize("stage, gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
 def test_paper_table(stage, gb):
-    """DESIGN.md / ZeRO Fig. 1: Psi = 7.5e9, N = 64, K = 12, GB = 1e9 bytes."""
+    """ZeRO (SC'20) Fig. 1: Psi = 7.5e9, N = 64, K = 12, GB = 1e9 bytes."""
     assert round(model_state_bytes(PSI, N, stage) / 1e9, 1) == gb
 
 

@@ -1,7 +1,7 @@
 """Partition strategies: the shared ZeRO mechanism, and the registry of policies over it.
 
-A strategy decides what each rank keeps and which collective runs at each hook (DESIGN.md,
-"Partition strategy"). `Strategy` holds the mechanism every policy shares: buffers laid out by
+A strategy decides what each rank keeps and which collective runs at each hook (README.md,
+"The stages"). `Strategy` holds the mechanism every policy shares: buffers laid out by
 `zero.flat`, binding parameter views, gathering and releasing a unit, reduce-scattering a
 unit's gradients, writing updated master weights back. A policy (`stage0.py` ... `stage3.py`)
 declares which model states it shards and overrides the hooks:
@@ -172,11 +172,10 @@ class Strategy:
 
     def swap_grad_buffers(self):
         """Delayed update: hand the reduced gradients of this step to the optimizer and give
-        backward the spare buffer (zeroed by zero_grads). Returns the handed-over buffer."""
+        backward the spare buffer (zeroed by zero_grads)."""
         if self.grads_spare is None:
             raise RuntimeError("swap_grad_buffers needs offload_optimizer.delay_update")
         self.grads_shard, self.grads_spare = self.grads_spare, self.grads_shard
-        return self.grads_spare
 
     # ---- hooks (policies override) -----------------------------------------------------
     def before_forward(self, u: int) -> None: ...
@@ -196,11 +195,11 @@ class Strategy:
         """A zeroed 1-D buffer registered with the ledger: on the device (the array module
         `xp`) or on the host (NumPy; page-locked if `pinned` and on a GPU). Release it with
         `self.ledger.release(buf)`."""
-        if device == "host":
-            buf = backend.pinned_empty(numel, dtype) if pinned else np.empty(numel, dtype)
+        if device == "host" and pinned:
+            buf = backend.pinned_empty(numel, dtype)
             buf.fill(0)
             return self.ledger.register(buf, category, "host", name)
-        return self.ledger.allocate((numel,), dtype, category, name=name, xp=self.xp)
+        return self.ledger.allocate((numel,), dtype, category, device, name, xp=self.xp)
 
     def _bind(self, u: int, attr: str, flat) -> None:
         """Point each parameter's .data or .grad of unit u at its view of `flat` (or None)."""
@@ -276,13 +275,12 @@ class Strategy:
         If grads_shard is on the host (optimizer offload) the shard is copied device -> host
         as soon as the reduction completes. Buffers in `free` are released when done."""
         dst = self.grads_shard[self.layout.shard_slice(u)]
-        to_host = self.offload_optimizer
-        direct = not accumulate and not to_host
+        direct = not accumulate and not self.offload_optimizer
         part = dst if direct else self.alloc(dst.shape[0], self.dtype, "comm_buffer", "rs")
         request = self.comm.ireduce_scatter(full, part)
 
         def done():
-            if to_host:  # into dst directly, or into a host buffer that is added on landing
+            if self.offload_optimizer:  # to dst, or to a host buffer added on landing
                 landing = self.alloc(dst.shape[0], self.dtype, "comm_buffer", "d2h", "host",
                                      self._pinned) if accumulate else dst
                 self._host_copies.append((HostCopy(part, landing), dst, part))
