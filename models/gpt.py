@@ -114,6 +114,10 @@ class GPT(UnitModel):
                   for _ in range(c.n_layer)]
         super().__init__([embedding, *blocks, LMHead(embedding, c.d_model, dtype)])
 
+    def tied_parameters(self):
+        """The LM head's output projection is the token embedding."""
+        return {f"units.{len(self.units) - 1}.wte": "units.0.wte"}
+
     def generate(self, idx, max_new_tokens, temperature=1.0, rng=None):
         """Sample `max_new_tokens` tokens after `idx` (B, T0) int; returns (B, T0 + new) int.
 

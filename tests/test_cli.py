@@ -91,3 +91,49 @@ def test_estimate_with_offload_gives_device_and_host_memory():
     assert rows["0"] == ["-", "-"] and "needs stage 1, 2 or 3" in out
     assert rows["1"] == ["30.0", "1.6"] and rows["2"] == ["15.0", "1.6"]
     assert rows["3"] == ["0.2", "1.6"], out
+
+
+def _train(tmp_path, n, *extra):
+    result = launch_mpi(REPO_ROOT / "zmpi" / "cli.py", n, timeout=180, args=[
+        "train", "--precision", "fp16", "--n-layer", "1", "--d-model", "32", "--seq-len", "32",
+        "--batch", "4", "--sample-tokens", "5", *extra])
+    assert result.returncode == 0, result.describe()
+    return result
+
+
+def _losses(run_dir):
+    lines = (run_dir / "metrics.csv").read_text().splitlines()[1:]
+    return {int(line.split(",")[0]): float(line.split(",")[1]) for line in lines}
+
+
+def test_train_save_every_and_resume(tmp_path):
+    """8 steps straight == 4 steps, an async save, a new mpiexec resuming to 8 (bit for bit,
+    2 ranks, stage 3); resuming the same checkpoint on 1 rank at stage 0 goes on too."""
+    _train(tmp_path, 2, "--stage", "3", "--steps", "8", "--out", tmp_path / "whole")
+    _train(tmp_path, 2, "--stage", "3", "--steps", "4", "--save-every", "2", "--keep-last",
+           "1", "--async-save", "--out", tmp_path / "first", "--ckpt-dir", tmp_path / "ck")
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step4"]
+    out = _train(tmp_path, 2, "--stage", "3", "--steps", "8", "--resume", tmp_path / "ck",
+                 "--out", tmp_path / "second").stdout
+    assert "resumed from" in out and "step 4, saved by 2 ranks with stage3" in out
+    whole, second = _losses(tmp_path / "whole"), _losses(tmp_path / "second")
+    assert sorted(second) == [4, 5, 6, 7]
+    assert [second[s] for s in second] == [whole[s] for s in second]
+    _train(tmp_path, 1, "--stage", "0", "--steps", "8", "--resume", tmp_path / "ck",
+           "--out", tmp_path / "third")
+    third = _losses(tmp_path / "third")
+    assert third[4] == pytest.approx(whole[4], rel=1e-3)  # same weights, sums in fp16 order
+
+
+def test_resume_from_a_bad_checkpoint_is_one_clear_line(tmp_path):
+    result = launch_mpi(REPO_ROOT / "zmpi" / "cli.py", 2, timeout=120, args=[
+        "train", "--steps", "2", "--n-layer", "1", "--d-model", "32", "--resume",
+        tmp_path / "nowhere", "--out", tmp_path / "run"])
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.describe()
+    assert result.stderr.count("cannot resume") == 1 and "missing" in result.stderr
+
+
+def test_checkpoint_flags_without_save_every_are_rejected():
+    out = subprocess.run([sys.executable, "-m", "zmpi.cli", "train", "--keep-last", "2"],
+                         capture_output=True, text=True, cwd=REPO_ROOT)
+    assert out.returncode == 2 and "only with --save-every" in out.stderr

@@ -18,7 +18,7 @@ from zmpi.memory import (
 
 def test_constants():
     assert MODEL_STATE == CATEGORIES[:5] and DEVICES == ("device", "host")
-    assert set(CATEGORIES) - set(MODEL_STATE) == {"activation", "comm_buffer"}
+    assert set(CATEGORIES) - set(MODEL_STATE) == {"activation", "comm_buffer", "checkpoint"}
 
 
 def test_register_release_current_peak_sequence():

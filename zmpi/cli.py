@@ -4,11 +4,17 @@
     mpiexec -n 4 python -m zmpi.cli train --config configs/gpt_stage2_fp16.json --steps 200
     python -m zmpi.cli estimate --params 7.5e9 --world-size 64   # the ZeRO paper's Fig. 1
     mpiexec -n 2 python -m zmpi.cli train --stage 2 --offload-optimizer --delay-update
+    mpiexec -n 2 python -m zmpi.cli train --save-every 100 --ckpt-dir ckpt --steps 300
+    mpiexec -n 4 python -m zmpi.cli train --resume ckpt --steps 600   # any world size
+    python -m zmpi.cli ckpt inspect ckpt        # also: verify, consolidate ckpt out.h5
 
 `train` trains a character-level GPT on the shipped Tiny Shakespeare corpus with any ZeRO
 stage, shows a progress bar on rank 0 (loss, tokens/s), prints every rank's measured
 model-state memory next to the paper's formula, samples some text, and writes the run's config,
-git revision, environment, metrics and sample to `--out` (default runs/<time>).
+git revision, environment, metrics and sample to `--out` (default runs/<time>). With
+`--save-every K` it saves a sharded checkpoint every K steps and at the end; `--resume` goes
+on from the newest one, at any world size and stage. `ckpt` inspects, verifies and
+consolidates checkpoints without MPI.
 """
 from __future__ import annotations
 
@@ -137,9 +143,11 @@ def train(args) -> None:
              f"{args.seq_len} tokens, {args.steps} steps")
 
     out = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    ckpt_dir = Path(args.ckpt_dir or out / "checkpoints")
+    first = _resume(args, engine, comm, log) if args.resume is not None else 0
     metrics = []
-    bar = tqdm(range(args.steps), disable=comm.rank != 0, file=sys.stdout, mininterval=0.5,
-               dynamic_ncols=True)
+    bar = tqdm(range(first, args.steps), disable=comm.rank != 0, file=sys.stdout,
+               mininterval=0.5, dynamic_ncols=True)
     start = time.perf_counter()
     for step in bar:
         t0 = time.perf_counter()
@@ -149,10 +157,18 @@ def train(args) -> None:
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
         if args.log_dir and step % 10 == 0:
             log.info(f"step {step} loss {loss:.4f} tokens/s {tokens_per_s:.0f}")
+        if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+            t0 = time.perf_counter()
+            path = engine.save_checkpoint(ckpt_dir, keep_last=args.keep_last,
+                                          async_=args.async_save,
+                                          client_state={"step": step + 1, "seed": args.seed})
+            if args.log_dir:
+                log.info(f"{'started saving' if args.async_save else 'saved'} {path} "
+                         f"({time.perf_counter() - t0:.2f} s)")
     elapsed = time.perf_counter() - start
     engine.flush()  # a delayed update in flight lands before evaluation
     val_loss = np.mean([engine.eval_loss(*val_data.sample(i)) for i in range(4)])
-    mean_tps = args.steps * global_batch * args.seq_len / elapsed
+    mean_tps = len(metrics) * global_batch * args.seq_len / elapsed
     log.info(f"loss {metrics[0][1]:.3f} -> {metrics[-1][1]:.3f} (val {val_loss:.3f}); "
              f"{mean_tps:,.0f} tokens/s over {elapsed:.1f} s")
     log.info(memory_table(engine, comm))
@@ -173,6 +189,56 @@ def train(args) -> None:
         (out / "run.json").write_text(json.dumps(meta, indent=2, default=str))
         log.info(f"wrote {out}/run.json, metrics.csv, sample.txt")
     engine.close()
+
+
+def _resume(args, engine, comm, log) -> int:
+    """Load the checkpoint --resume names (or --ckpt-dir's); returns the step to go on from.
+    A bad checkpoint ends the run on every rank with one line from rank 0."""
+    from zmpi.checkpoint import CheckpointError
+
+    directory = args.resume or args.ckpt_dir or (Path(args.out) / "checkpoints" if args.out
+                                                 else None)
+    if directory is None:
+        raise SystemExit("zmpi train: --resume needs a directory, --ckpt-dir or --out")
+    try:
+        loaded = engine.load_checkpoint(directory)
+    except CheckpointError as e:
+        if comm.rank == 0:
+            print(f"zmpi train: cannot resume: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    saved_seed = loaded.client_state.get("seed", args.seed)
+    notes = loaded.notes + ([f"--seed {args.seed} overrides the checkpoint's data seed "
+                             f"{saved_seed}"] if saved_seed != args.seed else [])
+    first = loaded.client_state["step"]
+    for note in notes:
+        log.info(note)
+    log.info(f"resumed from {loaded.path} (step {first}, saved by {loaded.world_size} ranks "
+             f"with {loaded.strategy}) on {comm.size} ranks with {engine.strategy.name}")
+    if first >= args.steps:
+        raise SystemExit(f"zmpi train: the checkpoint is at step {first}; ask for more "
+                         f"--steps than that to go on")
+    return first
+
+
+def ckpt(args) -> None:
+    """zmpi ckpt inspect|verify|consolidate: offline, no MPI. Exit code 1 on any problem."""
+    from zmpi.checkpoint import CheckpointError, tools
+
+    try:
+        if args.ckpt_command == "inspect":
+            print(tools.inspect(args.directory, args.tag))
+        elif args.ckpt_command == "verify":
+            problems = tools.verify(args.directory, args.tag)
+            for problem in problems:
+                print(problem)
+            print(f"{len(problems)} problems" if problems else "ok: every checksum matches")
+            raise SystemExit(1 if problems else 0)
+        else:
+            out = tools.consolidate(args.directory, args.out, args.tag, args.npz)
+            print(f"wrote {out}")
+    except CheckpointError as e:
+        print(f"zmpi ckpt {args.ckpt_command}: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def estimate(args) -> None:
@@ -232,6 +298,15 @@ def main(argv=None) -> None:
     t.add_argument("--sample-tokens", type=int, default=200)
     t.add_argument("--out", help="output directory (default runs/<time>)")
     t.add_argument("--log-dir", help="every rank logs to LOG_DIR/rank<r>.log")
+    t.add_argument("--save-every", type=int, metavar="K", default=0,
+                   help="save a checkpoint every K steps and at the end (default: never)")
+    t.add_argument("--ckpt-dir", help="checkpoint directory (default OUT/checkpoints)")
+    t.add_argument("--keep-last", type=int, metavar="K", default=None,
+                   help="keep only the K newest checkpoints (default: all)")
+    t.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in a background thread while training goes on")
+    t.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
+                   help="go on from the newest checkpoint in DIR (default: --ckpt-dir)")
     e = sub.add_parser("estimate", help="model-state memory per rank from the ZeRO formulas")
     e.add_argument("--params", type=float, required=True)
     e.add_argument("--world-size", type=int, required=True)
@@ -241,8 +316,25 @@ def main(argv=None) -> None:
                    help="master weights, Adam state and gradient shard on the host")
     e.add_argument("--offload-param", action="store_true",
                    help="stage 3 parameter shards on the host")
+    c = sub.add_parser("ckpt", help="inspect, verify or consolidate a checkpoint (no MPI)")
+    csub = c.add_subparsers(dest="ckpt_command", required=True)
+    for name, text in (("inspect", "print the manifest: step, world size, dtypes, files"),
+                       ("verify", "check every checksum; exit code 0 if sound, else 1"),
+                       ("consolidate", "one file of full fp32 tensors (tied weights once)")):
+        p = csub.add_parser(name, help=text)
+        p.add_argument("directory", help="checkpoint directory (the one holding `latest`)")
+        if name == "consolidate":
+            p.add_argument("out", help="output file (.h5, or .npz with --npz)")
+            p.add_argument("--npz", action="store_true", help="write a NumPy .npz")
+        p.add_argument("--tag", help="which checkpoint (default: the one `latest` names)")
     args = parser.parse_args(argv)
-    if args.command == "train":
+    if args.command == "ckpt":
+        ckpt(args)
+    elif args.command == "train":
+        if args.save_every < 0 or (args.keep_last is not None and args.keep_last < 1):
+            parser.error("--save-every must be >= 0 and --keep-last >= 1")
+        if not args.save_every and (args.keep_last is not None or args.async_save):
+            parser.error("--keep-last and --async-save act only with --save-every K")
         if args.stage is None and not args.config:
             args.stage = 3
         train(args)

@@ -32,10 +32,12 @@ from pathlib import Path
 import numpy as np
 
 from zmpi import backend
+from zmpi.checkpoint import sharded as checkpoint
 from zmpi.config import Config
 from zmpi.memory import MemoryLedger
 from zmpi.optim.adam import Adam, HostAdam, host_threads
 from zmpi.optim.loss_scaler import LossScaler
+from zmpi.runinfo import git_revision
 from zmpi.zero.flat import ModelLayout, UnitLayout
 from zmpi.zero.strategy import get_strategy
 
@@ -103,6 +105,8 @@ class Engine:
         self.delay_update, self.delay_update_warmup = (offload.delay_update,
                                                        offload.delay_update_warmup)
         self._update = None  # the delayed update in flight: (thread, outcome dict)
+        self._unpublished = False  # a finished delayed update whose params are not published
+        self.pending_save = None  # an asynchronous checkpoint save in flight
         self.update_timing = {"optimizer_s": 0.0, "waited_s": 0.0, "delayed_steps": 0}
         fp16 = self.config.fp16
         self.scaler = LossScaler.from_config(fp16) if fp16.enabled else LossScaler.disabled()
@@ -130,6 +134,8 @@ class Engine:
         they are split into micro-batches. Gradients are averaged over the global batch
         (all ranks, all micro-batches). Returns the global mean loss (same on every rank).
         """
+        if self.pending_save is not None:
+            checkpoint.poll(self)  # an asynchronous save completes once every rank wrote
         rows = self.micro_batch * self.accumulation
         if len(inputs) != rows or len(targets) != rows:
             raise ValueError(
@@ -158,6 +164,14 @@ class Engine:
         """Land the delayed update in flight, if any: wait for the host Adam thread, raise
         its error, publish the parameters it produced. A collective in stages 1-2 (the
         updated shards are allgathered): every rank calls it."""
+        self.wait_update()
+        if self._unpublished:
+            self._unpublished = False
+            self.strategy.publish_params()
+
+    def wait_update(self) -> None:
+        """Wait for the delayed update in flight, if any, and raise its error; the parameters
+        it produced stay unpublished until `flush` (a checkpoint saves them that way)."""
         if self._update is None:
             return
         thread, outcome = self._update
@@ -168,12 +182,96 @@ class Engine:
         if "error" in outcome:
             raise RuntimeError(f"the delayed optimizer step {outcome['step']} failed in its "
                                "background thread") from outcome["error"]
-        self.strategy.publish_params()
+        self._unpublished = True
 
     def close(self) -> None:
-        """Land any delayed update and stop the optimizer's threads."""
+        """Finish an asynchronous checkpoint save, land any delayed update and stop the
+        optimizer's threads. A collective."""
+        checkpoint.finish_pending(self)
         self.flush()
         self.optimizer.close()
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def save_checkpoint(self, directory, tag=None, keep_last=None, async_=False,
+                        client_state=None):
+        """Save the whole training state under directory/tag (default tag `step<N>`, N the
+        global step) and point directory/latest at it. A collective: every rank calls it with
+        the same arguments and writes its shard; returns the checkpoint's directory.
+
+        keep_last=K deletes all but the K newest complete checkpoints in `directory`, after
+        the new one is complete. async_=True copies this rank's state to host buffers and
+        writes it in a background thread; the checkpoint is completed (manifest, `latest`)
+        at the first train_step after every rank finished writing, or at the next save, load
+        or close, where an error in the writer is raised. client_state: a JSON-serialisable
+        dict stored with the checkpoint (rank 0's), e.g. the data position; load returns it.
+        A CheckpointError is raised on every rank if any rank fails."""
+        return checkpoint.save(self, directory, tag, keep_last, async_, client_state)
+
+    def load_checkpoint(self, directory, tag=None, verify=True):
+        """Restore the whole training state from directory/tag (default: the tag `latest`
+        names), saved at any world size and by any strategy. A collective. Every file read is
+        checked against the manifest (size, and CRC-32 unless verify=False) and HDF5's
+        Fletcher-32; any problem raises a CheckpointError on every rank that names the file,
+        and the engine is left as it was. Returns a `Loaded` (tag, step, client_state and
+        notes on what differs from this engine's config)."""
+        return checkpoint.load(self, directory, tag, verify)
+
+    def checkpoint_state(self, client_state=None) -> dict:
+        """Everything but the four model states that a checkpoint records (its manifest)."""
+        opt = self.optimizer
+        body = {
+            "world_size": self.comm.size, "strategy": self.strategy.name,
+            "dtype": self.dtype.name, "master_dtype": self.master_dtype.name,
+            "num_params": self.num_params, "layout": self.layout.to_dict(),
+            "tied": self.model.tied_parameters(), "global_steps": self.global_steps,
+            "optimizer": {**opt.state_dict(), "lr": opt.lr, "betas": list(opt.betas),
+                          "eps": opt.eps, "weight_decay": opt.weight_decay,
+                          "decoupled": opt.decoupled},
+            "loss_scaler": self.scaler.state_dict() if self.config.fp16.enabled else None,
+            "unpublished_update": self._unpublished, "config": self.config.to_dict(),
+            "client_state": client_state or {}, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "git_revision": git_revision() if self.comm.rank == 0 else None,
+        }
+        json.dumps(body["client_state"])  # TypeError now, not when the manifest is written
+        return body
+
+    def restore_checkpoint_state(self, manifest: dict, states: dict) -> list[str]:
+        """Install a checkpoint read by zmpi.checkpoint (a collective). `states`: this rank's
+        owned shard of each model state, in this engine's layout; without "params" (the
+        storage dtype changed) the parameters are the master weights cast. Returns notes on
+        what the checkpoint had that this engine's config overrides."""
+        notes = []
+        try:
+            self.wait_update()  # an update in flight is superseded by the checkpoint
+        except RuntimeError as e:
+            notes.append(f"discarded a failed delayed update: {e}")
+        for state, shard in states.items():
+            self.strategy.set_state_shard(state, shard)
+        self.global_steps = manifest["global_steps"]
+        saved = manifest["optimizer"]
+        self.optimizer.load_state_dict(saved)
+        opt = self.optimizer
+        for key, ours in (("lr", opt.lr), ("betas", list(opt.betas)), ("eps", opt.eps),
+                          ("weight_decay", opt.weight_decay), ("decoupled", opt.decoupled)):
+            if saved[key] != ours:
+                notes.append(f"optimizer {key} is {ours!r} (the checkpoint had {saved[key]!r})")
+        if manifest["dtype"] != self.dtype.name:
+            notes.append(f"parameters are stored as {self.dtype.name} (the checkpoint had "
+                         f"{manifest['dtype']}): they are the master weights cast")
+        if manifest["loss_scaler"] is not None and self.config.fp16.enabled:
+            self.scaler.load_state_dict(manifest["loss_scaler"])
+        elif manifest["loss_scaler"] is not None or self.config.fp16.enabled:
+            notes.append("the loss scaler starts afresh (fp16 is "
+                         f"{'on' if self.config.fp16.enabled else 'off'} here, "
+                         f"{'off' if self.config.fp16.enabled else 'on'} in the checkpoint)")
+        # A delayed update saved before its publication lands at the next step, as it would
+        # have without the checkpoint; otherwise publish now.
+        self._unpublished = manifest["unpublished_update"] or "params" not in states
+        delayed = (self.delay_update and self.global_steps >= self.delay_update_warmup
+                   and "params" in states)
+        if self._unpublished and not delayed:
+            self.flush()
+        return notes
 
     def _step(self) -> None:
         try:

@@ -25,7 +25,8 @@ import numpy
 __all__ = ["CATEGORIES", "MODEL_STATE", "DEVICES", "MemoryLedger", "model_state_breakdown",
            "model_state_bytes", "model_state_placement", "comm_volume_elements"]
 
-CATEGORIES = ("param", "grad", "master", "adam_m", "adam_v", "activation", "comm_buffer")
+CATEGORIES = ("param", "grad", "master", "adam_m", "adam_v", "activation", "comm_buffer",
+              "checkpoint")
 MODEL_STATE = ("param", "grad", "master", "adam_m", "adam_v")
 DEVICES = ("device", "host")
 _MiB = 2**20
@@ -40,7 +41,7 @@ class MemoryLedger:
     """Bytes held per (category, device) on this rank, now and at peak.
 
     Peaks are exact for every filter `current`/`peak` accept: the ledger keeps a running total
-    for each (set of categories, device or None=both) pair, 2**7 * 3 of them, and updates the
+    for each (set of categories, device or None=both) pair, 2**8 * 3 of them, and updates the
     ones containing the changed (category, device) on every register/release.
     """
 

@@ -189,3 +189,9 @@ class UnitModel(Module):
     def clear_cache(self):
         super().clear_cache()
         self._loss_cache = None
+
+    def tied_parameters(self) -> dict[str, str]:
+        """{alias: parameter name} for every weight a unit reads under another name than
+        the one it is owned by (tied weights; checkpoints record them, consolidation keeps
+        each once). None by default."""
+        return {}

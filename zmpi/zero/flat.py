@@ -123,3 +123,13 @@ class ModelLayout:
                 for u in self.units
             ],
         }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelLayout:
+        """Inverse of `to_dict`."""
+        units = []
+        for u in d["units"]:
+            slots = tuple(Slot(p["name"], tuple(p["shape"]), p["offset"]) for p in u["params"])
+            units.append(UnitLayout(slots, sum(s.numel for s in slots), u["padded_numel"],
+                                    d["world_size"]))
+        return cls(units)

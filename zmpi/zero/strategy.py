@@ -315,6 +315,37 @@ class Strategy:
             self._launch(self.comm.iallgather_inplace(self.params_full[self.layout.full_slice(u)]))
         self.wait_pending()
 
+    # ---- checkpoints: every state as this rank's owned shard, whatever the policy -----
+    def _state_buffer(self, state: str):
+        """(buffer, whether it holds only the owned shard) of 'params', 'master', 'adam_m'
+        or 'adam_v'."""
+        if state == "params":
+            return ((self.params_shard, True) if self.shard_parameters
+                    else (self.params_full, False))
+        if state not in ("master", "adam_m", "adam_v"):
+            raise ValueError(f"unknown model state {state!r}")
+        return getattr(self, state), self.shard_optimizer
+
+    def state_shard(self, state: str):
+        """This rank's owned shard (S,) of a model state: the buffer itself when the policy
+        shards that state, else the owned slices of the full buffer (a copy)."""
+        buf, sharded = self._state_buffer(state)
+        return buf if sharded else self.owned(buf)
+
+    def set_state_shard(self, state: str, shard) -> None:
+        """Inverse of `state_shard`: write `shard` (S, host or device) into the state's buffer.
+        A collective when the policy replicates the state (each unit is allgathered in place
+        from every rank's owned part): every rank calls it with the same `state`."""
+        buf, sharded = self._state_buffer(state)
+        if sharded:
+            backend.copy_(buf, shard)
+            return
+        for u in range(len(self.units)):
+            backend.copy_(buf[self.layout.owned_slice(u, self.rank)],
+                          shard[self.layout.shard_slice(u)])
+            self._launch(self.comm.iallgather_inplace(buf[self.layout.full_slice(u)]))
+        self.wait_pending()
+
     def full_master(self):
         """The master weights of the whole model in the full layout (P), on every rank."""
         if not self.shard_optimizer:

@@ -1,0 +1,144 @@
+"""Offline checkpoint tools, no MPI: inspect, verify, consolidate (`zmpi ckpt ...`).
+
+    print(inspect("ckpt"))                          # manifest summary, files, sizes
+    problems = verify("ckpt")                       # [] when every check passes
+    consolidate("ckpt", "model.h5")                 # full fp32 tensors, one file
+    consolidate("ckpt", "model.npz", npz=True)      # the same as a NumPy .npz
+
+Consolidation reads one parameter at a time (never the whole model) from whichever shards
+hold it. Tied weights are stored once; the alias is an HDF5 soft link to the owner (in .npz:
+absent) and the root attribute / `__tied__` entry `tied` maps alias -> owner as JSON.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from zmpi.checkpoint.store import (
+    STATES,
+    CheckpointError,
+    ShardReader,
+    open_shard,
+    owned_pieces,
+    read_manifest,
+    resolve_tag,
+)
+
+
+def _params(manifest):
+    """(name, shape, numel) of every parameter in the checkpoint's layout order."""
+    for unit in manifest["layout_obj"].units:
+        for slot in unit.slots:
+            yield slot.name, slot.shape, slot.numel
+
+
+def inspect(directory, tag=None) -> str:
+    """A human-readable summary of a checkpoint (its manifest and files)."""
+    ckpt = resolve_tag(directory, tag)
+    m = read_manifest(ckpt)
+    opt = m["optimizer"]
+    total = sum(f["bytes"] for f in m["files"])
+    lines = [
+        f"checkpoint {ckpt} (tag {m['tag']}, format {m['format']} v{m['version']})",
+        f"  saved {m['saved_at']} by git {m['git_revision']}",
+        f"  global step {m['global_steps']}, optimizer step {opt['step_count']} (lr {opt['lr']},"
+        f" betas {opt['betas']}, eps {opt['eps']}, weight decay {opt['weight_decay']}"
+        f"{', decoupled' if opt['decoupled'] else ''})",
+        f"  {m['num_params']:,} parameters in {len(m['layout']['units'])} units, "
+        f"{sum(1 for _ in _params(m))} tensors; tied: {m['tied'] or 'none'}",
+        f"  world size {m['world_size']}, strategy {m['strategy']}, params {m['dtype']}, "
+        f"master and Adam {m['master_dtype']}",
+        f"  loss scaler: {m['loss_scaler'] or 'off'}; delayed update pending: "
+        f"{m['unpublished_update']}",
+        f"  client state: {json.dumps(m['client_state'])}",
+        f"  {len(m['files'])} shard files, {total / 2**20:.2f} MiB:",
+    ]
+    lines += [f"    {f['file']}  {f['bytes']:>12,} bytes  crc32 {f['crc32']:08x}"
+              for f in m["files"]]
+    return "\n".join(lines)
+
+
+def verify(directory, tag=None) -> list[str]:
+    """Every problem found in a checkpoint (empty: it is sound): the manifest's checksum,
+    each shard's presence, size, CRC-32 and identity, every dataset read back through its
+    Fletcher-32 filter, and every parameter piece the layout needs present with its shape."""
+    try:
+        ckpt = resolve_tag(directory, tag)
+        manifest = read_manifest(ckpt)
+    except CheckpointError as e:
+        return [str(e)]
+    problems = []
+    layout = manifest["layout_obj"]
+    for rank in range(layout.world_size):
+        try:
+            f = open_shard(ckpt, manifest, rank)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        with f:
+            for state in STATES:
+                for name, start, _, n in owned_pieces(layout, rank):
+                    try:
+                        ds = f[state][name]
+                        ok = ds.shape == (n,) and ds.attrs["start"] == start
+                        ds[...]  # every chunk through Fletcher-32
+                    except (KeyError, OSError, ValueError) as e:
+                        ok = False
+                        problems.append(f"{f.filename}: corrupt: {state}/{name} ({e})")
+                        continue
+                    if not ok:
+                        problems.append(f"{f.filename}: mismatch: {state}/{name} holds "
+                                        f"{ds.shape} from {ds.attrs['start']}, the layout "
+                                        f"says ({n},) from {start}")
+    return problems
+
+
+def consolidate(directory, out, tag=None, npz=False) -> Path:
+    """Write every parameter's full master value (fp32; fp64 for an fp64 model) to `out` as
+    one HDF5 file (datasets named after the parameters) or, with npz, a NumPy .npz. Written
+    under a temporary name and renamed. Returns the output path."""
+    ckpt = resolve_tag(directory, tag)
+    manifest = read_manifest(ckpt)
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    dtype = np.dtype(manifest["master_dtype"])
+    tied = manifest["tied"]
+    with ShardReader(ckpt, manifest) as reader:
+        def tensors():
+            for name, shape, numel in _params(manifest):
+                flat = np.empty(numel, dtype)
+                reader.read("master", name, 0, flat)
+                yield name, flat.reshape(shape)
+
+        if npz:
+            _write_npz(tmp, tensors(), tied)
+        else:
+            _write_h5(tmp, tensors(), tied, manifest, ckpt)
+    os.replace(tmp, out)
+    return out
+
+
+def _write_h5(path, tensors, tied, manifest, ckpt) -> None:
+    import h5py
+
+    with h5py.File(path, "w") as f:
+        for name, value in tensors:
+            f.create_dataset(name, data=value)
+        for alias, owner in tied.items():
+            f[alias] = h5py.SoftLink("/" + owner)
+        f.attrs.update({"tied": json.dumps(tied), "source": str(ckpt), "tag": manifest["tag"],
+                        "global_steps": manifest["global_steps"],
+                        "config": json.dumps(manifest["config"])})
+
+
+def _write_npz(path, tensors, tied) -> None:
+    """np.savez's format, one array at a time (np.savez needs them all in memory)."""
+    with zipfile.ZipFile(path, "w", allowZip64=True) as z:
+        for name, value in itertools.chain(tensors, [("__tied__", np.array(json.dumps(tied)))]):
+            with z.open(name + ".npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, value)
