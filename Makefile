@@ -15,7 +15,7 @@ export OPENBLAS_NUM_THREADS=1
 export MKL_NUM_THREADS=1
 export ZMPI_BACKEND ?= numpy
 
-.PHONY: install test demo lint clean bench-install bench-adam bench-offload
+.PHONY: install test demo lint clean bench-install bench-adam bench-offload bench-checkpoint
 
 install: $(STAMP)
 
@@ -39,6 +39,9 @@ bench-adam: bench-install
 
 bench-offload: bench-install
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_offload.py --out results/offload_n$(NP)
+
+bench-checkpoint: $(STAMP)
+	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_checkpoint.py --out results/checkpoint_n$(NP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check zmpi models experiments tests

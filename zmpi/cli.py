@@ -159,7 +159,7 @@ def train(args) -> None:
             log.info(f"step {step} loss {loss:.4f} tokens/s {tokens_per_s:.0f}")
         if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
             t0 = time.perf_counter()
-            path = engine.save_checkpoint(ckpt_dir, keep_last=args.keep_last,
+            path = engine.save_checkpoint(ckpt_dir, f"step{step + 1}", args.keep_last,
                                           async_=args.async_save,
                                           client_state={"step": step + 1, "seed": args.seed})
             if args.log_dir:

@@ -45,24 +45,22 @@ from zmpi.checkpoint.store import (
 )
 
 
-def agree(comm, what: str, fn, *args) -> list:
-    """Run fn(*args) on every rank and return every rank's result; if it raised anywhere,
+def agree(comm, what: str, fn, *args):
+    """Run fn(*args) on every rank and return this rank's result; if it raised anywhere,
     raise a CheckpointError on every rank naming the first rank that failed (nobody is left
-    waiting in a later collective)."""
-    error = None
+    waiting in a later collective). Only the error messages travel."""
+    error, message, result = None, None, None
     try:
-        outcome = (None, fn(*args))
+        result = fn(*args)
     except Exception as e:  # handed to every rank below
         error = e
-        outcome = (str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}",
-                   None)
-    outcomes = comm.allgather_object(outcome)
-    for rank, (message, _) in enumerate(outcomes):
-        if message is not None:
+        message = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+    for rank, text in enumerate(comm.allgather_object(message)):
+        if text is not None:
             where = "" if comm.size == 1 else f" (rank {rank})"
-            raise CheckpointError(f"{what} failed{where}: {message}") from (
+            raise CheckpointError(f"{what} failed{where}: {text}") from (
                 error if rank == comm.rank else None)
-    return [result for _, result in outcomes]
+    return result
 
 
 # ---- save -----------------------------------------------------------------------------------
@@ -122,9 +120,9 @@ def save(engine, directory, tag=None, keep_last=None, async_=False, client_state
             directory.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
             staging.mkdir()
-        return uuid.uuid4().hex
 
-    body["checkpoint_id"] = agree(comm, f"save_checkpoint {staging}", prepare)[0]
+    agree(comm, f"save_checkpoint {staging}", prepare)
+    body["checkpoint_id"] = comm.bcast_object(uuid.uuid4().hex)
     body["tag"] = tag
     pending = PendingSave(directory, tag, body, keep_last, write=None)
     states = {}
@@ -165,7 +163,8 @@ def finish_pending(engine) -> None:
     comm = engine.comm
     staging = staging_dir(pending.directory, pending.tag)
     try:
-        entries = agree(comm, f"saving shard files in {staging}", pending.result)
+        entries = comm.allgather_object(agree(comm, f"saving shard files in {staging}",
+                                              pending.result))
     finally:
         for buf in pending.buffers:
             engine.memory.release(buf)
@@ -257,7 +256,7 @@ def load(engine, directory, tag=None, verify=True) -> Loaded:
         return ckpt, manifest, states
 
     where = f"load_checkpoint {directory}" + (f" tag {tag}" if tag else "")
-    ckpt, manifest, states = agree(comm, where, read)[comm.rank]
+    ckpt, manifest, states = agree(comm, where, read)
     notes = engine.restore_checkpoint_state(manifest, states)
     return Loaded(ckpt, manifest["tag"], manifest["world_size"], manifest["strategy"],
                   manifest["global_steps"], manifest["client_state"], notes)

@@ -133,6 +133,13 @@ def _disk_view(arr: np.ndarray) -> np.ndarray:
     return arr.view(np.uint16) if arr.dtype.name == "bfloat16" else arr
 
 
+def _chunk(n: int, itemsize: int) -> int:
+    """Elements per HDF5 chunk: at most _CHUNK_BYTES, splitting n evenly (HDF5 stores every
+    chunk whole, so a ragged last chunk would waste up to a chunk of disk)."""
+    chunks = -(-n * itemsize // _CHUNK_BYTES)
+    return -(-n // chunks)
+
+
 def write_shard(path: Path, layout: ModelLayout, rank: int, states: dict, attrs: dict) -> dict:
     """Write rank's owned shard of each state in `states` (name -> host array (S,)) to an HDF5
     file at `path` atomically; returns {"file", "bytes", "crc32"} for the manifest."""
@@ -148,7 +155,7 @@ def write_shard(path: Path, layout: ModelLayout, rank: int, states: dict, attrs:
             for name, start, at, n in pieces:
                 data = _disk_view(shard[at : at + n])
                 ds = group.create_dataset(name, data=data, fletcher32=True,
-                                          chunks=(min(n, _CHUNK_BYTES // data.itemsize),))
+                                          chunks=(_chunk(n, data.itemsize),))
                 ds.attrs["start"] = start
                 ds.attrs["shape"] = shapes[name]
                 if data.dtype != shard.dtype:
