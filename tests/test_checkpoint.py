@@ -242,12 +242,14 @@ def test_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path, kill_at):
 
 
 # ---- single-process API behaviour ------------------------------------------------------------
-def _engine(lr=1e-2, stage=2, **zero):
+def _engine(lr=1e-2, stage=2, precision=None, **zero):
     from models.gpt import GPT, GPTConfig
     from zmpi.engine import Engine
 
     cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage, **zero},
            "optimizer": {"type": "AdamW", "params": {"lr": lr}}}
+    if precision:
+        cfg[precision] = {"enabled": True}
     return Engine(GPT(GPTConfig(16, 8, 1, 2, 16), seed=0), cfg)
 
 
@@ -335,3 +337,22 @@ def test_ckpt_cli_inspect_verify_consolidate(tmp_path):
     assert out.returncode == 1 and "corrupt" in out.stdout, out.stdout + out.stderr
     out = cli("inspect", tmp_path / "nowhere")
     assert out.returncode == 1 and "missing" in out.stderr
+
+
+def test_bf16_round_trip_and_a_change_of_storage_dtype(tmp_path):
+    """bf16 is stored as its uint16 bits; loading into fp16 storage casts the master."""
+    a = _engine(stage=2, precision="bf16")
+    _steps(a, 0, 2)
+    a.save_checkpoint(tmp_path)
+    with h5py.File(next((tmp_path / "step2").glob("*.h5"))) as f:
+        assert f["params/units.0.wte"].attrs["dtype"] == "bfloat16"
+    b = _engine(stage=3, precision="bf16")
+    b.load_checkpoint(tmp_path)
+    np.testing.assert_array_equal(np.asarray(a.strategy.state_shard("params")),
+                                  np.asarray(b.strategy.state_shard("params")))
+    c = _engine(stage=1, precision="fp16")
+    notes = c.load_checkpoint(tmp_path).notes
+    assert any("master weights cast" in n for n in notes), notes
+    master = np.asarray(c.strategy.state_shard("master"))
+    np.testing.assert_array_equal(np.asarray(c.strategy.state_shard("params")),
+                                  master.astype(np.float16))

@@ -20,6 +20,9 @@ them. With `"delay_update": true` (DPU, Ren et al., ATC'21 Sec. 5.2), after
 while forward and backward of step t+1 run with the parameters of step t-1: the update of step
 t lands (and its parameters are published) at the end of step t+1's backward. `flush()` lands
 an update in flight; `eval_loss`, `gather_parameters` and `close` call it.
+
+`save_checkpoint` / `load_checkpoint` write and read the whole training state as sharded HDF5
+(zmpi/checkpoint): loadable at any world size and by any strategy, offload on or off.
 """
 from __future__ import annotations
 
