@@ -42,7 +42,8 @@ def _args(**kw):
     import argparse
 
     base = {"config": None, "batch": None, "lr": None, "stage": None, "precision": None,
-            "seed": 0, "offload_optimizer": False, "offload_param": False, "delay_update": None}
+            "seed": None, "strategy": None, "offload_optimizer": False, "offload_param": False,
+            "delay_update": None}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -137,3 +138,19 @@ def test_checkpoint_flags_without_save_every_are_rejected():
     out = subprocess.run([sys.executable, "-m", "zmpi.cli", "train", "--keep-last", "2"],
                          capture_output=True, text=True, cwd=REPO_ROOT)
     assert out.returncode == 2 and "only with --save-every" in out.stderr
+
+
+def test_seed_and_strategy_flags(tmp_path):
+    from zmpi.cli import build_config
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"seed": 7, "zero_optimization": {"strategy": "stage2"}}))
+    assert build_config(_args(config=str(path)), 1)["seed"] == 7  # the config's seed holds
+    notes = []
+    assert build_config(_args(config=str(path), seed=3), 1, notes)["seed"] == 3
+    assert notes == ["--seed overrides the config's seed = 7 with 3"]
+    assert build_config(_args(config=str(path), stage=2), 1)["zero_optimization"]["stage"] == 2
+    with pytest.raises(SystemExit, match="--stage 1 contradicts the strategy 'stage2'"):
+        build_config(_args(config=str(path), stage=1), 1)
+    cfg = build_config(_args(strategy="mypkg.mod:Mine"), 1)
+    assert cfg["zero_optimization"] == {"strategy": "mypkg.mod:Mine"}

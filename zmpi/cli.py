@@ -70,6 +70,13 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
     cfg.setdefault("gradient_clipping", 1.0)
     if args.stage is not None:
         _set(cfg, "zero_optimization.stage", args.stage, "--stage", notes)
+    if args.strategy is not None:
+        _set(cfg, "zero_optimization.strategy", args.strategy, "--strategy", notes)
+    strategy = cfg.get("zero_optimization", {}).get("strategy")
+    if args.stage is not None and strategy not in (None, f"stage{args.stage}"):
+        raise SystemExit(f"zmpi train: --stage {args.stage} contradicts the strategy "
+                         f"{strategy!r} (from {'--strategy' if args.strategy else '--config'}); "
+                         "give one of them")
     if args.precision is not None:  # exactly one of fp16/bf16 on (or neither for fp32)
         for section in ("fp16", "bf16"):
             _set(cfg, f"{section}.enabled", args.precision == section, "--precision", notes)
@@ -82,7 +89,9 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
                      notes)
     if args.offload_param:
         _set(cfg, "zero_optimization.offload_param.device", "cpu", "--offload-param", notes)
-    _set(cfg, "seed", args.seed, "--seed", notes)
+    if args.seed is not None:
+        _set(cfg, "seed", args.seed, "--seed", notes)
+    cfg.setdefault("seed", 0)
     return cfg
 
 
@@ -128,7 +137,9 @@ def train(args) -> None:
     model_cfg = GPTConfig(tokenizer.vocab_size, args.seq_len, args.n_layer, args.n_head,
                           args.d_model)
     notes = []
-    engine = Engine(GPT(model_cfg, seed=args.seed), build_config(args, comm.size, notes), comm)
+    config = build_config(args, comm.size, notes)
+    args.seed = config["seed"]  # the config's, unless --seed overrides it
+    engine = Engine(GPT(model_cfg, seed=args.seed), config, comm)
     for note in notes:
         log.info(note)
     cfg = engine.config
@@ -155,7 +166,7 @@ def train(args) -> None:
         tokens_per_s = global_batch * args.seq_len / (time.perf_counter() - t0)
         metrics.append((step, loss, tokens_per_s, engine.scaler.scale))
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
-        if args.log_dir and step % 10 == 0:
+        if args.log_dir and step % cfg.steps_per_print == 0:
             log.info(f"step {step} loss {loss:.4f} tokens/s {tokens_per_s:.0f}")
         if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
             t0 = time.perf_counter()
@@ -207,8 +218,8 @@ def _resume(args, engine, comm, log) -> int:
             print(f"zmpi train: cannot resume: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     saved_seed = loaded.client_state.get("seed", args.seed)
-    notes = loaded.notes + ([f"--seed {args.seed} overrides the checkpoint's data seed "
-                             f"{saved_seed}"] if saved_seed != args.seed else [])
+    notes = loaded.notes + ([f"the data seed is {args.seed} (the checkpoint had {saved_seed})"]
+                            if saved_seed != args.seed else [])
     first = loaded.client_state["step"]
     for note in notes:
         log.info(note)
@@ -276,6 +287,8 @@ def main(argv=None) -> None:
     t = sub.add_parser("train", help="train a char-level GPT on Tiny Shakespeare")
     t.add_argument("--config", help="DeepSpeed-style JSON config (flags below override it)")
     t.add_argument("--stage", type=int, choices=range(4), help="ZeRO stage (default 3)")
+    t.add_argument("--strategy", help="a registered partition strategy, an installed "
+                   "entry point, or package.module:ClassName (overrides the stage)")
     t.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,
                    help="parameter/gradient storage; overrides the config's fp16/bf16 "
                    "sections (default: from --config, else fp32)")
@@ -294,7 +307,8 @@ def main(argv=None) -> None:
     t.add_argument("--delay-update", type=int, metavar="WARMUP", default=None,
                    help="one-step delayed update after WARMUP synchronous steps (implies "
                    "--offload-optimizer; the paper uses 40)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=None,
+                   help="model init and data order (default: the config's seed, else 0)")
     t.add_argument("--sample-tokens", type=int, default=200)
     t.add_argument("--out", help="output directory (default runs/<time>)")
     t.add_argument("--log-dir", help="every rank logs to LOG_DIR/rank<r>.log")
@@ -335,7 +349,7 @@ def main(argv=None) -> None:
             parser.error("--save-every must be >= 0 and --keep-last >= 1")
         if not args.save_every and (args.keep_last is not None or args.async_save):
             parser.error("--keep-last and --async-save act only with --save-every K")
-        if args.stage is None and not args.config:
+        if args.stage is None and not args.config and not args.strategy:
             args.stage = 3
         train(args)
     else:

@@ -25,8 +25,9 @@ Usage::
     cfg.dtype_name, cfg.strategy_name            # ('float16', 'stage2')
     cfg.replace(zero_optimization={"stage": 3})  # a new, re-validated Config
 
-zmpi extensions to the schema: `zero_optimization.strategy` (a registered strategy name,
-default f"stage{stage}"; checked against the registry by the engine, not here) and
+zmpi extensions to the schema: `zero_optimization.strategy` (a registered strategy name, an
+installed "zmpi.strategies" entry point or "package.module:ClassName"; default
+f"stage{stage}"; resolved by the engine through zmpi.zero.get_strategy, not here) and
 `zero_optimization.prefetch` (stage-3 prefetch of the next unit). This module imports no MPI.
 """
 

@@ -30,6 +30,7 @@ import json
 import math
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,7 @@ from zmpi import backend
 from zmpi.checkpoint import sharded as checkpoint
 from zmpi.config import Config
 from zmpi.memory import MemoryLedger
+from zmpi.nn.module import Module, UnitModel
 from zmpi.optim.adam import Adam, HostAdam, host_threads
 from zmpi.optim.loss_scaler import LossScaler
 from zmpi.runinfo import git_revision
@@ -66,7 +68,7 @@ class Engine:
             from zmpi.comm import Comm
 
             comm = Comm()
-        self.model, self.comm = model, comm
+        self.comm = comm
         backend.select_device(comm.local_rank)  # one device per node-local rank (GPU only)
         self.config = as_config(config).resolve_batch(comm.size)
         self.micro_batch = self.config.train_micro_batch_size_per_gpu
@@ -74,6 +76,9 @@ class Engine:
         self.xp = backend.xp
         self.memory = MemoryLedger(backend.device_memory_in_use if backend.is_gpu else None)
 
+        if not isinstance(model, UnitModel):
+            model = self._as_one_unit(model, comm)
+        self.model = model
         units = list(model.units)
         names = {id(p): name for name, p in model.named_parameters()}  # model-wide names
         unit_params = [{names[id(p)]: p for _, p in unit.named_parameters()} for unit in units]
@@ -289,6 +294,7 @@ class Engine:
         # Reduced gradients (this rank's shard, storage dtype): the optimizer reads them as
         # grads * grad_scale (the global-batch mean) * clip_coef, converted chunk by chunk.
         grads = strategy.optimizer_grads()
+        self._check_grads_contract(grads)
         grad_scale = 1.0 / (self.scaler.scale * self.comm.size * self.accumulation)
         finite, sumsq = self.optimizer.grad_stats(grads, grad_scale, self.master_dtype)
         self.flush()  # the previous step's delayed update lands (its compute overlapped ours)
@@ -376,6 +382,30 @@ class Engine:
                 "backend": backend.name}
 
     # ---- checks -----------------------------------------------------------------------------
+    @staticmethod
+    def _as_one_unit(model, comm) -> UnitModel:
+        """A plain zmpi.nn Module runs as a one-unit UnitModel (softmax cross-entropy loss)."""
+        if not isinstance(model, Module):
+            raise TypeError(f"Engine needs a zmpi.nn UnitModel or Module, got "
+                            f"{type(model).__name__}")
+        if comm.rank == 0:
+            warnings.warn(f"{type(model).__name__} is not a UnitModel: it runs as one unit. "
+                          "ZeRO-3 then gathers all its parameters at once, so the peak "
+                          "parameter memory is the whole model; split it into units "
+                          "(zmpi.nn.UnitModel([...])) to gather one at a time", stacklevel=3)
+        return UnitModel([model])
+
+    def _check_grads_contract(self, grads) -> None:
+        """The cheap invariant every strategy must keep: after before_step() the optimizer's
+        gradient buffer exists and is laid out like the master weights."""
+        master = self.strategy.master
+        if grads is None or grads.shape != master.shape or grads.dtype != self.dtype:
+            got = None if grads is None else f"{grads.shape} {grads.dtype}"
+            raise RuntimeError(
+                f"strategy {self.strategy.name!r} broke its contract: after before_step(), "
+                f"optimizer_grads() must be a {master.shape} {self.dtype} buffer (the "
+                f"master's layout), got {got}")
+
     @staticmethod
     def _check_units(units, unit_params) -> None:
         seen = {}

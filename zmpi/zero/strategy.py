@@ -65,17 +65,59 @@ def register(name: str):
     return deco
 
 
+ENTRY_POINT_GROUP = "zmpi.strategies"
+
+
 def get_strategy(name: str) -> type[Strategy]:
+    """The Strategy class called `name`: a registered name (the built-in "stage0".."stage3",
+    anything imported that used @register, or a package's entry point in the group
+    "zmpi.strategies"), or "package.module:ClassName", imported here (on every rank).
+    ValueError naming what is available otherwise."""
     from zmpi.zero import stage0, stage1, stage2, stage3  # noqa: F401  (registers built-ins)
 
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown partition strategy {name!r}; valid: {sorted(_REGISTRY)}")
-    return _REGISTRY[name]
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if ":" in name:
+        return _from_path(name)
+    entry = _entry_points().get(name)
+    if entry is not None:
+        return _checked(entry.load(), f"entry point {name!r} ({entry.value})", name)
+    raise ValueError(f"unknown partition strategy {name!r}; available: "
+                     f"{', '.join(available_strategies())}, or 'package.module:ClassName'")
 
 
 def available_strategies() -> list[str]:
-    get_strategy("stage0")
-    return sorted(_REGISTRY)
+    """Registered names and installed entry points (loaded on first use)."""
+    from zmpi.zero import stage0  # noqa: F401
+
+    return sorted(set(_REGISTRY) | set(_entry_points()))
+
+
+def _entry_points() -> dict:
+    from importlib.metadata import entry_points
+
+    return {e.name: e for e in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _from_path(path: str) -> type[Strategy]:
+    import importlib
+
+    module_name, _, attr = path.partition(":")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load partition strategy {path!r}: {e}") from e
+    return _checked(obj, path, path)
+
+
+def _checked(obj, what: str, name: str) -> type[Strategy]:
+    """obj if it is a Strategy subclass (registered under `name` if it was not yet)."""
+    if not (isinstance(obj, type) and issubclass(obj, Strategy)):
+        raise ValueError(f"partition strategy {what} is {obj!r}, not a subclass of "
+                         "zmpi.zero.strategy.Strategy")
+    if obj not in _REGISTRY.values():
+        register(name)(obj)
+    return obj
 
 
 def _add_(dst, src) -> None:

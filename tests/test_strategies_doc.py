@@ -1,0 +1,83 @@
+"""docs/strategies.md: its example strategy runs as written, and strategies load by registered
+name, by module path and by entry point, with clear errors for bad ones."""
+import re
+import sys
+
+import pytest
+from mpi_util import RANKS_DIR, REPO_ROOT, run_mpi
+
+from zmpi.zero import available_strategies, get_strategy
+from zmpi.zero.strategy import Strategy
+
+DOC = REPO_ROOT / "docs" / "strategies.md"
+
+
+def example_code() -> str:
+    """The first python block of the tutorial: the whole strategy file."""
+    return re.search(r"```python\n(.*?)```", DOC.read_text(), re.S).group(1)
+
+
+@pytest.fixture
+def plugin_dir(tmp_path):
+    (tmp_path / "zero1_allreduce.py").write_text(example_code())
+    return tmp_path
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_tutorial_strategy_equals_stage1_with_allreduce_traffic(plugin_dir, n):
+    reports = run_mpi(RANKS_DIR / "plugin_checks.py", n, args=["zero1_allreduce:Zero1Allreduce"],
+                      env={"PYTHONPATH": f"{REPO_ROOT}:{plugin_dir}"}, timeout=120)
+    for r in reports:
+        assert r["name"] == "zero1_allreduce"  # its @register name, though loaded by path
+        assert r["max_diff"] < 1e-12, r
+        padded = r["traffic"]["allreduce"]  # one allreduce of the padded model per step
+        assert r["model_bytes"] <= padded < r["model_bytes"] + 8 * n * 8, r
+        assert "reduce_scatter" not in r["traffic"] and r["traffic"]["allgather"] > 0, r
+
+
+def test_strategy_by_module_path_and_bad_paths(plugin_dir, monkeypatch):
+    monkeypatch.syspath_prepend(str(plugin_dir))
+    cls = get_strategy("zero1_allreduce:Zero1Allreduce")
+    assert issubclass(cls, Strategy) and cls.name == "zero1_allreduce"
+    assert get_strategy("zero1_allreduce") is cls and "zero1_allreduce" in available_strategies()
+    with pytest.raises(ValueError, match="cannot load partition strategy 'nope.mod:X'"):
+        get_strategy("nope.mod:X")
+    with pytest.raises(ValueError, match="not a subclass of zmpi.zero.strategy.Strategy"):
+        get_strategy("zero1_allreduce:register")
+    with pytest.raises(ValueError, match="unknown partition strategy 'stage9'; available: "
+                                         "stage0, stage1"):
+        get_strategy("stage9")
+
+
+def test_strategy_by_entry_point(tmp_path, monkeypatch):
+    """An installed distribution's entry point in the group zmpi.strategies."""
+    (tmp_path / "ep_strategy.py").write_text(
+        "from zmpi.zero.stage2 import Stage2\nclass Mine(Stage2):\n    pass\n")
+    dist = tmp_path / "ep_strategy-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ep-strategy\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[zmpi.strategies]\nmine = ep_strategy:Mine\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "mine" in available_strategies()
+    cls = get_strategy("mine")
+    assert cls.__name__ == "Mine" and cls.name == "mine"
+
+
+def test_plain_module_runs_as_one_unit():
+    import numpy as np
+
+    from zmpi import Engine, __version__
+    from zmpi.nn import Linear
+
+    assert __version__ and "zmpi" in sys.modules
+    with pytest.warns(UserWarning, match="runs as one unit"):
+        engine = Engine(Linear(8, 4, rng=np.random.default_rng(0)),
+                        {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}})
+    x = np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)
+    first = engine.train_step(x, np.arange(4))
+    for _ in range(20):
+        last = engine.train_step(x, np.arange(4))
+    assert last < first
+    with pytest.raises(TypeError, match="needs a zmpi.nn UnitModel or Module"):
+        Engine(object(), {})
