@@ -81,3 +81,12 @@ def test_plain_module_runs_as_one_unit():
     assert last < first
     with pytest.raises(TypeError, match="needs a zmpi.nn UnitModel or Module"):
         Engine(object(), {})
+
+
+def test_available_strategies_lists_every_builtin_in_a_fresh_process():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", "from zmpi.zero import available_strategies;"
+                          " print(available_strategies())"], capture_output=True, text=True,
+                         cwd=REPO_ROOT, check=True).stdout
+    assert "['stage0', 'stage1', 'stage2', 'stage3']" in out

@@ -73,7 +73,7 @@ class PendingSave:
     body: dict  # the manifest, less its file list
     keep_last: int | None
     write: object  # () -> file entry
-    buffers: list = field(default_factory=list)  # host snapshot buffers (async), in the ledger
+    buffers: list  # host snapshot buffers, in the ledger
     thread: threading.Thread | None = None
     outcome: dict = field(default_factory=dict)
 
@@ -124,21 +124,21 @@ def save(engine, directory, tag=None, keep_last=None, async_=False, client_state
     agree(comm, f"save_checkpoint {staging}", prepare)
     body["checkpoint_id"] = comm.bcast_object(uuid.uuid4().hex)
     body["tag"] = tag
-    pending = PendingSave(directory, tag, body, keep_last, write=None)
-    states = {}
+    states, buffers = {}, []
     for state in STATES:
         shard = engine.strategy.state_shard(state)
         if async_ or backend.is_device_array(shard):  # a host copy the writer owns
             host = engine.memory.allocate(shard.shape, shard.dtype, "checkpoint", "host",
                                           f"checkpoint {state}")
             backend.copy_(host, shard)
-            pending.buffers.append(host)
+            buffers.append(host)
             shard = host
         states[state] = shard
     attrs = {"checkpoint_id": body["checkpoint_id"], "rank": comm.rank,
              "world_size": comm.size, "tag": tag}
     path = staging / shard_name(comm.rank, comm.size)
-    pending.write = lambda: write_shard(path, engine.layout, comm.rank, states, attrs)
+    pending = PendingSave(directory, tag, body, keep_last, buffers=buffers,
+                          write=lambda: write_shard(path, engine.layout, comm.rank, states, attrs))
     engine.pending_save = pending
     if async_:
         pending.start()
@@ -221,8 +221,7 @@ class Loaded:
 
 def check_same_model(manifest: dict, layout, where) -> None:
     """CheckpointError ("mismatch") unless the checkpoint has the same parameters and shapes."""
-    saved = {s.name: s.shape for u in manifest["layout_obj"].units for s in u.slots}
-    ours = {s.name: s.shape for u in layout.units for s in u.slots}
+    saved, ours = manifest["layout_obj"].shapes(), layout.shapes()
     if saved == ours:
         return
     diffs = [f"{n}: checkpoint {saved.get(n, 'absent')}, model {ours.get(n, 'absent')}"

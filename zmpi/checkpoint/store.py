@@ -147,7 +147,7 @@ def write_shard(path: Path, layout: ModelLayout, rank: int, states: dict, attrs:
 
     tmp = path.with_name(path.name + ".tmp")
     pieces = list(owned_pieces(layout, rank))
-    shapes = {s.name: list(s.shape) for unit in layout.units for s in unit.slots}
+    shapes = layout.shapes()
     with h5py.File(tmp, "w") as f:
         f.attrs.update(attrs)
         for state, shard in states.items():
@@ -157,7 +157,7 @@ def write_shard(path: Path, layout: ModelLayout, rank: int, states: dict, attrs:
                 ds = group.create_dataset(name, data=data, fletcher32=True,
                                           chunks=(_chunk(n, data.itemsize),))
                 ds.attrs["start"] = start
-                ds.attrs["shape"] = shapes[name]
+                ds.attrs["shape"] = list(shapes[name])
                 if data.dtype != shard.dtype:
                     ds.attrs["dtype"] = shard.dtype.name
         f.flush()

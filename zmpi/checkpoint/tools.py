@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import zipfile
 from pathlib import Path
@@ -30,13 +31,6 @@ from zmpi.checkpoint.store import (
 )
 
 
-def _params(manifest):
-    """(name, shape, numel) of every parameter in the checkpoint's layout order."""
-    for unit in manifest["layout_obj"].units:
-        for slot in unit.slots:
-            yield slot.name, slot.shape, slot.numel
-
-
 def inspect(directory, tag=None) -> str:
     """A human-readable summary of a checkpoint (its manifest and files)."""
     ckpt = resolve_tag(directory, tag)
@@ -50,7 +44,7 @@ def inspect(directory, tag=None) -> str:
         f" betas {opt['betas']}, eps {opt['eps']}, weight decay {opt['weight_decay']}"
         f"{', decoupled' if opt['decoupled'] else ''})",
         f"  {m['num_params']:,} parameters in {len(m['layout']['units'])} units, "
-        f"{sum(1 for _ in _params(m))} tensors; tied: {m['tied'] or 'none'}",
+        f"{len(m['layout_obj'].shapes())} tensors; tied: {m['tied'] or 'none'}",
         f"  world size {m['world_size']}, strategy {m['strategy']}, params {m['dtype']}, "
         f"master and Adam {m['master_dtype']}",
         f"  loss scaler: {m['loss_scaler'] or 'off'}; delayed update pending: "
@@ -110,8 +104,8 @@ def consolidate(directory, out, tag=None, npz=False) -> Path:
     tied = manifest["tied"]
     with ShardReader(ckpt, manifest) as reader:
         def tensors():
-            for name, shape, numel in _params(manifest):
-                flat = np.empty(numel, dtype)
+            for name, shape in manifest["layout_obj"].shapes().items():
+                flat = np.empty(math.prod(shape), dtype)
                 reader.read("master", name, 0, flat)
                 yield name, flat.reshape(shape)
 

@@ -99,6 +99,10 @@ class ModelLayout:
     def padding(self) -> int:
         return self.full_numel - self.num_params
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's shape by name, in layout order."""
+        return {s.name: s.shape for u in self.units for s in u.slots}
+
     def full_slice(self, u: int) -> slice:
         return slice(self.full_offsets[u], self.full_offsets[u + 1])
 

@@ -68,13 +68,16 @@ def register(name: str):
 ENTRY_POINT_GROUP = "zmpi.strategies"
 
 
+def _register_builtins() -> None:
+    from zmpi.zero import stage0, stage1, stage2, stage3  # noqa: F401  (they @register)
+
+
 def get_strategy(name: str) -> type[Strategy]:
     """The Strategy class called `name`: a registered name (the built-in "stage0".."stage3",
     anything imported that used @register, or a package's entry point in the group
     "zmpi.strategies"), or "package.module:ClassName", imported here (on every rank).
     ValueError naming what is available otherwise."""
-    from zmpi.zero import stage0, stage1, stage2, stage3  # noqa: F401  (registers built-ins)
-
+    _register_builtins()
     if name in _REGISTRY:
         return _REGISTRY[name]
     if ":" in name:
@@ -88,8 +91,7 @@ def get_strategy(name: str) -> type[Strategy]:
 
 def available_strategies() -> list[str]:
     """Registered names and installed entry points (loaded on first use)."""
-    from zmpi.zero import stage0  # noqa: F401
-
+    _register_builtins()
     return sorted(set(_REGISTRY) | set(_entry_points()))
 
 
@@ -351,10 +353,15 @@ class Strategy:
 
     def publish_sharded_params(self) -> None:
         """Write each unit's updated master shard into params_full and allgather in place."""
+        self.allgather_shard_into(self.params_full, self.master)
+
+    def allgather_shard_into(self, full, shard) -> None:
+        """Fill `full` (P) on every rank from each rank's `shard` (S): copy (and cast) this
+        rank's shard of every unit into its owned slice, then allgather each unit in place."""
         for u in range(len(self.units)):
-            backend.copy_(self.params_full[self.layout.owned_slice(u, self.rank)],
-                          self.master[self.layout.shard_slice(u)])
-            self._launch(self.comm.iallgather_inplace(self.params_full[self.layout.full_slice(u)]))
+            backend.copy_(full[self.layout.owned_slice(u, self.rank)],
+                          shard[self.layout.shard_slice(u)])
+            self._launch(self.comm.iallgather_inplace(full[self.layout.full_slice(u)]))
         self.wait_pending()
 
     # ---- checkpoints: every state as this rank's owned shard, whatever the policy -----
@@ -381,12 +388,8 @@ class Strategy:
         buf, sharded = self._state_buffer(state)
         if sharded:
             backend.copy_(buf, shard)
-            return
-        for u in range(len(self.units)):
-            backend.copy_(buf[self.layout.owned_slice(u, self.rank)],
-                          shard[self.layout.shard_slice(u)])
-            self._launch(self.comm.iallgather_inplace(buf[self.layout.full_slice(u)]))
-        self.wait_pending()
+        else:
+            self.allgather_shard_into(buf, shard)
 
     def full_master(self):
         """The master weights of the whole model in the full layout (P), on every rank."""
