@@ -25,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from models.gpt import GPT, GPTConfig
+from zmpi.models.gpt import GPT, GPTConfig
+
 from results import write_results
 from zmpi.comm import Comm
 from zmpi.data import SyntheticSource

@@ -18,8 +18,8 @@ import sys
 import time
 
 import numpy as np
+from zmpi.models.gpt import GPT, GPTConfig
 
-from models.gpt import GPT, GPTConfig
 from results import write_results
 from zmpi.comm import Comm
 from zmpi.data import BatchSampler, CharTokenizer, load_text, train_val_split

@@ -10,9 +10,9 @@ import argparse
 import sys
 
 import numpy as np
-from results import write_results
+from zmpi.models.gpt import GPT, GPTConfig
 
-from models.gpt import GPT, GPTConfig
+from results import write_results
 from zmpi.comm import Comm
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine

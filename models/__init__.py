@@ -1,6 +1,6 @@
 """Models built from zmpi.nn: GPT (GPT-2 style, tied embeddings) and MLPModel (tiny classifier)."""
 
-from models.gpt import GPT, GPTConfig
-from models.mlp import MLPModel
+from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.models.mlp import MLPModel
 
 __all__ = ["GPT", "GPTConfig", "MLPModel"]

@@ -9,9 +9,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 from gradcheck import check_model_loss
+from zmpi.models import GPT, GPTConfig, MLPModel
+from zmpi.models.gpt import LMHead, TokenPositionEmbedding
 
-from models import GPT, GPTConfig, MLPModel
-from models.gpt import LMHead, TokenPositionEmbedding
 from zmpi.nn import Block, UnitHooks
 
 TINY = GPTConfig(vocab_size=11, seq_len=6, n_layer=2, n_head=2, d_model=8)
@@ -33,7 +33,8 @@ def perturb_(model, rng, scale=0.3):
 
 
 def test_importing_nn_and_models_does_not_import_mpi4py():
-    code = "import zmpi.nn, models.gpt, models.mlp, sys; assert 'mpi4py' not in sys.modules"
+    code = ("import zmpi.nn, zmpi.models.gpt, zmpi.models.mlp, sys; "
+            "assert 'mpi4py' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -208,3 +209,13 @@ def test_generate(rng):
     with pytest.raises(RuntimeError):  # generate leaves no stale cache behind
         model.units[1].backward(np.zeros((2, 3, 8)))
     np.testing.assert_array_equal(greedy[:, -1], model.forward(idx)[:, -1].argmax(-1))
+
+
+def test_a_users_own_models_package_does_not_clash(tmp_path):
+    """zmpi's models install as zmpi.models: a user's `models/` next to their script wins
+    `import models`, and zmpi.models still loads."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "__init__.py").write_text("MINE = True\n")
+    code = ("import models, zmpi.models.gpt; from zmpi.cli import main; "
+            "assert models.MINE and zmpi.models.gpt.GPT")
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True)

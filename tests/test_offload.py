@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from mpi_util import RANKS_DIR, run_mpi
 from reference import reference_train
+from zmpi.models.gpt import GPT, GPTConfig
 
-from models.gpt import GPT, GPTConfig
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
 from zmpi.memory import model_state_placement

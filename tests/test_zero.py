@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from mpi_util import RANKS_DIR, run_mpi
 from reference import reference_train
+from zmpi.models.gpt import GPT
 
-from models.gpt import GPT
 from zmpi.data import SyntheticSource
 from zmpi.memory import model_state_bytes
 

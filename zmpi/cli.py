@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from models.gpt import GPT, GPTConfig
 from zmpi.memory import DEVICES, MODEL_STATE, model_state_bytes, model_state_placement
+from zmpi.models.gpt import GPT, GPTConfig
 
 DEFAULTS = {  # the demo: ~0.8M parameters, about 1.5 minutes on 2 cores
     "steps": 600, "batch": 32, "seq_len": 64, "n_layer": 4, "n_head": 4, "d_model": 128,

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 from _report import report
 from zero_checks import GPT_CONFIG, config, digest, gpt_data
+from zmpi.models.gpt import GPT
 
-from models.gpt import GPT
 from zmpi.checkpoint.store import STATES, CheckpointError
 from zmpi.comm import Comm
 from zmpi.engine import Engine

@@ -15,8 +15,8 @@ import sys
 import numpy as np
 from _report import report
 from zero_checks import GLOBAL_BATCH, GPT_CONFIG, config, digest, gpt_data
+from zmpi.models.gpt import GPT
 
-from models.gpt import GPT
 from zmpi import backend
 from zmpi.comm import Comm
 from zmpi.engine import Engine

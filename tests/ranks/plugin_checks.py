@@ -11,8 +11,8 @@ import sys
 import numpy as np
 from _report import report
 from zero_checks import GPT_CONFIG, config, gpt_data
+from zmpi.models.gpt import GPT
 
-from models.gpt import GPT
 from zmpi.comm import Comm
 from zmpi.engine import Engine
 

@@ -10,9 +10,9 @@ import sys
 
 import numpy as np
 from _report import report
+from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.models.mlp import MLPModel
 
-from models.gpt import GPT, GPTConfig
-from models.mlp import MLPModel
 from zmpi.comm import Comm
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
