@@ -40,6 +40,7 @@ def roundtrips(n):
 EXACT = {  # uninterrupted run at 4 ranks (saving midway) -> its resume in a new mpiexec
     "s0_fp32": "0/fp32", "s1_fp32": "1/fp32", "s2_fp32": "2/fp32", "s3_fp32": "3/fp32",
     "s3_fp16": "3/fp16", "s1_fp16_offload": "1/fp16/offload", "s2_dpu": "2/fp32/dpu",
+    "h2_fp16": "hybrid:2/fp16",  # hybrid sharding: groups of 2 ranks, 2 shard files
 }
 UNTIL = {"s2_dpu": 7}  # the DPU save at step 4 happens with an update in flight
 RESHAPE = [  # (resumed job, uninterrupted job it must match, tolerance)
@@ -49,6 +50,8 @@ RESHAPE = [  # (resumed job, uninterrupted job it must match, tolerance)
     ("r2s2off_to_3s3", "u3_s3_fp64", 1e-12),
     ("r1s0_to_4s3", "u4_s3_fp64", 1e-12),
     ("r4s3h_to_2s1off", "u2_s1_fp16_offload", 2e-3),  # fp16 sums in another order; lr 1e-2
+    ("r4h2_to_3s3", "u3_s3_fp64", 1e-12),  # a hybrid checkpoint (2 shards) into stage 3
+    ("r4s3_to_4h2", "u4_s3_fp64", 1e-12),  # and a stage-3 one into hybrid
 ]
 DAMAGE = {  # damaged copy -> the word its error must contain
     "flipped_data": "corrupt", "flipped_metadata": "corrupt", "flipped_last_byte": "corrupt",
@@ -62,6 +65,7 @@ def launches():
     a = [job(f"u4_{k}", c, UNTIL.get(k, 6), save_at=UNTIL.get(k, 6) - 3, save_as=f"n4_{k}",
              roundtrip=True) for k, c in EXACT.items()]
     a += [job("u4_s3_fp64", "3/fp64", 6, save_at=3, save_as="n4_s3_fp64"),
+          job("u4_h2_fp64", "hybrid:2/fp64", 6, save_at=3, save_as="n4_h2_fp64"),
           job("async4_s3_fp16", "3/fp16", 6, save_at=3, save_as="n4_async", **{"async": True}),
           *roundtrips(4)]
     c = [job("u1_s0_fp64", "0/fp64", 6, save_at=3, save_as="n1_s0_fp64"),
@@ -74,9 +78,11 @@ def launches():
          {"name": "damaged", "case": "3/fp16", "corrupt": list(DAMAGE)}, *roundtrips(2)]
     e = [job("u3_s2_fp64", "2/fp64", 6), job("r4s3_to_3s2", "2/fp64", 6, load="n4_s3_fp64"),
          job("u3_s3_fp64", "3/fp64", 6),
-         job("r2s2off_to_3s3", "3/fp64", 6, load="n2_s2_off"), *roundtrips(3)]
+         job("r2s2off_to_3s3", "3/fp64", 6, load="n2_s2_off"),
+         job("r4h2_to_3s3", "3/fp64", 6, load="n4_h2_fp64"), *roundtrips(3)]
     b = [job(f"r4_{k}", c, UNTIL.get(k, 6), load=f"n4_{k}") for k, c in EXACT.items()]
-    b += [job("r1s0_to_4s3", "3/fp64", 6, load="n1_s0_fp64")]
+    b += [job("r1s0_to_4s3", "3/fp64", 6, load="n1_s0_fp64"),
+          job("r4s3_to_4h2", "hybrid:2/fp64", 6, load="n4_s3_fp64")]
     return [("A", 4, a), ("C", 1, c), ("D", 2, d), ("E", 3, e), ("B", 4, b)]
 
 
@@ -158,6 +164,15 @@ def test_resume_in_a_new_mpiexec_is_bit_identical(runs, case):
     assert got.keys() == want.keys()
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_hybrid_checkpoint_has_one_shard_per_group_rank(runs):
+    work, _ = runs
+    ckpt = work / "ckpt" / "n4_h2_fp64"
+    manifest = read_manifest(ckpt / (ckpt / "latest").read_text().strip())
+    assert manifest["world_size"] == 2 and manifest["strategy"] == "hybrid"
+    assert [f["file"] for f in manifest["files"]] == ["rank00000-of-00002.h5",
+                                                      "rank00001-of-00002.h5"]
 
 
 def test_async_save_captures_the_state_of_its_call(runs):

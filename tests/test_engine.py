@@ -144,3 +144,22 @@ def test_deepspeed_adam_means_decoupled_decay_unless_adam_w_mode_false():
     assert Engine(GPT(CFG), {"optimizer": {"type": "Adam"}}).optimizer.decoupled
     engine = Engine(GPT(CFG), {"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}})
     assert not engine.optimizer.decoupled
+
+
+@pytest.mark.parametrize("zero,message", [
+    ({"stage": 3, "shard_group_size": 1}, "'stage3' does not split the ranks into groups"),
+    ({"strategy": "hybrid", "shard_group_size": 2}, "2 does not divide the 1 ranks"),
+    ({"strategy": "hybrid", "shard_group_size": 0}, "must be >= 1"),
+])
+def test_shard_group_size_errors(zero, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        Engine(GPT(CFG), {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero})
+    assert e.value.key == "zero_optimization.shard_group_size"
+
+
+def test_hybrid_on_one_rank_is_one_group_of_one():
+    engine = Engine(GPT(CFG), {"train_micro_batch_size_per_gpu": 2,
+                               "zero_optimization": {"strategy": "hybrid"}})
+    engine.train_step(*batch(2))
+    assert engine.describe()["shard_group_size"] == 1
+    assert set(engine.traffic()) == {"shard", "replica"}

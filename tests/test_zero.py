@@ -1,22 +1,31 @@
-"""ZeRO stages 0-3 against a single-process reference, and measured memory and traffic.
+"""The shared suite of every partition strategy: parity with a single-process reference, and
+measured memory and traffic against what the strategy declares and the ZeRO paper's formulas.
 
 One `mpiexec -n N` launch per world size (1, 2, 3, 4; 3 gives uneven shards and padding) runs
-tests/ranks/zero_checks.py; the assertions here compare what the ranks report with the
-reference (tests/reference.py) and with the ZeRO paper's formulas (zmpi.memory).
+tests/ranks/zero_checks.py over every registered strategy (stage0-3, hybrid and hybrid_zero2
+at every group size that divides N) and the tutorial strategy of docs/strategies.md, loaded
+by module path. Registering a strategy is enough to have it checked here. The assertions
+compare what the ranks report with the reference (tests/reference.py), with the strategy's
+`expected_model_state` / `expected_traffic`, and, for stages 0-3, with the ZeRO paper's
+formulas (zmpi.memory).
 """
 import sys
 
 import numpy as np
 import pytest
-from mpi_util import RANKS_DIR, run_mpi
+from mpi_util import RANKS_DIR, REPO_ROOT, run_mpi
 from reference import reference_train
 from zmpi.models.gpt import GPT
 
 from zmpi.data import SyntheticSource
 from zmpi.memory import model_state_bytes
+from zmpi.zero import available_strategies
 
 sys.path.insert(0, str(RANKS_DIR))
 import zero_checks  # noqa: E402  (the rank script: its cases and constants)
+from test_strategies_doc import example_code  # noqa: E402
+
+TUTORIAL = "zero1_allreduce:Zero1Allreduce"  # docs/strategies.md, written to a temp dir
 
 WORLD_SIZES = (1, 2, 3, 4)
 # Measured with 5 AdamW steps (lr 1e-2) of a 2-layer GPT; worst case over stages and sizes:
@@ -37,8 +46,16 @@ LOSS_RTOL = {"fp64": 1e-12, "fp32": 1e-5, "fp16": 1e-2, "bf16": 5e-2}
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"n{n}")
 def run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"zero_n{request.param}")
-    reports = run_mpi(RANKS_DIR / "zero_checks.py", request.param, args=[out], timeout=300)
+    (out / "zero1_allreduce.py").write_text(example_code())
+    reports = run_mpi(RANKS_DIR / "zero_checks.py", request.param, args=[out, TUTORIAL],
+                      timeout=300, env={"PYTHONPATH": f"{REPO_ROOT}:{out}"})
     return request.param, out, reports
+
+
+def test_every_registered_strategy_is_in_the_suite():
+    labels = {label.split(",")[0] for label, _ in zero_checks.strategies(4)}
+    assert set(available_strategies()) <= labels
+    assert {"stage0", "stage3", "hybrid", "hybrid_zero2"} <= labels
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +91,16 @@ def _parity_errors(params, init, ref):
 @pytest.mark.mpi
 def test_parity_with_single_process_reference(run, references):
     n, out, reports = run
-    for case in reports[0]["parity"]:
-        stage_name, variant = case["case"].split("_", 1)
+    assert {c["strategy"].split(",")[0] for c in reports[0]["parity"]} >= {"zero1_allreduce"}
+    for i, case in enumerate(reports[0]["parity"]):
+        variant = case["variant"]
         dtype = zero_checks.VARIANTS[variant][0]
         init, ref, ref_losses = references[variant]
-        with np.load(out / f"{case['case']}.npz") as f:
+        with np.load(out / f"{case['strategy']}__{variant}.npz") as f:
             params = dict(f)
         assert sorted(params) == sorted(ref)
         rel, tensor_move, model_move = _parity_errors(params, init, ref)
-        where = f"{case['case']} n={n}"
+        where = f"{case['strategy']} {variant} n={n}"
         if dtype == "fp64":
             assert rel <= FP64_RTOL, f"{where}: relative error {rel:.2e}"
         else:
@@ -92,44 +110,72 @@ def test_parity_with_single_process_reference(run, references):
         np.testing.assert_allclose(case["losses"], ref_losses, rtol=LOSS_RTOL[dtype], err_msg=where)
         # Every rank agrees: on the gathered model, and on the resident copy (stages 0-2).
         for key in ("gathered", "resident", "losses"):
-            values = {str(r["parity"][reports[0]["parity"].index(case)][key]) for r in reports}
-            assert len(values) == 1, f"{case['case']} n={n}: ranks differ in {key}"
+            values = {str(r["parity"][i][key]) for r in reports}
+            assert len(values) == 1, f"{where}: ranks differ in {key}"
+
+
+def _sent(counters) -> int:
+    return sum(counters[op]["sent"] for op in ("allreduce", "reduce_scatter", "allgather"))
+
+
+def _paper_formula(label, n):
+    """(ZeRO stage, ranks it shards over) whose SC'20 memory formula a case must meet, or None:
+    stage s over N ranks; hybrid sharding is ZeRO-3 (hybrid_zero2: ZeRO-2) over its G ranks."""
+    name, _, group = label.partition(",shard_group_size=")
+    if name.startswith("stage"):
+        return int(name[-1]), n
+    return {"hybrid": (3, int(group or 0)), "hybrid_zero2": (2, int(group or 0))}.get(name)
 
 
 @pytest.mark.mpi
-def test_model_state_memory_matches_formula(run):
+def test_model_state_memory_matches_declared_and_paper_formula(run):
     """fp16 params and grads (2 + 2 bytes), fp32 master + Adam m, v (K = 12): the ledger's
-    model-state bytes after a step equal the SC'20 Fig. 1 formula with Psi = padded size."""
+    bytes per category and device after a step equal what the strategy declares, and for the
+    ZeRO stages and hybrid sharding the SC'20 Fig. 1 formula (Psi = padded size)."""
     n, _, reports = run
     for r in reports:
         for case in r["memory_traffic"]:
-            psi = case["full_numel"]
-            want = model_state_bytes(psi, n, case["stage"], 2, 2, 12)
-            assert case["model_state_bytes"] == want, (case["model"], case["stage"], n)
+            where = (case["model"], case["strategy"], n)
+            assert case["held"] == case["declared_memory"], where
+            psi, formula = case["full_numel"], _paper_formula(case["strategy"], n)
+            if formula is not None:
+                stage, ranks = formula
+                want = model_state_bytes(psi, ranks, stage, 2, 2, 12)
+                assert case["model_state_bytes"] == want, where
             assert psi - case["num_params"] < n * len(case["unit_padded"])  # padding bound
 
 
 @pytest.mark.mpi
-def test_traffic_matches_formula(run):
-    """Bytes each rank sends in one step (ring model, counted by Comm): 2 Psi (N-1)/N for
-    stages 0-2, 3 Psi (N-1)/N for stage 3, in fp16 elements (2 bytes). Tied weights (GPT's
-    LM head reads the embedding) are gathered twice more in stage 3, once per pass."""
+def test_traffic_matches_declared_and_paper_formula(run):
+    """Bytes each rank sends in one step (ring model, counted by Comm per communicator) equal
+    what the strategy declares. For the stages: 2 Psi (N-1)/N for stages 0-2, 3 Psi (N-1)/N
+    for stage 3, in fp16 elements (2 bytes); tied weights (GPT's LM head reads the embedding)
+    are gathered twice more in stage 3, once per pass. Hybrid sharding's replica groups carry
+    one allreduce of the shard, 2 (Psi/G)(R-1)/R."""
     n, _, reports = run
     for r in reports:
         for case in r["memory_traffic"]:
-            c, psi = case["counters"], case["full_numel"]
-            sent = c["allreduce"]["sent"] + c["reduce_scatter"]["sent"] + c["allgather"]["sent"]
-            if case["stage"] < 3:
-                want = 2 * psi * 2 * (n - 1) // n
-            else:
+            c, psi, label = case["counters"], case["full_numel"], case["strategy"]
+            where = (case["model"], label, n)
+            sent = {kind: _sent(counters) for kind, counters in c.items()}
+            assert sent == case["declared_traffic"], (where, sent)
+            if label.startswith("stage"):
+                stage = int(label[-1])
+                passes = 3 if stage == 3 else 2
                 tied = sum(case["unit_padded"][w] for shared in case["shared"] for w in shared)
-                want = (3 * psi + 2 * tied) * 2 * (n - 1) // n
-            assert sent == want, (case["model"], case["stage"], n, sent, want)
-            if case["model"] == "mlp":  # no tied weights: exactly the paper's figure
-                assert sent == (3 if case["stage"] == 3 else 2) * psi * 2 * (n - 1) // n
-            kinds = {k for k in ("allreduce", "reduce_scatter", "allgather") if c[k]["calls"]}
-            assert kinds == ({"allreduce"} if case["stage"] == 0 else
-                             {"reduce_scatter", "allgather"}) or n == 1
+                want = (passes * psi + (2 * tied if stage == 3 else 0)) * 2 * (n - 1) // n
+                assert sent["world"] == want, (where, sent, want)
+                if case["model"] == "mlp":  # no tied weights: exactly the paper's figure
+                    assert sent["world"] == passes * psi * 2 * (n - 1) // n
+                kinds = {k for k in ("allreduce", "reduce_scatter", "allgather")
+                         if c["world"][k]["calls"]}
+                assert kinds == ({"allreduce"} if stage == 0 else
+                                 {"reduce_scatter", "allgather"}) or n == 1
+            if label.startswith("hybrid"):
+                g = int(label.rsplit("=", 1)[1])
+                want = 2 * (psi // g) * 2 * (n // g - 1) // (n // g)
+                assert sent["replica"] == want, (where, sent)
+                assert {k for k in c["replica"] if c["replica"][k]["calls"]} <= {"allreduce"}
 
 
 @pytest.mark.mpi

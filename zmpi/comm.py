@@ -70,6 +70,7 @@ import numpy as np
 from mpi4py import MPI
 
 from zmpi import backend
+from zmpi.memory import ring_bytes
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "allreduce_scalar", "object")
 
@@ -319,7 +320,7 @@ class Comm:
     def _ring(self, nbytes: int, k: int = 1) -> int:
         """Bytes one rank sends in a ring collective over k passes of nbytes: k(N-1)/N nbytes,
         rounded down."""
-        return int(nbytes) * k * (self.size - 1) // self.size
+        return ring_bytes(nbytes, self.size, k)
 
     def _count(self, op: str, nbytes: int, sent: int):
         """The one counting point for every collective (see the module docstring)."""

@@ -28,7 +28,9 @@ Usage::
 zmpi extensions to the schema: `zero_optimization.strategy` (a registered strategy name, an
 installed "zmpi.strategies" entry point or "package.module:ClassName"; default
 f"stage{stage}"; resolved by the engine through zmpi.zero.get_strategy, not here) and
-`zero_optimization.prefetch` (stage-3 prefetch of the next unit). This module imports no MPI.
+`zero_optimization.prefetch` (stage-3 prefetch of the next unit) and
+`zero_optimization.shard_group_size` (the `hybrid` strategies' group of G ranks; an error for
+a strategy that does not split the ranks). This module imports no MPI.
 """
 
 from __future__ import annotations
@@ -325,6 +327,7 @@ class ZeroConfig(_Section):
     overlap_comm: bool = False
     contiguous_gradients: bool = True
     prefetch: bool = True
+    shard_group_size: int | None = None
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
 
@@ -332,6 +335,8 @@ class ZeroConfig(_Section):
         _check(self.stage in (0, 1, 2, 3), "stage", f"must be one of 0, 1, 2, 3, got {self.stage}")
         _check(self.strategy is None or self.strategy != "", "strategy", "must not be empty")
         self._at_least(1, "reduce_bucket_size", "allgather_bucket_size")
+        _check(self.shard_group_size is None or self.shard_group_size >= 1, "shard_group_size",
+               f"must be >= 1, got {self.shard_group_size}")
 
     @property
     def strategy_name(self) -> str:

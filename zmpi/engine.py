@@ -86,8 +86,12 @@ class Engine:
         self.dtype = self._storage_dtype(unit_params)
         # fp32 master weights and Adam state; fp64 when the model itself is fp64 (exactness tests).
         self.master_dtype = np.dtype(np.float64 if self.dtype == np.float64 else np.float32)
+        cls = get_strategy(self.config.strategy_name)
+        # The strategy's groups: the ranks that partition the model states (the layout's
+        # world size) and the ranks that replicate them (hybrid sharding).
+        shard_group, replica_group = cls.process_groups(comm, self.config.zero_optimization)
         self.layout = ModelLayout([UnitLayout.build({n: p.data.shape for n, p in ps.items()},
-                                                    comm.size) for ps in unit_params])
+                                                    shard_group.size) for ps in unit_params])
         initial = np.zeros(self.layout.full_numel, self.master_dtype)
         for u, params in enumerate(unit_params):
             views = self.layout.units[u].views(initial[self.layout.full_slice(u)])
@@ -95,9 +99,9 @@ class Engine:
                 views[name][...] = backend.to_host(p.data)
         self._check_same_on_all_ranks(initial)
 
-        cls = get_strategy(self.config.strategy_name)
-        self.strategy = cls(units, unit_params, self.layout, comm, self.memory, self.dtype,
-                            self.master_dtype, self.xp, self.config.zero_optimization)
+        self.strategy = cls(units, unit_params, self.layout, shard_group, self.memory,
+                            self.dtype, self.master_dtype, self.xp,
+                            self.config.zero_optimization, replica_group)
         self.strategy.initialize(initial)
         self._unit_index = {id(unit): u for u, unit in enumerate(units)}
         model.hooks = self
@@ -119,7 +123,7 @@ class Engine:
         fp16 = self.config.fp16
         self.scaler = LossScaler.from_config(fp16) if fp16.enabled else LossScaler.disabled()
         self.global_steps = 0
-        self.comm.reset_counters()
+        self.reset_counters()
 
     # ---- model hooks: unit object -> strategy hook on its index --------------------------
     def before_forward(self, unit):
@@ -228,7 +232,7 @@ class Engine:
         """Everything but the four model states that a checkpoint records (its manifest)."""
         opt = self.optimizer
         body = {
-            "world_size": self.comm.size, "strategy": self.strategy.name,
+            "world_size": self.layout.world_size, "strategy": self.strategy.name,
             "dtype": self.dtype.name, "master_dtype": self.master_dtype.name,
             "num_params": self.num_params, "layout": self.layout.to_dict(),
             "tied": self.model.tied_parameters(), "global_steps": self.global_steps,
@@ -339,8 +343,8 @@ class Engine:
         max_norm = self.config.gradient_clipping
         if max_norm <= 0:
             return 1.0
-        if self.strategy.shard_optimizer:
-            sumsq = self.comm.allreduce_scalar(sumsq)
+        if self.strategy.shard_optimizer:  # each shard group holds the whole model once
+            sumsq = self.strategy.comm.allreduce_scalar(sumsq)
         coef = max_norm / (math.sqrt(sumsq) + 1e-6)  # as torch.nn.utils.clip_grad_norm_
         return min(coef, 1.0)
 
@@ -370,6 +374,16 @@ class Engine:
                 out[name] = view.copy()
         return out
 
+    def reset_counters(self) -> None:
+        """Zero the counters of the world Comm and of every group the strategy sends on."""
+        for comm in {id(c): c for c in (self.comm, *self.strategy.comms().values())}.values():
+            comm.reset_counters()
+
+    def traffic(self) -> dict[str, dict]:
+        """{group kind: {op: {calls, bytes, sent}}} counted since the last reset, for every
+        communicator the strategy sends on ("world"; "shard" and "replica" for hybrid)."""
+        return {kind: comm.counters_snapshot() for kind, comm in self.strategy.comms().items()}
+
     @property
     def num_params(self) -> int:
         return self.layout.num_params
@@ -377,7 +391,8 @@ class Engine:
     def describe(self) -> dict:
         """What this run is: config, world size, strategy, layout sizes (for run outputs)."""
         return {"config": self.config.to_dict(), "world_size": self.comm.size,
-                "strategy": self.strategy.name, "num_params": self.num_params,
+                "strategy": self.strategy.name, "shard_group_size": self.layout.world_size,
+                "num_params": self.num_params,
                 "padding": self.layout.padding, "dtype": self.dtype.name,
                 "backend": backend.name}
 

@@ -23,7 +23,7 @@ import itertools
 import numpy
 
 __all__ = ["CATEGORIES", "MODEL_STATE", "DEVICES", "MemoryLedger", "model_state_breakdown",
-           "model_state_bytes", "model_state_placement", "comm_volume_elements"]
+           "model_state_bytes", "model_state_placement", "comm_volume_elements", "ring_bytes"]
 
 CATEGORIES = ("param", "grad", "master", "adam_m", "adam_v", "activation", "comm_buffer",
               "checkpoint")
@@ -240,6 +240,12 @@ def model_state_placement(num_params, world_size, stage, param_bytes=2, grad_byt
     if offload_param:
         host["param"], device["param"] = device["param"], 0.0
     return {"device": device, "host": host}
+
+
+def ring_bytes(nbytes: int, world_size: int, passes: int = 1) -> int:
+    """Bytes one rank sends in `passes` bandwidth-optimal ring passes over a buffer of `nbytes`
+    on `world_size` ranks: passes * nbytes * (N-1) / N, rounded down (what Comm counts)."""
+    return int(nbytes) * passes * (world_size - 1) // world_size
 
 
 def comm_volume_elements(num_params, world_size, stage) -> float:

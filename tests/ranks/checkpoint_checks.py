@@ -29,11 +29,15 @@ CPU = {"device": "cpu"}
 
 
 def build(case, comm):
-    """case: "<stage>/<precision>[/offload|/dpu]", e.g. "3/fp16/offload"."""
+    """case: "<stage>/<precision>[/offload|/dpu]", e.g. "3/fp16/offload"; the stage may be
+    "hybrid:G" (hybrid sharding in groups of G ranks)."""
     stage, precision, *extra = case.split("/")
-    cfg = config(int(stage), precision, accumulation=1, clip=0.5, n=comm.size,
+    hybrid = stage.startswith("hybrid:")
+    cfg = config(3 if hybrid else int(stage), precision, accumulation=1, clip=0.5, n=comm.size,
                  **({"initial_scale_power": 12, "loss_scale_window": 2} if precision == "fp16"
                     else {}))
+    if hybrid:
+        cfg["zero_optimization"].update(strategy="hybrid", shard_group_size=int(stage[7:]))
     if "offload" in extra or "dpu" in extra:
         cfg["zero_optimization"]["offload_optimizer"] = dict(CPU)
     if "dpu" in extra:

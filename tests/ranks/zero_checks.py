@@ -1,9 +1,12 @@
-"""Rank side of tests/test_zero.py: every ZeRO check for one world size, in one launch.
+"""Rank side of tests/test_zero.py: every check of every partition strategy for one world size,
+in one launch.
 
-    mpiexec -n N python tests/ranks/zero_checks.py OUT_DIR
+    mpiexec -n N python tests/ranks/zero_checks.py OUT_DIR [package.module:Class ...]
 
-Parity runs write rank 0's gathered parameters to OUT_DIR/<case>.npz (the test compares them
-with the single-process reference); everything else goes into the rank's one JSON report.
+The strategies are every registered one (each with its `suite_configs(N)`) plus those named
+on the command line. Parity runs write rank 0's gathered parameters to
+OUT_DIR/<strategy>__<variant>.npz (the test compares them with the single-process reference);
+everything else goes into the rank's one JSON report.
 """
 import hashlib
 import sys
@@ -17,6 +20,7 @@ from zmpi.comm import Comm
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
 from zmpi.memory import MODEL_STATE
+from zmpi.zero import available_strategies, get_strategy
 
 GPT_CONFIG = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=2, d_model=16)
 GLOBAL_BATCH = 12  # rows per micro-step over all ranks: splits over 1, 2, 3 and 4 ranks
@@ -30,6 +34,17 @@ VARIANTS = {  # name: (precision, gradient_accumulation_steps, gradient_clipping
     "fp16": ("fp16", 1, 0.0, False),
     "bf16": ("bf16", 1, 0.0, False),
 }
+
+
+def strategies(n, paths=()):
+    """(label, zero_optimization extras) of every strategy under test: each registered one
+    (after loading `paths`) with each of its suite configs, e.g. "hybrid,shard_group_size=2"."""
+    for path in paths:
+        get_strategy(path)  # registers it under its own name
+    for name in available_strategies():
+        for extra in get_strategy(name).suite_configs(n):
+            label = name + "".join(f",{k}={v}" for k, v in extra.items())
+            yield label, {"strategy": name, **extra}
 
 
 def config(stage, dtype="fp32", accumulation=1, clip=0.0, overlap=False, n=1, **fp16):
@@ -60,32 +75,39 @@ def gpt_data(comm, accumulation):
                            GLOBAL_BATCH * accumulation, comm.rank, comm.size, seed=1)
 
 
-def parity(comm, out_dir):
+def engine_for(model, zero, cfg, comm):
+    del cfg["zero_optimization"]["stage"]  # the strategy is named
+    cfg["zero_optimization"].update(zero)
+    return Engine(model, cfg, comm)
+
+
+def parity(comm, out_dir, cases):
     results = []
-    for stage in range(4):
+    for label, zero in cases:
         for variant, (dtype, accumulation, clip, overlap) in VARIANTS.items():
             model = GPT(GPT_CONFIG, seed=0, dtype=np.float64 if dtype == "fp64" else np.float32)
-            cfg = config(stage, dtype, accumulation, clip, overlap, comm.size)
-            engine = Engine(model, cfg, comm)
+            engine = engine_for(model, zero, config(0, dtype, accumulation, clip, overlap,
+                                                    comm.size), comm)
             data = gpt_data(comm, accumulation)
             losses = [engine.train_step(*data.sample(step)) for step in range(STEPS)]
             params = engine.gather_parameters()
             resident = engine.strategy.params_full
-            case = f"stage{stage}_{variant}"
             if comm.rank == 0:
-                np.savez(f"{out_dir}/{case}.npz", **params)
-            results.append({"case": case, "losses": losses,
+                np.savez(f"{out_dir}/{label}__{variant}.npz", **params)
+            results.append({"strategy": label, "variant": variant, "losses": losses,
                     "gathered": digest(params[k] for k in sorted(params)),
                     "resident": None if resident is None else digest([resident])})
     return results
 
 
-def memory_and_traffic(comm):
+def memory_and_traffic(comm, cases):
+    """One fp16 step of each model with each strategy: what the ledger and the counters saw,
+    and what the strategy declares."""
     results = []
     models = {"gpt": lambda: GPT(GPT_CONFIG, seed=0), "mlp": lambda: MLPModel(seed=0)}
     for model_name, build in models.items():
-        for stage in range(4):
-            engine = Engine(build(), config(stage, "fp16", n=comm.size), comm)
+        for label, zero in cases:
+            engine = engine_for(build(), zero, config(0, "fp16", n=comm.size), comm)
             if model_name == "gpt":
                 batch = gpt_data(comm, 1).sample(0)
             else:
@@ -94,15 +116,17 @@ def memory_and_traffic(comm):
                          rng.integers(0, 8, GLOBAL_BATCH // comm.size))
             engine.memory.reset_peaks()
             engine.train_step(*batch)
-            layout = engine.layout
-            results.append({"model": model_name, "stage": stage,
+            layout, strategy = engine.layout, engine.strategy
+            results.append({"model": model_name, "strategy": label,
                     "num_params": layout.num_params, "full_numel": layout.full_numel,
                     "unit_padded": [u.padded_numel for u in layout.units],
-                    "shared": [list(s) for s in engine.strategy._shared],
+                    "shared": [list(s) for s in strategy._shared],
                     "model_state_bytes": engine.memory.model_state_bytes(),
-                    "by_category": {c: engine.memory.current(c) for c in MODEL_STATE},
-                    "peak_model_state": engine.memory.peak(MODEL_STATE),
-                    "counters": engine.comm.counters_snapshot()})
+                    "held": {d: {c: engine.memory.current(c, d) for c in MODEL_STATE}
+                             for d in ("device", "host")},
+                    "declared_memory": strategy.expected_model_state(),
+                    "counters": engine.traffic(),
+                    "declared_traffic": strategy.expected_traffic()})
     return results
 
 
@@ -135,5 +159,7 @@ def loss_scaler(comm):
 
 if __name__ == "__main__":
     comm = Comm()
-    report({"parity": parity(comm, sys.argv[1]), "memory_traffic": memory_and_traffic(comm),
+    cases = list(strategies(comm.size, sys.argv[2:]))
+    report({"parity": parity(comm, sys.argv[1], cases),
+            "memory_traffic": memory_and_traffic(comm, cases),
             "loss_scaler": loss_scaler(comm)})

@@ -1,8 +1,10 @@
 """Saving and loading an Engine's whole training state, collectively (format: store.py).
 
 Save (every rank): each rank writes its owned shard of the four model states to its own file
-in a staging directory; the ranks agree that every write succeeded; rank 0 writes the
-manifest, renames the staging directory to the tag, replaces `latest` and applies `keep_last`.
+in a staging directory (with hybrid sharding one replica of each shard writes: a checkpoint
+has as many shards as a shard group has ranks); the ranks agree that every write succeeded;
+rank 0 writes the manifest, renames the staging directory to the tag, replaces `latest` and
+applies `keep_last`.
 With `async_` the shard is copied to host buffers and written by a background thread while
 training goes on; the rest (the agreement, the manifest) runs at the first collective point
 after every rank's write is done: a `train_step` (which polls with one scalar allreduce while
@@ -124,9 +126,10 @@ def save(engine, directory, tag=None, keep_last=None, async_=False, client_state
     agree(comm, f"save_checkpoint {staging}", prepare)
     body["checkpoint_id"] = comm.bcast_object(uuid.uuid4().hex)
     body["tag"] = tag
+    strategy, shards = engine.strategy, engine.layout.world_size
     states, buffers = {}, []
-    for state in STATES:
-        shard = engine.strategy.state_shard(state)
+    for state in STATES if strategy.writes_checkpoint else ():  # one replica per shard writes
+        shard = strategy.state_shard(state)
         if async_ or backend.is_device_array(shard):  # a host copy the writer owns
             host = engine.memory.allocate(shard.shape, shard.dtype, "checkpoint", "host",
                                           f"checkpoint {state}")
@@ -134,11 +137,12 @@ def save(engine, directory, tag=None, keep_last=None, async_=False, client_state
             buffers.append(host)
             shard = host
         states[state] = shard
-    attrs = {"checkpoint_id": body["checkpoint_id"], "rank": comm.rank,
-             "world_size": comm.size, "tag": tag}
-    path = staging / shard_name(comm.rank, comm.size)
+    attrs = {"checkpoint_id": body["checkpoint_id"], "rank": strategy.rank,
+             "world_size": shards, "tag": tag}
+    path = staging / shard_name(strategy.rank, shards)
     pending = PendingSave(directory, tag, body, keep_last, buffers=buffers,
-                          write=lambda: write_shard(path, engine.layout, comm.rank, states, attrs))
+                          write=lambda: write_shard(path, engine.layout, strategy.rank, states,
+                                                    attrs) if states else None)
     engine.pending_save = pending
     if async_:
         pending.start()
@@ -165,6 +169,7 @@ def finish_pending(engine) -> None:
     try:
         entries = comm.allgather_object(agree(comm, f"saving shard files in {staging}",
                                               pending.result))
+        entries = sorted((e for e in entries if e is not None), key=lambda e: e["file"])
     finally:
         for buf in pending.buffers:
             engine.memory.release(buf)
@@ -212,7 +217,7 @@ class Loaded:
 
     path: Path
     tag: str
-    world_size: int  # of the run that saved it
+    world_size: int  # shards of the run that saved it: its world (or shard group) size
     strategy: str
     global_steps: int
     client_state: dict
@@ -249,7 +254,7 @@ def load(engine, directory, tag=None, verify=True) -> Loaded:
         check_same_model(manifest, engine.layout, ckpt / MANIFEST)
         same_dtype = manifest["dtype"] == engine.dtype.name
         with ShardReader(ckpt, manifest, verify) as reader:
-            states = {s: read_owned(reader, s, engine.layout, comm.rank,
+            states = {s: read_owned(reader, s, engine.layout, engine.strategy.rank,
                                     engine.dtype if s == "params" else engine.master_dtype)
                       for s in STATES if s != "params" or same_dtype}
         return ckpt, manifest, states

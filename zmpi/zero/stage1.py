@@ -27,6 +27,9 @@ class Stage1(Strategy):
     def publish_params(self):
         self.publish_sharded_params()
 
+    def expected_traffic(self):  # reduce-scatter + allgather of the model
+        return {"world": self.ring_bytes(self.layout.full_numel, passes=2)}
+
     def zero_grads(self):
         super().zero_grads()
         if not self.offload_optimizer and self.grads_shard is not None:

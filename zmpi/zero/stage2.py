@@ -21,3 +21,6 @@ class Stage2(Strategy):
 
     def publish_params(self):
         self.publish_sharded_params()
+
+    def expected_traffic(self):  # reduce-scatter + allgather of the model
+        return {"world": self.ring_bytes(self.layout.full_numel, passes=2)}

@@ -45,3 +45,10 @@ class Stage3(Strategy):
 
     def publish_params(self):
         backend.copy_(self.params_shard, self.master)  # host -> device when offloaded
+
+    def expected_traffic(self):
+        # Allgather in forward and in backward, reduce-scatter once; a unit that reads another's
+        # weights (GPT's LM head) gathers that unit once more in each pass.
+        tied = sum(self.layout.units[w].padded_numel for u in range(len(self.units))
+                   for w in self.needs(u)[1:])
+        return {"world": self.ring_bytes(3 * self.layout.full_numel + 2 * tied)}

@@ -48,6 +48,7 @@ import numpy as np
 from zmpi import backend
 from zmpi.backend import HostCopy, array_module
 from zmpi.config import ConfigError
+from zmpi.memory import DEVICES, MODEL_STATE, ring_bytes
 
 _REGISTRY: dict[str, type[Strategy]] = {}
 
@@ -69,7 +70,7 @@ ENTRY_POINT_GROUP = "zmpi.strategies"
 
 
 def _register_builtins() -> None:
-    from zmpi.zero import stage0, stage1, stage2, stage3  # noqa: F401  (they @register)
+    from zmpi.zero import hybrid, stage0, stage1, stage2, stage3  # noqa: F401  (@register)
 
 
 def get_strategy(name: str) -> type[Strategy]:
@@ -137,13 +138,14 @@ class Strategy:
     shard_parameters = False  # ZeRO P_p
 
     def __init__(self, units, unit_params, layout, comm, ledger, dtype, master_dtype, xp,
-                 zero_config):
+                 zero_config, replica=None):
         """units: the model's unit Modules, in forward order. unit_params[u]: name -> Parameter
-        of unit u (names as in layout.units[u]). layout: ModelLayout. dtype: storage dtype of
-        parameters and gradients; master_dtype: of master weights and Adam moments (fp32, or
-        fp64 for exactness runs). xp: array module of device buffers."""
+        of unit u (names as in layout.units[u]). layout: ModelLayout, built for comm.size.
+        comm, replica: this rank's shard group and replica group (`process_groups`). dtype:
+        storage dtype of parameters and gradients; master_dtype: of master weights and Adam
+        moments (fp32, or fp64 for exactness runs). xp: array module of device buffers."""
         self.units, self.unit_params, self.layout = units, unit_params, layout
-        self.comm, self.ledger, self.xp = comm, ledger, xp
+        self.comm, self.replica, self.ledger, self.xp = comm, replica, ledger, xp
         self.dtype, self.master_dtype = dtype, master_dtype
         self.config = zero_config
         self.overlap = zero_config.overlap_comm
@@ -185,6 +187,66 @@ class Strategy:
             raise ConfigError("zero_optimization.offload_param.device",
                               f"parameter offload needs a strategy that shards the parameters "
                               f"(stage 3); {self.name!r} does not")
+
+    # ---- process groups, and what the policy declares it holds and sends ---------------
+    @classmethod
+    def process_groups(cls, comm, zero_config):
+        """(shard group, replica group) of this rank, as Comms: the ranks the model states are
+        partitioned over (the layout is built for its size), and the ranks that hold the same
+        shard (None: no replication). Called by the engine, collectively, before the layout
+        exists. Default: the whole world shards, nothing is replicated."""
+        if zero_config.shard_group_size is not None:
+            raise ConfigError("zero_optimization.shard_group_size",
+                              f"strategy {cls.name!r} does not split the ranks into groups; "
+                              "shard_group_size is for the hybrid strategies")
+        return comm, None
+
+    @classmethod
+    def suite_configs(cls, world_size: int) -> list[dict]:
+        """The `zero_optimization` settings (beyond "strategy") the shared test suite runs this
+        policy with at `world_size` ranks (tests/test_zero.py): by default its defaults."""
+        return [{}]
+
+    def comms(self) -> dict:
+        """{group kind: Comm} of every communicator this policy sends on (for its counters)."""
+        if self.replica is None:
+            return {"world": self.comm}
+        return {"shard": self.comm, "replica": self.replica}
+
+    @property
+    def writes_checkpoint(self) -> bool:
+        """Whether this rank writes its shard to a checkpoint (one replica of each shard)."""
+        return self.replica is None or self.replica.rank == 0
+
+    def ring_bytes(self, numel: int, passes: int = 1, comm=None) -> int:
+        """Bytes this rank sends for `passes` ring passes over `numel` storage-dtype elements
+        on `comm` (default: the shard group): passes * B (n-1)/n, as Comm counts them."""
+        return ring_bytes(numel * self.dtype.itemsize, (comm or self.comm).size, passes)
+
+    def expected_traffic(self) -> dict[str, int]:
+        """{group kind (as `comms`): bytes this rank sends} in one optimizer step without
+        gradient accumulation, under the ring model Comm counts. Every policy declares it:
+        the shared test suite checks it against the counters."""
+        raise NotImplementedError(f"strategy {self.name!r} does not declare expected_traffic()")
+
+    def expected_model_state(self) -> dict[str, dict[str, int]]:
+        """{"device"|"host": {category: bytes}} of the model states (zmpi.memory.MODEL_STATE)
+        this rank holds between steps: what the ledger must measure (the shared test suite
+        checks). Derived from the flags and the offload settings; a policy that keeps more
+        overrides it."""
+        P, S = self.layout.full_numel, self.layout.shard_numel
+        b, mb = self.dtype.itemsize, self.master_dtype.itemsize
+        opt = "host" if self.offload_optimizer else "device"
+        held = {d: dict.fromkeys(MODEL_STATE, 0) for d in DEVICES}
+        held["host" if self.offload_param else "device"]["param"] = \
+            (S if self.shard_parameters else P) * b
+        held["device"]["grad"] = 0 if self.shard_gradients else P * b
+        grad_shards = int(self.shard_gradients or self.offload_optimizer) \
+            + int(self.grads_spare is not None)
+        held[opt]["grad"] += grad_shards * S * b
+        for category in ("master", "adam_m", "adam_v"):
+            held[opt][category] = (S if self.shard_optimizer else P) * mb
+        return held
 
     # ---- set-up -------------------------------------------------------------------------
     def initialize(self, initial) -> None:
