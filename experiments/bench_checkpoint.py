@@ -25,12 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-from zmpi.models.gpt import GPT, GPTConfig
-
 from results import write_results
 from zmpi.comm import Comm
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
+from zmpi.models.gpt import GPT, GPTConfig
 
 MB = 1e6
 

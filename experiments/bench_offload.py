@@ -18,12 +18,12 @@ import sys
 import time
 
 import numpy as np
-from zmpi.models.gpt import GPT, GPTConfig
 
 from results import write_results
 from zmpi.comm import Comm
 from zmpi.data import BatchSampler, CharTokenizer, load_text, train_val_split
 from zmpi.engine import Engine
+from zmpi.models.gpt import GPT, GPTConfig
 
 MIB = 2**20
 MODES = {  # name: zero_optimization entries on top of stage 2

@@ -10,13 +10,13 @@ import argparse
 import sys
 
 import numpy as np
-from zmpi.models.gpt import GPT, GPTConfig
 
 from results import write_results
 from zmpi.comm import Comm
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
 from zmpi.memory import MODEL_STATE, comm_volume_elements, model_state_bytes
+from zmpi.models.gpt import GPT, GPTConfig
 
 MIB = 2**20
 

@@ -121,9 +121,8 @@ def make_damaged(work):
             manifest["checksum"] = _body_crc(manifest)
         path.write_text(json.dumps(manifest))
     shutil.rmtree(work / "damaged" / "wrong_model")
-    from zmpi.models.gpt import GPT, GPTConfig
-
     from zmpi.engine import Engine
+    from zmpi.models.gpt import GPT, GPTConfig
 
     other = Engine(GPT(GPTConfig(16, 8, 1, 2, 32)), {"train_micro_batch_size_per_gpu": 2})
     other.save_checkpoint(work / "damaged" / "wrong_model")
@@ -259,9 +258,8 @@ def test_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path, kill_at):
 
 # ---- single-process API behaviour ------------------------------------------------------------
 def _engine(lr=1e-2, stage=2, precision=None, **zero):
-    from zmpi.models.gpt import GPT, GPTConfig
-
     from zmpi.engine import Engine
+    from zmpi.models.gpt import GPT, GPTConfig
 
     cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage, **zero},
            "optimizer": {"type": "AdamW", "params": {"lr": lr}}}

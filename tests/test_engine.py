@@ -1,11 +1,11 @@
 """Engine behaviour in one process (a size-1 Comm, no mpiexec): errors, registry, API."""
 import numpy as np
 import pytest
-from zmpi.models.gpt import GPT, GPTConfig
-from zmpi.models.mlp import MLPModel
 
 from zmpi.config import ConfigError
 from zmpi.engine import Engine
+from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.models.mlp import MLPModel
 from zmpi.zero import available_strategies, get_strategy, register
 from zmpi.zero.stage1 import Stage1
 

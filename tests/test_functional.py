@@ -160,3 +160,40 @@ def test_gradcheck_catches_a_wrong_gradient(rng):
     with pytest.raises(AssertionError):
         directional_check(lambda: float((x**3).sum()), x, 3 * x**2 * (1 + 1e-4), rng)
     directional_check(lambda: float((x**3).sum()), x, 3 * x**2, rng)
+
+
+def test_cross_entropy_ignore_index_and_normalizer(rng):
+    """Ignored positions count nowhere: the loss is the mean over the rest (or the sum over
+    the rest / normalizer), their gradient is zero, and -100 is not read as an index."""
+    logits = rng.standard_normal((3, 4, 7))
+    targets = rng.integers(0, 7, (3, 4))
+    targets[0, :3] = targets[2, 1] = -100
+    keep = targets != -100
+    loss, cache = F.cross_entropy_forward(logits, targets, ignore_index=-100)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    per = -np.take_along_axis(logp, np.where(keep, targets, 0)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(float(loss), per[keep].mean(), rtol=1e-12)
+    dlogits = F.cross_entropy_backward(cache, dloss=2.0)
+    assert np.all(dlogits[~keep] == 0)
+    check(lambda: 2.0 * float(F.cross_entropy_forward(logits, targets, -100)[0]), logits,
+          dlogits, rng, "logits")
+    summed, cache = F.cross_entropy_forward(logits, targets, -100, normalizer=2.5)
+    np.testing.assert_allclose(float(summed), per[keep].sum() / 2.5, rtol=1e-12)
+    check(lambda: float(F.cross_entropy_forward(logits, targets, -100, 2.5)[0]), logits,
+          F.cross_entropy_backward(cache), rng, "logits")
+    nothing, cache = F.cross_entropy_forward(logits, np.full((3, 4), -100), -100)
+    assert float(nothing) == 0 and not F.cross_entropy_backward(cache).any()
+
+
+def test_mse_grads_and_shape_check(rng):
+    y, t = rng.standard_normal((4, 3)), rng.standard_normal((4, 3))
+    loss, cache = F.mse_forward(y, t)
+    np.testing.assert_allclose(float(loss), ((y - t) ** 2).mean(), rtol=1e-12)
+    check(lambda: float(F.mse_forward(y, t)[0]), y, F.mse_backward(cache), rng, "outputs")
+    loss, cache = F.mse_forward(y, t, normalizer=5)
+    np.testing.assert_allclose(float(loss), ((y - t) ** 2).sum() / 5, rtol=1e-12)
+    check(lambda: 3 * float(F.mse_forward(y, t, 5)[0]), y, F.mse_backward(cache, 3.0), rng,
+          "outputs")
+    assert F.mse_forward(y.astype(np.float16), t)[0].dtype == np.float32
+    with pytest.raises(ValueError, match="MSE targets have shape"):
+        F.mse_forward(y, t[:, :1])

@@ -9,9 +9,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 from gradcheck import check_model_loss
+
 from zmpi.models import GPT, GPTConfig, MLPModel
 from zmpi.models.gpt import LMHead, TokenPositionEmbedding
-
 from zmpi.nn import Block, UnitHooks
 
 TINY = GPTConfig(vocab_size=11, seq_len=6, n_layer=2, n_head=2, d_model=8)
@@ -219,3 +219,18 @@ def test_a_users_own_models_package_does_not_clash(tmp_path):
     code = ("import models, zmpi.models.gpt; from zmpi.cli import main; "
             "assert models.MINE and zmpi.models.gpt.GPT")
     subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True)
+
+
+def test_mlp_regressor_with_mse_and_gpt_with_ignore_index_grads(rng):
+    from zmpi.nn import CrossEntropyLoss, MSELoss
+
+    reg = MLPModel(sizes=(5, 8, 2), dtype=np.float64, loss=MSELoss())
+    x, y = rng.standard_normal((4, 5)), rng.standard_normal((4, 2))
+    check_model_loss(reg, x, y, rng)
+    gpt = GPT(TINY, dtype=np.float64)
+    gpt.loss_fn = CrossEntropyLoss(ignore_index=-100)
+    idx, targets = batch(rng)
+    targets[0, :2] = -100
+    check_model_loss(gpt, idx, targets, rng)
+    with pytest.raises(RuntimeError, match="without a preceding forward"):
+        reg.backward_loss()

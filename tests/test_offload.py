@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from mpi_util import RANKS_DIR, run_mpi
 from reference import reference_train
-from zmpi.models.gpt import GPT, GPTConfig
 
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
 from zmpi.memory import model_state_placement
+from zmpi.models.gpt import GPT, GPTConfig
 
 sys.path.insert(0, str(RANKS_DIR))
 import offload_checks  # noqa: E402

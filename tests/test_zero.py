@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from mpi_util import RANKS_DIR, REPO_ROOT, run_mpi
 from reference import reference_train
-from zmpi.models.gpt import GPT
 
 from zmpi.data import SyntheticSource
 from zmpi.memory import model_state_bytes
+from zmpi.models.gpt import GPT
 from zmpi.zero import available_strategies
 
 sys.path.insert(0, str(RANKS_DIR))
@@ -176,6 +176,39 @@ def test_traffic_matches_declared_and_paper_formula(run):
                 want = 2 * (psi // g) * 2 * (n // g - 1) // (n // g)
                 assert sent["replica"] == want, (where, sent)
                 assert {k for k in c["replica"] if c["replica"][k]["calls"]} <= {"allreduce"}
+
+
+@pytest.mark.mpi
+def test_pluggable_losses_equal_the_single_process_reference(run):
+    """An MLP regressor with MSE at stage 3, and GPT with cross-entropy ignoring -100 targets
+    at stage 2 with accumulation (a different number of counted tokens on every rank and
+    micro-batch): the loss is the mean over all ranks' counted targets, as one process on the
+    whole batch computes it, not a mean of per-rank means."""
+    from zmpi.models.mlp import MLPModel
+    from zmpi.nn import CrossEntropyLoss, MSELoss
+
+    n, out, reports = run
+    for name, (_, accumulation) in zero_checks.LOSS_CASES.items():
+        if name.startswith("mse"):
+            model = MLPModel((16, 32, 2), dtype=np.float64, loss=MSELoss())
+            batches = [zero_checks.regression_batch(s) for s in range(zero_checks.STEPS)]
+        else:
+            model = GPT(zero_checks.GPT_CONFIG, seed=0, dtype=np.float64)
+            model.loss_fn = CrossEntropyLoss(ignore_index=-100)
+            source = SyntheticSource(zero_checks.GPT_CONFIG.vocab_size,
+                                     zero_checks.GPT_CONFIG.seq_len,
+                                     zero_checks.GLOBAL_BATCH * accumulation, seed=1)
+            batches = []
+            for step in range(zero_checks.STEPS):
+                x, y = source.global_sample(step)
+                batches.append((x, zero_checks.ignore_targets(y, 0)))
+        init = {k: p.data.copy() for k, p in model.named_parameters()}
+        ref, ref_losses = reference_train(model, batches, lr=1e-2, weight_decay=0.1)
+        with np.load(out / f"loss_{name}.npz") as f:
+            rel, _, _ = _parity_errors(dict(f), init, ref)
+        assert rel <= FP64_RTOL, f"{name} n={n}: relative error {rel:.2e}"
+        for r in reports:
+            np.testing.assert_allclose(r["losses"][name], ref_losses, rtol=1e-10, err_msg=name)
 
 
 @pytest.mark.mpi

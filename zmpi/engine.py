@@ -144,7 +144,9 @@ class Engine:
 
         inputs, targets: (micro_batch * gradient_accumulation_steps, ...) — this rank's share;
         they are split into micro-batches. Gradients are averaged over the global batch
-        (all ranks, all micro-batches). Returns the global mean loss (same on every rank).
+        (all ranks, all micro-batches; over the counted targets of all of them when the
+        model's loss ignores some, see zmpi.nn.losses). Returns the global mean loss (same on
+        every rank).
         """
         if self.pending_save is not None:
             checkpoint.poll(self)  # an asynchronous save completes once every rank wrote
@@ -154,12 +156,12 @@ class Engine:
                 f"train_step got {len(inputs)} input and {len(targets)} target rows; the config "
                 f"asks for train_micro_batch_size_per_gpu ({self.micro_batch}) x "
                 f"gradient_accumulation_steps ({self.accumulation}) = {rows} rows per rank")
-        total = 0.0
+        total, normalizer = 0.0, self._normalizer(targets, self.accumulation)
         for i in range(self.accumulation):
             rows_i = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
             self.strategy.sync_gradients = i == self.accumulation - 1
             total += self.model.loss(self.xp.asarray(inputs[rows_i]),
-                                     self.xp.asarray(targets[rows_i]))
+                                     self.xp.asarray(targets[rows_i]), normalizer)
             self.model.backward_loss(scale=self.scaler.scale)
         self._step()
         return self.comm.allreduce_scalar(total / self.accumulation) / self.comm.size
@@ -169,8 +171,18 @@ class Engine:
         A collective: every rank must call it (stage 3 gathers parameters, and the mean is
         an allreduce). A delayed update in flight lands first."""
         self.flush()
-        loss = self.model.loss(self.xp.asarray(inputs), self.xp.asarray(targets))
+        loss = self.model.loss(self.xp.asarray(inputs), self.xp.asarray(targets),
+                               self._normalizer(targets, 1))
         return self.comm.allreduce_scalar(loss) / self.comm.size
+
+    def _normalizer(self, targets, micro_batches):
+        """None when every target counts; else the global count of counted targets over
+        (ranks x micro_batches), so that the mean of the micro-batch losses is the loss over
+        every rank's counted targets (one scalar allreduce)."""
+        local = self.model.loss_fn.count(targets)
+        if local is None:
+            return None
+        return max(self.comm.allreduce_scalar(local), 1.0) / (self.comm.size * micro_batches)
 
     def flush(self) -> None:
         """Land the delayed update in flight, if any: wait for the host Adam thread, raise
@@ -399,7 +411,8 @@ class Engine:
     # ---- checks -----------------------------------------------------------------------------
     @staticmethod
     def _as_one_unit(model, comm) -> UnitModel:
-        """A plain zmpi.nn Module runs as a one-unit UnitModel (softmax cross-entropy loss)."""
+        """A plain zmpi.nn Module runs as a one-unit UnitModel (softmax cross-entropy loss;
+        wrap it yourself, UnitModel([module], loss=...), for another)."""
         if not isinstance(model, Module):
             raise TypeError(f"Engine needs a zmpi.nn UnitModel or Module, got "
                             f"{type(model).__name__}")
@@ -407,7 +420,8 @@ class Engine:
             warnings.warn(f"{type(model).__name__} is not a UnitModel: it runs as one unit. "
                           "ZeRO-3 then gathers all its parameters at once, so the peak "
                           "parameter memory is the whole model; split it into units "
-                          "(zmpi.nn.UnitModel([...])) to gather one at a time", stacklevel=3)
+                          "(zmpi.nn.UnitModel([...], loss=...)) to gather one at a time",
+                          stacklevel=3)
         return UnitModel([model])
 
     def _check_grads_contract(self, grads) -> None:

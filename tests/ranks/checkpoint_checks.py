@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 from _report import report
 from zero_checks import GPT_CONFIG, config, digest, gpt_data
-from zmpi.models.gpt import GPT
 
 from zmpi.checkpoint.store import STATES, CheckpointError
 from zmpi.comm import Comm
 from zmpi.engine import Engine
+from zmpi.models.gpt import GPT
 
 CPU = {"device": "cpu"}
 

@@ -15,12 +15,12 @@ import sys
 import numpy as np
 from _report import report
 from zero_checks import GLOBAL_BATCH, GPT_CONFIG, config, digest, gpt_data
-from zmpi.models.gpt import GPT
 
 from zmpi import backend
 from zmpi.comm import Comm
 from zmpi.engine import Engine
 from zmpi.memory import DEVICES, MODEL_STATE
+from zmpi.models.gpt import GPT
 
 STEPS = 4
 DPU_STEPS, DPU_WARMUP = 6, 2

@@ -13,13 +13,13 @@ import sys
 
 import numpy as np
 from _report import report
-from zmpi.models.gpt import GPT, GPTConfig
-from zmpi.models.mlp import MLPModel
 
 from zmpi.comm import Comm
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
 from zmpi.memory import MODEL_STATE
+from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.models.mlp import MLPModel
 from zmpi.zero import available_strategies, get_strategy
 
 GPT_CONFIG = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=2, d_model=16)
@@ -130,6 +130,58 @@ def memory_and_traffic(comm, cases):
     return results
 
 
+LOSS_CASES = {  # name: (strategy, gradient_accumulation_steps)
+    "mse_stage3": ("stage3", 1),  # an MLP regressor with MSELoss
+    "ignore_index_stage2": ("stage2", 2),  # GPT, cross-entropy ignoring -100 targets
+}
+
+
+def regression_batch(step, rows=slice(None)):
+    """A regression problem: x (GLOBAL_BATCH, 16), y (GLOBAL_BATCH, 2) = a smooth function of x
+    plus noise; rows selects this rank's part."""
+    rng = np.random.default_rng(100 + step)
+    x = rng.standard_normal((GLOBAL_BATCH, 16))
+    y = np.stack([np.sin(x[:, 0]) + x[:, 1] * x[:, 2], np.tanh(x[:, 3:6].sum(1))], 1)
+    return x[rows], y[rows] + 0.1 * rng.standard_normal(y.shape)[rows]
+
+
+def ignore_targets(targets, first_row):
+    """Targets with the first (global row index % 5) positions of each row set to -100, so the
+    number of counted tokens differs between ranks and micro-batches."""
+    targets = targets.copy()
+    for i in range(len(targets)):
+        targets[i, : (first_row + i) % 5] = -100
+    return targets
+
+
+def losses(comm, out_dir):
+    """Pluggable losses trained across ranks: rank 0 saves the parameters for the test's
+    single-process reference."""
+    from zmpi.models.mlp import MLPModel
+    from zmpi.nn import CrossEntropyLoss, MSELoss
+
+    results = {}
+    for name, (strategy, accumulation) in LOSS_CASES.items():
+        cfg = config(0, "fp64", accumulation, n=comm.size)
+        if name.startswith("mse"):
+            model = MLPModel((16, 32, 2), dtype=np.float64, loss=MSELoss())
+            rows = GLOBAL_BATCH // comm.size
+            batches = [regression_batch(s, slice(comm.rank * rows, (comm.rank + 1) * rows))
+                       for s in range(STEPS)]
+        else:
+            model = GPT(GPT_CONFIG, seed=0, dtype=np.float64)
+            model.loss_fn = CrossEntropyLoss(ignore_index=-100)
+            data = gpt_data(comm, accumulation)
+            batches = [(x, ignore_targets(y, comm.rank * len(y)))
+                       for x, y in map(data.sample, range(STEPS))]
+        engine = engine_for(model, {"strategy": strategy}, cfg, comm)
+        results[name] = [engine.train_step(x, y) for x, y in batches]
+        params = engine.gather_parameters()
+        if comm.rank == 0:
+            np.savez(f"{out_dir}/loss_{name}.npz", **params)
+    return results
+
+
 def loss_scaler(comm):
     """fp16, window 2, hysteresis 1, scale 2^8; an inf planted in rank N-1's gradient at step 2
     must skip the step on every rank and halve the scale."""
@@ -162,4 +214,5 @@ if __name__ == "__main__":
     cases = list(strategies(comm.size, sys.argv[2:]))
     report({"parity": parity(comm, sys.argv[1], cases),
             "memory_traffic": memory_and_traffic(comm, cases),
+            "losses": losses(comm, sys.argv[1]),
             "loss_scaler": loss_scaler(comm)})

@@ -3,7 +3,9 @@
     functional   pure kernels: y, cache = op_forward(...); grads = op_backward(dy, cache)
     parameter    Parameter (.data, .grad), compute_data, accumulate_grad_
     module       Module, UnitModel (units + engine hooks + loss), UnitHooks
-    layers       Linear, Embedding, LayerNorm, GELU, CausalSelfAttention, MLP, Block
+    layers       Linear, Dense (Linear + GELU), Embedding, LayerNorm, GELU, CausalSelfAttention,
+                 MLP (transformer feed-forward), Block
+    losses       Loss, CrossEntropyLoss (ignore_index), MSELoss
 """
 
 from zmpi.backend import array_module, compute_dtype
@@ -13,6 +15,7 @@ from zmpi.nn.layers import (
     MLP,
     Block,
     CausalSelfAttention,
+    Dense,
     Embedding,
     LayerNorm,
     Linear,
@@ -20,12 +23,13 @@ from zmpi.nn.layers import (
     embedding_lookup,
     normal_parameter,
 )
+from zmpi.nn.losses import CrossEntropyLoss, Loss, MSELoss
 from zmpi.nn.module import Module, UnitHooks, UnitModel
 from zmpi.nn.parameter import Parameter, accumulate_grad_, compute_data, live
 
 __all__ = [
-    "GELU", "MLP", "Block", "CausalSelfAttention", "Embedding", "LayerNorm", "Linear", "Module",
-    "Parameter", "UnitHooks", "UnitModel", "accumulate_grad_", "array_module", "compute_data",
-    "compute_dtype",
-    "constant_parameter", "embedding_lookup", "functional", "live", "normal_parameter",
+    "GELU", "MLP", "Block", "CausalSelfAttention", "CrossEntropyLoss", "Dense", "Embedding",
+    "LayerNorm", "Linear", "Loss", "MSELoss", "Module", "Parameter", "UnitHooks", "UnitModel",
+    "accumulate_grad_", "array_module", "compute_data", "compute_dtype", "constant_parameter",
+    "embedding_lookup", "functional", "live", "normal_parameter",
 ]

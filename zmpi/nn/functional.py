@@ -171,12 +171,14 @@ def attention_backward(dy, cache):
 # -- softmax cross-entropy --------------------------------------------------------------------
 
 
-def cross_entropy_forward(logits, targets):
-    """Mean over all positions of -log softmax(logits)[target].
+def cross_entropy_forward(logits, targets, ignore_index=None, normalizer=None):
+    """Sum over counted positions of -log softmax(logits)[target], divided by `normalizer`
+    (default: the number of counted positions, i.e. the mean, as PyTorch's reduction="mean").
 
     logits (..., V) float, targets (...) int -> loss (0-d array, float32 or float64).
-    Runs in float32 at least (float64 logits stay float64).  cache = (probs (N, V), targets (N,),
-    shape of logits).
+    Positions whose target equals `ignore_index` (e.g. -100) do not count and get no gradient.
+    Runs in float32 at least (float64 logits stay float64). cache = (probs (N, V), targets
+    (N,), mask (N,) or None, normalizer, shape of logits).
     """
     xp = array_module(logits)
     dtype = xp.promote_types(logits.dtype, xp.float32)
@@ -184,21 +186,49 @@ def cross_entropy_forward(logits, targets):
     V = shape[-1]
     z = logits.reshape(-1, V).astype(dtype)  # (N, V), a copy we may overwrite
     targets = xp.asarray(targets).reshape(-1)  # (N,)
-    N = z.shape[0]
+    mask = None if ignore_index is None else targets != ignore_index
+    if mask is not None:
+        targets = xp.where(mask, targets, 0)  # any valid index; masked out below
+    if normalizer is None:
+        normalizer = targets.shape[0] if mask is None else max(int(mask.sum()), 1)
     z -= z.max(axis=-1, keepdims=True)  # log-softmax without overflow
     lse = xp.log(xp.exp(z).sum(axis=-1))  # (N,)
-    rows = xp.arange(N)
-    loss = (lse - z[rows, targets]).mean()
+    per_position = lse - z[xp.arange(z.shape[0]), targets]
+    if mask is not None:
+        per_position = per_position * mask
+    loss = per_position.sum() / dtype.type(normalizer)
     probs = xp.exp(z - lse[:, None])  # (N, V)
-    return loss, (probs, targets, shape)
+    return loss, (probs, targets, mask, normalizer, shape)
 
 
 def cross_entropy_backward(cache, dloss=1.0):
-    """dlogits (..., V) = dloss * (softmax(logits) - onehot(targets)) / N, in the loss dtype."""
+    """dlogits (..., V) = dloss * (softmax(logits) - onehot(targets)) / normalizer, zero at
+    ignored positions, in the loss dtype."""
     xp = array_module(cache[0])
-    probs, targets, shape = cache
-    N = probs.shape[0]
+    probs, targets, mask, normalizer, shape = cache
     dlogits = probs.copy()  # (N, V)
-    dlogits[xp.arange(N), targets] -= 1.0
-    dlogits *= dloss / N
+    dlogits[xp.arange(dlogits.shape[0]), targets] -= 1.0
+    dlogits *= dloss / normalizer
+    if mask is not None:
+        dlogits *= mask[:, None]
     return dlogits.reshape(shape)
+
+
+def mse_forward(outputs, targets, normalizer=None):
+    """Sum of (outputs - targets)^2 divided by `normalizer` (default: outputs.size, the mean,
+    as PyTorch's MSELoss). outputs, targets: same shape, float -> loss (0-d array, float32 at
+    least). cache = (outputs - targets, normalizer)."""
+    xp = array_module(outputs)
+    dtype = xp.promote_types(outputs.dtype, xp.float32)
+    targets = xp.asarray(targets)
+    if targets.shape != outputs.shape:
+        raise ValueError(f"MSE targets have shape {targets.shape}, outputs {outputs.shape}")
+    diff = outputs.astype(dtype) - targets.astype(dtype)
+    normalizer = diff.size if normalizer is None else normalizer
+    return (diff * diff).sum() / dtype.type(normalizer), (diff, normalizer)
+
+
+def mse_backward(cache, dloss=1.0):
+    """doutputs = dloss * 2 (outputs - targets) / normalizer, in the loss dtype."""
+    diff, normalizer = cache
+    return diff * (2.0 * dloss / normalizer)

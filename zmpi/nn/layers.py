@@ -155,6 +155,22 @@ class CausalSelfAttention(Module):
         return self.qkv.backward(F.attention_backward(self.proj.backward(dy), cache))
 
 
+class Dense(Module):
+    """Linear followed by GELU (unless act=False): x (..., d_in) -> (..., d_out). The block of a
+    plain MLP; one Dense per unit makes an MLP a UnitModel (zmpi.models.mlp)."""
+
+    def __init__(self, d_in, d_out, act=True, rng=None, dtype=numpy.float32, std=None):
+        self.fc = Linear(d_in, d_out, rng=rng, dtype=dtype, std=std)
+        self.act = GELU() if act else None
+
+    def forward(self, x):
+        x = self.fc.forward(x)
+        return self.act.forward(x) if self.act else x
+
+    def backward(self, dy):
+        return self.fc.backward(self.act.backward(dy) if self.act else dy)
+
+
 class MLP(Module):
     """Transformer feed-forward: x (..., C) -> fc (C, 4C) -> GELU -> proj (4C, C)."""
 

@@ -6,13 +6,13 @@ Modules) in definition order, so names look like `units.1.attn.qkv.weight`. A mo
 embedding); those owners are listed in `shared_units` and are never walked.
 
 UnitModel is an ordered list of units, the granularity at which ZeRO-3 gathers and releases
-parameters. It runs the units with engine hooks around each call, and owns the loss:
+parameters. It runs the units with engine hooks around each call, and owns the loss
+(zmpi.nn.losses; softmax cross-entropy unless given):
 
-    loss = model.loss(inputs, targets)   # forward + mean softmax cross-entropy, a float
+    loss = model.loss(inputs, targets)   # forward + loss, a float
     model.backward_loss(scale=1.0)       # backward from dloss = scale (the loss scale)
 """
 
-from zmpi.nn import functional as F
 from zmpi.nn.parameter import Parameter
 
 
@@ -134,14 +134,18 @@ class UnitHooks:
 class UnitModel(Module):
     """A model as an ordered list of units, run with `self.hooks` around each unit call.
 
-    Parameters are named `units.{i}.<name in unit>`. The last unit produces logits (..., V);
-    `loss` and `backward_loss` add softmax cross-entropy (mean over all tokens) on top.
-    Assign `model.hooks` to install engine hooks.
+    Parameters are named `units.{i}.<name in unit>`. `loss` and `backward_loss` add the loss
+    `loss_fn` (a zmpi.nn.losses.Loss; default CrossEntropyLoss(): the last unit produces
+    logits (..., V)) on top of the last unit's output. Assign `model.hooks` to install engine
+    hooks.
     """
 
-    def __init__(self, units):
+    def __init__(self, units, loss=None):
+        from zmpi.nn.losses import CrossEntropyLoss
+
         self.units = list(units)
         self.hooks = UnitHooks()
+        self.loss_fn = CrossEntropyLoss() if loss is None else loss
 
     def forward(self, x):
         """Run the units in order; returns the last unit's output (logits)."""
@@ -164,31 +168,20 @@ class UnitModel(Module):
             self.hooks.after_backward(u)
         return dy
 
-    def loss(self, inputs, targets):
-        """Forward, then mean softmax cross-entropy over all positions; returns a Python float.
+    def loss(self, inputs, targets, normalizer=None):
+        """Forward, then `loss_fn` on the last unit's output; returns a Python float.
 
-        inputs: what unit 0 takes; targets: int array of the logits' shape without V.
-        The cross-entropy runs in float32 (float64 when the logits are float64).
-        """
-        logits = self.forward(inputs)
-        loss, self._loss_cache = F.cross_entropy_forward(logits, targets)
-        return float(loss)
+        inputs: what unit 0 takes; targets: what the loss takes (class indices for
+        cross-entropy, values for MSE). normalizer: see zmpi.nn.losses (the engine passes it
+        when the number of counted targets varies across ranks)."""
+        return float(self.loss_fn.forward(self.forward(inputs), targets, normalizer))
 
     def backward_loss(self, scale=1.0):
         """Backward from dloss = `scale` after `loss` (scale: the loss scale, 1.0 without).
 
         Accumulates every parameter gradient (scaled by `scale`); returns the input gradient.
-        """
-        cache = getattr(self, "_loss_cache", None)
-        if cache is None:
-            raise RuntimeError("backward_loss called without a preceding loss(...)")
-        self._loss_cache = None
-        dlogits = F.cross_entropy_backward(cache, dloss=scale)
-        return self.backward(dlogits)
-
-    def clear_cache(self):
-        super().clear_cache()
-        self._loss_cache = None
+        RuntimeError without a preceding `loss`."""
+        return self.backward(self.loss_fn.backward(scale))
 
     def tied_parameters(self) -> dict[str, str]:
         """{alias: parameter name} for every weight a unit reads under another name than
