@@ -15,7 +15,8 @@ export OPENBLAS_NUM_THREADS=1
 export MKL_NUM_THREADS=1
 export ZMPI_BACKEND ?= numpy
 
-.PHONY: install test demo lint clean bench-install bench-adam bench-offload bench-checkpoint
+.PHONY: install test demo lint clean tables bench-install bench-adam bench-offload \
+	bench-checkpoint
 
 install: $(STAMP)
 
@@ -39,6 +40,9 @@ bench-adam: bench-install
 
 bench-offload: bench-install
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_offload.py --out results/offload_n$(NP)
+
+tables: $(STAMP)
+	$(MPIEXEC) -n $(NP) $(PY) experiments/zero_tables.py --out results/zero_tables_n$(NP)
 
 bench-checkpoint: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_checkpoint.py --out results/checkpoint_n$(NP)

@@ -1,10 +1,14 @@
-"""Measured model-state memory and traffic per rank for ZeRO stages 0-3, next to the formulas.
+"""Measured model-state memory and traffic per rank of every shipped partition strategy, next to
+what each strategy declares, the ZeRO paper's formulas, and stage 3.
 
     mpiexec -n 4 python experiments/zero_tables.py --out results/zero_tables_n4
 
-Builds the demo GPT (or --d-model/--n-layer), runs one fp16 training step per stage, and
-writes what the MemoryLedger and Comm counted next to the SC'20 formulas (Fig. 1 memory,
-Sec. 7 traffic) as CSV and Markdown, plus run.json (config, git revision, environment).
+Builds the demo GPT (or --d-model/--n-layer), runs one fp16 training step with each of
+stage0..stage3, hybrid and hybrid_zero2 (in shard groups of each --group-sizes that divides
+N; default 2), and writes what the MemoryLedger and the Comm counters saw as CSV and Markdown,
+plus run.json (config, git revision, environment). Traffic is what one rank sends under the
+ring model, per communicator: "world" for stages 0-3, "shard" (inside a group) and "replica"
+(across groups) for hybrid sharding.
 """
 import argparse
 import sys
@@ -19,30 +23,45 @@ from zmpi.memory import MODEL_STATE, comm_volume_elements, model_state_bytes
 from zmpi.models.gpt import GPT, GPTConfig
 
 MIB = 2**20
+ARRAY_OPS = ("allreduce", "reduce_scatter", "allgather")
 
 
-def measure(comm, model_cfg, stage, micro_batch):
+def cases(world_size, group_sizes):
+    """(label, zero_optimization) of every strategy measured."""
+    out = [(f"stage{s}", {"stage": s}) for s in range(4)]
+    for name in ("hybrid", "hybrid_zero2"):
+        out += [(f"{name} G={g}", {"strategy": name, "shard_group_size": g})
+                for g in group_sizes if world_size % g == 0]
+    return out
+
+
+def measure(comm, model_cfg, label, zero, micro_batch):
     engine = Engine(GPT(model_cfg, seed=0), {
         "train_micro_batch_size_per_gpu": micro_batch, "fp16": {"enabled": True},
-        "zero_optimization": {"stage": stage}}, comm)
+        "zero_optimization": zero}, comm)
     data = SyntheticSource(model_cfg.vocab_size, model_cfg.seq_len, micro_batch * comm.size,
                            comm.rank, comm.size)
     engine.memory.reset_peaks()
     engine.train_step(*data.sample(0))
-    c = engine.comm.counters
     psi = engine.layout.full_numel
-    sent = c["allreduce"].sent + c["reduce_scatter"].sent + c["allgather"].sent
-    tied = engine.layout.units[0].padded_numel  # GPT's LM head re-gathers the embedding
-    return {
-        "stage": stage, "psi": engine.num_params, "padding": engine.layout.padding,
+    sent = {kind: sum(c[op]["sent"] for op in ARRAY_OPS) for kind, c in engine.traffic().items()}
+    declared_memory = engine.strategy.expected_model_state()
+    row = {
+        "strategy": label, "psi": engine.num_params, "padding": engine.layout.padding,
         "measured_MiB": engine.memory.model_state_bytes() / MIB,
-        "formula_MiB": model_state_bytes(psi, comm.size, stage, 2, 2, 12) / MIB,
+        "declared_MiB": sum(sum(d.values()) for d in declared_memory.values()) / MIB,
         "peak_MiB": engine.memory.peak(MODEL_STATE) / MIB,
-        "sent_MiB": sent / MIB,
-        "formula_sent_MiB": 2 * comm_volume_elements(psi, comm.size, stage) / MIB,
-        "tied_extra_MiB": (2 * 2 * tied * (comm.size - 1) / comm.size / MIB) if stage == 3 else 0.0,
-        "calls": {op: c[op].calls for op in ("allreduce", "reduce_scatter", "allgather")},
+        "sent_MiB": sum(sent.values()) / MIB,
+        "declared_sent_MiB": sum(engine.strategy.expected_traffic().values()) / MIB,
+        "shard_group_MiB": sent.get("world", sent.get("shard", 0)) / MIB,
+        "replica_group_MiB": sent.get("replica", 0) / MIB,
+        "sent": sent,
     }
+    if label.startswith("stage"):
+        stage = int(label[-1])
+        row["formula_MiB"] = model_state_bytes(psi, comm.size, stage, 2, 2, 12) / MIB
+        row["formula_sent_MiB"] = 2 * comm_volume_elements(psi, comm.size, stage) / MIB
+    return row
 
 
 def main():
@@ -51,23 +70,32 @@ def main():
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--group-sizes", type=int, nargs="+", default=[2])
     args = parser.parse_args()
     comm = Comm()
     model_cfg = GPTConfig(65, 64, args.n_layer, 4, args.d_model)
-    rows = [measure(comm, model_cfg, stage, args.micro_batch) for stage in range(4)]
+    rows = [measure(comm, model_cfg, label, zero, args.micro_batch)
+            for label, zero in cases(comm.size, args.group_sizes)]
     if comm.rank != 0:
         return
-    header = (f"GPT {rows[0]['psi']:,} params (+{rows[0]['padding']} padding), fp16 + Adam "
-              f"(K = 12), N = {comm.size}; per rank, one step")
-    md = [header, "", "| stage | model states MiB (measured) | formula | peak | sent MiB "
-          "(measured) | formula | of which tied-weight re-gather |", "|---" * 7 + "|"]
+    stage3 = next(r for r in rows if r["strategy"] == "stage3")
+    header = (f"GPT {rows[0]['psi']:,} params (+{rows[0]['padding']} padding at N = "
+              f"{comm.size}), fp16 + Adam (K = 12), N = {comm.size}; per rank, one step")
+    md = [header, "", "| strategy | model states MiB (measured) | declared | paper formula | "
+          "vs stage 3 | sent MiB (measured) | declared | paper formula | in shard group | "
+          "in replica group | vs stage 3 |", "|---" * 11 + "|"]
     for r in rows:
-        md.append(f"| {r['stage']} | {r['measured_MiB']:.3f} | {r['formula_MiB']:.3f} | "
-                  f"{r['peak_MiB']:.3f} | {r['sent_MiB']:.3f} | {r['formula_sent_MiB']:.3f} | "
-                  f"{r['tied_extra_MiB']:.3f} |")
-    print("\n".join(md))
+        md.append(f"| {r['strategy']} | {r['measured_MiB']:.3f} | {r['declared_MiB']:.3f} | "
+                  f"{r.get('formula_MiB', float('nan')):.3f} | "
+                  f"{r['measured_MiB'] / stage3['measured_MiB']:.2f}x | {r['sent_MiB']:.3f} | "
+                  f"{r['declared_sent_MiB']:.3f} | {r.get('formula_sent_MiB', float('nan')):.3f}"
+                  f" | {r['shard_group_MiB']:.3f} | {r['replica_group_MiB']:.3f} | "
+                  f"{r['sent_MiB'] / stage3['sent_MiB']:.2f}x |")
+    print("\n".join(md).replace("| nan |", "| - |"))
     if args.out:
-        write_results(args.out, rows, md, comm, argv=sys.argv, model=vars(model_cfg))
+        write_results(args.out, rows, [m.replace("| nan |", "| - |") for m in md], comm,
+                      argv=sys.argv, model=vars(model_cfg))
+
 
 if __name__ == "__main__":
     np.seterr(over="ignore")

@@ -43,7 +43,7 @@ def _args(**kw):
 
     base = {"config": None, "batch": None, "lr": None, "stage": None, "precision": None,
             "seed": None, "strategy": None, "offload_optimizer": False, "offload_param": False,
-            "delay_update": None}
+            "delay_update": None, "shard_group_size": None}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -154,3 +154,10 @@ def test_seed_and_strategy_flags(tmp_path):
         build_config(_args(config=str(path), stage=1), 1)
     cfg = build_config(_args(strategy="mypkg.mod:Mine"), 1)
     assert cfg["zero_optimization"] == {"strategy": "mypkg.mod:Mine"}
+
+
+def test_shard_group_size_flag():
+    from zmpi.cli import build_config
+
+    cfg = build_config(_args(strategy="hybrid", shard_group_size=2), 4)
+    assert cfg["zero_optimization"] == {"strategy": "hybrid", "shard_group_size": 2}

@@ -89,6 +89,9 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
                      notes)
     if args.offload_param:
         _set(cfg, "zero_optimization.offload_param.device", "cpu", "--offload-param", notes)
+    if args.shard_group_size is not None:
+        _set(cfg, "zero_optimization.shard_group_size", args.shard_group_size,
+             "--shard-group-size", notes)
     if args.seed is not None:
         _set(cfg, "seed", args.seed, "--seed", notes)
     cfg.setdefault("seed", 0)
@@ -97,20 +100,18 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
 
 def memory_table(engine, comm) -> str:
     """Every rank's measured model-state bytes (ledger) on the device and on the host, next
-    to the SC'20 formula extended with ZeRO-Offload's placement (zmpi.memory)."""
+    to what the strategy declares (for stages 0-3: the SC'20 formula extended with
+    ZeRO-Offload's placement, zmpi.memory; the test suite checks they agree)."""
     s = engine.strategy
-    stage = s.shard_optimizer + s.shard_gradients + s.shard_parameters  # the formula's stage
-    pbytes, mbytes = engine.dtype.itemsize, engine.master_dtype.itemsize
-    formula = model_state_placement(engine.layout.full_numel, comm.size, stage, pbytes, pbytes,
-                                    mbytes, mbytes, s.offload_optimizer, s.offload_param,
-                                    s.grads_spare is not None)
+    mbytes = engine.master_dtype.itemsize
+    formula = s.expected_model_state()
     rows = comm.allgather_object((comm.rank, *(engine.memory.model_state_bytes(d)
                                                for d in DEVICES),
                                   engine.memory.peak(MODEL_STATE, "device")))
     want = [sum(formula[d].values()) / 2**20 for d in DEVICES]
     lines = [f"model-state memory per rank ({s.name}, {engine.dtype.name} params, "
              f"Psi = {engine.num_params:,} + {engine.layout.padding} padding, "
-             f"K = {3 * mbytes}, N = {comm.size}; offload: optimizer "
+             f"K = {3 * mbytes}, N = {comm.size}, sharded over {s.world_size}; offload: optimizer "
              f"{'on' if s.offload_optimizer else 'off'}, params "
              f"{'on' if s.offload_param else 'off'})",
              f"{'rank':>4} {'device MiB':>11} {'formula':>9} {'host MiB':>9} {'formula':>9} "
@@ -119,6 +120,18 @@ def memory_table(engine, comm) -> str:
         lines.append(f"{rank:>4} {device / 2**20:>11.3f} {want[0]:>9.3f} {host / 2**20:>9.3f} "
                      f"{want[1]:>9.3f} {peak / 2**20:>12.3f}")
     return "\n".join(lines)
+
+
+def traffic_line(engine, steps: int) -> str:
+    """This rank's bytes sent by array collectives per communicator since the engine started
+    (ring model, Comm's counters), next to what the strategy declares per step."""
+    declared = engine.strategy.expected_traffic()
+    parts = []
+    for kind, counters in engine.traffic().items():
+        sent = sum(counters[op]["sent"] for op in ("allreduce", "reduce_scatter", "allgather"))
+        parts.append(f"{kind} {sent / 2**20:.2f} MiB ({sent / 2**20 / max(steps, 1):.3f} per "
+                     f"step; declared {declared.get(kind, 0) / 2**20:.3f} without accumulation)")
+    return f"traffic sent by this rank over {steps} steps: " + "; ".join(parts)
 
 
 def train(args) -> None:
@@ -178,6 +191,7 @@ def train(args) -> None:
                          f"({time.perf_counter() - t0:.2f} s)")
     elapsed = time.perf_counter() - start
     engine.flush()  # a delayed update in flight lands before evaluation
+    log.info(traffic_line(engine, len(metrics)))
     val_loss = np.mean([engine.eval_loss(*val_data.sample(i)) for i in range(4)])
     mean_tps = len(metrics) * global_batch * args.seq_len / elapsed
     log.info(f"loss {metrics[0][1]:.3f} -> {metrics[-1][1]:.3f} (val {val_loss:.3f}); "
@@ -289,6 +303,8 @@ def main(argv=None) -> None:
     t.add_argument("--stage", type=int, choices=range(4), help="ZeRO stage (default 3)")
     t.add_argument("--strategy", help="a registered partition strategy, an installed "
                    "entry point, or package.module:ClassName (overrides the stage)")
+    t.add_argument("--shard-group-size", type=int, metavar="G", default=None,
+                   help="hybrid strategies: shard over groups of G ranks (default: a node)")
     t.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,
                    help="parameter/gradient storage; overrides the config's fp16/bf16 "
                    "sections (default: from --config, else fp32)")

@@ -38,8 +38,12 @@ gradient shard lets the host Adam of one step run while the next step's backward
 other (`swap_grad_buffers`).
 
 Every buffer is allocated through the MemoryLedger and every collective goes through Comm, so
-what a stage holds and moves is measured, not assumed. A new strategy is one file: subclass,
-set the flags, override hooks, decorate with `@register("name")`.
+what a stage holds and moves is measured, not assumed; each policy declares what it should
+hold and send (`expected_model_state`, `expected_traffic`) and the shared test suite checks
+both. The model states are partitioned over `self.comm`: the world, or the shard group a
+policy picks in `process_groups` (hybrid.py). A new strategy is one file: subclass, set the
+flags, override hooks, declare the traffic, decorate with `@register("name")`
+(docs/strategies.md).
 """
 from __future__ import annotations
 
