@@ -32,9 +32,10 @@ DEEPSPEED_EXAMPLE = """
                 "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
   "fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 16,
            "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
-  "zero_optimization": {"stage": 2, "allgather_partitions": true, "allgather_bucket_size": 2e8,
-                        "overlap_comm": true, "reduce_scatter": true,
-                        "reduce_bucket_size": 200000000, "contiguous_gradients": true,
+  "zero_optimization": {"stage": 2, "allgather_partitions": true,
+                        "allgather_bucket_size": 200000000, "overlap_comm": true,
+                        "reduce_scatter": true, "reduce_bucket_size": 2e8,
+                        "contiguous_gradients": true,
                         "round_robin_gradients": false}
 }
 """
@@ -52,8 +53,15 @@ def test_defaults():
 def test_deepspeed_example_loads(tmp_path):
     d = json.loads(DEEPSPEED_EXAMPLE)
     c = Config.from_dict(d)
-    assert c.zero_optimization.allgather_bucket_size == 200_000_000  # "2e8", as in DeepSpeed
-    assert isinstance(c.zero_optimization.allgather_bucket_size, int)
+    assert c.zero_optimization.reduce_bucket_size == 200_000_000  # "2e8", as in DeepSpeed
+    assert isinstance(c.zero_optimization.reduce_bucket_size, int)
+    assert c.notes() == [
+        "wall_clock_breakdown: accepted without effect (zmpi train reports tokens/s and the DPU "
+        "timing)",
+        "zero_optimization.allgather_bucket_size: accepted without effect (collectives run per "
+        "unit of the model: a unit is the bucket)",
+        "zero_optimization.round_robin_gradients: accepted without effect (gradient shards are "
+        "copied to the host unit by unit)"]
     assert c.optimizer == OptimizerConfig("AdamW", 3e-4, (0.9, 0.95), 1e-8, 0.1)
     assert c.fp16.enabled and c.fp16.loss_scale == 0.0 and c.fp16.min_loss_scale == 1.0
     assert isinstance(c.fp16.min_loss_scale, float)  # int accepted, stored as float
@@ -68,7 +76,7 @@ def test_deepspeed_example_loads(tmp_path):
 
 
 def test_non_integral_float_where_int_expected_fails():
-    with pytest.raises(ConfigError, match=r"allgather_bucket_size: expected int, got float "
+    with pytest.raises(ConfigError, match=r"reduce_bucket_size: expected int, got float "
                                           r"\(2\.5\)"):
         Config.from_json(DEEPSPEED_EXAMPLE.replace("2e8", "2.5"))
 
@@ -131,13 +139,14 @@ def test_replace():
      r"zero_optimization\.stagee: unknown key; did you mean 'stage'\? allowed keys: stage, "),
     ({"zero_optimizaton": {}}, r"^zero_optimizaton: unknown key; did you mean "
                                r"'zero_optimization'\?.*allowed keys:.*train_batch_size"),
-    ({"fp16": {"enabled": True, "auto_cast": True}}, r"^fp16\.auto_cast: unknown key; allowed"),
+    ({"fp16": {"enabled": True, "autocast": True}}, r"^fp16\.autocast: unknown key; did you "
+                                                    r"mean 'auto_cast'"),
     ({"optimizer": {"params": {"lrr": 1}}}, r"optimizer\.params\.lrr: unknown key; did you "
                                             r"mean 'lr'\? allowed keys: lr, betas, eps"),
     ({"optimizer": {"type": "Adam", "param": {}}}, r"optimizer\.param: unknown key; did you "
                                                    r"mean 'params'\?"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "nvme_path": "/x"}}},
-     r"zero_optimization\.offload_optimizer\.nvme_path: unknown key"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "nvme": "/x"}}},
+     r"zero_optimization\.offload_optimizer\.nvme: unknown key"),
 ])
 def test_unknown_keys(d, match):
     with pytest.raises(ConfigError, match=match):
@@ -159,7 +168,7 @@ def test_unknown_keys(d, match):
     ({"zero_optimization": []}, r"zero_optimization: expected object, got list"),
     ({"zero_optimization": {"strategy": 3}}, r"zero_optimization\.strategy: expected str or null"),
     ({"zero_optimization": {"reduce_scatter": "yes"}},
-     r"zero_optimization\.reduce_scatter: expected bool, got str"),
+     r"zero_optimization\.reduce_scatter: zmpi always reduce-scatters .* got 'yes'"),
     ({"train_batch_size": 8.5}, r"train_batch_size: expected int or null, got float"),
     ({"optimizer": {"params": []}}, r"optimizer\.params: expected object, got list"),
 ])
@@ -260,16 +269,93 @@ def test_resolve_batch_checks():
             c.resolve_batch(bad)
 
 
-def test_ignored_deepspeed_keys_accepted():
-    c = Config.from_dict({"wall_clock_breakdown": True, "zero_optimization": {
-        "stage": 1, "reduce_scatter": False, "allgather_partitions": True,
-        "round_robin_gradients": True}})
-    assert c == Config(zero_optimization=ZeroConfig(stage=1))
+def test_deepspeed_keys_zmpi_always_behaves_as_accept_only_that_value():
+    c = Config.from_dict({"zero_optimization": {"stage": 1, "reduce_scatter": True,
+                                                "contiguous_gradients": True}})
+    assert c == Config(zero_optimization=ZeroConfig(stage=1)) and c.notes() == []
+    for section, key, value in [("zero_optimization", "reduce_scatter", False),
+                                ("zero_optimization", "zero_quantized_weights", True),
+                                ("zero_optimization", "mics_shard_size", 8),
+                                ("fp16", "consecutive_hysteresis", True),
+                                (None, "prescale_gradients", True)]:
+        d = {key: value} if section is None else {section: {key: value}}
+        path = key if section is None else f"{section}.{key}"
+        with pytest.raises(ConfigError, match=rf"^{path}: zmpi always .* \(only .* is "
+                                              rf"supported\), got {value!r}"):
+            Config.from_dict(d)
+    with pytest.raises(ConfigError, match="strategy.*hybrid"):
+        Config.from_dict({"zero_optimization": {"mics_shard_size": 8}})
 
 
-@pytest.mark.parametrize("module", ["config.py", "memory.py", "data/__init__.py"])
+def test_inert_keys_are_noted_with_their_path():
+    c = Config.from_dict({"activation_checkpointing": {"partition_activations": True},
+                          "zero_optimization": {"stage": 3, "sub_group_size": 1e9,
+                                                "offload_param": {"device": "cpu",
+                                                                  "buffer_count": 5}}})
+    assert [n.split(":")[0] for n in c.notes()] == [
+        "activation_checkpointing", "zero_optimization.sub_group_size",
+        "zero_optimization.offload_param.buffer_count"]
+    assert "activation memory is not reduced" in c.notes()[0]
+    assert c.replace(seed=3).notes() == c.notes()  # replace keeps them
+
+
+def test_auto_values():
+    c = Config.from_dict({"train_batch_size": 48, "train_micro_batch_size_per_gpu": "auto",
+                          "gradient_accumulation_steps": 2,
+                          "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                "stage3_prefetch_bucket_size": "auto"}})
+    r = c.resolve_batch(4)
+    assert (r.train_micro_batch_size_per_gpu, r.gradient_accumulation_steps) == (6, 2)
+    assert r.zero_optimization.reduce_bucket_size == 500_000_000
+    assert r.zero_optimization.stage3_prefetch_bucket_size is None
+    assert "train_micro_batch_size_per_gpu: 'auto' is 6" in r.notes()
+    both = Config.from_dict({"train_batch_size": 8, "train_micro_batch_size_per_gpu": "auto",
+                             "gradient_accumulation_steps": "auto"}).resolve_batch(2)
+    assert (both.train_micro_batch_size_per_gpu, both.gradient_accumulation_steps) == (4, 1)
+    derived = Config.from_dict({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 3})
+    assert derived.resolve_batch(2).train_batch_size == 6
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu: 'auto' needs "
+                                          "train_batch_size"):
+        Config.from_dict({"train_micro_batch_size_per_gpu": "auto"}).resolve_batch(2)
+    with pytest.raises(ConfigError, match="does not split over 4 ranks"):
+        Config.from_dict({"train_batch_size": 6,
+                          "train_micro_batch_size_per_gpu": "auto"}).resolve_batch(4)
+    for d, key in [({"gradient_clipping": "auto"}, "gradient_clipping"),
+                   ({"optimizer": {"params": {"lr": "auto"}}}, "optimizer.params.lr"),
+                   ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}},
+                    "scheduler.params.warmup_num_steps")]:
+        with pytest.raises(ConfigError, match=rf"^{key}: 'auto' has nothing to be derived"):
+            Config.from_dict(d)
+
+
+def test_scheduler_section():
+    c = Config.from_dict({"scheduler": {"type": "WarmupDecayLR",
+                                        "params": {"total_num_steps": 100}}})
+    assert c.scheduler.type == "WarmupDecayLR"
+    assert Config.from_dict(c.to_dict()) == c
+    for d, match in [({"type": "Cosine"}, "scheduler.type: unknown scheduler 'Cosine'; "
+                                          "allowed: WarmupLR"),
+                     ({"type": "WarmupDecayLR"}, "scheduler.params.total_num_steps: "
+                                                 "WarmupDecayLR needs it"),
+                     ({"type": "WarmupLR", "params": {"warmup_steps": 5}},
+                      "scheduler.params.warmup_steps: unknown parameter of WarmupLR; allowed: "
+                      "warmup_min_lr"),
+                     ({"type": "WarmupLR", "params": {"warmup_num_steps": 0}},
+                      "warmup_num_steps must be a positive integer"),
+                     ({"type": "WarmupLR", "params": {"warmup_type": "cosine"}},
+                      "warmup_type must be 'log' or 'linear'"),
+                     ({"type": "OneCycle", "params": {"cycle_min_lr": 0, "cycle_max_lr": "x"}},
+                      "scheduler.params.cycle_max_lr: expected a number"),
+                     ({"params": {"warmup_num_steps": 5}}, "scheduler.params: given without")]:
+        with pytest.raises(ConfigError, match=match):
+            Config.from_dict({"scheduler": d})
+
+
+@pytest.mark.parametrize("module", ["config.py", "memory.py", "data/__init__.py",
+                                    "optim/lr_schedules.py"])
 def test_no_mpi_import(module):
-    """config, memory and data are per-process bookkeeping: they never import MPI."""
+    """config, memory, data and the schedules are per-process bookkeeping: they never import
+    MPI (config reads the schedules' parameter tables)."""
     tree = ast.parse((pathlib.Path(__file__).parent.parent / "zmpi" / module).read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -278,4 +364,5 @@ def test_no_mpi_import(module):
             names = [node.module or ""]
         else:
             continue
+        names = [n for n in names if n != "zmpi.optim.lr_schedules"]
         assert not any(n.split(".")[0] in ("mpi4py", "zmpi") for n in names), names

@@ -43,7 +43,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-__all__ = ["ConfigError", "OptimizerConfig", "FP16Config", "BF16Config", "OffloadConfig",
+__all__ = ["ConfigError", "OptimizerConfig", "SchedulerConfig", "FP16Config", "BF16Config", "OffloadConfig",
            "OffloadParamConfig", "ZeroConfig", "Config"]
 
 
@@ -113,14 +113,23 @@ def _check(ok: bool, key: str, msg: str) -> None:
         raise ConfigError(key, msg)
 
 
+AUTO = "auto"
+
+
 class _Section:
     """Mixin for the frozen dataclasses below: type checks on construction, then `_validate`.
 
-    `_IGNORED` maps DeepSpeed keys that are accepted (type-checked) but have no effect in zmpi
-    to their type; everything else that is not a field is an unknown key.
+    Besides its fields, a section accepts DeepSpeed keys that zmpi handles without a field:
+    `_ALWAYS` maps a key to (the value zmpi always behaves as, what that is); another value is
+    an error. `_INERT` maps a key to why it has no effect in zmpi; any value is accepted and
+    `notes()` lists it. `_AUTO_DEFAULT`: fields whose "auto" means zmpi's default. Everything
+    else is an unknown key.
     """
 
-    _IGNORED: dict = {}
+    _ALWAYS: dict = {}
+    _INERT: dict = {}
+    _AUTO_DEFAULT: tuple = ()
+    _own_notes: tuple = ()
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -151,11 +160,43 @@ class _Section:
     @classmethod
     def from_dict(cls, d: Mapping):
         """Build from a JSON-style dict; missing keys take their defaults."""
-        cls._check_keys(d, [f.name for f in fields(cls)] + list(cls._IGNORED))
-        for k, tp in cls._IGNORED.items():
-            if k in d:
-                _coerce(k, d[k], tp)
-        return cls(**{k: v for k, v in d.items() if k not in cls._IGNORED})
+        cls._check_keys(d, [f.name for f in fields(cls)] + list(cls._ALWAYS) + list(cls._INERT))
+        kwargs, notes = cls._special_keys(d)
+        obj = cls(**kwargs)
+        object.__setattr__(obj, "_own_notes", tuple(notes))
+        return obj
+
+    @classmethod
+    def _special_keys(cls, d: Mapping) -> tuple[dict, list[str]]:
+        """(the field values of `d`, notes): `_ALWAYS` keys checked, `_INERT` keys noted,
+        "auto" resolved to the default where `_AUTO_DEFAULT` allows it."""
+        kwargs, notes = {}, []
+        for k, v in d.items():
+            if k in cls._INERT:
+                notes.append(f"{k}: accepted without effect ({cls._INERT[k]})")
+            elif k in cls._ALWAYS:
+                want, behaviour = cls._ALWAYS[k]
+                _check(v == want or v == AUTO, k, f"zmpi always {behaviour} (only {want!r} is "
+                       f"supported), got {v!r}")
+            elif isinstance(v, str) and v == AUTO:
+                _check(k in cls._AUTO_DEFAULT, k, "'auto' has nothing to be derived from "
+                       "here; give a value (zmpi train fills optimizer, scheduler, "
+                       "gradient_clipping and fp16/bf16 'auto' values from its flags)")
+                notes.append(f"{k}: 'auto' is zmpi's default, "
+                             f"{next(f.default for f in fields(cls) if f.name == k)!r}")
+            else:
+                kwargs[k] = v
+        return kwargs, notes
+
+    def notes(self) -> list[str]:
+        """What this section (and its subsections, as dotted paths) accepted without effect or
+        resolved from "auto": one line each, for the engine to print once."""
+        out = list(self._own_notes)
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, _Section):
+                out += [f"{f.name}.{n}" for n in v.notes()]
+        return out
 
     def to_dict(self) -> dict:
         """JSON-ready dict that `from_dict` maps back to an equal object (None keys omitted)."""
@@ -180,9 +221,14 @@ class _Section:
                 except ConfigError as e:
                     raise e.prefixed(k) from None
         try:
-            return dataclasses.replace(self, **kw)
+            new = dataclasses.replace(self, **kw)
         except TypeError as e:  # unknown field name
             raise ConfigError("", str(e)) from None
+        names = {f.name for f in fields(self)}
+        for k, v in vars(self).items():  # what from_dict recorded: notes, "auto" batch keys
+            if k not in names:
+                object.__setattr__(new, k, v)
+        return new
 
 
 _OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW"}
@@ -224,6 +270,7 @@ class OptimizerConfig(_Section):
         params = d.get("params", {})
         try:
             cls._check_keys(params, [f.name for f in fields(cls) if f.name != "type"])
+            params, _ = cls._special_keys(params)  # "auto" is an error here
         except ConfigError as e:
             raise e.prefixed("params") from None
         try:
@@ -237,10 +284,43 @@ class OptimizerConfig(_Section):
 
 
 @dataclass(frozen=True)
+class SchedulerConfig(_Section):
+    """`scheduler`: a learning-rate schedule, {"type": "WarmupDecayLR", "params": {...}}, with
+    DeepSpeed's types, parameters, defaults and step semantics (zmpi.optim.lr_schedules:
+    WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle). No type: the optimizer's lr."""
+
+    type: str | None = None
+    params: dict = field(default_factory=dict)
+
+    def _validate(self):
+        if self.type is None:
+            _check(not self.params, "params", "given without a scheduler type")
+            return
+        from zmpi.optim.lr_schedules import check_params
+
+        for k, v in self.params.items():
+            _check(v != AUTO, f"params.{k}", "'auto' has nothing to be derived from here; "
+                   "give a value (zmpi train fills it from --steps, --warmup-steps and --lr)")
+        try:
+            check_params(self.type, self.params)
+        except ValueError as e:
+            key, _, msg = str(e).partition(": ")
+            if key.startswith("params."):
+                raise ConfigError(key, msg) from None
+            raise ConfigError("type", str(e)) from None
+
+
+@dataclass(frozen=True)
 class FP16Config(_Section):
     """fp16 mixed precision; `loss_scale` 0 means dynamic scaling starting at
     2**initial_scale_power, halved on overflow after `hysteresis` overflows, doubled after
     `loss_scale_window` clean steps, never below `min_loss_scale` (DeepSpeed semantics)."""
+
+    _ALWAYS = {
+        "consecutive_hysteresis": (False, "restores the hysteresis only when the scale grows"),
+        "fp16_master_weights_and_grads": (False, "keeps fp32 master weights"),
+    }
+    _INERT = {"auto_cast": "layers cast their inputs to the compute dtype"}
 
     enabled: bool = False
     loss_scale: float = 0.0
@@ -273,6 +353,11 @@ class OffloadParamConfig(_Section):
     (ZeRO-Infinity's CPU tier); a unit reaches the device only while it is gathered.
     `pin_memory`: page-locked host buffers (faster, asynchronous copies on a GPU)."""
 
+    _INERT = {"buffer_count": "host buffers are allocated per state, not pooled",
+              "buffer_size": "host buffers are allocated per state, not pooled",
+              "max_in_cpu": "every offloaded shard is in host memory",
+              "nvme_path": "there is no NVMe tier", "fast_init": "initialisation is on the host"}
+
     device: str = "none"
     pin_memory: bool = False
 
@@ -299,6 +384,8 @@ class OffloadConfig(OffloadParamConfig):
     parameters of step t-1.
     """
 
+    _ALWAYS = {"ratio": (1.0, "offloads the whole optimizer state")}
+
     delay_update: bool = False
     delay_update_warmup: int = 40
 
@@ -309,24 +396,58 @@ class OffloadConfig(OffloadParamConfig):
                'needs the optimizer on the host: set "device": "cpu"')
 
 
+_PER_UNIT = "collectives run per unit of the model: a unit is the bucket"
+
+
 @dataclass(frozen=True)
 class ZeroConfig(_Section):
-    """`zero_optimization`: which stage (or registered strategy) and its bucket sizes.
+    """`zero_optimization`: which stage (or registered strategy) and how it communicates.
 
-    DeepSpeed keys accepted without effect (zmpi always reduce-scatters gradients and
-    allgathers partitions): reduce_scatter, allgather_partitions, round_robin_gradients.
+    Stage 3 keys that act: `stage3_prefetch_bucket_size` (elements of the following units
+    whose allgather starts before the current unit computes; default: one unit, zmpi's
+    `prefetch`), `stage3_param_persistence_threshold` (units of at most this many elements
+    stay gathered for the whole run and are refreshed once per step, trading memory for two
+    allgathers per step; default 0, none) and `stage3_max_live_parameters` (an error if the
+    units zmpi keeps gathered at once exceed it). The other DeepSpeed keys are in `_ALWAYS`
+    and `_INERT` (README, "Config keys").
     """
 
-    _IGNORED = {"reduce_scatter": bool, "allgather_partitions": bool,
-                "round_robin_gradients": bool}
+    _ALWAYS = {
+        "contiguous_gradients": (True, "keeps gradients in one flat buffer per unit"),
+        "allgather_partitions": (True, "allgathers parameter partitions"),
+        "reduce_scatter": (True, "reduce-scatters gradients (stages 1-3)"),
+        "load_from_fp32_weights": (True, "restores parameters from the fp32 master weights"),
+        "zero_quantized_weights": (False, "communicates weights in the storage dtype"),
+        "zero_quantized_gradients": (False, "communicates gradients in the storage dtype"),
+        "zero_hpz_partition_size": (1, "keeps one parameter partition (for hierarchical "
+                                       "partitioning use \"strategy\": \"hybrid\")"),
+        "mics_shard_size": (-1, "shards over the whole world unless \"strategy\": "
+                                "\"hybrid\" with \"shard_group_size\" is set"),
+        "cpu_offload": (False, "offloads through offload_optimizer (set \"device\": \"cpu\")"),
+    }
+    _INERT = {
+        "allgather_bucket_size": _PER_UNIT,
+        "round_robin_gradients": "gradient shards are copied to the host unit by unit",
+        "sub_group_size": "Adam already updates the shard in chunks",
+        "stage3_max_reuse_distance": "a released unit is always gathered again when used "
+                                     "(reuse distance 0)",
+        "stage3_gather_16bit_weights_on_model_save": "use `zmpi ckpt consolidate`",
+        "gather_16bit_weights_on_model_save": "use `zmpi ckpt consolidate`",
+        "elastic_checkpoint": "every checkpoint loads at any world size",
+        "ignore_unused_parameters": "unused parameters get zero gradients",
+        "memory_efficient_linear": "zmpi's Linear keeps only its input",
+    }
+    _AUTO_DEFAULT = ("reduce_bucket_size", "stage3_prefetch_bucket_size",
+                     "stage3_param_persistence_threshold", "stage3_max_live_parameters")
 
     stage: int = 0
     strategy: str | None = None
     reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
     overlap_comm: bool = False
-    contiguous_gradients: bool = True
     prefetch: bool = True
+    stage3_prefetch_bucket_size: int | None = None
+    stage3_param_persistence_threshold: int = 0
+    stage3_max_live_parameters: int | None = None
     shard_group_size: int | None = None
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
@@ -334,7 +455,9 @@ class ZeroConfig(_Section):
     def _validate(self):
         _check(self.stage in (0, 1, 2, 3), "stage", f"must be one of 0, 1, 2, 3, got {self.stage}")
         _check(self.strategy is None or self.strategy != "", "strategy", "must not be empty")
-        self._at_least(1, "reduce_bucket_size", "allgather_bucket_size")
+        self._at_least(1, "reduce_bucket_size")
+        self._at_least(0, "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                       "stage3_max_live_parameters")
         _check(self.shard_group_size is None or self.shard_group_size >= 1, "shard_group_size",
                f"must be >= 1, got {self.shard_group_size}")
 
@@ -347,15 +470,35 @@ class ZeroConfig(_Section):
 class Config(_Section):
     """The whole training config. Batch rule (DeepSpeed): train_batch_size ==
     train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size; see
-    `resolve_batch`. Accepted without effect: wall_clock_breakdown."""
+    `resolve_batch`, which also derives the batch keys given as "auto"."""
 
-    _IGNORED = {"wall_clock_breakdown": bool}
+    _ALWAYS = {
+        "prescale_gradients": (False, "divides the summed gradients once, after reducing"),
+        "gradient_predivide_factor": (1.0, "divides the summed gradients once, after reducing"),
+        "sparse_gradients": (False, "communicates dense gradients"),
+        "communication_data_type": (None, "communicates in the parameters' storage dtype"),
+    }
+    _INERT = {
+        "wall_clock_breakdown": "zmpi train reports tokens/s and the DPU timing",
+        "memory_breakdown": "the MemoryLedger always counts (engine.memory.report())",
+        "zero_allow_untested_optimizer": "zmpi runs its own Adam(W) only",
+        "activation_checkpointing": "zmpi does not checkpoint activations: activation memory "
+                                    "is not reduced",
+        "flops_profiler": "no FLOP profiler", "tensorboard": "no monitor backends",
+        "wandb": "no monitor backends", "csv_monitor": "zmpi train writes metrics.csv",
+        "comms_logger": "Comm counts every collective (engine.traffic())",
+        "checkpoint": "zmpi checkpoints are configured by save_checkpoint's arguments",
+        "dump_state": "see engine.describe()",
+    }
+    _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    _auto_batch = frozenset()  # batch keys given as "auto", derived by resolve_batch
 
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int = 1
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 0.0
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
@@ -369,6 +512,16 @@ class Config(_Section):
         self._at_least(0, "seed")
         _check(not (self.fp16.enabled and self.bf16.enabled), "fp16.enabled",
                "fp16 and bf16 are both enabled; enable at most one")
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Config:
+        autos = frozenset(k for k in cls._BATCH
+                          if isinstance(d, Mapping) and isinstance(d.get(k), str)
+                          and d[k] == AUTO)
+        obj = super().from_dict({k: v for k, v in d.items() if k not in autos}
+                                if autos else d)
+        object.__setattr__(obj, "_auto_batch", autos)
+        return obj
 
     @classmethod
     def from_json(cls, path_or_str: str | os.PathLike) -> Config:
@@ -397,6 +550,8 @@ class Config(_Section):
         train_batch_size != micro * grad_accum * world_size."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError("world_size", f"must be an int >= 1, got {world_size!r}")
+        if self._auto_batch:
+            return self._derive_auto_batch(world_size).resolve_batch(world_size)
         micro, accum = self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
         product = micro * accum * world_size
         if self.train_batch_size is None:
@@ -410,3 +565,28 @@ class Config(_Section):
                 f"gradient_accumulation_steps ({accum}) * world_size ({world_size}) "
                 f"= {product}{hint}")
         return self
+
+    def _derive_auto_batch(self, world_size: int) -> Config:
+        """The batch keys given as "auto" derived from the others and the world size (an
+        "auto" accumulation is 1 when the micro-batch is "auto" too)."""
+        auto, batch = self._auto_batch, self.train_batch_size
+        micro, accum = self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+        derived = {}
+        if "train_micro_batch_size_per_gpu" in auto or "gradient_accumulation_steps" in auto:
+            key = ("train_micro_batch_size_per_gpu" if "train_micro_batch_size_per_gpu" in auto
+                   else "gradient_accumulation_steps")
+            _check(batch is not None, key, "'auto' needs train_batch_size (a number)")
+            accum = 1 if "gradient_accumulation_steps" in auto else accum
+            other = accum if key == "train_micro_batch_size_per_gpu" else micro
+            _check(batch % (other * world_size) == 0, key,
+                   f"'auto': train_batch_size {batch} does not split over {world_size} ranks x "
+                   f"{other}")
+            derived = {"gradient_accumulation_steps": accum,
+                       key: batch // (other * world_size)}
+        new = self.replace(**derived)
+        object.__setattr__(new, "_auto_batch", frozenset())
+        object.__setattr__(new, "_own_notes", self._own_notes + tuple(
+            f"{k}: 'auto' is {getattr(new, k) if k != 'train_batch_size' else 'derived'}"
+            for k in sorted(auto)))
+        return new
+
