@@ -43,8 +43,8 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-__all__ = ["ConfigError", "OptimizerConfig", "SchedulerConfig", "FP16Config", "BF16Config", "OffloadConfig",
-           "OffloadParamConfig", "ZeroConfig", "Config"]
+__all__ = ["ConfigError", "OptimizerConfig", "SchedulerConfig", "FP16Config", "BF16Config",
+           "OffloadConfig", "OffloadParamConfig", "ZeroConfig", "Config"]
 
 
 class ConfigError(ValueError):

@@ -211,14 +211,12 @@ def check_params(kind: str, params: dict) -> dict:
         if value is REQUIRED:
             raise ValueError(f"params.{key}: {kind} needs it")
         if isinstance(default, (bool, str)):
-            ok = type(value) is type(default)
+            ok, want = type(value) is type(default), type(default).__name__
         else:  # a number (or None where the default is None)
-            ok = (value is None and default is None) or (
-                isinstance(value, (int, float)) and not isinstance(value, bool))
+            ok, want = (value is None and default is None) or (
+                isinstance(value, (int, float)) and not isinstance(value, bool)), "a number"
         if not ok:
-            raise ValueError(f"params.{key}: expected "
-                             f"{type(default).__name__ if isinstance(default, (bool, str)) else 'a number'}"
-                             f", got {value!r}")
+            raise ValueError(f"params.{key}: expected {want}, got {value!r}")
     SCHEDULES[kind](1.0, (0.9, 0.999), **full)  # the constructor's own checks
     return full
 
