@@ -43,7 +43,8 @@ def _args(**kw):
 
     base = {"config": None, "batch": None, "lr": None, "stage": None, "precision": None,
             "seed": None, "strategy": None, "offload_optimizer": False, "offload_param": False,
-            "delay_update": None, "shard_group_size": None}
+            "delay_update": None, "shard_group_size": None, "lr_schedule": None,
+            "warmup_steps": None, "steps": 100}
     return argparse.Namespace(**{**base, **kw})
 
 

@@ -121,10 +121,11 @@ def _sent(counters) -> int:
 def _paper_formula(label, n):
     """(ZeRO stage, ranks it shards over) whose SC'20 memory formula a case must meet, or None:
     stage s over N ranks; hybrid sharding is ZeRO-3 (hybrid_zero2: ZeRO-2) over its G ranks."""
-    name, _, group = label.partition(",shard_group_size=")
+    name, *options = label.split(",")
     if name.startswith("stage"):
-        return int(name[-1]), n
-    return {"hybrid": (3, int(group or 0)), "hybrid_zero2": (2, int(group or 0))}.get(name)
+        return None if options else (int(name[-1]), n)  # e.g. persistent units hold more
+    group = int(options[0].split("=")[1]) if options else 0
+    return {"hybrid": (3, group), "hybrid_zero2": (2, group)}.get(name)
 
 
 @pytest.mark.mpi
@@ -159,7 +160,7 @@ def test_traffic_matches_declared_and_paper_formula(run):
             where = (case["model"], label, n)
             sent = {kind: _sent(counters) for kind, counters in c.items()}
             assert sent == case["declared_traffic"], (where, sent)
-            if label.startswith("stage"):
+            if label.startswith("stage") and "," not in label:
                 stage = int(label[-1])
                 passes = 3 if stage == 3 else 2
                 tied = sum(case["unit_padded"][w] for shared in case["shared"] for w in shared)
@@ -176,6 +177,29 @@ def test_traffic_matches_declared_and_paper_formula(run):
                 want = 2 * (psi // g) * 2 * (n // g - 1) // (n // g)
                 assert sent["replica"] == want, (where, sent)
                 assert {k for k in c["replica"] if c["replica"][k]["calls"]} <= {"allreduce"}
+
+
+@pytest.mark.mpi
+def test_persistence_threshold_trades_memory_for_traffic(run):
+    """Stage 3 with stage3_param_persistence_threshold=500: the units of at most 500 elements
+    (GPT's embedding unit and final LayerNorm/head unit) stay gathered. Each costs its full
+    fp16 parameters in memory and saves all but one of its allgathers per step."""
+    n, _, reports = run
+    for r in reports:
+        cases = {(c["model"], c["strategy"].split(",")[0], "," in c["strategy"]): c
+                 for c in r["memory_traffic"]}
+        for model in ("gpt", "mlp"):
+            plain, persistent = cases[(model, "stage3", False)], cases[(model, "stage3", True)]
+            units = [u for u, numel in enumerate(plain["unit_numel"]) if numel <= 500]
+            assert units or model == "mlp"
+            reads = [1 + sum(w == u for shared in plain["shared"] for w in shared)
+                     for u in range(len(plain["unit_padded"]))]
+            padded = plain["unit_padded"]
+            extra = sum(padded[u] for u in units) * 2
+            assert persistent["model_state_bytes"] - plain["model_state_bytes"] == extra, model
+            saved = sum((2 * reads[u] - 1) * padded[u] for u in units) * 2 * (n - 1) // n
+            assert (_sent(plain["counters"]["world"]) - _sent(persistent["counters"]["world"])
+                    == saved), model
 
 
 @pytest.mark.mpi

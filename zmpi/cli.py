@@ -46,17 +46,109 @@ def _set(cfg: dict, path: str, value, flag: str, notes: list) -> None:
     cfg[key] = value
 
 
+def _get(cfg: dict, path: str):
+    for name in path.split("."):
+        cfg = cfg.get(name, {}) if isinstance(cfg, dict) else {}
+    return cfg
+
+
+def _read_config(path: str) -> dict:
+    """The JSON object in `path`; a ConfigError (one line) if it cannot be read or parsed."""
+    from zmpi.config import ConfigError
+
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError("", f"cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError("", f"{path} is not valid JSON: {e.msg} at line {e.lineno} "
+                              f"column {e.colno}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError("", f"{path} holds a JSON {type(cfg).__name__}, not an object")
+    return cfg
+
+
+def _fill_auto(cfg: dict, notes: list, args) -> None:
+    """Replace the "auto" values that follow from zmpi train's flags: the optimizer's lr (and
+    its other parameters, zmpi's defaults), the scheduler's steps and rates, gradient
+    clipping, fp16/bf16. What cannot be derived stays "auto" and the config names it."""
+    from zmpi.config import AUTO, OptimizerConfig
+
+    lr = args.lr if args.lr is not None else DEFAULTS["lr"]
+    defaults = OptimizerConfig()
+    sources = {
+        "optimizer.params.lr": (lr, "--lr"),
+        "optimizer.params.betas": (list(defaults.betas), "zmpi's default"),
+        "optimizer.params.eps": (defaults.eps, "zmpi's default"),
+        "optimizer.params.weight_decay": (defaults.weight_decay, "zmpi's default"),
+        "scheduler.params.total_num_steps": (args.steps, "--steps"),
+        "scheduler.params.warmup_max_lr": (lr, "--lr"),
+        "scheduler.params.warmup_min_lr": (0.0, "DeepSpeed's default"),
+        "gradient_clipping": (1.0, "zmpi train's default"),
+        "fp16.enabled": (args.precision == "fp16", "--precision"),
+        "bf16.enabled": (args.precision == "bf16", "--precision"),
+    }
+    if args.warmup_steps is not None:
+        sources["scheduler.params.warmup_num_steps"] = (args.warmup_steps, "--warmup-steps")
+    for path, (value, source) in sources.items():
+        *parents, key = path.split(".")
+        section = _get(cfg, ".".join(parents)) if parents else cfg
+        if isinstance(section, dict) and section.get(key) == AUTO:
+            section[key] = value
+            notes.append(f"{path}: 'auto' is {value!r} ({source})")
+
+
+SCHEDULE_FLAGS = ("constant", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+
+
+def _schedule_from_flags(cfg: dict, args, notes: list) -> None:
+    """--lr-schedule and --warmup-steps: the common schedules without writing a config."""
+    if args.lr_schedule == "constant":
+        if cfg.get("scheduler"):
+            notes.append(f"--lr-schedule constant drops the config's scheduler "
+                         f"{cfg['scheduler'].get('type')!r}")
+        cfg.pop("scheduler", None)
+        if args.warmup_steps is not None:
+            raise SystemExit("zmpi train: --warmup-steps needs a schedule, not constant")
+        return
+    kind = args.lr_schedule or _get(cfg, "scheduler.type") or (
+        "WarmupLR" if args.warmup_steps is not None else None)
+    if kind is None:
+        return
+    _set(cfg, "scheduler.type", kind, "--lr-schedule", notes)
+    if args.warmup_steps is not None:
+        _set(cfg, "scheduler.params.warmup_num_steps", args.warmup_steps, "--warmup-steps",
+             notes)
+    if args.lr_schedule is None:
+        return  # the config's own schedule, maybe with --warmup-steps
+    lr = args.lr if args.lr is not None else _get(cfg, "optimizer.params.lr") or DEFAULTS["lr"]
+    if kind in ("WarmupLR", "WarmupDecayLR"):
+        _set(cfg, "scheduler.params.warmup_max_lr", lr, "--lr-schedule", notes)
+    if kind in ("WarmupDecayLR", "WarmupCosineLR"):
+        _set(cfg, "scheduler.params.total_num_steps", args.steps, "--lr-schedule", notes)
+
+
 def build_config(args, world_size: int, notes: list | None = None) -> dict:
     """DeepSpeed-style config: --config file if given, else defaults; flags override it, and
     each override of a value the config set is described in `notes` (the CLI prints them).
+    "auto" values that follow from the flags are filled in (and noted).
 
     The global batch (--batch, or the config's train_batch_size) counts sequences per optimizer
     step over all ranks and accumulation steps; it must split evenly over both.
     """
+    from zmpi.config import AUTO
+
     notes = [] if notes is None else notes
-    cfg = json.loads(Path(args.config).read_text()) if args.config else {}
+    cfg = _read_config(args.config) if args.config else {}
+    _fill_auto(cfg, notes, args)
+    if cfg.get("train_batch_size") == AUTO:
+        cfg["train_batch_size"] = args.batch or DEFAULTS["batch"]
+        notes.append(f"train_batch_size: 'auto' is {cfg['train_batch_size']} (--batch)")
     accumulation = cfg.get("gradient_accumulation_steps", 1)
-    if args.batch is not None or "train_micro_batch_size_per_gpu" not in cfg:
+    if AUTO in (accumulation, cfg.get("train_micro_batch_size_per_gpu")):
+        if args.batch is not None:  # the engine derives the "auto" keys from the batch
+            _set(cfg, "train_batch_size", args.batch, "--batch", notes)
+    elif args.batch is not None or "train_micro_batch_size_per_gpu" not in cfg:
         batch = args.batch or cfg.get("train_batch_size") or DEFAULTS["batch"]
         if batch % (world_size * accumulation):
             raise SystemExit(f"global batch {batch} does not split over {world_size} ranks x "
@@ -67,6 +159,7 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
     cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": DEFAULTS["lr"]}})
     if args.lr is not None:
         _set(cfg, "optimizer.params.lr", args.lr, "--lr", notes)
+    _schedule_from_flags(cfg, args, notes)
     cfg.setdefault("gradient_clipping", 1.0)
     if args.stage is not None:
         _set(cfg, "zero_optimization.stage", args.stage, "--stage", notes)
@@ -138,6 +231,7 @@ def train(args) -> None:
     from tqdm import tqdm
 
     from zmpi.comm import Comm
+    from zmpi.config import ConfigError
     from zmpi.data import BatchSampler, CharTokenizer, load_text, train_val_split
     from zmpi.engine import Engine
     from zmpi.runinfo import rank_logger, run_metadata
@@ -150,9 +244,15 @@ def train(args) -> None:
     model_cfg = GPTConfig(tokenizer.vocab_size, args.seq_len, args.n_layer, args.n_head,
                           args.d_model)
     notes = []
-    config = build_config(args, comm.size, notes)
-    args.seed = config["seed"]  # the config's, unless --seed overrides it
-    engine = Engine(GPT(model_cfg, seed=args.seed), config, comm)
+    try:
+        config = build_config(args, comm.size, notes)
+        args.seed = config["seed"]  # the config's, unless --seed overrides it
+        engine = Engine(GPT(model_cfg, seed=args.seed), config, comm)
+    except ConfigError as e:  # the same on every rank: one line from rank 0, no tracebacks
+        if comm.rank == 0:
+            where = f"config {args.config}" if args.config else "config from the flags"
+            print(f"zmpi train: {where}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     for note in notes:
         log.info(note)
     cfg = engine.config
@@ -177,7 +277,7 @@ def train(args) -> None:
         t0 = time.perf_counter()
         loss = engine.train_step(*train_data.sample(step))
         tokens_per_s = global_batch * args.seq_len / (time.perf_counter() - t0)
-        metrics.append((step, loss, tokens_per_s, engine.scaler.scale))
+        metrics.append((step, loss, tokens_per_s, engine.scaler.scale, engine.lr))
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
         if args.log_dir and step % cfg.steps_per_print == 0:
             log.info(f"step {step} loss {loss:.4f} tokens/s {tokens_per_s:.0f}")
@@ -206,7 +306,8 @@ def train(args) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "sample.txt").write_text(sample)
         with open(out / "metrics.csv", "w", newline="") as f:
-            csv.writer(f).writerows([("step", "loss", "tokens_per_s", "loss_scale"), *metrics])
+            csv.writer(f).writerows([("step", "loss", "tokens_per_s", "loss_scale", "lr"),
+                                     *metrics])
         meta = run_metadata(comm, argv=sys.argv, config=cfg.to_dict(), model=vars(model_cfg),
                             engine=engine.describe(), val_loss=float(val_loss),
                             tokens_per_s=mean_tps, memory=engine.memory.snapshot(),
@@ -313,6 +414,11 @@ def main(argv=None) -> None:
                    help="sequences per optimizer step over all ranks and accumulation steps "
                    f"(default: the config's train_batch_size, else {DEFAULTS['batch']})")
     t.add_argument("--lr", type=float, default=None, help=f"default {DEFAULTS['lr']}")
+    t.add_argument("--lr-schedule", choices=SCHEDULE_FLAGS, default=None,
+                   help="DeepSpeed schedule to --lr (warm-up from 0, log-shaped as DeepSpeed's "
+                   "default; decay/cosine end at --steps); default: the config's, else constant")
+    t.add_argument("--warmup-steps", type=int, metavar="W", default=None,
+                   help="warm-up steps of the schedule (alone: WarmupLR)")
     for name in ("seq_len", "n_layer", "n_head", "d_model"):
         t.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=DEFAULTS[name])
     t.add_argument("--offload-optimizer", action="store_true",

@@ -40,6 +40,7 @@ from zmpi.checkpoint import sharded as checkpoint
 from zmpi.config import Config
 from zmpi.memory import MemoryLedger
 from zmpi.nn.module import Module, UnitModel
+from zmpi.optim import lr_schedules
 from zmpi.optim.adam import Adam, HostAdam, host_threads
 from zmpi.optim.loss_scaler import LossScaler
 from zmpi.runinfo import git_revision
@@ -113,6 +114,9 @@ class Engine:
             self.optimizer = HostAdam(**hyper, threads=host_threads(comm.local_size))
         else:
             self.optimizer = Adam(**hyper)
+        sched = self.config.scheduler
+        self.schedule = None if sched.type is None else lr_schedules.build(
+            sched.type, sched.params, opt.lr, opt.betas)
         offload = self.config.zero_optimization.offload_optimizer
         self.delay_update, self.delay_update_warmup = (offload.delay_update,
                                                        offload.delay_update_warmup)
@@ -124,6 +128,9 @@ class Engine:
         self.scaler = LossScaler.from_config(fp16) if fp16.enabled else LossScaler.disabled()
         self.global_steps = 0
         self.reset_counters()
+        notes = self.config.notes()
+        if notes and comm.rank == 0:
+            warnings.warn("zmpi config: " + "; ".join(notes), stacklevel=2)
 
     # ---- model hooks: unit object -> strategy hook on its index --------------------------
     def before_forward(self, unit):
@@ -248,9 +255,10 @@ class Engine:
             "dtype": self.dtype.name, "master_dtype": self.master_dtype.name,
             "num_params": self.num_params, "layout": self.layout.to_dict(),
             "tied": self.model.tied_parameters(), "global_steps": self.global_steps,
-            "optimizer": {**opt.state_dict(), "lr": opt.lr, "betas": list(opt.betas),
-                          "eps": opt.eps, "weight_decay": opt.weight_decay,
-                          "decoupled": opt.decoupled},
+            "optimizer": {**opt.state_dict(), "lr": self.config.optimizer.lr,
+                          "betas": list(self.config.optimizer.betas), "eps": opt.eps,
+                          "weight_decay": opt.weight_decay, "decoupled": opt.decoupled},
+            "scheduler": self.config.scheduler.to_dict(), "last_lr": opt.lr,
             "loss_scaler": self.scaler.state_dict() if self.config.fp16.enabled else None,
             "unpublished_update": self._unpublished, "config": self.config.to_dict(),
             "client_state": client_state or {}, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -274,11 +282,16 @@ class Engine:
         self.global_steps = manifest["global_steps"]
         saved = manifest["optimizer"]
         self.optimizer.load_state_dict(saved)
-        opt = self.optimizer
-        for key, ours in (("lr", opt.lr), ("betas", list(opt.betas)), ("eps", opt.eps),
+        opt, base = self.optimizer, self.config.optimizer
+        for key, ours in (("lr", base.lr), ("betas", list(base.betas)), ("eps", opt.eps),
                           ("weight_decay", opt.weight_decay), ("decoupled", opt.decoupled)):
             if saved[key] != ours:
                 notes.append(f"optimizer {key} is {ours!r} (the checkpoint had {saved[key]!r})")
+        if manifest.get("scheduler", {}) != self.config.scheduler.to_dict():
+            notes.append(f"the scheduler is {self.config.scheduler.to_dict()} (the checkpoint "
+                         f"had {manifest.get('scheduler')}); it goes on from step "
+                         f"{self.global_steps}")
+        opt.lr = manifest.get("last_lr", opt.lr) if self.schedule else opt.lr
         if manifest["dtype"] != self.dtype.name:
             notes.append(f"parameters are stored as {self.dtype.name} (the checkpoint had "
                          f"{manifest['dtype']}): they are the master weights cast")
@@ -322,6 +335,7 @@ class Engine:
             return
         update = (strategy.master, grads, strategy.adam_m, strategy.adam_v, grad_scale,
                   self._clip_coef(sumsq))
+        self._apply_schedule()
         if self.delay_update and self.global_steps >= self.delay_update_warmup:
             strategy.swap_grad_buffers()  # backward of the next step fills the other buffer
             self._start_delayed_update(update)
@@ -332,6 +346,22 @@ class Engine:
             strategy.publish_params()
         self.scaler.update(overflow=False)
         self.global_steps += 1
+
+    def _apply_schedule(self) -> None:
+        """Set the optimizer's lr (and betas, for OneCycle) for the step about to be applied:
+        the schedule at DeepSpeed's last_batch_iteration = applied steps - 1."""
+        if self.schedule is None:
+            return
+        it = self.global_steps - 1
+        self.optimizer.lr = self.schedule.lr(it)
+        betas = self.schedule.betas(it)
+        if betas is not None:
+            self.optimizer.betas = betas
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the last applied step (the configured one before the first)."""
+        return self.optimizer.lr
 
     def _start_delayed_update(self, update) -> None:
         outcome = {"step": self.global_steps}

@@ -120,6 +120,7 @@ def memory_and_traffic(comm, cases):
             results.append({"model": model_name, "strategy": label,
                     "num_params": layout.num_params, "full_numel": layout.full_numel,
                     "unit_padded": [u.padded_numel for u in layout.units],
+                    "unit_numel": [u.numel for u in layout.units],
                     "shared": [list(s) for s in strategy._shared],
                     "model_state_bytes": engine.memory.model_state_bytes(),
                     "held": {d: {c: engine.memory.current(c, d) for c in MODEL_STATE}

@@ -2,12 +2,20 @@
 
 A rank keeps only its 1/N shard of every model state. A unit's parameters are allgathered just
 before its forward and again before its backward, and released right after each (units whose
-weights are tied are gathered with the unit that reads them). With `prefetch` the allgather of
-the next unit is started before the current one computes. Gradients are reduce-scattered
-unit by unit as in stage 2. Adam writes the owned parameter shard directly: nothing to gather
-after the step. Traffic per step: 2 allgathers + 1 reduce-scatter = 3 Psi (N-1)/N per rank.
+weights are tied are gathered with the unit that reads them). Prefetch starts the allgather of
+the next units before the current one computes: one unit with `prefetch`, or as many as fit
+in `stage3_prefetch_bucket_size` elements. Units of at most
+`stage3_param_persistence_threshold` elements are *persistent*, as in DeepSpeed and FSDP: kept
+gathered for the whole run and refreshed by one allgather after each step, instead of two per
+step, for the memory of their full parameters. Gradients are reduce-scattered unit by unit as
+in stage 2. Adam writes the owned parameter shard directly: nothing else to gather after the
+step. Traffic per step: 2 allgathers + 1 reduce-scatter = 3 Psi (N-1)/N per rank (persistent
+units: 1 allgather).
 """
+from collections import Counter
+
 from zmpi import backend
+from zmpi.config import ConfigError
 from zmpi.zero.strategy import Strategy, register
 
 
@@ -17,26 +25,82 @@ class Stage3(Strategy):
     shard_gradients = True
     shard_parameters = True
 
-    def _gather_and_prefetch(self, u, next_u):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        cfg, units = self.config, range(len(self.units))
+        self._persistent = {u for u in units
+                            if self.layout.units[u].numel <= cfg.stage3_param_persistence_threshold}
+        self._ahead = {step: [self._prefetch_window(u, step) for u in units] for step in (1, -1)}
+        self._check_live_limit()
+
+    @classmethod
+    def suite_configs(cls, world_size):  # defaults, and persistent units with a wide prefetch
+        return [{}, {"stage3_param_persistence_threshold": 500,
+                     "stage3_prefetch_bucket_size": 10_000}]
+
+    def _prefetch_window(self, u, step):
+        """Units whose allgather starts with unit u's (the next ones in `step` direction)."""
+        if not self.config.prefetch:
+            return []
+        budget = self.config.stage3_prefetch_bucket_size
+        window, size, v = [], 0, u + step
+        while 0 <= v < len(self.units):
+            size += self.layout.units[v].padded_numel
+            if (budget is None and window) or (budget is not None and size > budget):
+                break
+            window.append(v)
+            v += step
+        return window
+
+    def _check_live_limit(self):
+        limit = self.config.stage3_max_live_parameters
+        if limit is None:
+            return
+        padded = [u.padded_numel for u in self.layout.units]
+        live = sum(padded[u] for u in self._persistent) + max(
+            sum(padded[w] for w in {*self.needs(u), *(x for v in self._ahead[step][u]
+                                                      for x in self.needs(v))})
+            for u in range(len(self.units)) for step in (1, -1))
+        if live > limit:
+            raise ConfigError("zero_optimization.stage3_max_live_parameters",
+                              f"zmpi keeps up to {live} parameter elements gathered at once (a "
+                              f"unit with its tied and prefetched units, and the persistent "
+                              f"ones), more than {limit}; raise it, or lower "
+                              "stage3_prefetch_bucket_size or "
+                              "stage3_param_persistence_threshold")
+
+    def initialize(self, initial):
+        super().initialize(initial)
+        for u in self._persistent:
+            self.gather(u)
+
+    def _gather_and_prefetch(self, u, step):
         for w in self.needs(u):
             self.gather(w)
-        if self.config.prefetch and 0 <= next_u < len(self.units):
-            for w in self.needs(next_u):
+        for v in self._ahead[step][u]:
+            for w in self.needs(v):
                 self.gather(w, wait=False)
 
     def _release(self, u):
         for w in self.needs(u):
-            if w in self._gathered:
+            if w in self._gathered and w not in self._persistent:
                 self.release(w)
 
+    def _refresh_persistent(self):
+        """The persistent units' gathered parameters from the (updated) shards."""
+        for u in self._persistent:
+            self._launch(self.comm.iallgather(self.params_shard[self.layout.shard_slice(u)],
+                                              self._gathered[u][0]))
+        self.wait_pending()
+
     def before_forward(self, u):
-        self._gather_and_prefetch(u, u + 1)
+        self._gather_and_prefetch(u, 1)
 
     def after_forward(self, u):
         self._release(u)
 
     def before_backward(self, u):
-        self._gather_and_prefetch(u, u - 1)
+        self._gather_and_prefetch(u, -1)
         self.ensure_unit_grads(u)
 
     def after_backward(self, u):
@@ -45,10 +109,25 @@ class Stage3(Strategy):
 
     def publish_params(self):
         backend.copy_(self.params_shard, self.master)  # host -> device when offloaded
+        self._refresh_persistent()
+
+    def set_state_shard(self, state, shard):
+        super().set_state_shard(state, shard)
+        if state == "params":
+            self._refresh_persistent()
+
+    def expected_model_state(self):
+        held = super().expected_model_state()
+        held["device"]["param"] += sum(self.layout.units[u].padded_numel
+                                       for u in self._persistent) * self.dtype.itemsize
+        return held
 
     def expected_traffic(self):
-        # Allgather in forward and in backward, reduce-scatter once; a unit that reads another's
-        # weights (GPT's LM head) gathers that unit once more in each pass.
-        tied = sum(self.layout.units[w].padded_numel for u in range(len(self.units))
-                   for w in self.needs(u)[1:])
-        return {"world": self.ring_bytes(3 * self.layout.full_numel + 2 * tied)}
+        # A unit is allgathered in forward and in backward for each unit that reads it (itself,
+        # and e.g. GPT's LM head reading the embedding), a persistent unit once after the step;
+        # every unit is reduce-scattered once.
+        reads = Counter(w for u in range(len(self.units)) for w in self.needs(u))
+        gathered = sum(self.layout.units[w].padded_numel * (1 if w in self._persistent
+                                                            else 2 * reads[w])
+                       for w in range(len(self.units)))
+        return {"world": self.ring_bytes(gathered + self.layout.full_numel)}
