@@ -162,3 +162,67 @@ def test_shard_group_size_flag():
 
     cfg = build_config(_args(strategy="hybrid", shard_group_size=2), 4)
     assert cfg["zero_optimization"] == {"strategy": "hybrid", "shard_group_size": 2}
+
+
+SMALL = ["--n-layer", "1", "--d-model", "32", "--seq-len", "32", "--sample-tokens", "5",
+         "--steps", "4"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name,extra", [
+    ("ds_stage2_offload_warmupdecay.json", []),
+    ("ds_stage3_bf16_cosine.json", []),
+    ("hf_stage1_auto.json", ["--batch", "16", "--warmup-steps", "2", "--lr", "2e-3"]),
+])
+def test_public_style_configs_run_at_two_ranks(tmp_path, name, extra):
+    """Config files of the kind public training repositories carry run as they are; the lr
+    column of metrics.csv follows the schedule (DeepSpeed semantics: step k at rate k-1)."""
+    from zmpi.cli import _read_config, build_config
+    from zmpi.optim.lr_schedules import build
+
+    result = launch_mpi(REPO_ROOT / "zmpi" / "cli.py", 2, timeout=180, args=[
+        "train", "--config", REPO_ROOT / "configs" / name, *SMALL, *extra,
+        "--out", tmp_path / "run"])
+    assert result.returncode == 0, result.describe()
+    rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
+    assert rows[0].endswith(",lr,skipped_steps") and len(rows) == 5
+    args = _args(config=str(REPO_ROOT / "configs" / name), steps=4,
+                 **{k.lstrip("-").replace("-", "_"): float(v) if k == "--lr" else int(v)
+                    for k, v in zip(extra[::2], extra[1::2], strict=True)})
+    cfg = build_config(args, 2)
+    opt = cfg["optimizer"]["params"]
+    schedule = build(cfg["scheduler"]["type"], cfg["scheduler"]["params"], opt["lr"],
+                     opt.get("betas", (0.9, 0.999)))
+    lrs = [float(r.split(",")[-2]) for r in rows[1:]]
+    skipped = [0] + [int(r.split(",")[-1]) for r in rows[1:]]  # fp16 overflows, cumulative
+    # step k runs at rate(applied steps before it - 1); a skipped step shows the rate it
+    # would have run at and does not advance the schedule
+    assert lrs == pytest.approx([schedule.lr(k - skipped[k] - 1) for k in range(4)],
+                                rel=1e-12)
+    if name.startswith("hf"):
+        assert "'auto' is" in result.stdout  # the resolved values are printed
+    assert _read_config(args.config)  # the file itself is unchanged JSON
+    stderr_notes = [line for line in result.stderr.splitlines() if "zmpi config:" in line]
+    assert len(stderr_notes) <= 1  # accepted-without-effect keys: one line, rank 0 only
+
+
+@pytest.mark.mpi
+def test_config_errors_are_one_line_on_rank_0(tmp_path):
+    bad = {
+        "unknown.json": ('{"zero_optimization": {"stagee": 2}}',
+                         "zero_optimization.stagee: unknown key; did you mean 'stage'?"),
+        "invalid.json": ('{"fp16": {"enabled": true,}}', "is not valid JSON: "),
+        "always.json": ('{"zero_optimization": {"stage": 2, "reduce_scatter": false}}',
+                        "zero_optimization.reduce_scatter: zmpi always reduce-scatters"),
+        "missing.json": (None, "cannot read"),
+    }
+    for name, (text, message) in bad.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        result = launch_mpi(REPO_ROOT / "zmpi" / "cli.py", 2, timeout=60,
+                            args=["train", "--config", path, *SMALL])
+        assert result.returncode != 0, name
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and message in lines[0], (name, result.stderr)
+        assert lines[0].startswith(f"zmpi train: config {path}: ")

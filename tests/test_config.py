@@ -83,6 +83,10 @@ def test_non_integral_float_where_int_expected_fails():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_example_configs_load_and_round_trip(path):
+    if "auto" in path.name:  # "auto" optimizer/scheduler values: zmpi train fills them in
+        with pytest.raises(ConfigError, match="'auto' has nothing to be derived"):
+            Config.from_json(path)
+        return
     c = Config.from_json(path)
     assert Config.from_dict(c.to_dict()) == c
     assert c.resolve_batch(2).train_batch_size is not None

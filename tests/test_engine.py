@@ -163,3 +163,18 @@ def test_hybrid_on_one_rank_is_one_group_of_one():
     engine.train_step(*batch(2))
     assert engine.describe()["shard_group_size"] == 1
     assert set(engine.traffic()) == {"shard", "replica"}
+
+
+def test_stage3_max_live_parameters_is_checked():
+    zero = {"stage": 3, "stage3_max_live_parameters": 100}
+    with pytest.raises(ConfigError, match=r"stage3_max_live_parameters: zmpi keeps up to \d+ "
+                                          r"parameter elements gathered at once"):
+        Engine(GPT(CFG), {"zero_optimization": zero})
+    Engine(GPT(CFG), {"zero_optimization": {**zero, "stage3_max_live_parameters": 10**9}})
+
+
+def test_keys_accepted_without_effect_are_listed_once():
+    with pytest.warns(UserWarning, match=r"^zmpi config: wall_clock_breakdown: accepted without "
+                                         r"effect .*; zero_optimization.sub_group_size"):
+        Engine(GPT(CFG), {"wall_clock_breakdown": True,
+                          "zero_optimization": {"stage": 3, "sub_group_size": 1e9}})

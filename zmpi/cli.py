@@ -277,7 +277,8 @@ def train(args) -> None:
         t0 = time.perf_counter()
         loss = engine.train_step(*train_data.sample(step))
         tokens_per_s = global_batch * args.seq_len / (time.perf_counter() - t0)
-        metrics.append((step, loss, tokens_per_s, engine.scaler.scale, engine.lr))
+        metrics.append((step, loss, tokens_per_s, engine.scaler.scale, engine.lr,
+                        engine.scaler.skipped_steps))
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
         if args.log_dir and step % cfg.steps_per_print == 0:
             log.info(f"step {step} loss {loss:.4f} tokens/s {tokens_per_s:.0f}")
@@ -306,8 +307,8 @@ def train(args) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "sample.txt").write_text(sample)
         with open(out / "metrics.csv", "w", newline="") as f:
-            csv.writer(f).writerows([("step", "loss", "tokens_per_s", "loss_scale", "lr"),
-                                     *metrics])
+            csv.writer(f).writerows([("step", "loss", "tokens_per_s", "loss_scale", "lr",
+                                      "skipped_steps"), *metrics])
         meta = run_metadata(comm, argv=sys.argv, config=cfg.to_dict(), model=vars(model_cfg),
                             engine=engine.describe(), val_loss=float(val_loss),
                             tokens_per_s=mean_tps, memory=engine.memory.snapshot(),

@@ -327,6 +327,7 @@ class Engine:
         grad_scale = 1.0 / (self.scaler.scale * self.comm.size * self.accumulation)
         finite, sumsq = self.optimizer.grad_stats(grads, grad_scale, self.master_dtype)
         self.flush()  # the previous step's delayed update lands (its compute overlapped ours)
+        self._apply_schedule()  # a skipped step keeps the rate it would have run at
         if self._any_rank(not finite):
             if not self.config.fp16.enabled:
                 raise FloatingPointError(
@@ -335,7 +336,6 @@ class Engine:
             return
         update = (strategy.master, grads, strategy.adam_m, strategy.adam_v, grad_scale,
                   self._clip_coef(sumsq))
-        self._apply_schedule()
         if self.delay_update and self.global_steps >= self.delay_update_warmup:
             strategy.swap_grad_buffers()  # backward of the next step fills the other buffer
             self._start_delayed_update(update)
@@ -360,7 +360,8 @@ class Engine:
 
     @property
     def lr(self) -> float:
-        """The learning rate of the last applied step (the configured one before the first)."""
+        """The learning rate of the last step (for a step skipped on overflow, the rate it
+        would have run at; the configured lr before the first step)."""
         return self.optimizer.lr
 
     def _start_delayed_update(self, update) -> None:
