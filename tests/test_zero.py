@@ -168,10 +168,15 @@ def test_traffic_matches_declared_and_paper_formula(run):
                 assert sent["world"] == want, (where, sent, want)
                 if case["model"] == "mlp":  # no tied weights: exactly the paper's figure
                     assert sent["world"] == passes * psi * 2 * (n - 1) // n
+                if stage in (1, 2) and n > 1:  # allgather_bucket_size 5e8: one bucket
+                    assert c["world"]["allgather"]["calls"] == 1, where
                 kinds = {k for k in ("allreduce", "reduce_scatter", "allgather")
                          if c["world"][k]["calls"]}
                 assert kinds == ({"allreduce"} if stage == 0 else
                                  {"reduce_scatter", "allgather"}) or n == 1
+            if label.startswith("stage1,") and n > 1 and case["model"] == "gpt":  # 5000-buckets
+                calls = c["world"]["allgather"]["calls"]
+                assert 1 < calls < len(case["unit_padded"]), (where, calls)
             if label.startswith("hybrid"):
                 g = int(label.rsplit("=", 1)[1])
                 want = 2 * (psi // g) * 2 * (n // g - 1) // (n // g)

@@ -396,13 +396,13 @@ class OffloadConfig(OffloadParamConfig):
                'needs the optimizer on the host: set "device": "cpu"')
 
 
-_PER_UNIT = "collectives run per unit of the model: a unit is the bucket"
-
-
 @dataclass(frozen=True)
 class ZeroConfig(_Section):
     """`zero_optimization`: which stage (or registered strategy) and how it communicates.
 
+    Buckets: `reduce_bucket_size` elements of consecutive units per gradient allreduce (stage
+    0) or reduce-scatter at the step (stage 1); stages 2-3 reduce each unit as its backward
+    ends. `allgather_bucket_size` elements per allgather of updated shards (stages 1-2).
     Stage 3 keys that act: `stage3_prefetch_bucket_size` (elements of the following units
     whose allgather starts before the current unit computes; default: one unit, zmpi's
     `prefetch`), `stage3_param_persistence_threshold` (units of at most this many elements
@@ -426,7 +426,6 @@ class ZeroConfig(_Section):
         "cpu_offload": (False, "offloads through offload_optimizer (set \"device\": \"cpu\")"),
     }
     _INERT = {
-        "allgather_bucket_size": _PER_UNIT,
         "round_robin_gradients": "gradient shards are copied to the host unit by unit",
         "sub_group_size": "Adam already updates the shard in chunks",
         "stage3_max_reuse_distance": "a released unit is always gathered again when used "
@@ -437,12 +436,13 @@ class ZeroConfig(_Section):
         "ignore_unused_parameters": "unused parameters get zero gradients",
         "memory_efficient_linear": "zmpi's Linear keeps only its input",
     }
-    _AUTO_DEFAULT = ("reduce_bucket_size", "stage3_prefetch_bucket_size",
+    _AUTO_DEFAULT = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                      "stage3_param_persistence_threshold", "stage3_max_live_parameters")
 
     stage: int = 0
     strategy: str | None = None
     reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
     overlap_comm: bool = False
     prefetch: bool = True
     stage3_prefetch_bucket_size: int | None = None
@@ -455,7 +455,7 @@ class ZeroConfig(_Section):
     def _validate(self):
         _check(self.stage in (0, 1, 2, 3), "stage", f"must be one of 0, 1, 2, 3, got {self.stage}")
         _check(self.strategy is None or self.strategy != "", "strategy", "must not be empty")
-        self._at_least(1, "reduce_bucket_size")
+        self._at_least(1, "reduce_bucket_size", "allgather_bucket_size")
         self._at_least(0, "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
                        "stage3_max_live_parameters")
         _check(self.shard_group_size is None or self.shard_group_size >= 1, "shard_group_size",

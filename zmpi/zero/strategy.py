@@ -377,14 +377,53 @@ class Strategy:
         free the full buffer (gradient sharding: non-owned gradient memory is released)."""
         full = self._unit_grads.pop(u)
         self._bind(u, "grad", None)
-        self.reduce_scatter_to_shard(u, full, accumulate=True, free=(full,))
+        self.reduce_scatter_to_shard(range(u, u + 1), full, accumulate=True, free=(full,))
 
-    def reduce_scatter_to_shard(self, u: int, full, accumulate: bool, free=()) -> None:
-        """Reduce-scatter `full` (unit u's whole gradient, device) so that this rank's summed
-        shard is added into grads_shard[shard_slice(u)] (or written, if not `accumulate`).
-        If grads_shard is on the host (optimizer offload) the shard is copied device -> host
-        as soon as the reduction completes. Buffers in `free` are released when done."""
-        dst = self.grads_shard[self.layout.shard_slice(u)]
+    def buckets(self, limit: int) -> list[range]:
+        """The units in order, grouped into runs of consecutive units of at most `limit`
+        elements together (a larger unit is a bucket of its own): DeepSpeed's bucket sizes."""
+        out, start, size = [], 0, 0
+        for u, unit in enumerate(self.layout.units):
+            if u > start and size + unit.padded_numel > limit:
+                out.append(range(start, u))
+                start, size = u, 0
+            size += unit.padded_numel
+        return out + [range(start, len(self.layout.units))] if self.layout.units else out
+
+    def _bucket_shard(self, units: range) -> slice:
+        return slice(self.layout.shard_offsets[units.start], self.layout.shard_offsets[units.stop])
+
+    def _bucket_pieces(self, units: range):
+        """(rank, slice of the full layout, slice of the packed bucket) of every owned piece:
+        a packed bucket holds rank 0's shards of its units, then rank 1's, ... (what
+        reduce-scatter splits and allgather concatenates)."""
+        n = self.layout.shard_offsets[units.stop] - self.layout.shard_offsets[units.start]
+        for r in range(self.world_size):
+            at = r * n
+            for u in units:
+                piece = self.layout.owned_slice(u, r)
+                yield r, piece, slice(at, at + piece.stop - piece.start)
+                at += piece.stop - piece.start
+
+    def pack(self, units: range, full):
+        """The bucket of `full` (P) for a collective: unit u's own slice when it is alone (it
+        is already rank-major), else a packed copy (a comm_buffer the caller releases)."""
+        if len(units) == 1:
+            return full[self.layout.full_slice(units.start)]
+        mine = self._bucket_shard(units)
+        packed = self.alloc((mine.stop - mine.start) * self.world_size, full.dtype,
+                            "comm_buffer", "bucket")
+        for _, piece, at in self._bucket_pieces(units):
+            packed[at] = full[piece]
+        return packed
+
+    def reduce_scatter_to_shard(self, units: range, full, accumulate: bool, free=()) -> None:
+        """Reduce-scatter `full` (the packed whole gradient of a bucket of units, device) so
+        that this rank's summed shard is added into its part of grads_shard (or written, if
+        not `accumulate`). If grads_shard is on the host (optimizer offload) the shard is
+        copied device -> host as soon as the reduction completes. Buffers in `free` are
+        released when done."""
+        dst = self.grads_shard[self._bucket_shard(units)]
         direct = not accumulate and not self.offload_optimizer
         part = dst if direct else self.alloc(dst.shape[0], self.dtype, "comm_buffer", "rs")
         request = self.comm.ireduce_scatter(full, part)
@@ -422,12 +461,22 @@ class Strategy:
         self.allgather_shard_into(self.params_full, self.master)
 
     def allgather_shard_into(self, full, shard) -> None:
-        """Fill `full` (P) on every rank from each rank's `shard` (S): copy (and cast) this
-        rank's shard of every unit into its owned slice, then allgather each unit in place."""
-        for u in range(len(self.units)):
-            backend.copy_(full[self.layout.owned_slice(u, self.rank)],
-                          shard[self.layout.shard_slice(u)])
-            self._launch(self.comm.iallgather_inplace(full[self.layout.full_slice(u)]))
+        """Fill `full` (P) on every rank from each rank's `shard` (S), in buckets of
+        `allgather_bucket_size` elements: a lone unit is allgathered in place in `full`; the
+        units of a larger bucket are gathered packed into a comm_buffer and copied out."""
+        for units in self.buckets(self.config.allgather_bucket_size):
+            packed = self.pack(units, full)
+            mine = self._bucket_shard(units)
+            n = mine.stop - mine.start
+            backend.copy_(packed[self.rank * n:(self.rank + 1) * n], shard[mine])
+
+            def unpack(units=units, packed=packed):
+                if len(units) > 1:
+                    for _, piece, at in self._bucket_pieces(units):
+                        full[piece] = packed[at]
+                    self.ledger.release(packed)
+
+            self._launch(self.comm.iallgather_inplace(packed), unpack)
         self.wait_pending()
 
     # ---- checkpoints: every state as this rank's owned shard, whatever the policy -----
