@@ -114,6 +114,20 @@ class GPT(UnitModel):
                   for _ in range(c.n_layer)]
         super().__init__([embedding, *blocks, LMHead(embedding, c.d_model, dtype)])
 
+    def check_batch(self, inputs, targets) -> None:
+        """(B, T) integer token ids in [0, vocab_size), T <= seq_len, targets shaped as inputs
+        (and in range, or the loss's ignore_index)."""
+        c = self.config
+        for name, a in (("inputs", inputs), ("targets", targets)):
+            if getattr(a, "ndim", None) != 2 or a.shape[1] > c.seq_len:
+                raise ValueError(f"{name} must be (batch, time <= {c.seq_len}) token ids, got "
+                                 f"shape {getattr(a, 'shape', type(a).__name__)}")
+        if inputs.shape != targets.shape:
+            raise ValueError(f"inputs {inputs.shape} and targets {targets.shape} differ")
+        F.check_indices(inputs, c.vocab_size, "inputs (token ids)")
+        F.check_indices(targets, c.vocab_size, "targets (token ids)",
+                        getattr(self.loss_fn, "ignore_index", None))
+
     def tied_parameters(self):
         """The LM head's output projection is the token embedding."""
         return {f"units.{len(self.units) - 1}.wte": "units.0.wte"}

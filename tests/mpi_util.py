@@ -56,20 +56,31 @@ class MPIResult:
                 f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}")
 
 
-def launch_mpi(script, nprocs: int, args=(), timeout: float = 120, env=None) -> MPIResult:
-    """Run `mpiexec -n nprocs python script *args` with a hard timeout; never raises on failure.
-
-    The child gets OMP_NUM_THREADS=1, the repo root prepended to PYTHONPATH, and `env` on top.
-    """
+def start_mpi(script, nprocs: int, args=(), env=None) -> subprocess.Popen:
+    """Start `mpiexec -n nprocs python script *args` (its own process group) and return it;
+    finish it with `finish_mpi`. The child gets OMP_NUM_THREADS=1, the repo root prepended to
+    PYTHONPATH, and `env` on top."""
     full_env = dict(os.environ)
     full_env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     path = full_env.get("PYTHONPATH")
     full_env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + path if path else "")
     full_env.update(env or {})
     cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, str(script), *map(str, args)]
-    start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=full_env, cwd=REPO_ROOT, start_new_session=True)
+    proc.started = time.monotonic()
+    return proc
+
+
+def launch_mpi(script, nprocs: int, args=(), timeout: float = 120, env=None) -> MPIResult:
+    """Run `mpiexec -n nprocs python script *args` with a hard timeout; never raises on failure
+    (see `start_mpi`)."""
+    return finish_mpi(start_mpi(script, nprocs, args, env), timeout)
+
+
+def finish_mpi(proc: subprocess.Popen, timeout: float) -> MPIResult:
+    """Wait for a `start_mpi` job at most `timeout` seconds (then kill its process group)."""
+    start = proc.started
     try:
         out, err = proc.communicate(timeout=timeout)
         timed_out = False

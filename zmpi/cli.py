@@ -19,7 +19,6 @@ consolidates checkpoints without MPI.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import time
@@ -234,7 +233,7 @@ def train(args) -> None:
     from zmpi.config import ConfigError
     from zmpi.data import BatchSampler, CharTokenizer, load_text, train_val_split
     from zmpi.engine import Engine
-    from zmpi.runinfo import rank_logger, run_metadata
+    from zmpi.runinfo import PreemptionGuard, RunRecord, rank_logger
 
     comm = Comm()
     log = rank_logger(comm.rank, args.log_dir)
@@ -266,9 +265,12 @@ def train(args) -> None:
              f"{engine.strategy.name}, {engine.dtype.name}, global batch {global_batch} x "
              f"{args.seq_len} tokens, {args.steps} steps")
 
-    out = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(comm.bcast_object(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"))
     ckpt_dir = Path(args.ckpt_dir or out / "checkpoints")
     first = _resume(args, engine, comm, log) if args.resume is not None else 0
+    record = RunRecord(out, comm, argv=sys.argv, config=cfg.to_dict(), model=vars(model_cfg),
+                       engine=engine.describe(), first_step=first)
+    guard = PreemptionGuard()
     metrics = []
     bar = tqdm(range(first, args.steps), disable=comm.rank != 0, file=sys.stdout,
                mininterval=0.5, dynamic_ncols=True)
@@ -279,17 +281,27 @@ def train(args) -> None:
         tokens_per_s = global_batch * args.seq_len / (time.perf_counter() - t0)
         metrics.append((step, loss, tokens_per_s, engine.scaler.scale, engine.lr,
                         engine.scaler.skipped_steps))
+        record.append(metrics[-1])
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
         if args.log_dir and step % cfg.steps_per_print == 0:
             log.info(f"step {step} loss {loss:.4f} tokens/s {tokens_per_s:.0f}")
-        if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+        preempted = guard.requested(comm)
+        if preempted or (args.save_every and ((step + 1) % args.save_every == 0
+                                              or step + 1 == args.steps)):
             t0 = time.perf_counter()
             path = engine.save_checkpoint(ckpt_dir, f"step{step + 1}", args.keep_last,
-                                          async_=args.async_save,
+                                          async_=args.async_save and not preempted,
                                           client_state={"step": step + 1, "seed": args.seed})
-            if args.log_dir:
+            if args.log_dir or preempted:
                 log.info(f"{'started saving' if args.async_save else 'saved'} {path} "
                          f"({time.perf_counter() - t0:.2f} s)")
+        if preempted:
+            bar.close()
+            engine.close()  # finishes the save
+            log.info(f"zmpi train: {guard.received or 'a signal on another rank'}: stopped "
+                     f"after step {step}; go on with --resume {ckpt_dir}")
+            record.close(status="preempted", last_step=step, checkpoint=str(ckpt_dir))
+            return
     elapsed = time.perf_counter() - start
     engine.flush()  # a delayed update in flight lands before evaluation
     log.info(traffic_line(engine, len(metrics)))
@@ -304,17 +316,10 @@ def train(args) -> None:
                                                     rng=args.seed)[0])
     log.info("--- sample ---\n" + sample)
     if comm.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
         (out / "sample.txt").write_text(sample)
-        with open(out / "metrics.csv", "w", newline="") as f:
-            csv.writer(f).writerows([("step", "loss", "tokens_per_s", "loss_scale", "lr",
-                                      "skipped_steps"), *metrics])
-        meta = run_metadata(comm, argv=sys.argv, config=cfg.to_dict(), model=vars(model_cfg),
-                            engine=engine.describe(), val_loss=float(val_loss),
-                            tokens_per_s=mean_tps, memory=engine.memory.snapshot(),
-                            optimizer_timing=engine.update_timing)
-        (out / "run.json").write_text(json.dumps(meta, indent=2, default=str))
-        log.info(f"wrote {out}/run.json, metrics.csv, sample.txt")
+    record.close(status="finished", val_loss=float(val_loss), tokens_per_s=mean_tps,
+                 memory=engine.memory.snapshot(), optimizer_timing=engine.update_timing)
+    log.info(f"wrote {out}/run.json, metrics.csv, sample.txt")
     engine.close()
 
 

@@ -60,9 +60,13 @@ communication analysis counts (stages 0-2: 2 Psi per step, stage 3: 3 Psi).
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
+import signal
 import sys
+import threading
+import time
 import traceback
 from dataclasses import asdict, dataclass
 
@@ -191,7 +195,8 @@ class Request:
     `test()` completes it if MPI has finished and says whether it is done. With host staging,
     completion copies the result back into the device array."""
 
-    def __init__(self, mpi_request, result, keep=(), copy_back=(), held=()):
+    def __init__(self, mpi_request, result, keep=(), copy_back=(), held=(), op="collective"):
+        self.op = op
         self._mpi = mpi_request  # None for a finished blocking call
         self.result = result  # the caller's output array
         self._keep = keep  # arrays MPI reads or writes: alive until done
@@ -207,7 +212,8 @@ class Request:
     def wait(self):
         if not self.done:
             if self._mpi is not None:
-                self._mpi.Wait()
+                with _watched(f"the wait for a non-blocking {self.op}"):
+                    self._mpi.Wait()
             self._finish()
         return self.result
 
@@ -226,7 +232,8 @@ def wait_all(requests):
     """Wait for every request (in one MPI Waitall); returns their results in order."""
     pending = [r for r in requests if not r.done and r._mpi is not None]
     if pending:
-        MPI.Request.Waitall([r._mpi for r in pending])
+        with _watched(f"a wait for {len(pending)} non-blocking collectives"):
+            MPI.Request.Waitall([r._mpi for r in pending])
         for r in pending:
             r._mpi = None  # completed; wait() below only finishes (copies back, frees)
     return [r.wait() for r in requests]
@@ -243,6 +250,8 @@ def install_abort_on_exception():
     Wraps `sys.excepthook` (once per process): prints the traceback with every line tagged
     `[rank r]` to stderr, then calls `MPI.COMM_WORLD.Abort(1)`, so the other ranks do not
     wait forever in their next collective. Equivalent to launching with `python -m mpi4py`.
+    A KeyboardInterrupt (Ctrl-C, which mpiexec forwards to every rank) prints one line on
+    rank 0 instead of a traceback per rank, and aborts with exit code 130.
     """
     global _abort_installed
     if _abort_installed:
@@ -253,6 +262,8 @@ def install_abort_on_exception():
         if MPI.Is_finalized() or not MPI.Is_initialized():
             return previous(exc_type, exc, tb)
         world = MPI.COMM_WORLD
+        if issubclass(exc_type, KeyboardInterrupt):
+            _interrupted()
         tag = f"[rank {world.Get_rank()}] "
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         lines = [f"uncaught exception on rank {world.Get_rank()} of {world.Get_size()}, "
@@ -266,6 +277,148 @@ def install_abort_on_exception():
 
     sys.excepthook = abort_hook
     _abort_installed = True
+    if threading.current_thread() is threading.main_thread():
+        _watch_interrupts()
+
+
+_INTERRUPT = threading.Lock()
+
+
+def _interrupted():
+    """Ctrl-C reached this rank (mpiexec forwards it to every rank): rank 0 says so in one
+    line, the others give it a second to do that, and the job is aborted (exit code 130).
+    Once per process (the main thread and the watcher thread may both get here)."""
+    if not _INTERRUPT.acquire(blocking=False):
+        time.sleep(60)  # the other caller is aborting the job
+        return
+    world = MPI.COMM_WORLD
+    if world.Get_rank() == 0:
+        sys.stderr.write(f"zmpi: interrupted; ending all {world.Get_size()} ranks\n")
+        sys.stderr.flush()
+    else:
+        time.sleep(1.0)
+    world.Abort(130)
+
+
+def _watch_interrupts():
+    """Act on SIGINT even while the main thread is blocked inside MPI (where Python cannot
+    raise KeyboardInterrupt): the C-level handler writes the signal number to a pipe
+    (`signal.set_wakeup_fd`) that a daemon thread reads."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+
+    def watch():
+        while True:
+            if signal.SIGINT in os.read(read_fd, 64):
+                _interrupted()
+
+    threading.Thread(target=watch, name="zmpi-interrupts", daemon=True).start()
+
+
+class CollectiveMismatch(RuntimeError):
+    """The ranks of a communicator called different collectives (debug check)."""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _call_site(frame=None) -> str:
+    """Where a collective was called from `frame`'s stack (default: this call's): the
+    innermost frame outside this module, and the innermost outside the zmpi package (the
+    user's line), as 'file:line in function (from file:line in function)'."""
+    def describe(f):
+        path = os.path.relpath(f.f_code.co_filename)
+        path = f.f_code.co_filename if path.startswith("..") else path
+        return f"{path}:{f.f_lineno} in {f.f_code.co_name}"
+
+    frame = frame or sys._getframe(1)
+    inner = user = None
+    while frame is not None and user is None:
+        name = frame.f_code.co_filename
+        if inner is None and name != __file__ and not name.endswith("contextlib.py"):
+            inner = frame
+        if not os.path.abspath(name).startswith(_PACKAGE + os.sep):
+            user = frame
+        frame = frame.f_back
+    if inner is None:
+        return "?"
+    return describe(inner) + (f" (from {describe(user)})" if user not in (None, inner) else "")
+
+
+class _Watchdog:
+    """Aborts the job when this process waits in one collective longer than `timeout` seconds.
+
+    A daemon thread sleeps and checks the waits in progress (no spinning); on expiry it prints,
+    tagged with the rank, which collective is waited for and where it was called, gives the
+    other waiting ranks two seconds to say the same, and calls MPI_Abort.
+    """
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._waits = {}  # token -> (what, frame, start)
+        self._thread = threading.Thread(target=self._run, name="zmpi-watchdog", daemon=True)
+        self._thread.start()
+
+    def begin(self, what: str, frame) -> object:
+        token = object()
+        self._waits[token] = (what, frame, time.monotonic())
+        return token
+
+    def end(self, token) -> None:
+        del self._waits[token]
+
+    def _run(self):
+        while True:
+            time.sleep(min(1.0, self.timeout / 4))
+            now = time.monotonic()
+            for what, frame, start in list(self._waits.values()):
+                if now - start > self.timeout:
+                    self._expire(what, frame, now - start)
+
+    @staticmethod
+    def _expire(what, frame, waited):
+        site = _call_site(frame)
+        world = MPI.COMM_WORLD
+        sys.stderr.write(f"[rank {world.Get_rank()}] zmpi watchdog: waited {waited:.0f} s "
+                         f"(ZMPI_COLLECTIVE_TIMEOUT) in {what}, called at {site}; a rank "
+                         "that does not call it (or hangs before it) stops the job; "
+                         "aborting\n")
+        sys.stderr.flush()
+        time.sleep(2.0)
+        world.Abort(3)
+
+
+_WATCHDOG = None
+
+
+def _watchdog():
+    """The process's watchdog (ZMPI_COLLECTIVE_TIMEOUT seconds, default 1800; 0: none)."""
+    global _WATCHDOG
+    if _WATCHDOG is None:
+        text = os.environ.get("ZMPI_COLLECTIVE_TIMEOUT", "1800").strip()
+        try:
+            timeout = float(text)
+        except ValueError:
+            raise ValueError(f"ZMPI_COLLECTIVE_TIMEOUT={text!r}: expected seconds") from None
+        _WATCHDOG = _Watchdog(timeout) if timeout > 0 else False
+    return _WATCHDOG
+
+
+class _watched:  # noqa: N801 (used as a function-like context manager)
+    """`with _watched(what):` around a blocking MPI wait: the watchdog's view of it (the frame
+    of the function holding the `with` is kept for the call site; it is alive meanwhile)."""
+
+    def __init__(self, what: str):
+        self.what, self.dog, self.token = what, _watchdog(), None
+
+    def __enter__(self):
+        if self.dog:
+            self.token = self.dog.begin(self.what, sys._getframe(1))
+
+    def __exit__(self, *exc):
+        if self.token is not None:
+            self.dog.end(self.token)
 
 
 def _cuda_aware() -> bool:
@@ -301,8 +454,50 @@ class Comm:
         local.Free()
         self.is_cuda_aware = _cuda_aware()
         self.counters = {op: OpCounter() for op in OPS}
+        self.check_collectives = False
+        self._calls = 0  # collectives started on this communicator (the debug check's index)
+        if os.environ.get("ZMPI_DEBUG", "").strip() not in ("", "0"):
+            self.enable_collective_checks()
         if MPI.COMM_WORLD.Get_size() > 1:
             install_abort_on_exception()
+        _watchdog()
+
+    # ---- the debug check
+
+    def enable_collective_checks(self) -> None:
+        """Before every collective, compare what each rank is about to call (index, op, dtype,
+        element counts); a mismatch raises CollectiveMismatch on every rank, naming what each
+        called and where, instead of deadlocking or corrupting memory. Costs one small
+        pickled allgather per collective. On the world communicator, a rank that ends the
+        program while another waits in a collective is reported the same way."""
+        if self.check_collectives:
+            return
+        self.check_collectives = True
+        if self.mpi == MPI.COMM_WORLD and self.size > 1:
+            atexit.register(self._check_at_exit)
+
+    def _check_call(self, op: str, dtype=None, counts=(), site=None) -> None:
+        """The debug check: every rank's (index, op, dtype, counts), compared."""
+        self._calls += 1
+        mine = (self._calls, op, None if dtype is None else str(np.dtype(dtype)),
+                tuple(int(c) for c in counts))
+        everyone = self.mpi.allgather((mine, site or _call_site()))
+        if any(call != everyone[0][0] for call, _ in everyone):
+            lines = [f"rank {r}: call #{c[0]} {c[1]}"
+                     + (f" {c[2]} x {'/'.join(map(str, c[3]))}" if c[2] else "") + f" at {site}"
+                     for r, (c, site) in enumerate(everyone)]
+            raise CollectiveMismatch("the ranks called different collectives on a "
+                                     f"{self.size}-rank communicator:\n  " + "\n  ".join(lines))
+
+    def _check_at_exit(self) -> None:
+        if MPI.Is_finalized():
+            return
+        try:
+            self._check_call("end of program", site="exit")
+        except CollectiveMismatch as e:
+            sys.stderr.write(f"[rank {self.rank}] {e}\n")
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(4)
 
     def __repr__(self):
         return f"Comm(rank={self.rank}, size={self.size}, local_rank={self.local_rank})"
@@ -331,13 +526,16 @@ class Comm:
 
     # ---- the one path for buffer collectives
 
-    def _run(self, call, send, recv, result, reduces: bool, blocking: bool) -> Request:
-        """Synchronize, stage device buffers through host memory if needed, call MPI.
+    def _run(self, op, call, send, recv, result, reduces: bool, blocking: bool) -> Request:
+        """Check (debug), synchronize, stage device buffers through host memory if needed,
+        call MPI (watched by the watchdog when blocking).
 
         `call(sendspec, recvspec)` makes the mpi4py call (returning an MPI.Request when
         non-blocking); `send=None` means in place (MPI.IN_PLACE: recv holds the input too).
         `result` is what wait() returns. Returns a Request, already completed if blocking.
         """
+        if self.check_collectives:
+            self._check_call(op, recv.dtype, (0 if send is None else send.size, recv.size))
         wire = _wire(recv.dtype)
         keep = (send, recv, result)
         on_device = any(backend.is_device_array(a) for a in (send, recv))
@@ -366,8 +564,12 @@ class Comm:
                 return MPI.IN_PLACE
             return [a.view(np.uint16) if wire.as_words else a, wire.datatype]
 
-        mpi_request = call(spec(send), spec(recv))
-        req = Request(None if blocking else mpi_request, result, keep, copy_back, held)
+        if blocking:
+            with _watched(f"{op} ({recv.dtype} x {recv.size}, {self.size} ranks)"):
+                mpi_request = call(spec(send), spec(recv))
+        else:
+            mpi_request = call(spec(send), spec(recv))
+        req = Request(None if blocking else mpi_request, result, keep, copy_back, held, op)
         if blocking:
             req.wait()
         return req
@@ -385,7 +587,8 @@ class Comm:
         mpi_op = self._reduce_op(op, flat.dtype)
         fn = self.mpi.Allreduce if blocking else self.mpi.Iallreduce
         self._count("allreduce", flat.nbytes, self._ring(flat.nbytes, 2))
-        return self._run(lambda s, r: fn(s, r, mpi_op), None, flat, buf, True, blocking)
+        return self._run("allreduce", lambda s, r: fn(s, r, mpi_op), None, flat, buf, True,
+                         blocking)
 
     def allreduce(self, buf, op: str = "sum"):
         """In place: buf <- op over ranks of buf (same size and dtype on every rank).
@@ -409,7 +612,8 @@ class Comm:
         mpi_op = self._reduce_op(op, send_f.dtype)
         fn = self.mpi.Reduce_scatter_block if blocking else self.mpi.Ireduce_scatter_block
         self._count("reduce_scatter", send_f.nbytes, self._ring(send_f.nbytes))
-        return self._run(lambda s, r: fn(s, r, mpi_op), send_f, recv_f, recv, True, blocking)
+        return self._run("reduce_scatter", lambda s, r: fn(s, r, mpi_op), send_f, recv_f, recv,
+                         True, blocking)
 
     def reduce_scatter(self, send, recv, op: str = "sum"):
         """recv <- block `rank` of (op over ranks of send). Not in place.
@@ -441,7 +645,7 @@ class Comm:
             )
         fn = self.mpi.Allgather if blocking else self.mpi.Iallgather
         self._count("allgather", recv_f.nbytes, self._ring(recv_f.nbytes))
-        return self._run(fn, send_f, recv_f, recv, False, blocking)
+        return self._run("allgather", fn, send_f, recv_f, recv, False, blocking)
 
     def allgather(self, send, recv):
         """recv[r*n:(r+1)*n] <- send of rank r, n = send.size; recv.size == n * size.
@@ -469,24 +673,32 @@ class Comm:
         if not 0 <= root < self.size:
             raise ValueError(f"broadcast: root {root} not in [0, {self.size})")
         self._count("broadcast", flat.nbytes, flat.nbytes if self.rank == root else 0)
-        return self._run(lambda s, r: self.mpi.Bcast(r, root), None, flat, buf, False, True).result
+        return self._run(f"broadcast(root={root})", lambda s, r: self.mpi.Bcast(r, root), None,
+                         flat, buf, False, True).result
 
     def barrier(self):
         """Block until every rank of this Comm has called barrier()."""
-        self.mpi.Barrier()
+        if self.check_collectives:
+            self._check_call("barrier")
+        with _watched(f"barrier ({self.size} ranks)"):
+            self.mpi.Barrier()
 
     def allreduce_scalar(self, x: float, op: str = "sum") -> float:
         """op over ranks of one Python float (reduced as float64); returns the result."""
         buf = np.array([float(x)], dtype=np.float64)
         mpi_op = self._reduce_op(op, buf.dtype)
         self._count("allreduce_scalar", buf.nbytes, self._ring(buf.nbytes, 2))
-        self._run(lambda s, r: self.mpi.Allreduce(s, r, mpi_op), None, buf, buf, True, True)
+        self._run(f"allreduce_scalar({op})", lambda s, r: self.mpi.Allreduce(s, r, mpi_op), None,
+                  buf, buf, True, True)
         return float(buf[0])
 
     def bcast_object(self, obj, root: int = 0):
         """Pickled broadcast of a small Python object; returns root's object on every rank.
         Counted under 'object' with its pickled size, as a broadcast."""
-        obj = self.mpi.bcast(obj, root=root)
+        if self.check_collectives:
+            self._check_call(f"bcast_object(root={root})")
+        with _watched(f"bcast_object ({self.size} ranks)"):
+            obj = self.mpi.bcast(obj, root=root)
         nbytes = len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         self._count("object", nbytes, nbytes if self.rank == root else 0)
         return obj
@@ -494,7 +706,10 @@ class Comm:
     def allgather_object(self, obj) -> list:
         """Pickled allgather of a small Python object; returns [object of rank 0, ...].
         Counted under 'object' with the total pickled size, as an allgather."""
-        objs = self.mpi.allgather(obj)
+        if self.check_collectives:
+            self._check_call("allgather_object")
+        with _watched(f"allgather_object ({self.size} ranks)"):
+            objs = self.mpi.allgather(obj)
         nbytes = sum(len(pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)) for o in objs)
         self._count("object", nbytes, self._ring(nbytes))
         return objs

@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 __all__ = ["ConfigError", "OptimizerConfig", "SchedulerConfig", "FP16Config", "BF16Config",
-           "OffloadConfig", "OffloadParamConfig", "ZeroConfig", "Config"]
+           "OffloadConfig", "OffloadParamConfig", "ZeroConfig", "DebugConfig", "Config"]
 
 
 class ConfigError(ValueError):
@@ -467,6 +467,19 @@ class ZeroConfig(_Section):
 
 
 @dataclass(frozen=True)
+class DebugConfig(_Section):
+    """`debug` (zmpi's): `check_collectives` compares every collective's op, dtype and size
+    across ranks before it runs (also ZMPI_DEBUG=1); `check_replicas_every` K > 0 compares
+    the replicated state of every rank every K steps (0: never)."""
+
+    check_collectives: bool = False
+    check_replicas_every: int = 0
+
+    def _validate(self):
+        self._at_least(0, "check_replicas_every")
+
+
+@dataclass(frozen=True)
 class Config(_Section):
     """The whole training config. Batch rule (DeepSpeed): train_batch_size ==
     train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size; see
@@ -502,6 +515,7 @@ class Config(_Section):
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     seed: int = 0
     steps_per_print: int = 10
 

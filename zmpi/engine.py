@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from zmpi import backend
+from zmpi.backend import array_module
 from zmpi.checkpoint import sharded as checkpoint
 from zmpi.config import Config
 from zmpi.memory import MemoryLedger
@@ -127,6 +128,9 @@ class Engine:
         fp16 = self.config.fp16
         self.scaler = LossScaler.from_config(fp16) if fp16.enabled else LossScaler.disabled()
         self.global_steps = 0
+        if self.config.debug.check_collectives:
+            for c in (self.comm, *self.strategy.comms().values()):
+                c.enable_collective_checks()
         self.reset_counters()
         notes = self.config.notes()
         if notes and comm.rank == 0:
@@ -155,14 +159,15 @@ class Engine:
         model's loss ignores some, see zmpi.nn.losses). Returns the global mean loss (same on
         every rank).
         """
-        if self.pending_save is not None:
-            checkpoint.poll(self)  # an asynchronous save completes once every rank wrote
         rows = self.micro_batch * self.accumulation
         if len(inputs) != rows or len(targets) != rows:
             raise ValueError(
                 f"train_step got {len(inputs)} input and {len(targets)} target rows; the config "
                 f"asks for train_micro_batch_size_per_gpu ({self.micro_batch}) x "
                 f"gradient_accumulation_steps ({self.accumulation}) = {rows} rows per rank")
+        self.model.check_batch(inputs, targets)  # before any collective: bad data, clear error
+        if self.pending_save is not None:
+            checkpoint.poll(self)  # an asynchronous save completes once every rank wrote
         total, normalizer = 0.0, self._normalizer(targets, self.accumulation)
         for i in range(self.accumulation):
             rows_i = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
@@ -171,12 +176,20 @@ class Engine:
                                      self.xp.asarray(targets[rows_i]), normalizer)
             self.model.backward_loss(scale=self.scaler.scale)
         self._step()
-        return self.comm.allreduce_scalar(total / self.accumulation) / self.comm.size
+        every = self.config.debug.check_replicas_every
+        if every and self.global_steps % every == 0:
+            self.check_replicas()
+        loss = self.comm.allreduce_scalar(total / self.accumulation) / self.comm.size
+        if not math.isfinite(loss) and not self.config.fp16.enabled:
+            raise FloatingPointError(f"the loss is {loss} at step {self.global_steps - 1} "
+                                     f"({self.dtype.name})")
+        return loss
 
     def eval_loss(self, inputs, targets) -> float:
         """Mean loss of a forward pass over every rank's `inputs` (no gradients, no update).
         A collective: every rank must call it (stage 3 gathers parameters, and the mean is
         an allreduce). A delayed update in flight lands first."""
+        self.model.check_batch(inputs, targets)
         self.flush()
         loss = self.model.loss(self.xp.asarray(inputs), self.xp.asarray(targets),
                                self._normalizer(targets, 1))
@@ -329,10 +342,17 @@ class Engine:
         self.flush()  # the previous step's delayed update lands (its compute overlapped ours)
         self._apply_schedule()  # a skipped step keeps the rate it would have run at
         if self._any_rank(not finite):
-            if not self.config.fp16.enabled:
+            scaler = self.scaler
+            at_minimum = scaler.scale <= scaler.min_scale and scaler.hysteresis_left <= 1
+            if not self.config.fp16.enabled or at_minimum:
+                where = self._first_nonfinite_unit(grads)
                 raise FloatingPointError(
-                    f"non-finite gradients at step {self.global_steps} ({self.dtype.name})")
-            self.scaler.update(overflow=True)  # skip the step on every rank
+                    f"non-finite gradients at optimizer step {self.global_steps} "
+                    f"({self.scaler.skipped_steps} skipped before; {self.dtype.name}"
+                    + (f", loss scale already at its minimum {scaler.min_scale:g}"
+                       if self.config.fp16.enabled else "")
+                    + f"); the first in backward order is in {where}")
+            scaler.update(overflow=True)  # skip the step on every rank
             return
         update = (strategy.master, grads, strategy.adam_m, strategy.adam_v, grad_scale,
                   self._clip_coef(sumsq))
@@ -346,6 +366,61 @@ class Engine:
             strategy.publish_params()
         self.scaler.update(overflow=False)
         self.global_steps += 1
+
+    def check_replicas(self) -> None:
+        """Compare, by CRC-32, every copy of the state that ranks should hold identically: the
+        step, loss scale and optimizer step on every rank; each unit of each replicated model
+        state (parameters in stages 0-2, everything in stage 0) on every rank; each unit of
+        each sharded state across the replicas of a shard (hybrid sharding). A collective;
+        RuntimeError on every rank, naming the first differing state and unit and which ranks
+        hold which copy. `debug.check_replicas_every` runs it every K steps."""
+        import zlib
+
+        self.wait_update()  # the delayed update writes the master weights
+        strategy, layout = self.strategy, self.layout
+        scalars = (self.global_steps, self.scaler.scale, self.optimizer.step_count)
+        checks = [("world", self.comm, "step, loss scale and optimizer step", [scalars])]
+        for state in ("params", "master", "adam_m", "adam_v"):
+            buf, sharded = strategy.state_buffer(state)
+            if sharded and strategy.replica is None:
+                continue
+            host = backend.to_host(buf)
+            slices = [layout.shard_slice(u) if sharded else layout.full_slice(u)
+                      for u in range(len(layout.units))]
+            checks.append(("replica" if sharded else "world",
+                           strategy.replica if sharded else self.comm, state,
+                           [zlib.crc32(np.ascontiguousarray(host[s]).view(np.uint8))
+                            for s in slices]))
+        for kind, comm, what, digests in checks:
+            everyone = comm.allgather_object((self.comm.rank, digests))  # world ranks
+            ranks = [r for r, _ in everyone]
+            for u, copies in enumerate(zip(*(d for _, d in everyone), strict=True)):
+                if len(set(copies)) > 1:
+                    holders = {}
+                    for r, d in zip(ranks, copies, strict=True):
+                        holders.setdefault(d, []).append(r)
+                    unit = "" if what.startswith("step") else (
+                        f" of unit {u} ({type(self.model.units[u]).__name__})")
+                    raise RuntimeError(
+                        f"replicas diverged after step {self.global_steps}: {what}{unit} "
+                        f"differs between the ranks of the {kind} group: "
+                        + "; ".join(f"ranks {rs} hold copy {i}"
+                                    for i, rs in enumerate(holders.values())))
+
+    def _first_nonfinite_unit(self, grads) -> str:
+        """The last unit (the first in backward order) whose reduced gradient holds a NaN or
+        inf on any rank, described by index, type and parameter names (a collective)."""
+        xp, layout = array_module(grads), self.layout
+        local = -1
+        for u in reversed(range(len(layout.units))):
+            part = layout.shard_slice(u) if self.strategy.shard_optimizer else layout.full_slice(u)
+            if not bool(xp.isfinite(grads[part]).all()):
+                local = u
+                break
+        u = int(self.comm.allreduce_scalar(local, op="max"))
+        names = [s.name for s in layout.units[u].slots]
+        return (f"unit {u} ({type(self.model.units[u]).__name__}: "
+                f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
 
     def _apply_schedule(self) -> None:
         """Set the optimizer's lr (and betas, for OneCycle) for the step about to be applied:

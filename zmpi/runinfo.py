@@ -2,12 +2,15 @@
 
     meta = run_metadata(comm, config=engine.config.to_dict(), argv=sys.argv)
     log = rank_logger(comm.rank, log_dir)      # log_dir=None: rank 0 to stdout, others silent
+    record = RunRecord(out_dir, comm, config=...)  # run.json now, metrics.csv every step
 
 Every experiment and `zmpi train` writes `run_metadata(...)` next to its results, so a table
 can be traced back to the code and machine that produced it.
 """
 from __future__ import annotations
 
+import csv
+import json
 import logging
 import platform
 import subprocess
@@ -74,3 +77,69 @@ def rank_logger(rank: int, log_dir: str | Path | None = None) -> logging.Logger:
     if not log.handlers:
         log.addHandler(logging.NullHandler())
     return log
+
+
+METRICS = ("step", "loss", "tokens_per_s", "loss_scale", "lr", "skipped_steps")
+
+
+class RunRecord:
+    """A run's output directory, written as the run goes (rank 0; other ranks do nothing):
+    run.json at the start (status "running") and again at the end (its final status and
+    results), metrics.csv appended and flushed every step. A run that is killed keeps what it
+    did; a resumed run in the same directory appends to its metrics.csv."""
+
+    def __init__(self, out: str | Path, comm, **meta):
+        self.out, self.active = Path(out), comm.rank == 0
+        self.meta = run_metadata(comm, **meta)
+        self._metrics = None
+        if self.active:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.write(status="running")
+            path = self.out / "metrics.csv"
+            fresh = not path.exists() or path.stat().st_size == 0
+            self._metrics = open(path, "a", newline="")  # noqa: SIM115 (open for the run)
+            self._writer = csv.writer(self._metrics)
+            if fresh:
+                self._writer.writerow(METRICS)
+
+    def write(self, **fields) -> None:
+        """(Re)write run.json with the metadata and `fields` (atomically)."""
+        if self.active:
+            self.meta.update(fields)
+            tmp = self.out / "run.json.tmp"
+            tmp.write_text(json.dumps(self.meta, indent=2, default=str))
+            tmp.replace(self.out / "run.json")
+
+    def append(self, row) -> None:
+        if self.active:
+            self._writer.writerow(row)
+            self._metrics.flush()
+
+    def close(self, **fields) -> None:
+        self.write(**fields)
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+
+
+class PreemptionGuard:
+    """SIGTERM and SIGUSR1 (what SLURM sends before it kills a job, see `sbatch --signal`)
+    set a flag instead of killing the process; `requested(comm)` is a collective (one scalar
+    allreduce) that says whether any rank got one, so every rank stops at the same step."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self):
+        import signal
+
+        self.received = None
+        for name in self.SIGNALS:
+            signal.signal(getattr(signal, name), self._handle)
+
+    def _handle(self, signum, frame):
+        import signal
+
+        self.received = signal.Signals(signum).name
+
+    def requested(self, comm) -> bool:
+        return comm.allreduce_scalar(float(self.received is not None), op="max") > 0

@@ -45,8 +45,25 @@ def linear_backward(dy, cache):
 # -- embedding --------------------------------------------------------------------------------
 
 
+def check_indices(idx, n: int, what: str, ignore=None) -> None:
+    """TypeError unless `idx` holds integers, IndexError unless each is in [0, n) (or equals
+    `ignore`): an out-of-range id must never wrap around (NumPy reads W[-1] as the last row)."""
+    xp = array_module(idx)
+    if not xp.issubdtype(idx.dtype, xp.integer):
+        raise TypeError(f"{what} must be integer ids in [0, {n}), got dtype {idx.dtype}")
+    if idx.size == 0:
+        return
+    valid = idx if ignore is None else idx[idx != ignore]
+    if valid.size and (int(valid.min()) < 0 or int(valid.max()) >= n):
+        bad = int(valid.min()) if int(valid.min()) < 0 else int(valid.max())
+        raise IndexError(f"{what} must be in [0, {n})"
+                         + (f" or {ignore}" if ignore is not None else "")
+                         + f", found {bad} (min {int(valid.min())}, max {int(valid.max())})")
+
+
 def embedding_forward(idx, W):
-    """y = W[idx].  idx (...) int, W (V, C) -> y (..., C).  cache = (idx, V)."""
+    """y = W[idx].  idx (...) int in [0, V), W (V, C) -> y (..., C).  cache = (idx, V)."""
+    check_indices(idx, W.shape[0], "embedding indices")
     return W[idx], (idx, W.shape[0])
 
 
@@ -186,6 +203,7 @@ def cross_entropy_forward(logits, targets, ignore_index=None, normalizer=None):
     V = shape[-1]
     z = logits.reshape(-1, V).astype(dtype)  # (N, V), a copy we may overwrite
     targets = xp.asarray(targets).reshape(-1)  # (N,)
+    check_indices(targets, V, "cross-entropy targets", ignore_index)
     mask = None if ignore_index is None else targets != ignore_index
     if mask is not None:
         targets = xp.where(mask, targets, 0)  # any valid index; masked out below

@@ -183,6 +183,11 @@ class UnitModel(Module):
         RuntimeError without a preceding `loss`."""
         return self.backward(self.loss_fn.backward(scale))
 
+    def check_batch(self, inputs, targets) -> None:
+        """Raise a clear error (TypeError, ValueError, IndexError) naming `inputs` or
+        `targets` if they are not what the model takes; the engine calls it on every rank
+        before any collective. Nothing is checked by default; models override."""
+
     def tied_parameters(self) -> dict[str, str]:
         """{alias: parameter name} for every weight a unit reads under another name than
         the one it is owned by (tied weights; checkpoints record them, consolidation keeps

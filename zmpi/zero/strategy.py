@@ -480,7 +480,7 @@ class Strategy:
         self.wait_pending()
 
     # ---- checkpoints: every state as this rank's owned shard, whatever the policy -----
-    def _state_buffer(self, state: str):
+    def state_buffer(self, state: str):
         """(buffer, whether it holds only the owned shard) of 'params', 'master', 'adam_m'
         or 'adam_v'."""
         if state == "params":
@@ -493,14 +493,14 @@ class Strategy:
     def state_shard(self, state: str):
         """This rank's owned shard (S,) of a model state: the buffer itself when the policy
         shards that state, else the owned slices of the full buffer (a copy)."""
-        buf, sharded = self._state_buffer(state)
+        buf, sharded = self.state_buffer(state)
         return buf if sharded else self.owned(buf)
 
     def set_state_shard(self, state: str, shard) -> None:
         """Inverse of `state_shard`: write `shard` (S, host or device) into the state's buffer.
         A collective when the policy replicates the state (each unit is allgathered in place
         from every rank's owned part): every rank calls it with the same `state`."""
-        buf, sharded = self._state_buffer(state)
+        buf, sharded = self.state_buffer(state)
         if sharded:
             backend.copy_(buf, shard)
         else:
