@@ -16,7 +16,7 @@ export MKL_NUM_THREADS=1
 export ZMPI_BACKEND ?= numpy
 
 .PHONY: install test demo lint clean tables bench-install bench-adam bench-offload \
-	bench-checkpoint
+	bench-checkpoint bench-debug
 
 install: $(STAMP)
 
@@ -43,6 +43,9 @@ bench-offload: bench-install
 
 tables: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) experiments/zero_tables.py --out results/zero_tables_n$(NP)
+
+bench-debug: $(STAMP)
+	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_debug.py --out results/debug_n$(NP)
 
 bench-checkpoint: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_checkpoint.py --out results/checkpoint_n$(NP)

@@ -24,10 +24,9 @@ FAULTS = {  # mode: (env, exit code, every message that must appear in stderr)
         "rank 1: call #1 allreduce float32 x 0/6 at tests/ranks/faults.py"]),
     "mismatch_dtype": ({"ZMPI_DEBUG": "1"}, 1, ["rank 0: call #1 allreduce float32 x 0/8",
                                                 "rank 1: call #1 allreduce float64 x 0/8"]),
-    "skip": ({"ZMPI_COLLECTIVE_TIMEOUT": "2"}, 3, [
+    "skip": ({"ZMPI_COLLECTIVE_TIMEOUT": "2"}, 3, [  # rank 1 (in a barrier) says so too,
         "[rank 0] zmpi watchdog: waited 2 s (ZMPI_COLLECTIVE_TIMEOUT) in allreduce (float32 x 4, "
-        "2 ranks), called at tests/ranks/faults.py",
-        "[rank 1] zmpi watchdog: waited 2 s (ZMPI_COLLECTIVE_TIMEOUT) in barrier"]),
+        "2 ranks), called at tests/ranks/faults.py"]),  # unless the abort outruns its output
     "gather_on_rank0": ({"ZMPI_DEBUG": "1"}, None, [
         "rank 0: call #3 allgather float32", "in full_master (from tests/ranks/faults.py",
         "rank 1: call #3 end of program at exit"]),

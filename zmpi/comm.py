@@ -242,6 +242,9 @@ def wait_all(requests):
 # --------------------------------------------------------------------------- failure behaviour
 
 _abort_installed = False
+# mpiexec forwards a rank's output asynchronously and drops what is in flight when the job is
+# aborted: a rank that has something to say waits this long before it calls MPI_Abort.
+_FORWARD_S = 0.25
 
 
 def install_abort_on_exception():
@@ -272,6 +275,7 @@ def install_abort_on_exception():
             sys.stdout.flush()
             sys.stderr.write("".join(tag + line + "\n" for line in lines))
             sys.stderr.flush()
+            time.sleep(_FORWARD_S)
         finally:
             world.Abort(1)
 
@@ -295,6 +299,7 @@ def _interrupted():
     if world.Get_rank() == 0:
         sys.stderr.write(f"zmpi: interrupted; ending all {world.Get_size()} ranks\n")
         sys.stderr.flush()
+        time.sleep(_FORWARD_S)
     else:
         time.sleep(1.0)
     world.Abort(130)
@@ -497,6 +502,7 @@ class Comm:
         except CollectiveMismatch as e:
             sys.stderr.write(f"[rank {self.rank}] {e}\n")
             sys.stderr.flush()
+            time.sleep(_FORWARD_S)
             MPI.COMM_WORLD.Abort(4)
 
     def __repr__(self):
