@@ -104,16 +104,20 @@ def dtype_from_name(dtype_name: str) -> np.dtype:
     return dtype
 
 
-def compute_dtype(dtype) -> np.dtype:
-    """The dtype to do arithmetic in for data stored as `dtype`.
+def compute_dtype(data) -> np.dtype:
+    """The dtype matmuls run in for `data` (an array, or a dtype: then the backend decides).
 
-    NumPy: float16/bfloat16 -> float32. CuPy: float16 stays float16 (bfloat16 -> float32).
-    Everything else is returned unchanged.
+    On the host (NumPy): float16/bfloat16 -> float32 (NumPy has no fast float16 matmul). On
+    the device (CuPy): float16 stays float16 (tensor cores, float32 accumulation); bfloat16
+    -> float32. Everything else unchanged. Normalisation, softmax, GELU and the loss run in
+    float32 whatever this says (zmpi.nn.functional), on both backends.
     """
-    dtype = np.dtype(dtype)
+    on_device = is_device_array(data) if hasattr(data, "dtype") and hasattr(data, "shape") \
+        else is_gpu
+    dtype = np.dtype(getattr(data, "dtype", data))
     if dtype == BFLOAT16:
         return np.dtype(np.float32)
-    if dtype == np.float16 and not is_gpu:
+    if dtype == np.float16 and not on_device:
         return np.dtype(np.float32)
     return dtype
 

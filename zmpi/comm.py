@@ -426,19 +426,60 @@ class _watched:  # noqa: N801 (used as a function-like context manager)
             self.dog.end(self.token)
 
 
-def _cuda_aware() -> bool:
+def _libmpi():
+    """The MPI library this process loaded (ctypes), found in /proc/self/maps; None if not."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libmpi" in line
+                            and line.split()[-1].startswith("/")})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+def cuda_support() -> tuple[bool, str]:
+    """(whether MPI takes CUDA device buffers, how that was decided). ZMPI_CUDA_AWARE=0|1
+    overrides; else MPI's own answer: `MPIX_GPU_query_support(CUDA)` or
+    `MPIX_Query_cuda_support()` from the loaded libmpi (MPICH, Open MPI; mpi4py 4.1 does not
+    wrap them), or `MPI.Query_cuda_support` where mpi4py has it; else False."""
+    import ctypes
+
     env = os.environ.get("ZMPI_CUDA_AWARE", "").strip()
     if env:
         if env not in ("0", "1"):
             raise ValueError(f"ZMPI_CUDA_AWARE={env!r}: expected 0 or 1")
-        return env == "1"
+        return env == "1", "ZMPI_CUDA_AWARE"
+    lib = _libmpi()
+    if lib is not None and hasattr(lib, "MPIX_GPU_query_support"):
+        supported = ctypes.c_int(0)
+        if lib.MPIX_GPU_query_support(0, ctypes.byref(supported)) == 0:  # 0: MPIX_GPU_SUPPORT_CUDA
+            return bool(supported.value), "MPIX_GPU_query_support"
+    if lib is not None and hasattr(lib, "MPIX_Query_cuda_support"):
+        return bool(lib.MPIX_Query_cuda_support()), "MPIX_Query_cuda_support"
     query = getattr(MPI, "Query_cuda_support", None)
-    if query is None:
-        return False
-    try:
-        return bool(query())
-    except (MPI.Exception, NotImplementedError):
-        return False
+    if query is not None:
+        try:
+            return bool(query()), "MPI.Query_cuda_support"
+        except (MPI.Exception, NotImplementedError):
+            pass
+    return False, "no query available"
+
+
+def mpi_flavour() -> str:
+    """'Open MPI', 'MPICH' (and its derivatives: Intel MPI, Cray MPICH, MVAPICH) or 'other'."""
+    version = MPI.Get_library_version()
+    if "Open MPI" in version:
+        return "Open MPI"
+    if any(name in version for name in ("MPICH", "Intel(R) MPI", "MVAPICH", "CRAY MPICH")):
+        return "MPICH"
+    return "other"
 
 
 # --------------------------------------------------------------------------- Comm
@@ -457,8 +498,12 @@ class Comm:
         local = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
         local.Free()
-        self.is_cuda_aware = _cuda_aware()
+        self.is_cuda_aware, self.cuda_aware_source = cuda_support()
+        # Open MPI's CUDA support covers blocking collectives only (its non-blocking ones reduce
+        # on the host: ompi #9845, #12045): there a device buffer's collective runs blocking.
+        self.nonblocking_on_device = mpi_flavour() != "Open MPI"
         self.counters = {op: OpCounter() for op in OPS}
+        self.staged_bytes = {"to_host": 0, "to_device": 0}  # device buffers staged via the host
         self.check_collectives = False
         self._calls = 0  # collectives started on this communicator (the debug check's index)
         if os.environ.get("ZMPI_DEBUG", "").strip() not in ("", "0"):
@@ -532,13 +577,16 @@ class Comm:
 
     # ---- the one path for buffer collectives
 
-    def _run(self, op, call, send, recv, result, reduces: bool, blocking: bool) -> Request:
+    def _run(self, op, calls, send, recv, result, reduces: bool, blocking: bool) -> Request:
         """Check (debug), synchronize, stage device buffers through host memory if needed,
         call MPI (watched by the watchdog when blocking).
 
-        `call(sendspec, recvspec)` makes the mpi4py call (returning an MPI.Request when
-        non-blocking); `send=None` means in place (MPI.IN_PLACE: recv holds the input too).
-        `result` is what wait() returns. Returns a Request, already completed if blocking.
+        `calls` = (blocking call, non-blocking call), each `call(sendspec, recvspec)` making
+        the mpi4py call; `send=None` means in place (MPI.IN_PLACE: recv holds the input too;
+        for an in-place allgather only this rank's block of it). `result` is what wait()
+        returns. Returns a Request, already completed if blocking. A device buffer that MPI
+        takes directly (CUDA-aware) runs blocking where the MPI's non-blocking collectives do
+        not support device memory (Open MPI).
         """
         if self.check_collectives:
             self._check_call(op, recv.dtype, (0 if send is None else send.size, recv.size))
@@ -548,21 +596,30 @@ class Comm:
         if on_device:
             backend.synchronize()
         held, copy_back = [], []
-        if on_device and (not self.is_cuda_aware or (reduces and wire.as_words)):
-
+        stage = on_device and (not self.is_cuda_aware or (reduces and wire.as_words))
+        if on_device and not stage and not self.nonblocking_on_device:
+            blocking = True
+        if stage:
             def staged(a, copy_in: bool):
                 if not backend.is_device_array(a):
                     return a
                 host = _POOL.acquire(a.shape, a.dtype)
                 held.append(host)
-                if copy_in:
+                if copy_in and op == "allgather" and send is None:  # MPI reads only our block
+                    n = a.shape[0] // self.size
+                    mine = slice(self.rank * n, (self.rank + 1) * n)
+                    backend.to_host(a[mine], out=host[mine])
+                    self.staged_bytes["to_host"] += host[mine].nbytes
+                elif copy_in:
                     backend.to_host(a, out=host)  # blocking copy
+                    self.staged_bytes["to_host"] += host.nbytes
                 return host
 
             send_h = None if send is None else staged(send, copy_in=True)
             recv_h = staged(recv, copy_in=send is None)
             if recv_h is not recv:
                 copy_back.append((recv_h, recv))
+                self.staged_bytes["to_device"] += recv.nbytes
             send, recv = send_h, recv_h
 
         def spec(a):
@@ -572,9 +629,9 @@ class Comm:
 
         if blocking:
             with _watched(f"{op} ({recv.dtype} x {recv.size}, {self.size} ranks)"):
-                mpi_request = call(spec(send), spec(recv))
+                mpi_request = calls[0](spec(send), spec(recv))
         else:
-            mpi_request = call(spec(send), spec(recv))
+            mpi_request = calls[1](spec(send), spec(recv))
         req = Request(None if blocking else mpi_request, result, keep, copy_back, held, op)
         if blocking:
             req.wait()
@@ -591,10 +648,10 @@ class Comm:
     def _allreduce(self, buf, op, blocking):
         flat = _flat(buf, "buf")
         mpi_op = self._reduce_op(op, flat.dtype)
-        fn = self.mpi.Allreduce if blocking else self.mpi.Iallreduce
         self._count("allreduce", flat.nbytes, self._ring(flat.nbytes, 2))
-        return self._run("allreduce", lambda s, r: fn(s, r, mpi_op), None, flat, buf, True,
-                         blocking)
+        calls = (lambda s, r: self.mpi.Allreduce(s, r, mpi_op),
+                 lambda s, r: self.mpi.Iallreduce(s, r, mpi_op))
+        return self._run("allreduce", calls, None, flat, buf, True, blocking)
 
     def allreduce(self, buf, op: str = "sum"):
         """In place: buf <- op over ranks of buf (same size and dtype on every rank).
@@ -616,10 +673,10 @@ class Comm:
                 f"({recv_f.size}) * comm size ({self.size})"
             )
         mpi_op = self._reduce_op(op, send_f.dtype)
-        fn = self.mpi.Reduce_scatter_block if blocking else self.mpi.Ireduce_scatter_block
         self._count("reduce_scatter", send_f.nbytes, self._ring(send_f.nbytes))
-        return self._run("reduce_scatter", lambda s, r: fn(s, r, mpi_op), send_f, recv_f, recv,
-                         True, blocking)
+        calls = (lambda s, r: self.mpi.Reduce_scatter_block(s, r, mpi_op),
+                 lambda s, r: self.mpi.Ireduce_scatter_block(s, r, mpi_op))
+        return self._run("reduce_scatter", calls, send_f, recv_f, recv, True, blocking)
 
     def reduce_scatter(self, send, recv, op: str = "sum"):
         """recv <- block `rank` of (op over ranks of send). Not in place.
@@ -649,9 +706,9 @@ class Comm:
                 f"allgather_inplace: buf.size ({recv_f.size}) is not a multiple of comm size "
                 f"({self.size})"
             )
-        fn = self.mpi.Allgather if blocking else self.mpi.Iallgather
         self._count("allgather", recv_f.nbytes, self._ring(recv_f.nbytes))
-        return self._run("allgather", fn, send_f, recv_f, recv, False, blocking)
+        calls = (self.mpi.Allgather, self.mpi.Iallgather)
+        return self._run("allgather", calls, send_f, recv_f, recv, False, blocking)
 
     def allgather(self, send, recv):
         """recv[r*n:(r+1)*n] <- send of rank r, n = send.size; recv.size == n * size.
@@ -679,8 +736,8 @@ class Comm:
         if not 0 <= root < self.size:
             raise ValueError(f"broadcast: root {root} not in [0, {self.size})")
         self._count("broadcast", flat.nbytes, flat.nbytes if self.rank == root else 0)
-        return self._run(f"broadcast(root={root})", lambda s, r: self.mpi.Bcast(r, root), None,
-                         flat, buf, False, True).result
+        bcast = (lambda s, r: self.mpi.Bcast(r, root),) * 2
+        return self._run(f"broadcast(root={root})", bcast, None, flat, buf, False, True).result
 
     def barrier(self):
         """Block until every rank of this Comm has called barrier()."""
@@ -694,8 +751,8 @@ class Comm:
         buf = np.array([float(x)], dtype=np.float64)
         mpi_op = self._reduce_op(op, buf.dtype)
         self._count("allreduce_scalar", buf.nbytes, self._ring(buf.nbytes, 2))
-        self._run(f"allreduce_scalar({op})", lambda s, r: self.mpi.Allreduce(s, r, mpi_op), None,
-                  buf, buf, True, True)
+        scalar = (lambda s, r: self.mpi.Allreduce(s, r, mpi_op),) * 2
+        self._run(f"allreduce_scalar({op})", scalar, None, buf, buf, True, True)
         return float(buf[0])
 
     def bcast_object(self, obj, root: int = 0):

@@ -80,35 +80,46 @@ def embedding_backward(dy, cache):
 # -- layernorm --------------------------------------------------------------------------------
 
 
-def layernorm_forward(x, w, b, eps=1e-5):
-    """y = (x - mean) / sqrt(var + eps) * w + b over the last axis (biased variance).
+def _f32(x):
+    """The dtype normalisation, softmax, GELU and the loss run in: float32 at least (float64
+    stays). Mixed precision as users know it: matmuls may run in float16, these never do
+    (float16 overflows in x^2 for |x| > 256 and in GELU's x^3 for |x| > 40)."""
+    return array_module(x).promote_types(x.dtype, "float32")
 
-    x (..., C), w (C,), b (C,) -> y (..., C).  cache = (xhat, rstd, w).
+
+def layernorm_forward(x, w, b, eps=1e-5):
+    """y = (x - mean) / sqrt(var + eps) * w + b over the last axis (biased variance), computed
+    in float32 at least and returned in x's dtype.
+
+    x (..., C), w (C,), b (C,) -> y (..., C).  cache = (xhat, rstd, w), float32 at least.
     """
-    xp = array_module(x)
-    mean = x.mean(axis=-1, keepdims=True)  # (..., 1)
-    xc = x - mean
+    xp, f = array_module(x), _f32(x)
+    x32 = x.astype(f, copy=False)
+    mean = x32.mean(axis=-1, keepdims=True)  # (..., 1)
+    xc = x32 - mean
     var = (xc * xc).mean(axis=-1, keepdims=True)  # (..., 1)
     rstd = 1.0 / xp.sqrt(var + eps)  # (..., 1)
     xhat = xc * rstd  # (..., C)
-    return xhat * w + b, (xhat, rstd, w)
+    y = xhat * w.astype(f, copy=False) + b.astype(f, copy=False)
+    return y.astype(x.dtype, copy=False), (xhat, rstd, w)
 
 
 def layernorm_backward(dy, cache):
-    """dy (..., C) -> dx (..., C), dw (C,), db (C,).
+    """dy (..., C) -> dx (..., C) in dy's dtype, dw (C,), db (C,) (float32 at least).
 
     With g = dy * w: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), the three terms being
     the direct path and the paths through mean and variance (llm.c doc/layernorm/layernorm.md).
     """
     xhat, rstd, w = cache
     C = dy.shape[-1]
-    dy2, xhat2 = dy.reshape(-1, C), xhat.reshape(-1, C)
+    dy32 = dy.astype(xhat.dtype, copy=False)
+    dy2, xhat2 = dy32.reshape(-1, C), xhat.reshape(-1, C)
     dw = (dy2 * xhat2).sum(axis=0)  # (C,)
     db = dy2.sum(axis=0)  # (C,)
-    g = dy * w  # (..., C)
+    g = dy32 * w.astype(xhat.dtype, copy=False)  # (..., C)
     dx = rstd * (g - g.mean(axis=-1, keepdims=True)
                  - xhat * (g * xhat).mean(axis=-1, keepdims=True))
-    return dx, dw, db
+    return dx.astype(dy.dtype, copy=False), dw, db
 
 
 # -- gelu -------------------------------------------------------------------------------------
@@ -117,21 +128,25 @@ _GELU_S = math.sqrt(2.0 / math.pi)
 
 
 def gelu_forward(x):
-    """GELU, tanh approximation as GPT-2: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+    """GELU, tanh approximation as GPT-2: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
+    computed in float32 at least and returned in x's dtype.
 
     x (...) -> y (...).  cache = x.
     """
     xp = array_module(x)
-    return 0.5 * x * (1.0 + xp.tanh(_GELU_S * (x + 0.044715 * x * x * x))), x
+    x32 = x.astype(_f32(x), copy=False)
+    y = 0.5 * x32 * (1.0 + xp.tanh(_GELU_S * (x32 + 0.044715 * x32 * x32 * x32)))
+    return y.astype(x.dtype, copy=False), x
 
 
 def gelu_backward(dy, cache):
-    """dy (...) -> dx (...)."""
-    x = cache
-    xp = array_module(x)
+    """dy (...) -> dx (...) in dy's dtype (computed in float32 at least)."""
+    xp = array_module(cache)
+    x = cache.astype(_f32(cache), copy=False)
     t = xp.tanh(_GELU_S * (x + 0.044715 * x * x * x))
     dt = _GELU_S * (1.0 + 3 * 0.044715 * x * x) * (1.0 - t * t)  # d tanh(u(x)) / dx
-    return dy * (0.5 * (1.0 + t) + 0.5 * x * dt)
+    dx = dy.astype(x.dtype, copy=False) * (0.5 * (1.0 + t) + 0.5 * x * dt)
+    return dx.astype(dy.dtype, copy=False)
 
 
 # -- causal self-attention --------------------------------------------------------------------
@@ -150,7 +165,8 @@ def attention_forward(qkv, n_head):
     """Multi-head causal attention core: y = softmax(q k^T / sqrt(hd) + mask) v, heads merged.
 
     qkv (B, T, 3C) holding [q | k | v] -> y (B, T, C).  cache = (q, k, v, att), with
-    q, k, v (B, nh, T, hd) and att (B, nh, T, T) the attention probabilities.
+    q, k, v (B, nh, T, hd) and att (B, nh, T, T) the attention probabilities (float32 at
+    least: the softmax never runs in float16).
     """
     xp = array_module(qkv)
     B, T, C3 = qkv.shape
@@ -158,12 +174,13 @@ def attention_forward(qkv, n_head):
     hd = C // n_head
     qkv = qkv.reshape(B, T, 3, n_head, hd).transpose(2, 0, 3, 1, 4)  # (3, B, nh, T, hd)
     q, k, v = qkv[0], qkv[1], qkv[2]
-    att = xp.matmul(q, k.swapaxes(-1, -2)) * (1.0 / math.sqrt(hd))  # (B, nh, T, T)
+    scores = xp.matmul(q, k.swapaxes(-1, -2))  # (B, nh, T, T), in the matmul dtype
+    att = scores.astype(_f32(scores), copy=False) * (1.0 / math.sqrt(hd))  # softmax in f32
     # -inf above the diagonal; every row keeps its diagonal, so the row max stays finite
     future = xp.triu(xp.ones((T, T), dtype=bool), k=1)  # (T, T)
     att += xp.where(future, -xp.inf, 0.0).astype(att.dtype)  # (T, T), broadcast over B, nh
     _softmax_(att)
-    y = xp.matmul(att, v)  # (B, nh, T, hd)
+    y = xp.matmul(att.astype(v.dtype, copy=False), v)  # (B, nh, T, hd)
     y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C)
     return y, (q, k, v, att)
 
@@ -174,11 +191,12 @@ def attention_backward(dy, cache):
     q, k, v, att = cache
     B, nh, T, hd = q.shape
     dy = dy.reshape(B, T, nh, hd).transpose(0, 2, 1, 3)  # (B, nh, T, hd)
-    datt = xp.matmul(dy, v.swapaxes(-1, -2))  # (B, nh, T, T)
-    dv = xp.matmul(att.swapaxes(-1, -2), dy)  # (B, nh, T, hd)
+    datt = xp.matmul(dy, v.swapaxes(-1, -2)).astype(att.dtype, copy=False)  # (B, nh, T, T)
+    dv = xp.matmul(att.astype(dy.dtype, copy=False).swapaxes(-1, -2), dy)  # (B, nh, T, hd)
     # softmax backward: dpre = att * (datt - sum(datt * att)); masked entries have att = 0
     dpre = att * (datt - (datt * att).sum(axis=-1, keepdims=True))
     dpre *= 1.0 / math.sqrt(hd)
+    dpre = dpre.astype(q.dtype, copy=False)  # back to the matmul dtype
     dq = xp.matmul(dpre, k)  # (B, nh, T, hd)
     dk = xp.matmul(dpre.swapaxes(-1, -2), q)  # (B, nh, T, hd)
     dqkv = xp.stack([dq, dk, dv])  # (3, B, nh, T, hd)

@@ -6,7 +6,7 @@ may release them in between); `dx = layer.backward(dy)` returns the input gradie
 accumulates (`+=`) into each `p.grad`; backward without forward raises RuntimeError.
 
 Mixed precision: with float16/bfloat16 parameter storage, a layer computes in
-`compute_dtype(p.data.dtype)` (float32 on NumPy), activations flow in that dtype and parameter
+`compute_dtype(p.data)` (float32 on NumPy), activations flow in that dtype and parameter
 gradients are rounded back to the storage dtype as they are accumulated.
 
 Init (GPT-2): weights normal(0, std), biases 0, LayerNorm weight 1 and bias 0. `rng` is a
@@ -92,7 +92,7 @@ def embedding_lookup(p, idx):
     """
     W = live(p)  # (V, C)
     y, cache = F.embedding_forward(idx, W)
-    return y.astype(compute_dtype(W.dtype), copy=False), cache
+    return y.astype(compute_dtype(W), copy=False), cache
 
 
 class LayerNorm(Module):

@@ -61,7 +61,7 @@ def compute_data(p):
     an upcast copy (on NumPy: float32). Call it at every use; do not keep the result.
     """
     data = live(p, "data")
-    return data.astype(compute_dtype(data.dtype), copy=False)
+    return data.astype(compute_dtype(data), copy=False)
 
 
 def accumulate_grad_(p, dW):

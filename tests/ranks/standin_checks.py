@@ -1,0 +1,56 @@
+"""Rank side of tests/test_gpu_standin.py: the whole training path on the current backend (run
+with the cupy stand-in, or NumPy for the reference), for one world size in one launch.
+
+    PYTHONPATH=tests/standin ZMPI_BACKEND=cupy mpiexec -n N python tests/ranks/standin_checks.py OUT
+
+Trains stages 0-3 x fp32/fp16 x overlap on/off with gradient accumulation and clipping and
+writes rank 0's gathered parameters to OUT/<case>.npz; reports the backend, whether MPI took
+device buffers directly, the bytes staged through the host, and the device bytes at peak during
+a stage-3 engine's construction (stand-in pool) next to the ledger's.
+"""
+import sys
+
+import numpy as np
+from _report import report
+from zero_checks import GPT_CONFIG, config, gpt_data
+
+from zmpi import backend
+from zmpi.comm import Comm
+from zmpi.engine import Engine
+from zmpi.models.gpt import GPT
+
+
+def main(out):
+    comm = Comm()
+    cases = {}
+    if comm.rank == 0:
+        np.savez(f"{out}/init.npz", **{k: p.data for k, p in
+                                       GPT(GPT_CONFIG, seed=0).named_parameters()})
+    for stage in range(4):
+        for dtype in ("fp32", "fp16"):
+            for overlap in (False, True):
+                cfg = config(stage, dtype, accumulation=2, clip=0.05, overlap=overlap, n=comm.size)
+                engine = Engine(GPT(GPT_CONFIG, seed=0), cfg, comm)
+                data = gpt_data(comm, 2)
+                losses = [engine.train_step(*data.sample(s)) for s in range(3)]
+                params = engine.gather_parameters()
+                name = f"s{stage}_{dtype}_{'overlap' if overlap else 'sync'}"
+                if comm.rank == 0:
+                    np.savez(f"{out}/{name}.npz", **params)
+                cases[name] = losses
+    init = {}
+    if backend.is_gpu:
+        pool = backend.xp.get_default_memory_pool()
+        pool.reset_peak()
+        before = pool.used_bytes()
+        engine = Engine(GPT(GPT_CONFIG, seed=0), config(3, "fp16", n=comm.size), comm)
+        init = {"peak_device_bytes": pool.peak_bytes() - before,
+                "ledger_device_bytes": engine.memory.peak(device="device"),
+                "padded_params": engine.layout.full_numel}
+    report({"backend": backend.name, "cuda_aware": comm.is_cuda_aware,
+            "cuda_aware_source": comm.cuda_aware_source, "staged": comm.staged_bytes,
+            "losses": cases, "init": init})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,308 @@
+"""A strict stand-in for CuPy, for running zmpi's GPU path on a machine without a GPU.
+
+Put `tests/standin` on PYTHONPATH and set ZMPI_BACKEND=cupy: `import cupy` then finds this
+package. It is a test double for hardware this machine lacks, not a GPU: arithmetic runs in
+NumPy on the host. What it enforces is CuPy's discipline where zmpi could get it wrong:
+
+- `ndarray` is its own type, not a NumPy array: NumPy functions and ufuncs refuse it
+  (`np.asarray(d)` raises TypeError, as CuPy does), and its operations refuse NumPy arrays
+  (scalars are fine), including `out=` arguments and assignment `d[...] = host_array`;
+- host <-> device copies are explicit: `cupy.asarray(host)`, `d.get()`, `d.set(host)`;
+- streams and events exist (`cuda.Stream`, `record`, `wait_event`, `Event.done`) and pinned
+  host memory (`cuda.alloc_pinned_memory`, `cupyx.empty_pinned`) is counted;
+- the default memory pool counts the bytes of live device arrays, now and at peak
+  (`get_default_memory_pool().used_bytes()`, `total_bytes()`, `peak_bytes()` (stand-in only)).
+"""
+import weakref
+
+import numpy as _np
+
+from . import cuda  # noqa: F401  (cupy.cuda)
+
+__version__ = "13.0.0-standin"
+STANDIN = True
+
+
+class _Pool:
+    def __init__(self):
+        self.used = self.peak = 0
+
+    def _add(self, n):
+        self.used += n
+        self.peak = max(self.peak, self.used)
+
+    def used_bytes(self):
+        return self.used
+
+    def total_bytes(self):
+        return self.used
+
+    def peak_bytes(self):
+        return self.peak
+
+    def reset_peak(self):
+        self.peak = self.used
+
+    def free_all_blocks(self):
+        pass
+
+
+_POOL = _Pool()
+
+
+def get_default_memory_pool():
+    return _POOL
+
+
+def _refuse(x):
+    raise TypeError(f"Unsupported type {type(x)}: the cupy stand-in refuses host NumPy arrays "
+                    "here; copy explicitly with cupy.asarray(...) or .get()")
+
+
+def _unwrap(x):
+    if isinstance(x, ndarray):
+        return x._a
+    if isinstance(x, _np.ndarray):
+        _refuse(x)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_unwrap(v) for v in x)
+    return x
+
+
+def _wrap(a):
+    if isinstance(a, _np.ndarray):
+        return ndarray(a)
+    if isinstance(a, _np.generic):  # CuPy returns 0-d arrays, not scalars
+        return ndarray(_np.asarray(a))
+    return a
+
+
+class ndarray:  # noqa: N801 (CuPy's name)
+    """A device array: a NumPy array behind a wall."""
+
+    __array_ufunc__ = None  # NumPy ufuncs refuse it
+    __slots__ = ("_a", "__weakref__")
+
+    def __init__(self, a):
+        self._a = a
+        if a.base is None:  # owns its memory: count it in the pool while it lives
+            _POOL._add(a.nbytes)
+            weakref.finalize(self, _POOL._add, -a.nbytes)
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use "
+                        "`.get()` to construct a NumPy array explicitly.")
+
+    def __array_function__(self, func, types, args, kwargs):
+        return NotImplemented  # NumPy functions refuse it
+
+    # -- attributes
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    size = property(lambda self: self._a.size)
+    nbytes = property(lambda self: self._a.nbytes)
+    ndim = property(lambda self: self._a.ndim)
+    itemsize = property(lambda self: self._a.itemsize)
+    flags = property(lambda self: self._a.flags)
+    strides = property(lambda self: self._a.strides)
+    T = property(lambda self: ndarray(self._a.T))
+
+    @property
+    def data(self):
+        return _DevicePointer(self._a)
+
+    @property
+    def __cuda_array_interface__(self):
+        """What a CUDA-aware MPI reads through mpi4py: the address of the memory (host memory
+        here, so a host MPI can serve the stand-in's "CUDA-aware" mode)."""
+        if not self._a.flags.c_contiguous:
+            raise BufferError("not contiguous")
+        return {"shape": self._a.shape, "typestr": self._a.dtype.str,
+                "data": (self._a.ctypes.data, False), "version": 3, "strides": None}
+
+    def __len__(self):
+        return len(self._a)
+
+    def __repr__(self):
+        return f"cupy-standin.{self._a!r}"
+
+    # -- explicit copies
+    def get(self, stream=None, order="C", out=None, blocking=True):
+        if out is None:
+            return self._a.copy()
+        if isinstance(out, ndarray):
+            raise TypeError("out must be a NumPy array")
+        _np.copyto(out, self._a)
+        return out
+
+    def set(self, arr, stream=None):
+        if not isinstance(arr, _np.ndarray):
+            raise TypeError(f"set() takes a NumPy array, got {type(arr)}")
+        if arr.shape != self._a.shape or arr.dtype != self._a.dtype:
+            raise ValueError(f"set(): shape/dtype {arr.shape} {arr.dtype} != "
+                             f"{self._a.shape} {self._a.dtype}")
+        self._a[...] = arr
+
+    # -- conversion of 0-d (a sync on a GPU)
+    def __float__(self):
+        return float(self._a)
+
+    def __int__(self):
+        return int(self._a)
+
+    def __bool__(self):
+        return bool(self._a)
+
+    def __index__(self):
+        return int(self._a)
+
+    def item(self):
+        return self._a.item()
+
+    # -- indexing
+    def __getitem__(self, key):
+        return _wrap(self._a[_unwrap(key)])
+
+    def __setitem__(self, key, value):
+        self._a[_unwrap(key)] = _unwrap(value)
+
+    # -- methods
+    def reshape(self, *shape, **kw):
+        return ndarray(self._a.reshape(*shape, **kw))
+
+    def view(self, dtype=None):
+        return ndarray(self._a.view(dtype))
+
+    def astype(self, dtype, copy=True, **kw):
+        out = self._a.astype(dtype, copy=copy)
+        return self if out is self._a else ndarray(out)
+
+    def copy(self):
+        return ndarray(self._a.copy())
+
+    def fill(self, value):
+        self._a.fill(value)
+
+    def ravel(self):
+        return _wrap(self._a.ravel())
+
+    def transpose(self, *axes):
+        return ndarray(self._a.transpose(*axes))
+
+    def swapaxes(self, a, b):
+        return ndarray(self._a.swapaxes(a, b))
+
+
+for _name in ("sum", "max", "min", "mean", "all", "any", "argmax", "var", "std", "prod"):
+    def _reduction(self, *args, _name=_name, **kwargs):
+        return _wrap(getattr(self._a, _name)(*_unwrap(args), **_unwrap(kwargs)))
+    setattr(ndarray, _name, _reduction)
+
+for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or",
+            "xor", "lt", "le", "gt", "ge", "eq", "ne"):
+    for _fmt in ("__{}__", "__r{}__", "__i{}__"):
+        _dunder = _fmt.format(_op)
+        if not hasattr(_np.ndarray, _dunder):
+            continue
+
+        def _binary(self, other, _dunder=_dunder):
+            result = getattr(self._a, _dunder)(_unwrap(other))
+            if result is NotImplemented:
+                return result
+            return self if _dunder.startswith("__i") else _wrap(result)
+        setattr(ndarray, _dunder, _binary)
+
+for _dunder in ("__neg__", "__pos__", "__abs__", "__invert__"):
+    setattr(ndarray, _dunder, lambda self, _d=_dunder: _wrap(getattr(self._a, _d)()))
+
+
+class _DevicePointer:
+    """`a.data.ptr`: an address, as MPI's CUDA-aware path would read it."""
+
+    def __init__(self, a):
+        self.ptr = a.ctypes.data
+
+
+# -- the module's functions: NumPy's, behind the same wall
+def _function(np_fn):
+    def fn(*args, out=None, **kwargs):
+        if out is not None:
+            if not isinstance(out, ndarray):
+                raise TypeError(f"out must be a cupy ndarray, got {type(out)}")
+            kwargs["out"] = out._a
+        result = np_fn(*_unwrap(args), **_unwrap(kwargs))
+        return out if out is not None else _wrap(result)
+    fn.__name__ = getattr(np_fn, "__name__", "fn")
+    return fn
+
+
+class _Ufunc:
+    def __init__(self, np_ufunc):
+        self._u = np_ufunc
+        self._call = _function(np_ufunc)
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def at(self, a, indices, b):
+        if not isinstance(a, ndarray):
+            raise TypeError("at() needs a cupy ndarray")
+        self._u.at(a._a, _unwrap(indices), _unwrap(b))
+
+
+for _name in ("add", "subtract", "multiply", "divide", "true_divide", "exp", "log", "sqrt",
+              "tanh", "maximum", "minimum", "isfinite", "isnan", "power", "negative", "abs",
+              "square", "sign", "floor", "equal", "not_equal", "less", "greater", "logical_and",
+              "logical_or", "cos", "sin", "erf" if hasattr(_np, "erf") else "exp"):
+    globals()[_name] = _Ufunc(getattr(_np, _name))
+
+for _name in ("matmul", "dot", "where", "triu", "tril", "stack", "concatenate", "einsum",
+              "sum", "zeros_like", "empty_like", "ones_like", "full_like", "take_along_axis",
+              "argmax", "broadcast_to", "expand_dims", "clip", "cumsum", "copyto", "arange",
+              "linspace", "full"):
+    globals()[_name] = _function(getattr(_np, _name))
+
+for _name in ("float16", "float32", "float64", "int8", "int32", "int64", "uint8", "uint16",
+              "bool_", "integer", "floating", "inf", "nan", "pi", "newaxis", "dtype",
+              "promote_types", "issubdtype", "result_type", "errstate", "iinfo", "finfo"):
+    globals()[_name] = getattr(_np, _name)
+
+
+def zeros(shape, dtype=float, order="C"):
+    return ndarray(_np.zeros(shape, dtype))
+
+
+def empty(shape, dtype=float, order="C"):
+    a = _np.empty(shape, dtype)
+    a.fill(_np.nan if _np.issubdtype(a.dtype, _np.floating) else 0)  # garbage, visibly
+    return ndarray(a)
+
+
+def ones(shape, dtype=float):
+    return ndarray(_np.ones(shape, dtype))
+
+
+def asarray(a, dtype=None, order=None):
+    """Host -> device (an explicit copy), or a device array as is."""
+    if isinstance(a, ndarray):
+        return a if dtype is None or a.dtype == dtype else a.astype(dtype)
+    return ndarray(_np.array(a, dtype=dtype, copy=True))
+
+
+array = asarray
+
+
+def ascontiguousarray(a, dtype=None):
+    if not isinstance(a, ndarray):
+        _refuse(a)
+    return ndarray(_np.ascontiguousarray(a._a, dtype=dtype))
+
+
+def asnumpy(a, stream=None, out=None):
+    return a.get(out=out) if isinstance(a, ndarray) else _np.asarray(a)
+
+
+def get_array_module(*arrays):
+    import sys
+
+    return sys.modules[__name__] if any(isinstance(a, ndarray) for a in arrays) else _np

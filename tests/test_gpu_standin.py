@@ -1,0 +1,132 @@
+"""The GPU path on a machine without a GPU: the whole engine on the strict CuPy stand-in
+(tests/standin/cupy: device arrays refuse NumPy operands, copies are explicit), in both of
+Comm's modes (device buffers staged through pinned host memory, and handed to a "CUDA-aware"
+MPI), equal to the NumPy backend; CUDA-aware detection through the MPI library; the mixed
+precision policy of the kernels. A test double, not a GPU: GPU figures come only from
+`make test-gpu` on a real device.
+"""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mpi_util import RANKS_DIR, REPO_ROOT, run_mpi
+
+STANDIN = {"PYTHONPATH": f"{REPO_ROOT / 'tests' / 'standin'}:{REPO_ROOT}",
+           "ZMPI_BACKEND": "cupy"}
+
+
+def _train(tmp_path, name, n, env):
+    out = tmp_path / name
+    out.mkdir()
+    reports = run_mpi(RANKS_DIR / "standin_checks.py", n, args=[out], timeout=300, env=env)
+    return out, reports
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"n{n}")
+def runs(request, tmp_path_factory):
+    n, tmp = request.param, tmp_path_factory.mktemp(f"standin{request.param}")
+    return n, {"numpy": _train(tmp, "numpy", n, {"ZMPI_BACKEND": "numpy"}),
+               "staged": _train(tmp, "staged", n, STANDIN),
+               "cuda_aware": _train(tmp, "cuda_aware", n, {**STANDIN, "ZMPI_CUDA_AWARE": "1"})}
+
+
+@pytest.mark.mpi
+def test_engine_on_the_standin_equals_numpy(runs):
+    """fp32: the same parameters as NumPy to 1e-5 of the model's move (the stand-in computes
+    on the host; only summation order may differ). fp16: a device computes matmuls in fp16
+    where NumPy uses fp32 (and the stand-in's NumPy fp16 matmul rounds more than a GPU's fp32
+    accumulation), so within 5e-2 of the move."""
+    n, results = runs
+    ref_dir, ref_reports = results["numpy"]
+    assert ref_reports[0]["backend"] == "numpy"
+    for mode in ("staged", "cuda_aware"):
+        out, reports = results[mode]
+        assert reports[0]["backend"] == "cupy" and reports[0]["cuda_aware"] == (mode != "staged")
+        with np.load(ref_dir / "init.npz") as f:
+            init = dict(f)
+        for case in ref_reports[0]["losses"]:
+            with np.load(ref_dir / f"{case}.npz") as a, np.load(out / f"{case}.npz") as b:
+                diff = np.sqrt(sum(float(((a[k] - b[k]).astype(np.float64) ** 2).sum())
+                                   for k in a.files))
+                move = np.sqrt(sum(float(((a[k] - init[k]).astype(np.float64) ** 2).sum())
+                                   for k in a.files))
+            bound = 1e-5 if "fp32" in case else 5e-2
+            assert diff / move <= bound, (mode, case, n, diff / move)
+        staged = reports[0]["staged"]
+        assert (staged["to_host"] > 0) == (mode == "staged"), staged
+
+
+@pytest.mark.mpi
+def test_stage3_init_puts_only_shards_on_the_device(runs):
+    n, results = runs
+    for mode in ("staged", "cuda_aware"):
+        init = results[mode][1][0]["init"]
+        # every device byte at the peak of construction is a ledger buffer, and they are the
+        # shards: fp16 params and grads, fp32 master, m, v = 16 Psi / N (no whole-model copy)
+        assert init["peak_device_bytes"] == init["ledger_device_bytes"], init
+        assert init["peak_device_bytes"] == 16 * init["padded_params"] // n, init
+
+
+def test_cuda_aware_detection_asks_the_mpi_library(monkeypatch):
+    from zmpi.comm import cuda_support, mpi_flavour
+
+    monkeypatch.delenv("ZMPI_CUDA_AWARE", raising=False)
+    supported, source = cuda_support()
+    assert (supported, source) == (False, "MPIX_GPU_query_support")  # the mpich wheel: no CUDA
+    assert mpi_flavour() == "MPICH"
+    monkeypatch.setenv("ZMPI_CUDA_AWARE", "1")
+    assert cuda_support() == (True, "ZMPI_CUDA_AWARE")
+
+
+def test_staged_inplace_allgather_copies_only_this_ranks_block():
+    code = """
+import numpy as np, cupy
+from zmpi.comm import Comm
+comm = Comm()
+buf = cupy.zeros(1024, np.float32)
+comm.allgather_inplace(buf)
+assert comm.staged_bytes == {"to_host": 1024 * 4 // comm.size, "to_device": 1024 * 4}, \\
+    comm.staged_bytes
+"""
+    env = {**STANDIN, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, check=True)
+
+
+KERNELS = """
+import numpy as np
+from zmpi import backend
+from zmpi.nn import functional as F
+xp = backend.xp
+rng = np.random.default_rng(0)
+x = (rng.standard_normal((4, 64)) * 300 + 1000).astype(np.float16)  # |x - mean| > 256
+w, b = np.ones(64, np.float16), np.zeros(64, np.float16)
+x64 = x.astype(np.float64)
+want = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-5)
+y, _ = F.layernorm_forward(xp.asarray(x), xp.asarray(w), xp.asarray(b))
+assert y.dtype == np.float16
+err_ln = np.abs(backend.to_host(y).astype(np.float64) - want).max()
+g = (rng.standard_normal(1000) * 30 + 60).astype(np.float16)  # 0.044715 g^3 overflows fp16
+g64 = g.astype(np.float64)
+want_g = 0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64 ** 3)))
+yg, _ = F.gelu_forward(xp.asarray(g))
+err_gelu = np.abs(backend.to_host(yg).astype(np.float64) - want_g).max() / np.abs(want_g).max()
+qkv = (rng.standard_normal((1, 4, 3 * 8)) * 40).astype(np.float16)  # q.k ~ 1e4: softmax input
+att = F.attention_forward(xp.asarray(qkv), 2)[1][3]
+assert att.dtype == np.float32
+att = backend.to_host(att)
+print(err_ln, err_gelu, float(np.abs(att.sum(-1) - 1).max()), bool(np.isfinite(att).all()))
+"""
+
+
+@pytest.mark.parametrize("backend", ["numpy", "standin"])
+def test_fp16_normalisation_gelu_softmax_run_in_fp32(backend):
+    """Inputs that overflow fp16 inside LayerNorm (x^2), GELU (x^3) and the attention scores
+    give fp32-accurate results, on the host and on the (stand-in) device alike."""
+    env = STANDIN if backend == "standin" else {"ZMPI_BACKEND": "numpy"}
+    out = subprocess.run([sys.executable, "-c", KERNELS], env={**env, "OMP_NUM_THREADS": "1"},
+                         cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
+    err_ln, err_gelu, softmax_sum, finite = out.split()
+    assert float(err_ln) < 5e-3  # fp16 output rounding only (|y| <= ~3)
+    assert float(err_gelu) < 1e-3
+    assert float(softmax_sum) < 1e-6 and finite == "True"
