@@ -15,7 +15,7 @@ export OPENBLAS_NUM_THREADS=1
 export MKL_NUM_THREADS=1
 export ZMPI_BACKEND ?= numpy
 
-.PHONY: install test demo lint clean tables bench-install bench-adam bench-offload \
+.PHONY: install test test-gpu demo lint clean tables bench-install bench-adam bench-offload \
 	bench-checkpoint bench-debug
 
 install: $(STAMP)
@@ -27,6 +27,12 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# On a machine with an NVIDIA GPU: the GPU-marked tests and the multi-rank suites on CuPy.
+test-gpu: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[gpu,dev]'
+	ZMPI_BACKEND=cupy $(PY) -m pytest -q -m gpu
+	ZMPI_BACKEND=cupy $(PY) -m pytest -q tests/test_zero.py tests/test_comm.py tests/test_offload.py
 
 demo: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) -m zmpi.cli train --stage $(STAGE) --precision $(PRECISION)

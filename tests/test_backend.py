@@ -91,6 +91,8 @@ def test_compute_dtype(monkeypatch):
     monkeypatch.setattr(backend, "is_gpu", True)
     assert backend.compute_dtype(np.float16) == np.float16
     assert backend.compute_dtype(np.float32) == np.float32
+    # an array decides for itself: host data computes in fp32 even on a GPU backend
+    assert backend.compute_dtype(np.zeros(2, np.float16)) == np.float32
 
 
 @pytest.mark.skipif(backend.is_gpu, reason="numpy backend behaviour")
@@ -110,7 +112,7 @@ def test_numpy_backend_functions():
     p = backend.pinned_empty((3, 2), BF16)
     assert isinstance(p, np.ndarray) and p.shape == (3, 2) and p.dtype == BF16
     backend.synchronize()
-    assert backend.device_memory_in_use() == 0
+    assert backend.device_memory_in_use() == {"used": 0, "held": 0}
 
 
 # --------------------------------------------------------------------------- GPU
@@ -133,7 +135,7 @@ def test_gpu_host_device_roundtrip():
     backend.to_device(out, out=dev2)
     backend.synchronize()
     assert np.array_equal(cupy.asnumpy(dev2), host * 2)
-    assert backend.device_memory_in_use() > 0
+    assert backend.device_memory_in_use()["used"] > 0
 
 
 @gpu

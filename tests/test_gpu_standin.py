@@ -31,30 +31,60 @@ def runs(request, tmp_path_factory):
                "cuda_aware": _train(tmp, "cuda_aware", n, {**STANDIN, "ZMPI_CUDA_AWARE": "1"})}
 
 
+def assert_same_training(ref_dir, ref_reports, out, where):
+    """Every case of `out` against the NumPy run: fp32 to 1e-5 of the model's move (only the
+    summation order may differ), fp16 to 5e-2 (a device computes matmuls in fp16 where NumPy
+    uses fp32; the stand-in's NumPy fp16 matmul rounds more than a GPU's fp32 accumulation)."""
+    with np.load(ref_dir / "init.npz") as f:
+        init = dict(f)
+    for case in ref_reports[0]["losses"]:
+        with np.load(ref_dir / f"{case}.npz") as a, np.load(out / f"{case}.npz") as b:
+            diff = np.sqrt(sum(float(((a[k] - b[k]).astype(np.float64) ** 2).sum())
+                               for k in a.files))
+            move = np.sqrt(sum(float(((a[k] - init[k]).astype(np.float64) ** 2).sum())
+                               for k in a.files))
+        bound = 1e-5 if "fp32" in case else 5e-2
+        assert diff / move <= bound, (where, case, diff / move)
+
+
 @pytest.mark.mpi
 def test_engine_on_the_standin_equals_numpy(runs):
-    """fp32: the same parameters as NumPy to 1e-5 of the model's move (the stand-in computes
-    on the host; only summation order may differ). fp16: a device computes matmuls in fp16
-    where NumPy uses fp32 (and the stand-in's NumPy fp16 matmul rounds more than a GPU's fp32
-    accumulation), so within 5e-2 of the move."""
     n, results = runs
     ref_dir, ref_reports = results["numpy"]
     assert ref_reports[0]["backend"] == "numpy"
     for mode in ("staged", "cuda_aware"):
         out, reports = results[mode]
         assert reports[0]["backend"] == "cupy" and reports[0]["cuda_aware"] == (mode != "staged")
-        with np.load(ref_dir / "init.npz") as f:
-            init = dict(f)
-        for case in ref_reports[0]["losses"]:
-            with np.load(ref_dir / f"{case}.npz") as a, np.load(out / f"{case}.npz") as b:
-                diff = np.sqrt(sum(float(((a[k] - b[k]).astype(np.float64) ** 2).sum())
-                                   for k in a.files))
-                move = np.sqrt(sum(float(((a[k] - init[k]).astype(np.float64) ** 2).sum())
-                                   for k in a.files))
-            bound = 1e-5 if "fp32" in case else 5e-2
-            assert diff / move <= bound, (mode, case, n, diff / move)
+        assert_same_training(ref_dir, ref_reports, out, (mode, n))
         staged = reports[0]["staged"]
         assert (staged["to_host"] > 0) == (mode == "staged"), staged
+        if mode == "staged":  # pinned staging buffers are in the ledger's host column
+            assert reports[0]["staging_in_ledger"], reports[0]
+
+
+def _real_gpu() -> bool:
+    try:
+        import cupy
+    except ImportError:
+        return False
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver, no device
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.skipif(not _real_gpu(), reason="needs CuPy and a CUDA device (make test-gpu)")
+def test_engine_on_a_real_gpu_equals_numpy(tmp_path):
+    """The same comparison on a real device (one rank per GPU; one rank on a single GPU)."""
+    import cupy
+
+    n = min(2, cupy.cuda.runtime.getDeviceCount())
+    ref_dir, ref_reports = _train(tmp_path, "numpy", n, {"ZMPI_BACKEND": "numpy"})
+    out, reports = _train(tmp_path, "gpu", n, {"ZMPI_BACKEND": "cupy"})
+    assert reports[0]["backend"] == "cupy"
+    assert_same_training(ref_dir, ref_reports, out, ("gpu", n))
 
 
 @pytest.mark.mpi

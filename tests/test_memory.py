@@ -176,7 +176,9 @@ def test_invalid_arguments(fn):
 
 
 def test_device_pool_reading_is_reported():
-    ledger = MemoryLedger(device_pool=lambda: 3 * 2**20)
-    assert ledger.device_pool_bytes() == 3 * 2**20
-    assert "device pool" in ledger.report() and ledger.snapshot()["device_pool"] == 3 * 2**20
-    assert MemoryLedger().device_pool_bytes() == 0
+    reading = {"used": 3 * 2**20, "held": 5 * 2**20}
+    ledger = MemoryLedger(device_pool=lambda: reading)
+    assert ledger.device_pool_bytes() == reading
+    assert "3.00 used, 5.00 held" in ledger.report()
+    assert ledger.snapshot()["device_pool"] == reading
+    assert MemoryLedger().device_pool_bytes() == {"used": 0, "held": 0}

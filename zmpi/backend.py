@@ -112,9 +112,10 @@ def compute_dtype(data) -> np.dtype:
     -> float32. Everything else unchanged. Normalisation, softmax, GELU and the loss run in
     float32 whatever this says (zmpi.nn.functional), on both backends.
     """
-    on_device = is_device_array(data) if hasattr(data, "dtype") and hasattr(data, "shape") \
-        else is_gpu
-    dtype = np.dtype(getattr(data, "dtype", data))
+    if isinstance(data, np.ndarray) or is_device_array(data):
+        on_device, dtype = is_device_array(data), np.dtype(data.dtype)
+    else:
+        on_device, dtype = is_gpu, np.dtype(data)
     if dtype == BFLOAT16:
         return np.dtype(np.float32)
     if dtype == np.float16 and not on_device:
@@ -122,13 +123,41 @@ def compute_dtype(data) -> np.dtype:
     return dtype
 
 
-def select_device(local_rank: int):
-    """Bind this process to GPU `local_rank % device_count` (CuPy); returns its id, or None."""
-    if not is_gpu:
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK",
+                        "PALS_LOCAL_RANKID", "SLURM_LOCALID")
+device_source = None  # how the device was chosen: a launcher variable, or "local rank"
+
+
+def launcher_local_rank() -> tuple[int, str] | None:
+    """(this process's rank on its node, the variable it came from), as set by the launcher
+    (Open MPI, MPICH/Hydra, PMI, PALS, SLURM), or None."""
+    for var in LOCAL_RANK_VARIABLES:
+        value = os.environ.get(var, "").strip()
+        if value.isdigit():
+            return int(value), var
+    return None
+
+
+def select_device(local_rank: int | None = None, source: str = "local rank"):
+    """Bind this process to GPU `local_rank % device_count` (CuPy); returns its id, or None.
+    At import (below) zmpi does this from the launcher's local-rank variable, before MPI is
+    initialised (some transports bind to the current device in MPI_Init); the engine falls
+    back to the node-local rank of a shared-memory split when no variable was set."""
+    global device_source
+    if not is_gpu or local_rank is None:
         return None
     device_id = local_rank % xp.cuda.runtime.getDeviceCount()
     xp.cuda.Device(device_id).use()
+    device_source = source
     return device_id
+
+
+def device_count() -> int:
+    return xp.cuda.runtime.getDeviceCount() if is_gpu else 0
+
+
+if is_gpu and launcher_local_rank() is not None:
+    select_device(*launcher_local_rank())
 
 
 def empty(shape, dtype):
@@ -248,8 +277,10 @@ def pinned_empty(shape, dtype) -> np.ndarray:
     return np.frombuffer(mem, dtype=dtype, count=count).reshape(shape)
 
 
-def device_memory_in_use() -> int:
-    """Bytes currently held by CuPy's default memory pool (0 under NumPy)."""
+def device_memory_in_use() -> dict:
+    """CuPy's default memory pool: {"used": bytes in live arrays, "held": bytes the pool
+    holds, cached blocks included (what the device sees as allocated)}; zeros under NumPy."""
     if not is_gpu:
-        return 0
-    return int(xp.get_default_memory_pool().used_bytes())
+        return {"used": 0, "held": 0}
+    pool = xp.get_default_memory_pool()
+    return {"used": int(pool.used_bytes()), "held": int(pool.total_bytes())}

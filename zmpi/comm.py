@@ -164,11 +164,15 @@ def _same_dtype(send, recv):
 
 
 class _StagingPool:
-    """Host buffers for staging device arrays, reused by (shape, dtype); pinned under CuPy."""
+    """Host buffers for staging device arrays, reused by (shape, dtype); pinned under CuPy.
+    Every buffer is registered (host, comm_buffer, "staging") with the ledger given to
+    `account_in` (the engine's), so pinned memory shows in the ledger's host column."""
 
     def __init__(self):
         self._free: dict = {}
+        self._all: list = []
         self.nbytes = 0  # total ever allocated (the pool never shrinks)
+        self.ledger = None
 
     def acquire(self, shape, dtype) -> np.ndarray:
         free = self._free.get((shape, np.dtype(dtype)))
@@ -176,7 +180,18 @@ class _StagingPool:
             return free.pop()
         buf = backend.pinned_empty(shape, dtype)
         self.nbytes += buf.nbytes
+        self._all.append(buf)
+        if self.ledger is not None:
+            self.ledger.register(buf, "comm_buffer", "host", "staging")
         return buf
+
+    def account_in(self, ledger) -> None:
+        """Move the accounting of every staging buffer, now and later, to `ledger`."""
+        for buf in self._all:
+            if self.ledger is not None:
+                self.ledger.release(buf)
+            ledger.register(buf, "comm_buffer", "host", "staging")
+        self.ledger = ledger
 
     def release(self, buf: np.ndarray):
         self._free.setdefault((buf.shape, buf.dtype), []).append(buf)
@@ -188,6 +203,11 @@ _POOL = _StagingPool()
 def staging_nbytes() -> int:
     """Bytes of pinned host memory held for staging (for the memory ledger)."""
     return _POOL.nbytes
+
+
+def account_staging_in(ledger) -> None:
+    """Register the staging buffers with `ledger` (the engine calls it)."""
+    _POOL.account_in(ledger)
 
 
 class Request:

@@ -71,12 +71,19 @@ class Engine:
 
             comm = Comm()
         self.comm = comm
-        backend.select_device(comm.local_rank)  # one device per node-local rank (GPU only)
+        if backend.is_gpu and backend.device_source is None:  # no launcher variable: fall back
+            backend.select_device(comm.local_rank)
+        if backend.is_gpu and comm.local_size > backend.device_count() and comm.local_rank == 0:
+            warnings.warn(f"{comm.local_size} ranks share {backend.device_count()} GPUs on this "
+                          "node: run one rank per GPU", stacklevel=2)
         self.config = as_config(config).resolve_batch(comm.size)
         self.micro_batch = self.config.train_micro_batch_size_per_gpu
         self.accumulation = self.config.gradient_accumulation_steps
         self.xp = backend.xp
         self.memory = MemoryLedger(backend.device_memory_in_use if backend.is_gpu else None)
+        from zmpi.comm import account_staging_in
+
+        account_staging_in(self.memory)  # pinned staging buffers in the ledger's host column
 
         if not isinstance(model, UnitModel):
             model = self._as_one_unit(model, comm)
@@ -172,14 +179,14 @@ class Engine:
         for i in range(self.accumulation):
             rows_i = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
             self.strategy.sync_gradients = i == self.accumulation - 1
-            total += self.model.loss(self.xp.asarray(inputs[rows_i]),
-                                     self.xp.asarray(targets[rows_i]), normalizer)
+            total = total + self.model.forward_loss(self.xp.asarray(inputs[rows_i]),
+                                                    self.xp.asarray(targets[rows_i]), normalizer)
             self.model.backward_loss(scale=self.scaler.scale)
         self._step()
         every = self.config.debug.check_replicas_every
         if every and self.global_steps % every == 0:
             self.check_replicas()
-        loss = self.comm.allreduce_scalar(total / self.accumulation) / self.comm.size
+        loss = self.comm.allreduce_scalar(float(total) / self.accumulation) / self.comm.size
         if not math.isfinite(loss) and not self.config.fp16.enabled:
             raise FloatingPointError(f"the loss is {loss} at step {self.global_steps - 1} "
                                      f"({self.dtype.name})")

@@ -46,8 +46,9 @@ class MemoryLedger:
     """
 
     def __init__(self, device_pool=None):
-        """device_pool: optional callable returning the bytes the device allocator holds (the
-        engine passes CuPy's memory-pool reading on a GPU), reported beside the ledger."""
+        """device_pool: optional callable returning {"used", "held"} bytes of the device
+        allocator (the engine passes CuPy's memory-pool reading on a GPU), reported beside
+        the ledger."""
         self._device_pool = device_pool
         self._entries: dict[int, tuple] = {}  # id(array) -> (array, name, category, device)
         subsets = [frozenset(s) for r in range(1, len(CATEGORIES) + 1)
@@ -79,13 +80,15 @@ class MemoryLedger:
         self._add(entry[2], entry[3], -int(array.nbytes))
 
     def allocate(self, shape, dtype, category: str, device: str = "device", name: str = "",
-                 xp=numpy):
-        """A registered array of zeros; `xp` is the array module (numpy or cupy) used for
+                 xp=numpy, zero: bool = True):
+        """A registered array, of zeros unless `zero=False` (for a buffer that will be wholly
+        overwritten: no memset); `xp` is the array module (numpy or cupy) used for
         device="device"; host buffers are always numpy."""
         _check_choice("category", category, CATEGORIES)
         _check_choice("device", device, DEVICES)
         mod = numpy if device == "host" else xp
-        return self.register(mod.zeros(shape, dtype=dtype), category, device, name)
+        make = mod.zeros if zero else mod.empty
+        return self.register(make(shape, dtype=dtype), category, device, name)
 
     def _add(self, category: str, device: str, nbytes: int) -> None:
         for k in self._keys_for[(category, device)]:
@@ -126,10 +129,11 @@ class MemoryLedger:
         return [(name, cat, dev, tuple(getattr(a, "shape", ())), str(getattr(a, "dtype", "")),
                  int(a.nbytes)) for a, name, cat, dev in self._entries.values()]
 
-    def device_pool_bytes(self) -> int:
-        """What the device allocator holds (CuPy's pool: ledger buffers, temporaries and
-        cached blocks); 0 without a device pool reader."""
-        return int(self._device_pool()) if self._device_pool else 0
+    def device_pool_bytes(self) -> dict:
+        """What the device allocator reports: {"used": bytes in live arrays (ledger buffers
+        and temporaries), "held": bytes it holds, cached blocks included}; zeros without a
+        device pool reader."""
+        return dict(self._device_pool()) if self._device_pool else {"used": 0, "held": 0}
 
     def report(self) -> str:
         """Table of current and peak MiB per category and device, plus model-state and total."""
@@ -142,7 +146,9 @@ class MemoryLedger:
                             f"{self.peak(cats, d) / _MiB:>14.2f}" for d in DEVICES)
             lines.append(f"{label:<12}{cells}")
         if self._device_pool:
-            lines.append(f"{'device pool':<12}{self.device_pool_bytes() / _MiB:>14.2f}")
+            pool = self.device_pool_bytes()
+            lines.append(f"{'device pool':<12}{pool['used'] / _MiB:>14.2f} used, "
+                         f"{pool['held'] / _MiB:.2f} held (cached blocks included)")
         return "\n".join(lines)
 
     def snapshot(self) -> dict:

@@ -47,7 +47,10 @@ def main(out):
         init = {"peak_device_bytes": pool.peak_bytes() - before,
                 "ledger_device_bytes": engine.memory.peak(device="device"),
                 "padded_params": engine.layout.full_numel}
+    from zmpi.comm import staging_nbytes
+
     report({"backend": backend.name, "cuda_aware": comm.is_cuda_aware,
+            "staging_in_ledger": engine.memory.current("comm_buffer", "host") == staging_nbytes(),
             "cuda_aware_source": comm.cuda_aware_source, "staged": comm.staged_bytes,
             "losses": cases, "init": init})
 

@@ -174,7 +174,12 @@ class UnitModel(Module):
         inputs: what unit 0 takes; targets: what the loss takes (class indices for
         cross-entropy, values for MSE). normalizer: see zmpi.nn.losses (the engine passes it
         when the number of counted targets varies across ranks)."""
-        return float(self.loss_fn.forward(self.forward(inputs), targets, normalizer))
+        return float(self.forward_loss(inputs, targets, normalizer))
+
+    def forward_loss(self, inputs, targets, normalizer=None):
+        """As `loss`, but the loss stays a 0-d array where it was computed (no device sync:
+        the engine sums the micro-batches' losses and reads them once per step)."""
+        return self.loss_fn.forward(self.forward(inputs), targets, normalizer)
 
     def backward_loss(self, scale=1.0):
         """Backward from dloss = `scale` after `loss` (scale: the loss scale, 1.0 without).

@@ -23,7 +23,7 @@ class Stage1(Strategy):
             # The reduced shard lives only for the step: a step-time buffer, not model state
             # (zero_grads releases it, also when the step raised). Offload keeps it on the host.
             self.grads_shard = self.alloc(self.layout.shard_numel, self.dtype, "comm_buffer",
-                                          "rs")
+                                          "rs", zero=False)  # the reduce-scatter writes it
         for units in self.buckets(self.config.reduce_bucket_size):
             packed = self.pack(units, self.grads_full)
             self.reduce_scatter_to_shard(units, packed, accumulate=False,

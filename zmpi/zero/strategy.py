@@ -301,15 +301,18 @@ class Strategy:
                 g.fill(0)
 
     # ---- mechanism ----------------------------------------------------------------------
-    def alloc(self, numel, dtype, category, name, device="device", pinned=False):
-        """A zeroed 1-D buffer registered with the ledger: on the device (the array module
+    def alloc(self, numel, dtype, category, name, device="device", pinned=False, zero=True):
+        """A 1-D buffer registered with the ledger, zeroed unless `zero=False` (a buffer a
+        collective or a copy overwrites entirely: no memset): on the device (the array module
         `xp`) or on the host (NumPy; page-locked if `pinned` and on a GPU). Release it with
         `self.ledger.release(buf)`."""
         if device == "host" and pinned:
             buf = backend.pinned_empty(numel, dtype)
-            buf.fill(0)
+            if zero:
+                buf.fill(0)
             return self.ledger.register(buf, category, "host", name)
-        return self.ledger.allocate((numel,), dtype, category, device, name, xp=self.xp)
+        return self.ledger.allocate((numel,), dtype, category, device, name, xp=self.xp,
+                                    zero=zero)
 
     def _bind(self, u: int, attr: str, flat) -> None:
         """Point each parameter's .data or .grad of unit u at its view of `flat` (or None)."""
@@ -346,7 +349,7 @@ class Strategy:
         With wait=False the allgather is only started (prefetch); a later gather() finishes it."""
         if u not in self._gathered:
             numel = self.layout.units[u].padded_numel
-            buf = self.alloc(numel, self.dtype, "param", f"gathered{u}")
+            buf = self.alloc(numel, self.dtype, "param", f"gathered{u}", zero=False)
             send = self.params_shard[self.layout.shard_slice(u)]
             self._gathered[u] = [buf, self.comm.iallgather(send, buf)]
         entry = self._gathered[u]
@@ -412,7 +415,7 @@ class Strategy:
             return full[self.layout.full_slice(units.start)]
         mine = self._bucket_shard(units)
         packed = self.alloc((mine.stop - mine.start) * self.world_size, full.dtype,
-                            "comm_buffer", "bucket")
+                            "comm_buffer", "bucket", zero=False)
         for _, piece, at in self._bucket_pieces(units):
             packed[at] = full[piece]
         return packed
@@ -425,13 +428,14 @@ class Strategy:
         released when done."""
         dst = self.grads_shard[self._bucket_shard(units)]
         direct = not accumulate and not self.offload_optimizer
-        part = dst if direct else self.alloc(dst.shape[0], self.dtype, "comm_buffer", "rs")
+        part = dst if direct else self.alloc(dst.shape[0], self.dtype, "comm_buffer", "rs",
+                                             zero=False)
         request = self.comm.ireduce_scatter(full, part)
 
         def done():
             if self.offload_optimizer:  # to dst, or to a host buffer added on landing
                 landing = self.alloc(dst.shape[0], self.dtype, "comm_buffer", "d2h", "host",
-                                     self._pinned) if accumulate else dst
+                                     self._pinned, zero=False) if accumulate else dst
                 self._host_copies.append((HostCopy(part, landing), dst, part))
                 self._land_host_copies(block=False)
             elif not direct:
@@ -507,11 +511,13 @@ class Strategy:
             self.allgather_shard_into(buf, shard)
 
     def full_master(self):
-        """The master weights of the whole model in the full layout (P), on every rank."""
+        """The master weights of the whole model in the full layout (P), on every rank, in
+        host memory: the shard is copied to the host once and gathered there, so the device
+        never holds the whole fp32 model."""
         if not self.shard_optimizer:
-            return self.master
-        full = array_module(self.master).zeros(self.layout.full_numel, self.master_dtype)
+            return backend.to_host(self.master)
+        shard = backend.to_host(self.master)
+        full = np.empty(self.layout.full_numel, self.master_dtype)
         for u in range(len(self.units)):
-            self.comm.allgather(self.master[self.layout.shard_slice(u)],
-                                full[self.layout.full_slice(u)])
+            self.comm.allgather(shard[self.layout.shard_slice(u)], full[self.layout.full_slice(u)])
         return full
