@@ -88,6 +88,24 @@ def test_engine_on_a_real_gpu_equals_numpy(tmp_path):
 
 
 @pytest.mark.mpi
+def test_each_rank_picks_its_device_from_the_launcher_before_mpi_starts(runs):
+    """mpiexec (Hydra) sets MPI_LOCALRANKID; the stand-in has one device, so every rank uses
+    device 0 (and the engine warns that ranks share it)."""
+    n, results = runs
+    for r in results["staged"][1]:
+        assert r["device"] == ["MPI_LOCALRANKID", 0], r["device"]
+
+
+def test_device_choice_follows_the_launchers_variable():
+    code = ("from zmpi import backend; import cupy; "
+            "print(backend.device_source, cupy.cuda.Device.current)")
+    env = {**STANDIN, "ZMPI_STANDIN_DEVICES": "4", "SLURM_LOCALID": "3"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT,
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["SLURM_LOCALID", "3"]
+
+
+@pytest.mark.mpi
 def test_stage3_init_puts_only_shards_on_the_device(runs):
     n, results = runs
     for mode in ("staged", "cuda_aware"):

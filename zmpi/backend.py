@@ -14,6 +14,11 @@ Precision: NumPy has no fast float16 matmul (~250x slower than float32), so unde
 float16/bfloat16 are *storage and communication* dtypes and arithmetic runs in float32
 (`compute_dtype`). CuPy has no bfloat16, so bfloat16 is refused there.
 
+Device choice: at import, under CuPy, from the launcher's node-local rank variable
+(OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, PMI_LOCAL_RANK, PALS_LOCAL_RANKID,
+SLURM_LOCALID), before MPI is initialised (`zmpi.comm` imports this module first); the engine
+falls back to the local rank of a shared-memory split.
+
 This module imports no MPI; `zmpi.comm` calls `synchronize()` before handing a device
 buffer to MPI.
 """

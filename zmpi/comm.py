@@ -30,11 +30,15 @@ just move the 2-byte words. The same user op reduces float16 if an MPI lacks a n
 A user op runs on the host, so a device buffer that needs one is always staged.
 
 Device buffers (CuPy). Before a device buffer is handed to MPI the current CUDA stream is
-synchronized. If MPI is CUDA-aware (`MPI.Query_cuda_support()` where mpi4py provides it,
-else False; override with ZMPI_CUDA_AWARE=0|1) the device buffer is passed directly;
-otherwise it is staged: copied into a pinned host buffer (pooled and reused by shape and
-dtype), the MPI op runs on the host, and the result is copied back (for non-blocking ops, in
-`Request.wait()`). All of this lives in `Comm._run`.
+synchronized. Whether MPI is CUDA-aware is asked of the MPI library itself
+(`cuda_support()`: MPIX_GPU_query_support / MPIX_Query_cuda_support through ctypes, as mpi4py
+4.1 wraps neither; override with ZMPI_CUDA_AWARE=0|1). If it is, the device buffer is passed
+directly, and a non-blocking collective runs blocking on Open MPI, whose non-blocking
+collectives do not take device memory. Otherwise the buffer is staged: copied into a pinned
+host buffer (pooled and reused by shape and dtype, registered with the engine's ledger), the
+MPI op runs on the host, and the result is copied back (for non-blocking ops, in
+`Request.wait()`); an in-place allgather copies in only this rank's block. `staged_bytes`
+counts what crossed. All of this lives in `Comm._run`.
 
 Counters. `comm.counters[op]` is an `OpCounter(calls, bytes, sent)` for op in
 'allreduce', 'reduce_scatter', 'allgather', 'broadcast', 'allreduce_scalar', 'object'
@@ -71,10 +75,12 @@ import traceback
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from mpi4py import MPI
 
-from zmpi import backend
+from zmpi import backend  # before mpi4py.MPI (MPI_Init): it picks this rank's GPU
 from zmpi.memory import ring_bytes
+
+# isort: split
+from mpi4py import MPI
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "allreduce_scalar", "object")
 

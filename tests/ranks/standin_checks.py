@@ -49,7 +49,10 @@ def main(out):
                 "padded_params": engine.layout.full_numel}
     from zmpi.comm import staging_nbytes
 
-    report({"backend": backend.name, "cuda_aware": comm.is_cuda_aware,
+    device = None
+    if backend.is_gpu:
+        device = (backend.device_source, backend.xp.cuda.Device.current)
+    report({"backend": backend.name, "cuda_aware": comm.is_cuda_aware, "device": device,
             "staging_in_ledger": engine.memory.current("comm_buffer", "host") == staging_nbytes(),
             "cuda_aware_source": comm.cuda_aware_source, "staged": comm.staged_bytes,
             "losses": cases, "init": init})
