@@ -39,8 +39,13 @@ def environment() -> dict:
     from mpi4py import MPI
 
     from zmpi import backend
+    from zmpi.comm import cuda_support, mpi_flavour
 
+    cuda_aware, how = cuda_support()
     return {
+        "mpi_flavour": mpi_flavour(), "mpi_cuda_aware": cuda_aware, "mpi_cuda_aware_source": how,
+        "device": None if not backend.is_gpu else {
+            "count": backend.device_count(), "chosen_by": backend.device_source},
         "python": sys.version.split()[0],
         "numpy": np.__version__,
         "mpi4py": __import__("mpi4py").__version__,
