@@ -15,8 +15,8 @@ export OPENBLAS_NUM_THREADS=1
 export MKL_NUM_THREADS=1
 export ZMPI_BACKEND ?= numpy
 
-.PHONY: install test test-gpu demo lint clean tables bench-install bench-adam bench-offload \
-	bench-checkpoint bench-debug
+.PHONY: install test test-gpu demo lint clean tables bench bench-install bench-adam \
+	bench-offload bench-checkpoint bench-debug
 
 install: $(STAMP)
 
@@ -49,6 +49,9 @@ bench-offload: bench-install
 
 tables: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) experiments/zero_tables.py --out results/zero_tables_n$(NP)
+
+bench: bench-install
+	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_vs_torch.py --profile --out results/vs_torch_n$(NP)
 
 bench-debug: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_debug.py --out results/debug_n$(NP)

@@ -436,9 +436,19 @@ def _watchdog():
     return _WATCHDOG
 
 
+_WAITED = [0.0]  # seconds this process spent blocked in MPI (every communicator)
+
+
+def waited_seconds() -> float:
+    """Seconds this process has spent blocked in MPI so far: blocking collectives and waits
+    for non-blocking ones (exposed communication, for profiles)."""
+    return _WAITED[0]
+
+
 class _watched:  # noqa: N801 (used as a function-like context manager)
     """`with _watched(what):` around a blocking MPI wait: the watchdog's view of it (the frame
-    of the function holding the `with` is kept for the call site; it is alive meanwhile)."""
+    of the function holding the `with` is kept for the call site; it is alive meanwhile), and
+    the time it takes, added to `waited_seconds()`."""
 
     def __init__(self, what: str):
         self.what, self.dog, self.token = what, _watchdog(), None
@@ -446,8 +456,10 @@ class _watched:  # noqa: N801 (used as a function-like context manager)
     def __enter__(self):
         if self.dog:
             self.token = self.dog.begin(self.what, sys._getframe(1))
+        self.start = time.perf_counter()
 
     def __exit__(self, *exc):
+        _WAITED[0] += time.perf_counter() - self.start
         if self.token is not None:
             self.dog.end(self.token)
 

@@ -49,6 +49,51 @@ from zmpi.zero.flat import ModelLayout, UnitLayout
 from zmpi.zero.strategy import get_strategy
 
 
+class PhaseProfile:
+    """Seconds per phase of train_step, summed over steps: forward, backward (compute plus the
+    strategy's hooks), step (reductions, optimizer, publishing), and within them the time
+    blocked in MPI (`waited`: exposed communication) and in the optimizer."""
+
+    PHASES = ("forward", "backward", "step", "optimizer", "waited")
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+
+    def clock(self):
+        return _Clock(self)
+
+    def table(self, comm) -> str:
+        """Every rank's seconds per step per phase (a collective)."""
+        rows = comm.allgather_object((comm.rank, self.steps, dict(self.seconds)))
+        lines = [f"{'rank':>4} " + " ".join(f"{p + ' ms':>13}" for p in self.PHASES)
+                 + f" {'exposed comm':>13}"]
+        for rank, steps, s in rows:
+            per = {p: 1e3 * s[p] / max(steps, 1) for p in self.PHASES}
+            total = per["forward"] + per["backward"] + per["step"]
+            lines.append(f"{rank:>4} " + " ".join(f"{per[p]:>13.1f}" for p in self.PHASES)
+                         + f" {100 * per['waited'] / max(total, 1e-9):>12.1f}%")
+        return "\n".join(lines)
+
+
+class _Clock:
+    def __init__(self, profile):
+        from zmpi.comm import waited_seconds
+
+        self.profile, self.waited_seconds = profile, waited_seconds
+        self.last, self.waited = time.perf_counter(), waited_seconds()
+
+    def lap(self, phase, optimizer=0.0):
+        now, waited = time.perf_counter(), self.waited_seconds()
+        s = self.profile.seconds
+        s[phase] += now - self.last
+        s["waited"] += waited - self.waited
+        s["optimizer"] += optimizer
+        self.last, self.waited = now, waited
+        if phase == "step":
+            self.profile.steps += 1
+
+
 def as_config(config) -> Config:
     """A Config from a Config, a DeepSpeed-style dict, a JSON path, or None (defaults)."""
     if config is None:
@@ -132,6 +177,7 @@ class Engine:
         self._unpublished = False  # a finished delayed update whose params are not published
         self.pending_save = None  # an asynchronous checkpoint save in flight
         self.update_timing = {"optimizer_s": 0.0, "waited_s": 0.0, "delayed_steps": 0}
+        self.phases = PhaseProfile()  # per-phase time of every train_step
         fp16 = self.config.fp16
         self.scaler = LossScaler.from_config(fp16) if fp16.enabled else LossScaler.disabled()
         self.global_steps = 0
@@ -176,13 +222,18 @@ class Engine:
         if self.pending_save is not None:
             checkpoint.poll(self)  # an asynchronous save completes once every rank wrote
         total, normalizer = 0.0, self._normalizer(targets, self.accumulation)
+        clock = self.phases.clock()
         for i in range(self.accumulation):
             rows_i = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
             self.strategy.sync_gradients = i == self.accumulation - 1
             total = total + self.model.forward_loss(self.xp.asarray(inputs[rows_i]),
                                                     self.xp.asarray(targets[rows_i]), normalizer)
+            clock.lap("forward")
             self.model.backward_loss(scale=self.scaler.scale)
+            clock.lap("backward")
+        optimizer_before = self.update_timing["optimizer_s"]
         self._step()
+        clock.lap("step", optimizer=self.update_timing["optimizer_s"] - optimizer_before)
         every = self.config.debug.check_replicas_every
         if every and self.global_steps % every == 0:
             self.check_replicas()

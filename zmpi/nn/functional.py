@@ -129,24 +129,44 @@ _GELU_S = math.sqrt(2.0 / math.pi)
 
 def gelu_forward(x):
     """GELU, tanh approximation as GPT-2: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
-    computed in float32 at least and returned in x's dtype.
+    computed in float32 at least and returned in x's dtype, in place where it can (two
+    buffers of x's size instead of nine temporaries).
 
-    x (...) -> y (...).  cache = x.
+    x (...) -> y (...).  cache = (x, tanh(u)), u the tanh's argument (backward reuses it).
     """
     xp = array_module(x)
     x32 = x.astype(_f32(x), copy=False)
-    y = 0.5 * x32 * (1.0 + xp.tanh(_GELU_S * (x32 + 0.044715 * x32 * x32 * x32)))
-    return y.astype(x.dtype, copy=False), x
+    t = x32 * x32
+    t *= 0.044715
+    t += 1.0
+    t *= x32
+    t *= _GELU_S  # u = sqrt(2/pi) x (1 + 0.044715 x^2)
+    xp.tanh(t, out=t)
+    y = t + 1.0
+    y *= x32
+    y *= 0.5
+    return y.astype(x.dtype, copy=False), (x, t)
 
 
 def gelu_backward(dy, cache):
-    """dy (...) -> dx (...) in dy's dtype (computed in float32 at least)."""
-    xp = array_module(cache)
-    x = cache.astype(_f32(cache), copy=False)
-    t = xp.tanh(_GELU_S * (x + 0.044715 * x * x * x))
-    dt = _GELU_S * (1.0 + 3 * 0.044715 * x * x) * (1.0 - t * t)  # d tanh(u(x)) / dx
-    dx = dy.astype(x.dtype, copy=False) * (0.5 * (1.0 + t) + 0.5 * x * dt)
-    return dx.astype(dy.dtype, copy=False)
+    """dy (...) -> dx (...) in dy's dtype: dy (0.5 (1 + t) + 0.5 x (1 - t^2) du/dx), with
+    du/dx = sqrt(2/pi) (1 + 3 0.044715 x^2), computed in float32 at least."""
+    x, t = cache
+    x = x.astype(t.dtype, copy=False)
+    g = x * x
+    g *= 3 * 0.044715
+    g += 1.0
+    g *= 0.5 * _GELU_S
+    g *= x  # 0.5 x du/dx
+    s = t * t
+    s *= -1.0
+    s += 1.0  # 1 - t^2
+    g *= s
+    g += 0.5
+    array_module(t).multiply(t, 0.5, out=s)
+    g += s  # 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx
+    g *= dy.astype(t.dtype, copy=False)
+    return g.astype(dy.dtype, copy=False)
 
 
 # -- causal self-attention --------------------------------------------------------------------
