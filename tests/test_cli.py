@@ -18,7 +18,7 @@ def test_estimate_reproduces_design_table():
 def test_train_two_ranks_end_to_end(tmp_path):
     result = launch_mpi(REPO_ROOT / "zmpi" / "cli.py", 2, timeout=180, args=[
         "train", "--stage", "3", "--precision", "fp16", "--steps", "30", "--n-layer", "1",
-        "--delay-update", "10",
+        "--delay-update", "10", "--profile",
         "--d-model", "32", "--seq-len", "32", "--sample-tokens", "20",
         "--out", tmp_path / "run", "--log-dir", tmp_path / "logs"])
     assert result.returncode == 0, result.describe()
@@ -35,6 +35,7 @@ def test_train_two_ranks_end_to_end(tmp_path):
         assert device == device_formula and host == host_formula, table
         assert float(host) > 0 and "optimizer on" in table[0]
     assert "--- sample ---" in result.stdout
+    assert "time per step by phase" in result.stdout and meta["profile"].count("\n") == 2
     assert (tmp_path / "logs" / "rank1.log").read_text().count("step") >= 3
 
 
@@ -44,7 +45,7 @@ def _args(**kw):
     base = {"config": None, "batch": None, "lr": None, "stage": None, "precision": None,
             "seed": None, "strategy": None, "offload_optimizer": False, "offload_param": False,
             "delay_update": None, "shard_group_size": None, "lr_schedule": None,
-            "warmup_steps": None, "steps": 100}
+            "warmup_steps": None, "steps": 100, "profile": False}
     return argparse.Namespace(**{**base, **kw})
 
 

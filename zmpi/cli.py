@@ -305,6 +305,9 @@ def train(args) -> None:
     elapsed = time.perf_counter() - start
     engine.flush()  # a delayed update in flight lands before evaluation
     log.info(traffic_line(engine, len(metrics)))
+    profile = engine.phases.table(comm) if args.profile else None
+    if profile:
+        log.info("time per step by phase (ms):\n" + profile)
     val_loss = np.mean([engine.eval_loss(*val_data.sample(i)) for i in range(4)])
     mean_tps = len(metrics) * global_batch * args.seq_len / elapsed
     log.info(f"loss {metrics[0][1]:.3f} -> {metrics[-1][1]:.3f} (val {val_loss:.3f}); "
@@ -318,6 +321,7 @@ def train(args) -> None:
     if comm.rank == 0:
         (out / "sample.txt").write_text(sample)
     record.close(status="finished", val_loss=float(val_loss), tokens_per_s=mean_tps,
+                 profile=profile,
                  memory=engine.memory.snapshot(), optimizer_timing=engine.update_timing)
     log.info(f"wrote {out}/run.json, metrics.csv, sample.txt")
     engine.close()
@@ -438,6 +442,9 @@ def main(argv=None) -> None:
     t.add_argument("--seed", type=int, default=None,
                    help="model init and data order (default: the config's seed, else 0)")
     t.add_argument("--sample-tokens", type=int, default=200)
+    t.add_argument("--profile", action="store_true",
+                   help="print (and save in run.json) each rank's time per step by phase: "
+                   "forward, backward, step, optimizer, waited-for communication")
     t.add_argument("--out", help="output directory (default runs/<time>)")
     t.add_argument("--log-dir", help="every rank logs to LOG_DIR/rank<r>.log")
     t.add_argument("--save-every", type=int, metavar="K", default=0,
