@@ -194,8 +194,9 @@ def attention_forward(qkv, n_head):
     hd = C // n_head
     qkv = qkv.reshape(B, T, 3, n_head, hd).transpose(2, 0, 3, 1, 4)  # (3, B, nh, T, hd)
     q, k, v = qkv[0], qkv[1], qkv[2]
-    scores = xp.matmul(q, k.swapaxes(-1, -2))  # (B, nh, T, T), in the matmul dtype
-    att = scores.astype(_f32(scores), copy=False) * (1.0 / math.sqrt(hd))  # softmax in f32
+    att = xp.matmul(q, k.swapaxes(-1, -2))  # (B, nh, T, T), in the matmul dtype
+    att = att.astype(_f32(att), copy=False)  # the softmax runs in f32
+    att *= 1.0 / math.sqrt(hd)
     # -inf above the diagonal; every row keeps its diagonal, so the row max stays finite
     future = xp.triu(xp.ones((T, T), dtype=bool), k=1)  # (T, T)
     att += xp.where(future, -xp.inf, 0.0).astype(att.dtype)  # (T, T), broadcast over B, nh
@@ -213,10 +214,12 @@ def attention_backward(dy, cache):
     dy = dy.reshape(B, T, nh, hd).transpose(0, 2, 1, 3)  # (B, nh, T, hd)
     datt = xp.matmul(dy, v.swapaxes(-1, -2)).astype(att.dtype, copy=False)  # (B, nh, T, T)
     dv = xp.matmul(att.astype(dy.dtype, copy=False).swapaxes(-1, -2), dy)  # (B, nh, T, hd)
-    # softmax backward: dpre = att * (datt - sum(datt * att)); masked entries have att = 0
-    dpre = att * (datt - (datt * att).sum(axis=-1, keepdims=True))
-    dpre *= 1.0 / math.sqrt(hd)
-    dpre = dpre.astype(q.dtype, copy=False)  # back to the matmul dtype
+    # softmax backward, in datt's buffer: dpre = att * (datt - sum(datt * att)); masked
+    # entries have att = 0
+    datt -= (datt * att).sum(axis=-1, keepdims=True)
+    datt *= att
+    datt *= 1.0 / math.sqrt(hd)
+    dpre = datt.astype(q.dtype, copy=False)  # back to the matmul dtype
     dq = xp.matmul(dpre, k)  # (B, nh, T, hd)
     dk = xp.matmul(dpre.swapaxes(-1, -2), q)  # (B, nh, T, hd)
     dqkv = xp.stack([dq, dk, dv])  # (3, B, nh, T, hd)
