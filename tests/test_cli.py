@@ -45,7 +45,8 @@ def _args(**kw):
     base = {"config": None, "batch": None, "lr": None, "stage": None, "precision": None,
             "seed": None, "strategy": None, "offload_optimizer": False, "offload_param": False,
             "delay_update": None, "shard_group_size": None, "lr_schedule": None,
-            "warmup_steps": None, "steps": 100, "profile": False}
+            "warmup_steps": None, "steps": 100, "profile": False, "data": None,
+            "vocab_size": None}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -227,3 +228,18 @@ def test_config_errors_are_one_line_on_rank_0(tmp_path):
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and message in lines[0], (name, result.stderr)
         assert lines[0].startswith(f"zmpi train: config {path}: ")
+
+
+@pytest.mark.mpi
+def test_train_on_a_binary_token_file(tmp_path):
+    import numpy as np
+
+    (np.arange(20000) * 13 % 97).astype(np.uint16).tofile(tmp_path / "train.bin")
+    result = launch_mpi(REPO_ROOT / "zmpi" / "cli.py", 2, timeout=120, args=[
+        "train", "--data", tmp_path / "train.bin", "--vocab-size", "97", *SMALL,
+        "--out", tmp_path / "run"])
+    assert result.returncode == 0, result.describe()
+    assert "GPT" in result.stdout and len((tmp_path / "run" / "metrics.csv").read_text()
+                                          .splitlines()) == 5
+    sample = (tmp_path / "run" / "sample.txt").read_text().split()
+    assert len(sample) == 8 + 5 and all(0 <= int(t) < 97 for t in sample)

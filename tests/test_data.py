@@ -120,3 +120,22 @@ def test_bad_arguments():
         BatchSampler(toks, 0, 4)
     with pytest.raises(ValueError, match="step must be >= 0"):
         BatchSampler(toks, 8, 4).sample(-1)
+
+
+def test_binary_token_file_is_memory_mapped_and_checked(tmp_path):
+    import json
+
+    from zmpi.data import BatchSampler, load_tokens
+
+    ids = (np.arange(5000) * 7 % 50).astype(np.uint16)
+    ids.tofile(tmp_path / "train.bin")
+    with pytest.raises(ValueError, match="give the vocabulary size"):
+        load_tokens(tmp_path / "train.bin")
+    (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 50}))
+    tokens, vocab = load_tokens(tmp_path / "train.bin")
+    assert isinstance(tokens, np.memmap) and vocab == 50 and tokens[123] == ids[123]
+    with pytest.raises(ValueError, match="token id 49 >= vocab size 40"):
+        load_tokens(tmp_path / "train.bin", vocab_size=40)
+    a = BatchSampler(tokens, 16, 4, 0, 2, seed=1).sample(3)
+    b = BatchSampler(ids, 16, 4, 0, 2, seed=1).sample(3)
+    assert all(np.array_equal(u, v) for u, v in zip(a, b, strict=True))  # same windows

@@ -231,17 +231,24 @@ def train(args) -> None:
 
     from zmpi.comm import Comm
     from zmpi.config import ConfigError
-    from zmpi.data import BatchSampler, CharTokenizer, load_text, train_val_split
+    from zmpi.data import BatchSampler, CharTokenizer, load_text, load_tokens, train_val_split
     from zmpi.engine import Engine
     from zmpi.runinfo import PreemptionGuard, RunRecord, rank_logger
 
     comm = Comm()
     log = rank_logger(comm.rank, args.log_dir)
-    text = load_text()
-    tokenizer = CharTokenizer(text)
-    train_tokens, val_tokens = train_val_split(tokenizer.encode(text), 0.1)
-    model_cfg = GPTConfig(tokenizer.vocab_size, args.seq_len, args.n_layer, args.n_head,
-                          args.d_model)
+    if args.data:  # a binary token file, memory-mapped
+        try:
+            tokens, vocab_size = load_tokens(args.data, args.vocab_size)
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"zmpi train: --data {args.data}: {e}") from None
+        tokenizer = None
+    else:
+        text = load_text()
+        tokenizer = CharTokenizer(text)
+        tokens, vocab_size = tokenizer.encode(text), tokenizer.vocab_size
+    train_tokens, val_tokens = train_val_split(tokens, 0.1)
+    model_cfg = GPTConfig(vocab_size, args.seq_len, args.n_layer, args.n_head, args.d_model)
     notes = []
     try:
         config = build_config(args, comm.size, notes)
@@ -314,9 +321,10 @@ def train(args) -> None:
              f"{mean_tps:,.0f} tokens/s over {elapsed:.1f} s")
     log.info(memory_table(engine, comm))
 
-    prompt = tokenizer.encode("ROMEO:\n")[None, :]
-    sample = tokenizer.decode(engine.model.generate(prompt, args.sample_tokens, temperature=0.8,
-                                                    rng=args.seed)[0])
+    prompt = (tokenizer.encode("ROMEO:\n") if tokenizer else val_tokens[:8].astype(np.int64))
+    ids = engine.model.generate(prompt[None, :], args.sample_tokens, temperature=0.8,
+                                rng=args.seed)[0]
+    sample = tokenizer.decode(ids) if tokenizer else " ".join(map(str, ids.tolist()))
     log.info("--- sample ---\n" + sample)
     if comm.rank == 0:
         (out / "sample.txt").write_text(sample)
@@ -442,6 +450,11 @@ def main(argv=None) -> None:
     t.add_argument("--seed", type=int, default=None,
                    help="model init and data order (default: the config's seed, else 0)")
     t.add_argument("--sample-tokens", type=int, default=200)
+    t.add_argument("--data", metavar="FILE.bin", help="train on a flat uint16 token file "
+                   "(nanoGPT's format; memory-mapped; the last 10%% is validation) instead of "
+                   "Tiny Shakespeare")
+    t.add_argument("--vocab-size", type=int, default=None,
+                   help="the vocabulary of --data (default: meta.json or meta.pkl beside it)")
     t.add_argument("--profile", action="store_true",
                    help="print (and save in run.json) each rank's time per step by phase: "
                    "forward, backward, step, optimizer, waited-for communication")

@@ -68,6 +68,33 @@ class CharTokenizer:
         return self._codes[ids.astype(np.int64)].tobytes().decode("utf-32-le")
 
 
+def load_tokens(path, vocab_size: int | None = None) -> tuple[np.ndarray, int]:
+    """(tokens, vocab size) of a flat binary token file: uint16 ids, the format nanoGPT's
+    prepare.py writes (e.g. OpenWebText's train.bin), memory-mapped, never read whole. The
+    vocabulary size comes from `vocab_size`, else from meta.json ({"vocab_size": V}) or
+    nanoGPT's meta.pkl beside the file; ValueError otherwise, or if the first million ids do
+    not fit it."""
+    import json
+    import pickle
+    from pathlib import Path
+
+    path = Path(path)
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    if vocab_size is None:
+        if (path.parent / "meta.json").exists():
+            vocab_size = json.loads((path.parent / "meta.json").read_text())["vocab_size"]
+        elif (path.parent / "meta.pkl").exists():
+            with open(path.parent / "meta.pkl", "rb") as f:
+                vocab_size = pickle.load(f)["vocab_size"]
+        else:
+            raise ValueError(f"{path}: give the vocabulary size (--vocab-size), or put a "
+                             "meta.json {\"vocab_size\": V} beside the file")
+    head = tokens[: 1 << 20]
+    if len(head) and int(head.max()) >= vocab_size:
+        raise ValueError(f"{path}: token id {int(head.max())} >= vocab size {vocab_size}")
+    return tokens, int(vocab_size)
+
+
 def train_val_split(tokens, val_fraction: float = 0.1):
     """(train, val): the first (1 - val_fraction) of `tokens` and the rest, as views."""
     if not 0.0 <= val_fraction < 1.0:
