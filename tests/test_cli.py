@@ -243,3 +243,28 @@ def test_train_on_a_binary_token_file(tmp_path):
                                           .splitlines()) == 5
     sample = (tmp_path / "run" / "sample.txt").read_text().split()
     assert len(sample) == 8 + 5 and all(0 <= int(t) < 97 for t in sample)
+
+
+def test_estimate_from_a_shape_per_stage_precision_offload_and_json():
+    from zmpi.cli import gpt_num_params
+    from zmpi.models.gpt import GPT, GPTConfig
+
+    assert gpt_num_params(2, 32, 65, 16) == GPT(GPTConfig(65, 16, 2, 2, 32)).num_parameters()
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "zmpi.cli", "estimate", *args],
+                              capture_output=True, text=True, check=True, cwd=REPO_ROOT).stdout
+
+    out = json.loads(run("--params", "1e9", "--world-size", "4", "--stage", "2",
+                         "--precision", "fp32", "--json"))
+    # fp32: 4 B params + (4 B grads + 12 B master, m, v) / 4 = 8 GB per rank; 2 Psi 3/4 sent
+    assert [s["stage"] for s in out["stages"]] == [2]
+    assert out["stages"][0]["device_gb"] == pytest.approx(8.0)
+    assert out["stages"][0]["traffic_elements"] == pytest.approx(1.5e9)
+    off = json.loads(run("--params", "1e9", "--world-size", "4", "--stage", "2",
+                         "--offload-optimizer", "--json"))["stages"][0]
+    # fp16 stage 2 + optimizer offload: device 2 Psi (params), host (12 + 2) Psi / 4
+    assert (off["device_gb"], off["host_gb"]) == (pytest.approx(2.0), pytest.approx(3.5))
+    assert "stage 3" in run("--params", "1e9", "--world-size", "4", "--offload-param")
+    table = run("--n-layer", "48", "--d-model", "1600", "--world-size", "64")
+    assert "Psi = 1.558e+09" in table  # GPT-2 XL's shape, tied head

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zmpi.memory import DEVICES, MODEL_STATE, model_state_bytes, model_state_placement
+from zmpi.memory import DEVICES, MODEL_STATE, model_state_placement
 from zmpi.models.gpt import GPT, GPTConfig
 
 DEFAULTS = {  # the demo: ~0.8M parameters, about 1.5 minutes on 2 cores
@@ -385,33 +385,72 @@ def ckpt(args) -> None:
         raise SystemExit(1) from None
 
 
-def estimate(args) -> None:
-    """Print the paper's per-rank model-state memory and traffic for each stage; with
-    --offload-optimizer / --offload-param, device and host memory (ZeRO-Offload)."""
+def gpt_num_params(n_layer: int, d_model: int, vocab_size: int, seq_len: int) -> int:
+    """Parameters of zmpi's GPT (tied LM head): embeddings V d + T d, per block 12 d^2 + 13 d
+    (qkv, proj, fc, proj with biases; two LayerNorms), the final LayerNorm 2 d."""
+    return (vocab_size + seq_len) * d_model + n_layer * (12 * d_model**2 + 13 * d_model) \
+        + 2 * d_model
+
+
+def estimate_rows(psi, n, stages, param_bytes, optimizer_bytes, offload_optimizer=False,
+                  offload_param=False) -> list[dict]:
+    """Per stage: model-state GB per rank on the device and the host (ZeRO Fig. 1, with
+    ZeRO-Offload's placement) and elements each rank sends per step; a stage the offload
+    settings exclude carries its reason instead."""
     from zmpi.memory import comm_volume_elements
 
-    psi, n, pb, k = args.params, args.world_size, args.param_bytes, args.optimizer_bytes
+    rows = []
+    for stage in stages:
+        row = {"stage": stage, "traffic_elements": comm_volume_elements(psi, n, stage)}
+        try:
+            place = model_state_placement(psi, n, stage, param_bytes, param_bytes,
+                                          optimizer_bytes / 3, optimizer_bytes / 3,
+                                          offload_optimizer, offload_param)
+        except ValueError as e:
+            rows.append({**row, "error": str(e)})
+            continue
+        row.update(device_gb=sum(place["device"].values()) / 1e9,
+                   host_gb=sum(place["host"].values()) / 1e9)
+        rows.append(row)
+    return rows
+
+
+def estimate(args) -> None:
+    """Print the ZeRO paper's per-rank model-state memory and traffic for each stage (or
+    --stage); with offload flags, device and host memory (ZeRO-Offload); --json for a
+    machine-readable answer."""
+    if (args.params is None) == (args.n_layer is None):
+        raise SystemExit("zmpi estimate: give --params, or a GPT shape (--n-layer, --d-model, "
+                         "--vocab-size, --seq-len)")
+    psi = args.params if args.params is not None else gpt_num_params(
+        args.n_layer, args.d_model, args.vocab_size, args.seq_len)
+    pb = args.param_bytes or (4 if args.precision == "fp32" else 2)
+    k = args.optimizer_bytes or 12
+    stages = range(4) if args.stage is None else [args.stage]
+    rows = estimate_rows(psi, args.world_size, stages, pb, k, args.offload_optimizer,
+                         args.offload_param)
+    if args.json:
+        print(json.dumps({"params": psi, "world_size": args.world_size, "param_bytes": pb,
+                          "optimizer_bytes": k, "offload_optimizer": args.offload_optimizer,
+                          "offload_param": args.offload_param, "stages": rows}, indent=2))
+        return
     offload = args.offload_optimizer or args.offload_param
-    print(f"Psi = {psi:.3g} parameters, N = {n} ranks, {pb}-byte params and grads, K = {k}"
-          + (f"; offload: optimizer {'on' if args.offload_optimizer else 'off'}, params "
-             f"{'on' if args.offload_param else 'off'}" if offload else ""))
+    print(f"Psi = {psi:.4g} parameters, N = {args.world_size} ranks, {pb}-byte params and "
+          f"grads, K = {k}" + (f"; offload: optimizer {'on' if args.offload_optimizer else 'off'}"
+                               f", params {'on' if args.offload_param else 'off'}"
+                               if offload else ""))
     if not offload:
         print(f"{'stage':>5} {'GB per rank':>12} {'traffic per step (elements)':>28}")
-        for stage in range(4):
-            gb = model_state_bytes(psi, n, stage, pb, pb, k) / 1e9
-            print(f"{stage:>5} {gb:>12.1f} {comm_volume_elements(psi, n, stage):>28.3g}")
+        for r in rows:
+            print(f"{r['stage']:>5} {r['device_gb']:>12.1f} {r['traffic_elements']:>28.3g}")
         return
     print(f"{'stage':>5} {'device GB':>10} {'host GB':>9} {'traffic per step (elements)':>28}")
-    for stage in range(4):
-        try:
-            place = model_state_placement(psi, n, stage, pb, pb, k / 3, k / 3,
-                                          args.offload_optimizer, args.offload_param)
-        except ValueError as e:
-            print(f"{stage:>5} {'-':>10} {'-':>9} {'':>28}  ({e})")
-            continue
-        device, host = (sum(place[d].values()) / 1e9 for d in DEVICES)
-        print(f"{stage:>5} {device:>10.1f} {host:>9.1f} "
-              f"{comm_volume_elements(psi, n, stage):>28.3g}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['stage']:>5} {'-':>10} {'-':>9} {'':>28}  ({r['error']})")
+        else:
+            print(f"{r['stage']:>5} {r['device_gb']:>10.1f} {r['host_gb']:>9.1f} "
+                  f"{r['traffic_elements']:>28.3g}")
 
 
 def main(argv=None) -> None:
@@ -470,14 +509,29 @@ def main(argv=None) -> None:
     t.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
                    help="go on from the newest checkpoint in DIR (default: --ckpt-dir)")
     e = sub.add_parser("estimate", help="model-state memory per rank from the ZeRO formulas")
-    e.add_argument("--params", type=float, required=True)
-    e.add_argument("--world-size", type=int, required=True)
-    e.add_argument("--param-bytes", type=int, default=2)
-    e.add_argument("--optimizer-bytes", type=int, default=12)
+    e.add_argument("--params", type=float, default=None,
+                   help="the model's parameter count Psi (e.g. 7.5e9); or give a GPT shape")
+    for flag, text in (("--n-layer", "layers"), ("--d-model", "hidden size"),
+                       ("--vocab-size", "vocabulary"), ("--seq-len", "context length")):
+        e.add_argument(flag, type=int, default=None if flag == "--n-layer" else
+                       {"--d-model": 768, "--vocab-size": 50257, "--seq-len": 1024}[flag],
+                       help=f"GPT shape instead of --params: {text}"
+                       + ("" if flag == "--n-layer" else " (default %(default)s)"))
+    e.add_argument("--world-size", type=int, required=True, help="data-parallel ranks N")
+    e.add_argument("--stage", type=int, choices=range(4), default=None,
+                   help="one ZeRO stage (default: all four)")
+    e.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16",
+                   help="fp16/bf16: 2-byte params and grads; fp32: 4-byte; K = 12 either way "
+                   "(zmpi keeps fp32 master weights, Adam m and v) (default fp16)")
+    e.add_argument("--param-bytes", type=int, default=None,
+                   help="bytes per parameter and per gradient (overrides --precision)")
+    e.add_argument("--optimizer-bytes", type=int, default=None,
+                   help="optimizer bytes per parameter K (overrides --precision)")
     e.add_argument("--offload-optimizer", action="store_true",
-                   help="master weights, Adam state and gradient shard on the host")
+                   help="ZeRO-Offload: master weights, Adam state and gradient shard on the host")
     e.add_argument("--offload-param", action="store_true",
                    help="stage 3 parameter shards on the host")
+    e.add_argument("--json", action="store_true", help="print JSON instead of a table")
     c = sub.add_parser("ckpt", help="inspect, verify or consolidate a checkpoint (no MPI)")
     csub = c.add_subparsers(dest="ckpt_command", required=True)
     for name, text in (("inspect", "print the manifest: step, world size, dtypes, files"),
