@@ -373,12 +373,12 @@ def test_no_mpi_import(module):
 
 def test_readme_config_table_lists_every_key():
     """The README's key table names every field, _ALWAYS and _INERT key of every section."""
-    from zmpi.config import DebugConfig, OffloadParamConfig, SchedulerConfig
+    from zmpi.config import DebugConfig, MemoryBudgetConfig, OffloadParamConfig, SchedulerConfig
 
     readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
     table = readme[readme.index("| how | keys |"):readme.index("Where zmpi's default differs")]
     for cls in (Config, OptimizerConfig, SchedulerConfig, FP16Config, BF16Config, ZeroConfig,
-                OffloadConfig, OffloadParamConfig, DebugConfig):
+                OffloadConfig, OffloadParamConfig, DebugConfig, MemoryBudgetConfig):
         for key in [f.name for f in dataclasses.fields(cls)] + list(cls._ALWAYS) + \
                 list(cls._INERT):
             assert f"`{key}" in table or f"{key}`" in table or f".{key}" in table, \

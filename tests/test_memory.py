@@ -182,3 +182,31 @@ def test_device_pool_reading_is_reported():
     assert "3.00 used, 5.00 held" in ledger.report()
     assert ledger.snapshot()["device_pool"] == reading
     assert MemoryLedger().device_pool_bytes() == {"used": 0, "held": 0}
+
+
+def test_budget_raises_before_allocating_and_names_the_buffer():
+    from zmpi.memory import OutOfMemory
+
+    ledger = MemoryLedger(budget={"device": 3 * 2**20})
+    a = ledger.allocate((2**20,), "float16", "param", name="params")
+    with pytest.raises(OutOfMemory, match=r"device memory budget of 3.0 MiB exceeded: master "
+                                          r"\(master, 4.0 MiB\) on top of 2.0 MiB held "
+                                          r"\(param 2.0; MiB\)"):
+        ledger.allocate((2**20,), "float32", "master", name="master")
+    assert ledger.current() == 2 * 2**20  # nothing was registered
+    ledger.allocate((2**19,), "float16", "grad", device="host")  # no host budget
+    ledger.release(a)
+    ledger.allocate((2**19,), "float32", "master", name="master")  # 2 MiB: fits now
+
+
+def test_engine_over_budget_fails_cleanly_and_a_smaller_model_fits():
+    from zmpi.engine import Engine
+    from zmpi.memory import OutOfMemory
+    from zmpi.models.gpt import GPT, GPTConfig
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0},
+           "memory_budget": {"device": 200_000}}
+    with pytest.raises(OutOfMemory, match="device memory budget"):
+        Engine(GPT(GPTConfig(16, 8, 4, 2, 32)), cfg)
+    small = Engine(GPT(GPTConfig(16, 8, 1, 2, 8)), cfg)
+    small.train_step(np.zeros((2, 8), int), np.zeros((2, 8), int))

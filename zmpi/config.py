@@ -44,7 +44,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 __all__ = ["ConfigError", "OptimizerConfig", "SchedulerConfig", "FP16Config", "BF16Config",
-           "OffloadConfig", "OffloadParamConfig", "ZeroConfig", "DebugConfig", "Config"]
+           "OffloadConfig", "OffloadParamConfig", "ZeroConfig", "DebugConfig",
+           "MemoryBudgetConfig", "Config"]
 
 
 class ConfigError(ValueError):
@@ -467,6 +468,20 @@ class ZeroConfig(_Section):
 
 
 @dataclass(frozen=True)
+class MemoryBudgetConfig(_Section):
+    """`memory_budget` (zmpi's): the bytes each rank may hold on the device and on the host,
+    as the MemoryLedger counts them (model states, gathered units, communication buffers); an
+    allocation beyond raises zmpi.memory.OutOfMemory naming the buffer and what is held. For
+    experiments that find the largest trainable model, and for GPUs shared with others."""
+
+    device: int | None = None
+    host: int | None = None
+
+    def _validate(self):
+        self._at_least(1, "device", "host")
+
+
+@dataclass(frozen=True)
 class DebugConfig(_Section):
     """`debug` (zmpi's): `check_collectives` compares every collective's op, dtype and size
     across ranks before it runs (also ZMPI_DEBUG=1); `check_replicas_every` K > 0 compares
@@ -516,6 +531,7 @@ class Config(_Section):
     bf16: BF16Config = field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    memory_budget: MemoryBudgetConfig = field(default_factory=MemoryBudgetConfig)
     seed: int = 0
     steps_per_print: int = 10
 

@@ -125,7 +125,9 @@ class Engine:
         self.micro_batch = self.config.train_micro_batch_size_per_gpu
         self.accumulation = self.config.gradient_accumulation_steps
         self.xp = backend.xp
-        self.memory = MemoryLedger(backend.device_memory_in_use if backend.is_gpu else None)
+        budget = self.config.memory_budget
+        self.memory = MemoryLedger(backend.device_memory_in_use if backend.is_gpu else None,
+                                   {"device": budget.device, "host": budget.host})
         from zmpi.comm import account_staging_in
 
         account_staging_in(self.memory)  # pinned staging buffers in the ledger's host column
@@ -221,6 +223,13 @@ class Engine:
         self.model.check_batch(inputs, targets)  # before any collective: bad data, clear error
         if self.pending_save is not None:
             checkpoint.poll(self)  # an asynchronous save completes once every rank wrote
+        try:
+            return self._train_step(inputs, targets)
+        except BaseException:
+            self.strategy.abandon_in_flight()  # no freed buffer may still be MPI's
+            raise
+
+    def _train_step(self, inputs, targets) -> float:
         total, normalizer = 0.0, self._normalizer(targets, self.accumulation)
         clock = self.phases.clock()
         for i in range(self.accumulation):

@@ -22,8 +22,9 @@ import itertools
 
 import numpy
 
-__all__ = ["CATEGORIES", "MODEL_STATE", "DEVICES", "MemoryLedger", "model_state_breakdown",
-           "model_state_bytes", "model_state_placement", "comm_volume_elements", "ring_bytes"]
+__all__ = ["CATEGORIES", "MODEL_STATE", "DEVICES", "MemoryLedger", "OutOfMemory",
+           "model_state_breakdown", "model_state_bytes", "model_state_placement",
+           "comm_volume_elements", "ring_bytes"]
 
 CATEGORIES = ("param", "grad", "master", "adam_m", "adam_v", "activation", "comm_buffer",
               "checkpoint")
@@ -37,6 +38,10 @@ def _check_choice(kind: str, value, allowed) -> None:
         raise ValueError(f"unknown {kind} {value!r}; valid: {', '.join(allowed)}")
 
 
+class OutOfMemory(MemoryError):
+    """An allocation would exceed the ledger's memory budget (`memory_budget`)."""
+
+
 class MemoryLedger:
     """Bytes held per (category, device) on this rank, now and at peak.
 
@@ -45,11 +50,15 @@ class MemoryLedger:
     ones containing the changed (category, device) on every register/release.
     """
 
-    def __init__(self, device_pool=None):
+    def __init__(self, device_pool=None, budget=None):
         """device_pool: optional callable returning {"used", "held"} bytes of the device
         allocator (the engine passes CuPy's memory-pool reading on a GPU), reported beside
-        the ledger."""
+        the ledger. budget: {"device"|"host": bytes} the ledger lets this rank hold; an
+        allocation beyond it raises OutOfMemory before the buffer exists."""
         self._device_pool = device_pool
+        self.budget = {d: b for d, b in (budget or {}).items() if b is not None}
+        for d in self.budget:
+            _check_choice("device", d, DEVICES)
         self._entries: dict[int, tuple] = {}  # id(array) -> (array, name, category, device)
         subsets = [frozenset(s) for r in range(1, len(CATEGORIES) + 1)
                    for s in itertools.combinations(CATEGORIES, r)]
@@ -67,6 +76,7 @@ class MemoryLedger:
         if id(array) in self._entries:
             prev = self._entries[id(array)]
             raise ValueError(f"array already registered as {prev[1]!r} ({prev[2]}, {prev[3]})")
+        self._check_budget(int(array.nbytes), category, device, name)
         self._entries[id(array)] = (array, name, category, device)
         self._add(category, device, int(array.nbytes))
         return array
@@ -86,9 +96,21 @@ class MemoryLedger:
         device="device"; host buffers are always numpy."""
         _check_choice("category", category, CATEGORIES)
         _check_choice("device", device, DEVICES)
+        self._check_budget(int(numpy.prod(shape, dtype=numpy.int64)) * numpy.dtype(dtype).itemsize,
+                           category, device, name)
         mod = numpy if device == "host" else xp
         make = mod.zeros if zero else mod.empty
         return self.register(make(shape, dtype=dtype), category, device, name)
+
+    def _check_budget(self, nbytes: int, category: str, device: str, name: str) -> None:
+        budget = self.budget.get(device)
+        if budget is not None and self.current(device=device) + nbytes > budget:
+            held = ", ".join(f"{c} {self.current(c, device) / _MiB:.1f}" for c in CATEGORIES
+                             if self.current(c, device))
+            raise OutOfMemory(f"{device} memory budget of {budget / _MiB:.1f} MiB exceeded: "
+                              f"{name or 'a buffer'} ({category}, {nbytes / _MiB:.1f} MiB) "
+                              f"on top of {self.current(device=device) / _MiB:.1f} MiB held "
+                              f"({held or 'nothing'}; MiB)")
 
     def _add(self, category: str, device: str, nbytes: int) -> None:
         for k in self._keys_for[(category, device)]:

@@ -55,6 +55,7 @@ from zmpi.config import ConfigError
 from zmpi.memory import DEVICES, MODEL_STATE, ring_bytes
 
 _REGISTRY: dict[str, type[Strategy]] = {}
+_ABANDONED: list = []  # requests in flight when an error stopped a step, and their buffers
 
 
 def register(name: str):
@@ -329,6 +330,15 @@ class Strategy:
             request.wait()
             if callback:
                 callback()
+
+    def abandon_in_flight(self) -> None:
+        """After an error: forget every collective and copy in flight without waiting for it
+        (another rank may never join), but keep their buffers alive for the rest of the
+        process, so that MPI never writes into freed memory."""
+        _ABANDONED.extend(self._pending)
+        _ABANDONED.extend(self._host_copies)
+        _ABANDONED.extend(entry for entry in self._gathered.values() if entry[1] is not None)
+        self._pending, self._host_copies = [], []
 
     def wait_pending(self) -> None:
         """Complete every collective in flight (running its callback) and every device ->
