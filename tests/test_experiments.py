@@ -18,3 +18,14 @@ def test_largest_model_under_a_budget(tmp_path):
     assert len(layers) == 7 and int(layers["stage 0 (DP)"]) >= 1
     assert int(layers["stage 3"].rstrip("+")) >= int(layers["stage 0 (DP)"])
     assert layers["stage 3 + offload + params"] == "6+"  # no device model state: the ceiling
+
+
+@pytest.mark.mpi
+def test_bandwidth_table(tmp_path):
+    result = launch_mpi(EXPERIMENTS / "bandwidth.py", 2, timeout=120, args=[
+        "--sizes", "1024", "65536", "--repeats", "2", "--out", tmp_path / "out"],
+        env={"PYTHONPATH": f"{REPO_ROOT}:{EXPERIMENTS}"})
+    assert result.returncode == 0, result.describe()
+    rows = [line for line in (tmp_path / "out" / "table.md").read_text().splitlines()
+            if line.startswith("| all") or line.startswith("| reduce")]
+    assert len(rows) == 6 and all(float(r.split("|")[5]) > 0 for r in rows)
