@@ -2,13 +2,13 @@
 with and without offload: ZeRO-Offload's headline (13 B parameters on one 32 GB V100, about
 10x what data parallelism fits), scaled down to this machine.
 
-    mpiexec -n 2 python experiments/largest_model.py --budget-mib 8 --out results/largest_n2
+    mpiexec -n 2 python experiments/largest_model.py --budget-mib 64 --out results/largest_n2
 
-The family: GPTs of --d-model (default 64, one head per 64) with any number of layers,
+The family: GPTs of --d-model (default 256, one head per 64) with any number of layers,
 vocabulary 256, context 64. For each setting a binary search over the layers finds the
 largest model whose
 engine builds and trains one step with every device buffer the MemoryLedger counts (model
-states, gathered units, communication buffers; not activations) within the budget
+states, gathered units, communication buffers, activations) within the budget
 (`memory_budget.device`). Beside it: the largest Psi the model-state formula predicts
 (zmpi.memory.model_state_placement: the budget over device bytes per parameter).
 """
@@ -71,8 +71,8 @@ def ratio(params, base) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None)
-    parser.add_argument("--budget-mib", type=float, default=8.0)
-    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--budget-mib", type=float, default=64.0)
+    parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--max-layers", type=int, default=128)
     args = parser.parse_args()
     comm = Comm()
@@ -94,8 +94,8 @@ def main():
     base = rows[0]["params"]
     md = [f"Largest GPT (d_model {args.d_model}, any number of layers, vocab 256, context 64, "
           f"fp16 + Adam) that trains one step within {args.budget_mib:g} MiB of device memory "
-          f"per rank (the ledger's count: model states, gathered units, communication buffers; "
-          f"not activations), N = {comm.size}",
+          f"per rank (the ledger's count: model states, gathered units, communication buffers, "
+          f"activations), N = {comm.size}",
           "", "| setting | layers | parameters | vs stage 0 | model-state formula's limit |",
           "|---|---|---|---|---|"]
     for r in rows:

@@ -344,9 +344,9 @@ def test_scheduler_section():
                       "scheduler.params.warmup_steps: unknown parameter of WarmupLR; allowed: "
                       "warmup_min_lr"),
                      ({"type": "WarmupLR", "params": {"warmup_num_steps": 0}},
-                      "warmup_num_steps must be a positive integer"),
+                      "scheduler.params.warmup_num_steps: must be a positive integer"),
                      ({"type": "WarmupLR", "params": {"warmup_type": "cosine"}},
-                      "warmup_type must be 'log' or 'linear'"),
+                      "scheduler.params.warmup_type: must be 'log' or 'linear'"),
                      ({"type": "OneCycle", "params": {"cycle_min_lr": 0, "cycle_max_lr": "x"}},
                       "scheduler.params.cycle_max_lr: expected a number"),
                      ({"params": {"warmup_num_steps": 5}}, "scheduler.params: given without")]:

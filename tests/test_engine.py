@@ -178,3 +178,32 @@ def test_keys_accepted_without_effect_are_listed_once():
                                          r"effect .*; zero_optimization.sub_group_size"):
         Engine(GPT(CFG), {"wall_clock_breakdown": True,
                           "zero_optimization": {"stage": 3, "sub_group_size": 1e9}})
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_an_error_mid_step_leaves_the_next_step_clean(stage):
+    """An exception in backward (say an OutOfMemory the caller catches) must not leave
+    gradients or gathered units behind: the next step equals a fresh engine's."""
+    def engine():
+        return Engine(GPT(CFG), {"train_micro_batch_size_per_gpu": 2,
+                                 "zero_optimization": {"stage": stage}})
+
+    broken, fresh = engine(), engine()
+    original = broken.strategy.after_backward
+    calls = []
+
+    def fail_second(u):
+        calls.append(u)
+        original(u)
+        if len(calls) == 2:
+            raise MemoryError("injected")
+
+    broken.strategy.after_backward = fail_second
+    with pytest.raises(MemoryError, match="injected"):
+        broken.train_step(*batch(2))
+    broken.strategy.after_backward = original
+    assert not broken.strategy._gathered and not broken.strategy._unit_grads
+    broken.train_step(*batch(2, seed=1))
+    fresh.train_step(*batch(2, seed=1))
+    a, b = broken.gather_parameters(), fresh.gather_parameters()
+    assert all(np.array_equal(a[k], b[k]) for k in a)

@@ -9,7 +9,7 @@ EXPERIMENTS = REPO_ROOT / "experiments"
 @pytest.mark.mpi
 def test_largest_model_under_a_budget(tmp_path):
     result = launch_mpi(EXPERIMENTS / "largest_model.py", 2, timeout=180, args=[
-        "--budget-mib", "2", "--max-layers", "6", "--out", tmp_path / "out"],
+        "--budget-mib", "2", "--d-model", "64", "--max-layers", "6", "--out", tmp_path / "out"],
         env={"PYTHONPATH": f"{REPO_ROOT}:{EXPERIMENTS}"})
     assert result.returncode == 0, result.describe()
     rows = [line.split("|") for line in (tmp_path / "out" / "table.md").read_text().splitlines()
@@ -17,7 +17,8 @@ def test_largest_model_under_a_budget(tmp_path):
     layers = {r[1].strip(): r[2].strip() for r in rows}
     assert len(layers) == 7 and int(layers["stage 0 (DP)"]) >= 1
     assert int(layers["stage 3"].rstrip("+")) >= int(layers["stage 0 (DP)"])
-    assert layers["stage 3 + offload + params"] == "6+"  # no device model state: the ceiling
+    most = int(layers["stage 3 + offload + params"].rstrip("+"))  # activations bound it now
+    assert most >= int(layers["stage 3"].rstrip("+"))
 
 
 @pytest.mark.mpi

@@ -20,13 +20,14 @@ from zmpi.models.gpt import GPT, GPTConfig
 FAULTS = {  # mode: (env, exit code, every message that must appear in stderr)
     "mismatch_count": ({"ZMPI_DEBUG": "1"}, 1, [
         "CollectiveMismatch: the ranks called different collectives on a 2-rank communicator",
-        "rank 0: call #1 allreduce float32 x 0/8 at tests/ranks/faults.py",
-        "rank 1: call #1 allreduce float32 x 0/6 at tests/ranks/faults.py"]),
-    "mismatch_dtype": ({"ZMPI_DEBUG": "1"}, 1, ["rank 0: call #1 allreduce float32 x 0/8",
-                                                "rank 1: call #1 allreduce float64 x 0/8"]),
-    "skip": ({"ZMPI_COLLECTIVE_TIMEOUT": "2"}, 3, [  # rank 1 (in a barrier) says so too,
-        "[rank 0] zmpi watchdog: waited 2 s (ZMPI_COLLECTIVE_TIMEOUT) in allreduce (float32 x 4, "
-        "2 ranks), called at tests/ranks/faults.py"]),  # unless the abort outruns its output
+        "rank 0: call #1 allreduce(sum) float32 x 0/8 at tests/ranks/faults.py",
+        "rank 1: call #1 allreduce(sum) float32 x 0/6 at tests/ranks/faults.py"]),
+    "mismatch_dtype": ({"ZMPI_DEBUG": "1"}, 1, ["rank 0: call #1 allreduce(sum) float32 x 0/8",
+                                                "rank 1: call #1 allreduce(sum) float64 x 0/8"]),
+    # rank 1 (in a barrier) says so too, unless the abort outruns its output
+    "skip": ({"ZMPI_COLLECTIVE_TIMEOUT": "2"}, 3, [
+        "[rank 0] zmpi watchdog: waited 2 s (ZMPI_COLLECTIVE_TIMEOUT) in allreduce(sum) "
+        "(float32 x 4, 2 ranks), called at tests/ranks/faults.py"]),
     "gather_on_rank0": ({"ZMPI_DEBUG": "1"}, None, [
         "rank 0: call #3 allgather float32", "in full_master (from tests/ranks/faults.py",
         "rank 1: call #3 end of program at exit"]),

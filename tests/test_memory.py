@@ -210,3 +210,23 @@ def test_engine_over_budget_fails_cleanly_and_a_smaller_model_fits():
         Engine(GPT(GPTConfig(16, 8, 4, 2, 32)), cfg)
     small = Engine(GPT(GPTConfig(16, 8, 1, 2, 8)), cfg)
     small.train_step(np.zeros((2, 8), int), np.zeros((2, 8), int))
+
+
+def test_activations_are_counted_while_they_live_once_per_buffer():
+    """The layers' saved activations are in the ledger during a step (category activation,
+    each buffer once, however many caches hold views of it) and gone after backward."""
+    from zmpi.engine import Engine
+    from zmpi.models.gpt import GPT, GPTConfig
+    from zmpi.nn.module import activations_counted_in
+
+    engine = Engine(GPT(GPTConfig(16, 8, 2, 2, 16)), {"train_micro_batch_size_per_gpu": 4})
+    x = np.zeros((4, 8), int)
+    with activations_counted_in(engine.memory):
+        engine.model.forward_loss(x, x)
+        held = engine.memory.current("activation")
+        caches = [m._cache for m in engine.model.modules() if m._cache is not None]
+        engine.model.clear_cache()
+    assert held > 0 and engine.memory.current("activation") == 0
+    assert len(caches) > 5  # many layers hold views of the same buffers: counted once each
+    engine.train_step(x, x)
+    assert engine.memory.peak("activation") >= held and engine.memory.current("activation") == 0

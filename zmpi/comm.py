@@ -474,12 +474,16 @@ def _libmpi():
                             and line.split()[-1].startswith("/")})
     except OSError:
         return None
+    loaded = []
     for path in paths:
         try:
-            return ctypes.CDLL(path)
+            loaded.append(ctypes.CDLL(path))
         except OSError:
             continue
-    return None
+    for lib in loaded:  # e.g. Cray's libmpi_gtl_cuda sorts before the MPI itself
+        if hasattr(lib, "MPIX_GPU_query_support") or hasattr(lib, "MPIX_Query_cuda_support"):
+            return lib
+    return loaded[0] if loaded else None
 
 
 def cuda_support() -> tuple[bool, str]:
@@ -569,7 +573,8 @@ class Comm:
         self._calls += 1
         mine = (self._calls, op, None if dtype is None else str(np.dtype(dtype)),
                 tuple(int(c) for c in counts))
-        everyone = self.mpi.allgather((mine, site or _call_site()))
+        with _watched(f"the collective check of {op} ({self.size} ranks)"):
+            everyone = self.mpi.allgather((mine, site or _call_site()))
         if any(call != everyone[0][0] for call, _ in everyone):
             lines = [f"rank {r}: call #{c[0]} {c[1]}"
                      + (f" {c[2]} x {'/'.join(map(str, c[3]))}" if c[2] else "") + f" at {site}"
@@ -689,7 +694,7 @@ class Comm:
         self._count("allreduce", flat.nbytes, self._ring(flat.nbytes, 2))
         calls = (lambda s, r: self.mpi.Allreduce(s, r, mpi_op),
                  lambda s, r: self.mpi.Iallreduce(s, r, mpi_op))
-        return self._run("allreduce", calls, None, flat, buf, True, blocking)
+        return self._run(f"allreduce({op})", calls, None, flat, buf, True, blocking)
 
     def allreduce(self, buf, op: str = "sum"):
         """In place: buf <- op over ranks of buf (same size and dtype on every rank).
@@ -714,7 +719,7 @@ class Comm:
         self._count("reduce_scatter", send_f.nbytes, self._ring(send_f.nbytes))
         calls = (lambda s, r: self.mpi.Reduce_scatter_block(s, r, mpi_op),
                  lambda s, r: self.mpi.Ireduce_scatter_block(s, r, mpi_op))
-        return self._run("reduce_scatter", calls, send_f, recv_f, recv, True, blocking)
+        return self._run(f"reduce_scatter({op})", calls, send_f, recv_f, recv, True, blocking)
 
     def reduce_scatter(self, send, recv, op: str = "sum"):
         """recv <- block `rank` of (op over ranks of send). Not in place.

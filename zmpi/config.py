@@ -596,6 +596,11 @@ class Config(_Section):
                 f"= {product}{hint}")
         return self
 
+    def replace(self, **kw) -> Config:
+        new = super().replace(**kw)
+        object.__setattr__(new, "_auto_batch", self._auto_batch - set(kw))  # given: not auto
+        return new
+
     def _derive_auto_batch(self, world_size: int) -> Config:
         """The batch keys given as "auto" derived from the others and the world size (an
         "auto" accumulation is 1 when the micro-batch is "auto" too)."""

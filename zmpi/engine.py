@@ -40,7 +40,7 @@ from zmpi.backend import array_module
 from zmpi.checkpoint import sharded as checkpoint
 from zmpi.config import Config
 from zmpi.memory import MemoryLedger
-from zmpi.nn.module import Module, UnitModel
+from zmpi.nn.module import Module, UnitModel, activations_counted_in
 from zmpi.optim import lr_schedules
 from zmpi.optim.adam import Adam, HostAdam, host_threads
 from zmpi.optim.loss_scaler import LossScaler
@@ -52,7 +52,9 @@ from zmpi.zero.strategy import get_strategy
 class PhaseProfile:
     """Seconds per phase of train_step, summed over steps: forward, backward (compute plus the
     strategy's hooks), step (reductions, optimizer, publishing), and within them the time
-    blocked in MPI (`waited`: exposed communication) and in the optimizer."""
+    blocked in MPI (`waited`: exposed communication) and in the optimizer. Host time: on a
+    GPU nothing is synchronised for it, so device work shows in the phase that next waits for
+    it; a delayed (DPU) update counts only where the step waits for it."""
 
     PHASES = ("forward", "backward", "step", "optimizer", "waited")
 
@@ -224,7 +226,8 @@ class Engine:
         if self.pending_save is not None:
             checkpoint.poll(self)  # an asynchronous save completes once every rank wrote
         try:
-            return self._train_step(inputs, targets)
+            with activations_counted_in(self.memory):  # the layers' caches, as "activation"
+                return self._train_step(inputs, targets)
         except BaseException:
             self.strategy.abandon_in_flight()  # no freed buffer may still be MPI's
             raise
@@ -258,8 +261,10 @@ class Engine:
         an allreduce). A delayed update in flight lands first."""
         self.model.check_batch(inputs, targets)
         self.flush()
-        loss = self.model.loss(self.xp.asarray(inputs), self.xp.asarray(targets),
-                               self._normalizer(targets, 1))
+        with activations_counted_in(self.memory):
+            loss = self.model.loss(self.xp.asarray(inputs), self.xp.asarray(targets),
+                                   self._normalizer(targets, 1))
+            self.model.clear_cache()  # no backward follows
         return self.comm.allreduce_scalar(loss) / self.comm.size
 
     def _normalizer(self, targets, micro_batches):
@@ -367,7 +372,7 @@ class Engine:
                           ("weight_decay", opt.weight_decay), ("decoupled", opt.decoupled)):
             if saved[key] != ours:
                 notes.append(f"optimizer {key} is {ours!r} (the checkpoint had {saved[key]!r})")
-        if manifest.get("scheduler", {}) != self.config.scheduler.to_dict():
+        if "scheduler" in manifest and manifest["scheduler"] != self.config.scheduler.to_dict():
             notes.append(f"the scheduler is {self.config.scheduler.to_dict()} (the checkpoint "
                          f"had {manifest.get('scheduler')}); it goes on from step "
                          f"{self.global_steps}")

@@ -81,6 +81,10 @@ class MemoryLedger:
         self._add(category, device, int(array.nbytes))
         return array
 
+    def holds(self, array) -> bool:
+        """Whether `array` itself is registered."""
+        return id(array) in self._entries
+
     def release(self, array) -> None:
         """Stop accounting for `array`; KeyError if it is not registered."""
         entry = self._entries.pop(id(array), None)

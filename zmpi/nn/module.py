@@ -13,7 +13,67 @@ parameters. It runs the units with engine hooks around each call, and owns the l
     model.backward_loss(scale=1.0)       # backward from dloss = scale (the loss scale)
 """
 
+from contextlib import contextmanager
+
+from zmpi import backend
 from zmpi.nn.parameter import Parameter
+
+
+class _ActivationAccount:
+    """Counts the arrays layers keep for backward in a MemoryLedger (category "activation"),
+    while `counted_in(ledger)` is active. An array is counted by the buffer that owns its
+    memory, once however many caches hold views of it; buffers the ledger already holds
+    (parameters, gradients) are not counted again."""
+
+    def __init__(self):
+        self.ledger = None
+        self.refs = {}  # id(owner) -> [owner, number of caches holding it]
+
+    def _owners(self, cache):
+        for item in cache if isinstance(cache, tuple) else (cache,):
+            if isinstance(item, tuple):
+                yield from self._owners(item)
+            elif hasattr(item, "nbytes") and hasattr(item, "shape") and item.nbytes:
+                while getattr(item, "base", None) is not None and hasattr(item.base, "nbytes"):
+                    item = item.base
+                yield item
+
+    def hold(self, cache):
+        if self.ledger is None:
+            return
+        for owner in self._owners(cache):
+            ref = self.refs.get(id(owner))
+            if ref is not None:
+                ref[1] += 1
+            elif not self.ledger.holds(owner):
+                self.refs[id(owner)] = [owner, 1]
+                on_device = backend.is_device_array(owner) or not backend.is_gpu
+                self.ledger.register(owner, "activation", "device" if on_device else "host",
+                                     "activation")
+
+    def drop(self, cache):
+        if self.ledger is None:
+            return
+        for owner in self._owners(cache):
+            ref = self.refs.get(id(owner))
+            if ref is not None:
+                ref[1] -= 1
+                if ref[1] == 0:
+                    del self.refs[id(owner)]
+                    self.ledger.release(owner)
+
+
+ACTIVATIONS = _ActivationAccount()
+
+
+@contextmanager
+def activations_counted_in(ledger):
+    """Within this block, layers' saved activations are registered with `ledger`."""
+    previous, ACTIVATIONS.ledger = ACTIVATIONS.ledger, ledger
+    try:
+        yield
+    finally:
+        ACTIVATIONS.ledger = previous
 
 
 class Module:
@@ -38,7 +98,10 @@ class Module:
 
     # -- cache discipline ---------------------------------------------------------------------
     def _save(self, *cache):
+        if self._cache is not None:
+            ACTIVATIONS.drop(self._cache)  # a second forward replaces the first one's cache
         self._cache = cache
+        ACTIVATIONS.hold(cache)
 
     def _pop(self):
         cache = self._cache
@@ -48,11 +111,14 @@ class Module:
                 "(or twice after one forward: the cache is consumed)"
             )
         self._cache = None
+        ACTIVATIONS.drop(cache)
         return cache if len(cache) != 1 else cache[0]
 
     def clear_cache(self):
         """Drop every saved activation in this module and its children (e.g. after inference)."""
         for m in self.modules():
+            if m._cache is not None:
+                ACTIVATIONS.drop(m._cache)
             m._cache = None
 
     # -- parameter discovery ------------------------------------------------------------------

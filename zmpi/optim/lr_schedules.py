@@ -50,13 +50,13 @@ class Schedule:
 
 def _warmup_steps(value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"warmup_num_steps must be a positive integer, got {value!r}")
+        raise ValueError(f"params.warmup_num_steps: must be a positive integer, got {value!r}")
     return max(2, value)  # as DeepSpeed: log(1) would divide by zero
 
 
 def _warmup_type(value) -> str:
     if value not in (LOG, LINEAR):
-        raise ValueError(f"warmup_type must be 'log' or 'linear', got {value!r}")
+        raise ValueError(f"params.warmup_type: must be 'log' or 'linear', got {value!r}")
     return value
 
 

@@ -57,10 +57,10 @@ class Stage3(Strategy):
         if limit is None:
             return
         padded = [u.padded_numel for u in self.layout.units]
-        live = sum(padded[u] for u in self._persistent) + max(
-            sum(padded[w] for w in {*self.needs(u), *(x for v in self._ahead[step][u]
-                                                      for x in self.needs(v))})
-            for u in range(len(self.units)) for step in (1, -1))
+        live = max(sum(padded[w] for w in {*self._persistent, *self.needs(u),
+                                           *(x for v in self._ahead[step][u]
+                                             for x in self.needs(v))})
+                   for u in range(len(self.units)) for step in (1, -1))
         if live > limit:
             raise ConfigError("zero_optimization.stage3_max_live_parameters",
                               f"zmpi keeps up to {live} parameter elements gathered at once (a "

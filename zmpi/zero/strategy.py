@@ -47,6 +47,8 @@ flags, override hooks, declare the traffic, decorate with `@register("name")`
 """
 from __future__ import annotations
 
+import atexit
+
 import numpy as np
 
 from zmpi import backend
@@ -56,6 +58,19 @@ from zmpi.memory import DEVICES, MODEL_STATE, ring_bytes
 
 _REGISTRY: dict[str, type[Strategy]] = {}
 _ABANDONED: list = []  # requests in flight when an error stopped a step, and their buffers
+
+
+@atexit.register
+def _settle_abandoned() -> None:
+    """At exit, complete the abandoned requests that have finished (MPI otherwise reports
+    them as pending references); never blocks."""
+    for entry in _ABANDONED:
+        for item in entry if isinstance(entry, tuple) else (entry,):
+            if hasattr(item, "test") and hasattr(item, "wait"):
+                try:
+                    item.test()
+                except Exception:  # the job is ending anyway
+                    pass
 
 
 def register(name: str):
@@ -332,22 +347,38 @@ class Strategy:
                 callback()
 
     def abandon_in_flight(self) -> None:
-        """After an error: forget every collective and copy in flight without waiting for it
-        (another rank may never join), but keep their buffers alive for the rest of the
-        process, so that MPI never writes into freed memory."""
+        """After an error in a step: forget every collective and copy in flight without
+        waiting for it (another rank may never join), but keep their buffers alive for the
+        rest of the process, so that MPI never writes into freed memory; release the gathered
+        units and unit gradients (the next step gathers afresh) and clear the gradients."""
         _ABANDONED.extend(self._pending)
         _ABANDONED.extend(self._host_copies)
-        _ABANDONED.extend(entry for entry in self._gathered.values() if entry[1] is not None)
         self._pending, self._host_copies = [], []
+        for u, (buf, request) in list(self._gathered.items()):
+            if request is not None:
+                _ABANDONED.append((buf, request))  # MPI may still write it: keep it alive
+            else:
+                self.ledger.release(buf)
+            self._bind(u, "data", None)
+        self._gathered.clear()
+        for u, buf in list(self._unit_grads.items()):
+            self._bind(u, "grad", None)
+            self.ledger.release(buf)
+        self._unit_grads.clear()
+        self.zero_grads()
 
     def wait_pending(self) -> None:
         """Complete every collective in flight (running its callback) and every device ->
         host gradient copy."""
         pending, self._pending = self._pending, []
-        for request, callback in pending:
-            request.wait()
-            if callback:
-                callback()
+        for i, (request, callback) in enumerate(pending):
+            try:
+                request.wait()
+                if callback:
+                    callback()
+            except BaseException:
+                self._pending = pending[i + 1:] + self._pending  # still in flight: not lost
+                raise
         self._land_host_copies(block=True)
 
     def needs(self, u: int) -> tuple[int, ...]:
