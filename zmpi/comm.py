@@ -334,7 +334,9 @@ def _interrupted():
 def _watch_interrupts():
     """Act on SIGINT even while the main thread is blocked inside MPI (where Python cannot
     raise KeyboardInterrupt): the C-level handler writes the signal number to a pipe
-    (`signal.set_wakeup_fd`) that a daemon thread reads."""
+    (`signal.set_wakeup_fd`) that a daemon thread reads. By design any SIGINT ends a
+    multi-rank job, even where the program catches KeyboardInterrupt: one rank surviving
+    Ctrl-C would leave the others waiting."""
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
