@@ -317,6 +317,14 @@ def test_auto_values():
     assert (both.train_micro_batch_size_per_gpu, both.gradient_accumulation_steps) == (4, 1)
     derived = Config.from_dict({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 3})
     assert derived.resolve_batch(2).train_batch_size == 6
+    three = Config.from_dict({"train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+                              "train_micro_batch_size_per_gpu": 4}).resolve_batch(2)
+    assert (three.train_batch_size, three.gradient_accumulation_steps) == (8, 1)
+    given = Config.from_dict({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto"})
+    assert given.replace(train_micro_batch_size_per_gpu=8).resolve_batch(2) \
+        .train_micro_batch_size_per_gpu == 8  # replaced: no longer "auto", kept
+    with pytest.raises(ConfigError, match="train_batch_size: 16 != "):
+        given.replace(train_micro_batch_size_per_gpu=2).resolve_batch(2)
     with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu: 'auto' needs "
                                           "train_batch_size"):
         Config.from_dict({"train_micro_batch_size_per_gpu": "auto"}).resolve_batch(2)

@@ -603,11 +603,14 @@ class Config(_Section):
 
     def _derive_auto_batch(self, world_size: int) -> Config:
         """The batch keys given as "auto" derived from the others and the world size (an
-        "auto" accumulation is 1 when the micro-batch is "auto" too)."""
+        "auto" accumulation is 1 when the micro-batch or the global batch is "auto" too)."""
         auto, batch = self._auto_batch, self.train_batch_size
         micro, accum = self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
         derived = {}
-        if "train_micro_batch_size_per_gpu" in auto or "gradient_accumulation_steps" in auto:
+        if batch is None and "train_micro_batch_size_per_gpu" not in auto:
+            derived = {"gradient_accumulation_steps": 1} if "gradient_accumulation_steps" in \
+                auto else {}  # nothing to split: DeepSpeed's accumulation of 1
+        elif "train_micro_batch_size_per_gpu" in auto or "gradient_accumulation_steps" in auto:
             key = ("train_micro_batch_size_per_gpu" if "train_micro_batch_size_per_gpu" in auto
                    else "gradient_accumulation_steps")
             _check(batch is not None, key, "'auto' needs train_batch_size (a number)")
