@@ -23,7 +23,6 @@ from zmpi.memory import MODEL_STATE, comm_volume_elements, model_state_bytes
 from zmpi.models.gpt import GPT, GPTConfig
 
 MIB = 2**20
-ARRAY_OPS = ("allreduce", "reduce_scatter", "allgather")
 
 
 def cases(world_size, group_sizes):
@@ -44,7 +43,7 @@ def measure(comm, model_cfg, label, zero, micro_batch):
     engine.memory.reset_peaks()
     engine.train_step(*data.sample(0))
     psi = engine.layout.full_numel
-    sent = {kind: sum(c[op]["sent"] for op in ARRAY_OPS) for kind, c in engine.traffic().items()}
+    sent = engine.sent_bytes()
     declared_memory = engine.strategy.expected_model_state()
     row = {
         "strategy": label, "psi": engine.num_params, "padding": engine.layout.padding,

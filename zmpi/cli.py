@@ -219,8 +219,7 @@ def traffic_line(engine, steps: int) -> str:
     (ring model, Comm's counters), next to what the strategy declares per step."""
     declared = engine.strategy.expected_traffic()
     parts = []
-    for kind, counters in engine.traffic().items():
-        sent = sum(counters[op]["sent"] for op in ("allreduce", "reduce_scatter", "allgather"))
+    for kind, sent in engine.sent_bytes().items():
         parts.append(f"{kind} {sent / 2**20:.2f} MiB ({sent / 2**20 / max(steps, 1):.3f} per "
                      f"step; declared {declared.get(kind, 0) / 2**20:.3f} without accumulation)")
     return f"traffic sent by this rank over {steps} steps: " + "; ".join(parts)

@@ -39,7 +39,7 @@ from zmpi import backend
 from zmpi.backend import array_module
 from zmpi.checkpoint import sharded as checkpoint
 from zmpi.config import Config
-from zmpi.memory import MemoryLedger
+from zmpi.memory import ARRAY_OPS, MemoryLedger
 from zmpi.nn.module import Module, UnitModel, activations_counted_in
 from zmpi.optim import lr_schedules
 from zmpi.optim.adam import Adam, HostAdam, host_threads
@@ -573,6 +573,12 @@ class Engine:
         """{group kind: {op: {calls, bytes, sent}}} counted since the last reset, for every
         communicator the strategy sends on ("world"; "shard" and "replica" for hybrid)."""
         return {kind: comm.counters_snapshot() for kind, comm in self.strategy.comms().items()}
+
+    def sent_bytes(self) -> dict[str, int]:
+        """{group kind: bytes this rank sent in array collectives} since the last reset (ring
+        model): what the strategy's `expected_traffic` declares per step."""
+        return {kind: sum(c.sent for op, c in comm.counters.items() if op in ARRAY_OPS)
+                for kind, comm in self.strategy.comms().items()}
 
     @property
     def num_params(self) -> int:

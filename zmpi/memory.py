@@ -24,7 +24,7 @@ import numpy
 
 __all__ = ["CATEGORIES", "MODEL_STATE", "DEVICES", "MemoryLedger", "OutOfMemory",
            "model_state_breakdown", "model_state_bytes", "model_state_placement",
-           "comm_volume_elements", "ring_bytes"]
+           "comm_volume_elements", "ring_bytes", "ARRAY_OPS"]
 
 CATEGORIES = ("param", "grad", "master", "adam_m", "adam_v", "activation", "comm_buffer",
               "checkpoint")
@@ -272,6 +272,9 @@ def model_state_placement(num_params, world_size, stage, param_bytes=2, grad_byt
     if offload_param:
         host["param"], device["param"] = device["param"], 0.0
     return {"device": device, "host": host}
+
+
+ARRAY_OPS = ("allreduce", "reduce_scatter", "allgather")  # the collectives that move model data
 
 
 def ring_bytes(nbytes: int, world_size: int, passes: int = 1) -> int:
