@@ -65,6 +65,7 @@ communication analysis counts (stages 0-2: 2 Psi per step, stage 3: 3 Psi).
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import pickle
 import signal
@@ -466,8 +467,10 @@ class _watched:  # noqa: N801 (used as a function-like context manager)
             self.dog.end(self.token)
 
 
+@functools.lru_cache(maxsize=1)
 def _libmpi():
-    """The MPI library this process loaded (ctypes), found in /proc/self/maps; None if not."""
+    """The MPI library this process loaded (ctypes), found in /proc/self/maps; None if not.
+    Looked up once: every Comm (sub-communicators included) asks."""
     import ctypes
 
     try:
