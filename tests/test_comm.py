@@ -122,57 +122,6 @@ def test_user_reduction_op_matches_float32_reference(op, dtype):
     assert np.array_equal(inout.view(np.uint16), expected.view(np.uint16))
 
 
-class FakeDevice(np.ndarray):
-    """A NumPy array that Comm is told lives on a device: exercises host staging on a CPU."""
-
-    def get(self, out=None):
-        np.copyto(out, self.view(np.ndarray))
-        return out
-
-    def set(self, arr):
-        np.copyto(self.view(np.ndarray), arr)
-
-
-@pytest.fixture
-def fake_device(monkeypatch):
-    monkeypatch.setattr(backend, "is_device_array", lambda a: isinstance(a, FakeDevice))
-    return lambda a: np.asarray(a).view(FakeDevice)
-
-
-def test_staging_copies_back_on_wait_and_reuses_buffers(monkeypatch, fake_device):
-    monkeypatch.setenv("ZMPI_CUDA_AWARE", "0")
-    comm = Comm()
-    send, recv = fake_device(np.arange(8.0, dtype=np.float32)), fake_device(np.zeros(8, np.float32))
-    req = comm.ireduce_scatter(send, recv)
-    while not req._mpi.Test():  # MPI done, but the result is still in the host buffer
-        pass
-    assert np.array_equal(recv, np.zeros(8))
-    assert req.wait() is recv and np.array_equal(recv, np.arange(8.0))
-    pooled = zcomm.staging_nbytes()
-    for _ in range(3):  # same shapes again: no new staging memory
-        comm.reduce_scatter(send, recv)
-        comm.allreduce(recv)
-    assert zcomm.staging_nbytes() == pooled
-    # two requests in flight need two distinct staging buffers of the same shape
-    a, b = fake_device(np.ones(8, np.float32)), fake_device(np.full(8, 2, np.float32))
-    wait_all([comm.iallreduce(a), comm.iallreduce(b)])
-    assert np.array_equal(a, np.ones(8)) and np.array_equal(b, np.full(8, 2))
-    bf = fake_device(np.arange(6, dtype=BF16))
-    assert np.array_equal(comm.allgather_inplace(bf).astype(np.float32), np.arange(6))
-
-
-def test_staging_skipped_when_cuda_aware_except_user_ops(monkeypatch, fake_device):
-    monkeypatch.setenv("ZMPI_CUDA_AWARE", "1")
-    comm = Comm()
-    calls = []
-    real_acquire = zcomm._POOL.acquire
-    monkeypatch.setattr(zcomm._POOL, "acquire", lambda *a: calls.append(a) or real_acquire(*a))
-    comm.allreduce(fake_device(np.ones(4, np.float32)))
-    assert calls == []  # handed to MPI directly
-    comm.allreduce(fake_device(np.ones(4, BF16)))  # bf16 reduces in a host-side user op
-    assert calls == [((4,), np.dtype(BF16))]
-
-
 # --------------------------------------------------------------------------- 2, 3, 4 ranks
 
 

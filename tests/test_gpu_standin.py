@@ -127,6 +127,29 @@ def test_cuda_aware_detection_asks_the_mpi_library(monkeypatch):
     assert cuda_support() == (True, "ZMPI_CUDA_AWARE")
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_collectives_on_device_buffers(n):
+    reps = run_mpi(RANKS_DIR / "standin_comm.py", n, timeout=120,
+                   env={**STANDIN, "OMP_NUM_THREADS": "1"})
+    total = n * (n + 1) / 2
+    for r, rep in enumerate(reps):
+        # MPI starts only once the staging copy has landed; the result lands at wait()
+        assert rep["queued_at_launch"] and rep["unchanged_before_wait"], rep
+        assert rep["allreduce"] == [total] * 8
+        assert rep["first_started_by_second"] and rep["queued_started_by_blocking"], rep
+        assert rep["in_order"] == [[n] * 4, [2.0 * n] * 6] and rep["scalar"] == n
+        col = [sum((rr + 1) * (2 * r + k) for rr in range(n)) for k in range(2)]
+        assert rep["reduce_scatter"] == col
+        assert rep["allgather"] == [float(rr) for rr in range(n) for _ in range(2)]
+        assert rep["bf16_allgather_inplace"] == [rr + 0.5 for rr in range(n) for _ in range(3)]
+        assert rep["broadcast"] == [n - 1.0] * 3
+        assert rep["no_new_staging"] and rep["two_in_flight"] == [[n] * 8, [2.0 * n] * 8]
+        assert rep["aware_allreduce"] == [n] * 4
+        assert (rep["aware_fp32_staged"], rep["aware_bf16_staged"]) == (0, 1)
+        assert rep["aware_staged_bytes"] == {"to_host": 8, "to_device": 8}
+
+
 def test_staged_inplace_allgather_copies_only_this_ranks_block():
     code = """
 import numpy as np, cupy

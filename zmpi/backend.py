@@ -217,6 +217,35 @@ def to_device(arr, out=None):
     return out
 
 
+def to_device_async(host, device):
+    """Queue the copy of host array `host` into device array `device` (same shape and dtype)
+    on the current stream, so GPU work queued after it sees the data. Returns a StreamPoint
+    that is ready once the copy has landed: `host` must not change before. Under NumPy (or
+    a host `device`) the copy is done at once and None is returned."""
+    if not is_device_array(device):
+        np.copyto(device, host)
+        return None
+    stream = xp.cuda.get_current_stream()
+    device.set(host, stream=stream)  # with a stream given, CuPy copies asynchronously
+    return StreamPoint()
+
+
+class StreamPoint:
+    """The current CUDA stream's position now: ready() once the GPU has finished every piece
+    of work queued on it so far (an event), wait() blocks until then. Always ready under
+    NumPy. MPI reading a device buffer waits for this instead of a full synchronize."""
+
+    def __init__(self):
+        self._event = xp.cuda.get_current_stream().record() if is_gpu else None
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.done
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+
 def copy_(dst, src):
     """dst[...] = src, cast to dst's dtype, whichever memory (host or device) each lives in.
 

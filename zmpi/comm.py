@@ -29,16 +29,19 @@ extra traffic (upcasting whole buckets to float32 would double it). Allgather an
 just move the 2-byte words. The same user op reduces float16 if an MPI lacks a native one.
 A user op runs on the host, so a device buffer that needs one is always staged.
 
-Device buffers (CuPy). Before a device buffer is handed to MPI the current CUDA stream is
-synchronized. Whether MPI is CUDA-aware is asked of the MPI library itself
+Device buffers (CuPy). Whether MPI is CUDA-aware is asked of the MPI library itself
 (`cuda_support()`: MPIX_GPU_query_support / MPIX_Query_cuda_support through ctypes, as mpi4py
 4.1 wraps neither; override with ZMPI_CUDA_AWARE=0|1). If it is, the device buffer is passed
-directly, and a non-blocking collective runs blocking on Open MPI, whose non-blocking
-collectives do not take device memory. Otherwise the buffer is staged: copied into a pinned
-host buffer (pooled and reused by shape and dtype, registered with the engine's ledger), the
-MPI op runs on the host, and the result is copied back (for non-blocking ops, in
-`Request.wait()`); an in-place allgather copies in only this rank's block. `staged_bytes`
-counts what crossed. All of this lives in `Comm._run`.
+directly once the kernels queued before the call have finished (an event on the current
+stream, not a device-wide synchronize), and a non-blocking collective runs blocking on Open
+MPI, whose non-blocking collectives do not take device memory. Otherwise the buffer is staged:
+copied into a pinned host buffer (pooled and reused by shape and dtype, registered with the
+engine's ledger) on a side stream, the MPI op runs on the host, and the result is copied back
+on the current stream when the request is waited for, so later kernels see it; an in-place
+allgather copies in only this rank's block. Nothing blocks at launch: the request waits in
+the Comm's queue until its copy has landed and starts then (at the next collective on that
+Comm, or at its wait), in call order, so GPU work, copies and MPI overlap. `staged_bytes`
+counts what crossed. All of this lives in `Comm._run` and `Request`.
 
 Counters. `comm.counters[op]` is an `OpCounter(calls, bytes, sent)` for op in
 'allreduce', 'reduce_scatter', 'allgather', 'broadcast', 'allreduce_scalar', 'object'
@@ -182,9 +185,16 @@ class _StagingPool:
         self.ledger = None
 
     def acquire(self, shape, dtype) -> np.ndarray:
+        """A free buffer of this shape and dtype: one whose last copy has landed, else the
+        oldest (waiting for its copy), else a new one."""
         free = self._free.get((shape, np.dtype(dtype)))
         if free:
-            return free.pop()
+            at = next((i for i, (_, fence) in enumerate(free)
+                       if fence is None or fence.ready()), 0)
+            buf, fence = free.pop(at)
+            if fence is not None:
+                fence.wait()
+            return buf
         buf = backend.pinned_empty(shape, dtype)
         self.nbytes += buf.nbytes
         self._all.append(buf)
@@ -200,8 +210,10 @@ class _StagingPool:
             ledger.register(buf, "comm_buffer", "host", "staging")
         self.ledger = ledger
 
-    def release(self, buf: np.ndarray):
-        self._free.setdefault((buf.shape, buf.dtype), []).append(buf)
+    def release(self, buf: np.ndarray, fence=None):
+        """Return `buf`; `fence` (None, or an object with ready()/wait()) says when the copy
+        still reading it has landed."""
+        self._free.setdefault((buf.shape, buf.dtype), []).append((buf, fence))
 
 
 _POOL = _StagingPool()
@@ -218,26 +230,65 @@ def account_staging_in(ledger) -> None:
 
 
 class Request:
-    """A started collective. `wait()` (idempotent) completes it and returns the result array;
-    `test()` completes it if MPI has finished and says whether it is done. With host staging,
-    completion copies the result back into the device array."""
+    """A collective, queued or started. `wait()` (idempotent) completes it and returns the
+    result array; `test()` completes it if MPI has finished and says whether it is done.
 
-    def __init__(self, mpi_request, result, keep=(), copy_back=(), held=(), op="collective"):
+    A collective on device buffers may wait to start: MPI may only read the buffers once the
+    GPU has written them (its device-to-host staging copy, or the kernels that wrote a buffer
+    MPI reads directly, are still queued on a stream). Such a request sits in its Comm's
+    queue until its `inputs` (objects with ready()/wait(): backend.HostCopy, StreamPoint) are
+    ready; the Comm starts queued requests in order, never one before an earlier one, so
+    every rank starts the same collectives in the same order. With host staging, completion
+    queues the copy of the result back to the device on the current stream (later GPU work
+    is ordered after it) and returns the host buffer to the pool once that copy has landed.
+    """
+
+    def __init__(self, comm, op, start, blocking, result, keep=(), inputs=(), copy_back=(),
+                 held=(), what=None):
         self.op = op
-        self._mpi = mpi_request  # None for a finished blocking call
+        self._what = what or op  # for the watchdog: the op, dtype, size
+        self._comm = comm
+        self._start_mpi = start  # () -> the MPI call's Request (None when blocking)
+        self._blocking = blocking
+        self._mpi = None
         self.result = result  # the caller's output array
         self._keep = keep  # arrays MPI reads or writes: alive until done
+        self._inputs = list(inputs)  # copies / stream points MPI must wait for
         self._copy_back = copy_back  # ((host, device), ...)
         self._held = held  # staging buffers to return to the pool
+        self.started = False
         self.done = False
 
+    def ready_to_start(self) -> bool:
+        """True once the data MPI reads is in place (never blocks)."""
+        self._inputs = [i for i in self._inputs if not i.ready()]
+        return not self._inputs
+
+    def start(self) -> None:
+        """Start this collective and every one queued before it on its Comm, waiting for
+        their inputs (local copies only: never for another rank)."""
+        if not self.started:
+            self._comm._start_queued(through=self)
+
+    def _start(self) -> None:
+        for i in self._inputs:
+            i.wait()
+        self._inputs = []
+        if self._blocking:
+            with _watched(self._what):
+                self._start_mpi()
+        else:
+            self._mpi = self._start_mpi()
+        self.started = True
+
     def test(self) -> bool:
-        if not self.done and (self._mpi is None or self._mpi.Test()):
+        if self.started and not self.done and (self._mpi is None or self._mpi.Test()):
             self._finish()
         return self.done
 
     def wait(self):
         if not self.done:
+            self.start()
             if self._mpi is not None:
                 with _watched(f"the wait for a non-blocking {self.op}"):
                     self._mpi.Wait()
@@ -245,18 +296,20 @@ class Request:
         return self.result
 
     def _finish(self):
+        fence = None
         for host, device in self._copy_back:
-            backend.to_device(host, out=device)
-        if self._copy_back:
-            backend.synchronize()  # the host buffer goes back to the pool: copy must be done
+            fence = backend.to_device_async(host, device)
         for buf in self._held:
-            _POOL.release(buf)
+            _POOL.release(buf, fence)
         self._keep = self._held = self._copy_back = ()
+        self._mpi = None
         self.done = True
 
 
 def wait_all(requests):
-    """Wait for every request (in one MPI Waitall); returns their results in order."""
+    """Wait for every request (one MPI Waitall for those in flight); returns their results."""
+    for r in requests:
+        r.start()
     pending = [r for r in requests if not r.done and r._mpi is not None]
     if pending:
         with _watched(f"a wait for {len(pending)} non-blocking collectives"):
@@ -551,6 +604,7 @@ class Comm:
         self.nonblocking_on_device = mpi_flavour() != "Open MPI"
         self.counters = {op: OpCounter() for op in OPS}
         self.staged_bytes = {"to_host": 0, "to_device": 0}  # device buffers staged via the host
+        self._queue: list[Request] = []  # collectives waiting for their inputs, in call order
         self.check_collectives = False
         self._calls = 0  # collectives started on this communicator (the debug check's index)
         if os.environ.get("ZMPI_DEBUG", "").strip() not in ("", "0"):
@@ -626,27 +680,28 @@ class Comm:
     # ---- the one path for buffer collectives
 
     def _run(self, op, calls, send, recv, result, reduces: bool, blocking: bool) -> Request:
-        """Check (debug), synchronize, stage device buffers through host memory if needed,
-        call MPI (watched by the watchdog when blocking).
+        """Check (debug), stage device buffers through host memory if needed, queue the MPI
+        call, and start it as soon as its inputs are in place (blocking: now, watched by the
+        watchdog).
 
         `calls` = (blocking call, non-blocking call), each `call(sendspec, recvspec)` making
         the mpi4py call; `send=None` means in place (MPI.IN_PLACE: recv holds the input too;
         for an in-place allgather only this rank's block of it). `result` is what wait()
-        returns. Returns a Request, already completed if blocking. A device buffer that MPI
-        takes directly (CUDA-aware) runs blocking where the MPI's non-blocking collectives do
-        not support device memory (Open MPI).
+        returns. A device buffer that MPI takes directly (CUDA-aware) runs blocking where
+        the MPI's non-blocking collectives do not support device memory (Open MPI).
         """
         if self.check_collectives:
+            self._start_queued()  # the check is a collective too: keep the order
             self._check_call(op, recv.dtype, (0 if send is None else send.size, recv.size))
         wire = _wire(recv.dtype)
         keep = (send, recv, result)
         on_device = any(backend.is_device_array(a) for a in (send, recv))
-        if on_device:
-            backend.synchronize()
-        held, copy_back = [], []
         stage = on_device and (not self.is_cuda_aware or (reduces and wire.as_words))
         if on_device and not stage and not self.nonblocking_on_device:
             blocking = True
+        inputs, held, copy_back = [], [], []
+        if on_device and not stage:
+            inputs.append(backend.StreamPoint())  # MPI reads device memory the GPU writes
         if stage:
             def staged(a, copy_in: bool):
                 if not backend.is_device_array(a):
@@ -656,10 +711,10 @@ class Comm:
                 if copy_in and op == "allgather" and send is None:  # MPI reads only our block
                     n = a.shape[0] // self.size
                     mine = slice(self.rank * n, (self.rank + 1) * n)
-                    backend.to_host(a[mine], out=host[mine])
+                    inputs.append(backend.HostCopy(a[mine], host[mine]))
                     self.staged_bytes["to_host"] += host[mine].nbytes
                 elif copy_in:
-                    backend.to_host(a, out=host)  # blocking copy
+                    inputs.append(backend.HostCopy(a, host))
                     self.staged_bytes["to_host"] += host.nbytes
                 return host
 
@@ -675,15 +730,27 @@ class Comm:
                 return MPI.IN_PLACE
             return [a.view(np.uint16) if wire.as_words else a, wire.datatype]
 
-        if blocking:
-            with _watched(f"{op} ({recv.dtype} x {recv.size}, {self.size} ranks)"):
-                mpi_request = calls[0](spec(send), spec(recv))
-        else:
-            mpi_request = calls[1](spec(send), spec(recv))
-        req = Request(None if blocking else mpi_request, result, keep, copy_back, held, op)
+        call = calls[0] if blocking else calls[1]
+        req = Request(self, op, lambda: call(spec(send), spec(recv)), blocking, result, keep,
+                      inputs, copy_back, held,
+                      what=f"{op} ({recv.dtype} x {recv.size}, {self.size} ranks)")
+        self._queue.append(req)
         if blocking:
             req.wait()
+        else:
+            self._start_queued(through=None, block=False)
         return req
+
+    def _start_queued(self, through: Request | None = None, block: bool = True) -> None:
+        """Start queued requests in order: all of them (`through=None`), or up to and
+        including `through`; without `block`, only while the next one's inputs are ready."""
+        while self._queue:
+            if not block and not self._queue[0].ready_to_start():
+                return
+            req = self._queue.pop(0)
+            req._start()
+            if req is through:
+                return
 
     def _reduce_op(self, op: str, dtype):
         _check_op(op)
@@ -789,6 +856,7 @@ class Comm:
 
     def barrier(self):
         """Block until every rank of this Comm has called barrier()."""
+        self._start_queued()
         if self.check_collectives:
             self._check_call("barrier")
         with _watched(f"barrier ({self.size} ranks)"):
@@ -806,6 +874,7 @@ class Comm:
     def bcast_object(self, obj, root: int = 0):
         """Pickled broadcast of a small Python object; returns root's object on every rank.
         Counted under 'object' with its pickled size, as a broadcast."""
+        self._start_queued()
         if self.check_collectives:
             self._check_call(f"bcast_object(root={root})")
         with _watched(f"bcast_object ({self.size} ranks)"):
@@ -817,6 +886,7 @@ class Comm:
     def allgather_object(self, obj) -> list:
         """Pickled allgather of a small Python object; returns [object of rank 0, ...].
         Counted under 'object' with the total pickled size, as an allgather."""
+        self._start_queued()
         if self.check_collectives:
             self._check_call("allgather_object")
         with _watched(f"allgather_object ({self.size} ranks)"):
@@ -832,10 +902,12 @@ class Comm:
     def split(self, color: int, key: int | None = None) -> Comm | None:
         """Collective: a new Comm of the ranks that passed the same color, ordered by key
         (default: this rank), with its own counters. color=MPI.UNDEFINED returns None."""
+        self._start_queued()
         sub = self.mpi.Split(color, self.rank if key is None else key)
         return None if sub == MPI.COMM_NULL else Comm(sub)
 
     def free(self):
         """Release the MPI communicator of a split Comm (no-op for COMM_WORLD)."""
+        self._start_queued()
         if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF, MPI.COMM_NULL):
             self.mpi.Free()

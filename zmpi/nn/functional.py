@@ -213,7 +213,9 @@ def attention_backward(dy, cache):
     B, nh, T, hd = q.shape
     dy = dy.reshape(B, T, nh, hd).transpose(0, 2, 1, 3)  # (B, nh, T, hd)
     datt = xp.matmul(dy, v.swapaxes(-1, -2)).astype(att.dtype, copy=False)  # (B, nh, T, T)
-    dv = xp.matmul(att.astype(dy.dtype, copy=False).swapaxes(-1, -2), dy)  # (B, nh, T, hd)
+    # att^T dy as (dy^T att)^T: the transposed operand is the small (hd, T) one, never a
+    # (T, T) matrix (CuPy's batched matmul copies a non-contiguous operand; NumPy's does not)
+    dv = xp.matmul(dy.swapaxes(-1, -2), att.astype(dy.dtype, copy=False)).swapaxes(-1, -2)
     # softmax backward, in datt's buffer: dpre = att * (datt - sum(datt * att)); masked
     # entries have att = 0
     datt -= (datt * att).sum(axis=-1, keepdims=True)
@@ -221,7 +223,7 @@ def attention_backward(dy, cache):
     datt *= 1.0 / math.sqrt(hd)
     dpre = datt.astype(q.dtype, copy=False)  # back to the matmul dtype
     dq = xp.matmul(dpre, k)  # (B, nh, T, hd)
-    dk = xp.matmul(dpre.swapaxes(-1, -2), q)  # (B, nh, T, hd)
+    dk = xp.matmul(q.swapaxes(-1, -2), dpre).swapaxes(-1, -2)  # (B, nh, T, hd), as dv
     dqkv = xp.stack([dq, dk, dv])  # (3, B, nh, T, hd)
     return dqkv.transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * nh * hd)
 

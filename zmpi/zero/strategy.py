@@ -351,6 +351,9 @@ class Strategy:
         waiting for it (another rank may never join), but keep their buffers alive for the
         rest of the process, so that MPI never writes into freed memory; release the gathered
         units and unit gradients (the next step gathers afresh) and clear the gradients."""
+        gathering = [request for _, request in self._gathered.values() if request is not None]
+        for request in [request for request, _ in self._pending] + gathering:
+            request.start()  # a queued one reaches MPI, as on the ranks that got this far
         _ABANDONED.extend(self._pending)
         _ABANDONED.extend(self._host_copies)
         self._pending, self._host_copies = [], []

@@ -54,6 +54,15 @@ def get_default_memory_pool():
     return _POOL
 
 
+def _poison(a):
+    """Fill `a` with values no computation expects (NaN, or all bits set): the state of a
+    buffer a copy has not reached yet."""
+    if a.dtype.kind == "f":
+        a.fill(_np.nan)
+    else:
+        a.view(_np.uint8).fill(0xFF)
+
+
 def _refuse(x):
     raise TypeError(f"Unsupported type {type(x)}: the cupy stand-in refuses host NumPy arrays "
                     "here; copy explicitly with cupy.asarray(...) or .get()")
@@ -129,10 +138,17 @@ class ndarray:  # noqa: N801 (CuPy's name)
     # -- explicit copies
     def get(self, stream=None, order="C", out=None, blocking=True):
         if out is None:
-            return self._a.copy()
+            out = _np.empty_like(self._a)
         if isinstance(out, ndarray):
             raise TypeError("out must be a NumPy array")
-        _np.copyto(out, self._a)
+        if out.shape != self._a.shape:
+            raise ValueError(f"get(): out shape {out.shape} != {self._a.shape}")
+        src = self._a
+        if stream is not None and not blocking and not stream.null:
+            _poison(out)  # the copy lands when its stream's event is waited for
+            stream._queue(lambda: _np.copyto(out, src))
+        else:
+            _np.copyto(out, src)
         return out
 
     def set(self, arr, stream=None):
@@ -141,7 +157,12 @@ class ndarray:  # noqa: N801 (CuPy's name)
         if arr.shape != self._a.shape or arr.dtype != self._a.dtype:
             raise ValueError(f"set(): shape/dtype {arr.shape} {arr.dtype} != "
                              f"{self._a.shape} {self._a.dtype}")
-        self._a[...] = arr
+        dst = self._a
+        if stream is not None and not stream.null:
+            _poison(dst)
+            stream._queue(lambda: dst.__setitem__(Ellipsis, arr))
+        else:
+            dst[...] = arr
 
     # -- conversion of 0-d (a sync on a GPU)
     def __float__(self):

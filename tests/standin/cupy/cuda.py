@@ -28,27 +28,67 @@ class Device:
 
 
 class Event:
-    done = True  # the stand-in's work is finished when it is queued
+    """Marks a point of a stream. The work queued on a side stream before it runs when the
+    event (or the stream) is synchronized, or when a stream waits for it; `done` answers
+    False once while such work is pending (as a copy still in flight would), then runs it."""
+
+    def __init__(self, ops=()):
+        self._ops = list(ops)
+        self._asked = False
+
+    def _run(self):
+        for op in self._ops:
+            op()
+        self._ops = []
+
+    @property
+    def done(self):
+        if self._ops and not self._asked:
+            self._asked = True
+            return False
+        self._run()
+        return True
 
     def synchronize(self):
-        pass
+        self._run()
 
     def record(self, stream=None):
-        pass
+        self._ops = [] if stream is None else list(stream._pending)
 
 
 class Stream:
+    """The null stream runs work at once (the stand-in's arithmetic is eager). A created
+    stream queues its asynchronous copies (`get(..., stream=s, blocking=False)`,
+    `set(..., stream=s)`) until an event recorded after them is waited for, or the stream is
+    synchronized: code that reads a copy's destination too early reads poison."""
+
     def __init__(self, null=False, non_blocking=False):
+        self.null = null
         self.non_blocking = non_blocking
+        self._pending = []  # callables, in order; each runs once
+
+    def _queue(self, op):
+        if self.null:
+            op()
+            return
+        def once():  # runs once, then leaves the queue (and drops what it holds)
+            if once in self._pending:
+                self._pending.remove(once)
+                op()
+        self._pending.append(once)
 
     def record(self, event=None):
-        return event or Event()
+        event = event or Event()
+        event.record(self)
+        return event
 
     def wait_event(self, event):
-        pass
+        event.synchronize()
 
     def synchronize(self):
-        pass
+        ops, self._pending = self._pending, []
+        for op in ops:
+            op()
 
     def use(self):
         global _current
