@@ -168,15 +168,21 @@ def main():
     tokens = args.micro_batch * comm.size * cfg.seq_len
     rows = []
     for stage in args.stages:
-        model = GPT(cfg, seed=0)
-        weights = {n: p.data.copy() for n, p in model.named_parameters()}
-        engine = Engine(model, {"train_micro_batch_size_per_gpu": args.micro_batch,
-                                "optimizer": {"type": "AdamW", "params": {"lr": args.lr}},
-                                "zero_optimization": {"stage": stage}}, comm)
-        ours, our_losses = time_steps(lambda i, e=engine: e.train_step(*batches[i]),
-                                      args.warmup, args.steps)
-        profile = engine.phases.table(comm) if args.profile else None
-        engine.close()
+        timed = {}
+        for overlap in (False, True):  # blocking: all communication is waited for
+            model = GPT(cfg, seed=0)
+            weights = {n: p.data.copy() for n, p in model.named_parameters()}
+            engine = Engine(model, {"train_micro_batch_size_per_gpu": args.micro_batch,
+                                    "optimizer": {"type": "AdamW", "params": {"lr": args.lr}},
+                                    "zero_optimization": {"stage": stage,
+                                                          "overlap_comm": overlap}}, comm)
+            step_s, our_losses = time_steps(lambda i, e=engine: e.train_step(*batches[i]),
+                                            args.warmup, args.steps)
+            waited = engine.phases.seconds["waited"] / engine.phases.steps
+            timed[overlap] = (step_s, comm.allreduce_scalar(waited, op="max"))
+            profile = engine.phases.table(comm) if args.profile else None
+            engine.close()
+        ours = timed[True][0]
         peer, optimizer = torch_setup(stage, torch_gpt(cfg, weights), args.lr, comm)
 
         def torch_step(i, peer=peer, optimizer=optimizer):
@@ -198,6 +204,9 @@ def main():
                      "torch_step_s": theirs, "ratio": ours / theirs,
                      "zmpi_tokens_per_s": tokens / ours, "torch_tokens_per_s": tokens / theirs,
                      "zmpi_mfu": flops / ours / peak, "torch_mfu": flops / theirs / peak,
+                     "zmpi_blocking_step_s": timed[False][0],
+                     "comm_s": timed[False][1], "exposed_comm_s": timed[True][1],
+                     "exposed": timed[True][1] / max(timed[False][1], 1e-12),
                      "first_loss": our_losses[0], "profile": profile})
         if comm.rank == 0 and profile:
             print(f"stage {stage}\n{profile}", flush=True)
@@ -209,11 +218,16 @@ def main():
           f"{comm.size} ranks x 1 thread; median of {args.steps} steps after {args.warmup}; "
           f"SGEMM peak {peak / 1e9:.1f} GFLOP/s per rank",
           "", "| stage | PyTorch peer | zmpi s/step | PyTorch s/step | zmpi / PyTorch | "
-          "zmpi tokens/s | zmpi MFU | PyTorch MFU |", "|---" * 8 + "|"]
+          "zmpi tokens/s | zmpi MFU | PyTorch MFU | comm s/step | exposed |",
+          "|---" * 10 + "|"]
     for r in rows:
         md.append(f"| {r['stage']} | {r['peer']} | {r['zmpi_step_s']:.3f} | "
                   f"{r['torch_step_s']:.3f} | {r['ratio']:.2f} | {r['zmpi_tokens_per_s']:,.0f} | "
-                  f"{100 * r['zmpi_mfu']:.0f}% | {100 * r['torch_mfu']:.0f}% |")
+                  f"{100 * r['zmpi_mfu']:.0f}% | {100 * r['torch_mfu']:.0f}% | "
+                  f"{r['comm_s']:.3f} | {100 * r['exposed']:.0f}% |")
+    md += ["", "zmpi runs with overlap_comm on. comm s/step: the time blocked in MPI per step with "
+           "overlap_comm off (all communication waited for); exposed: the time still blocked "
+           "with overlap on, as a share of it (slowest rank)."]
     print("\n".join(md))
     if args.out:
         write_results(args.out, rows, md, comm, argv=sys.argv, model=vars(cfg),

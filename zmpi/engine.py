@@ -52,29 +52,57 @@ from zmpi.zero.strategy import get_strategy
 class PhaseProfile:
     """Seconds per phase of train_step, summed over steps: forward, backward (compute plus the
     strategy's hooks), step (reductions, optimizer, publishing), and within them the time
-    blocked in MPI (`waited`: exposed communication) and in the optimizer. Host time: on a
-    GPU nothing is synchronised for it, so device work shows in the phase that next waits for
-    it; a delayed (DPU) update counts only where the step waits for it."""
+    blocked in MPI (`waited`: exposed communication) and in the optimizer; and per unit, the
+    seconds of its forward and backward (hooks included: a stage-3 gather shows in its unit)
+    and the MPI waits within them. Host time: on a GPU nothing is synchronised for it, so
+    device work shows in the phase that next waits for it; a delayed (DPU) update counts only
+    where the step waits for it."""
 
     PHASES = ("forward", "backward", "step", "optimizer", "waited")
+    UNIT_PHASES = ("forward", "backward", "waited")
 
-    def __init__(self):
+    def __init__(self, unit_names=()):
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.unit_names = list(unit_names)
+        self.units = [dict.fromkeys(self.UNIT_PHASES, 0.0) for _ in self.unit_names]
         self.steps = 0
+        self._unit_start = (0.0, 0.0)
 
     def clock(self):
         return _Clock(self)
 
+    def unit_begins(self) -> None:
+        from zmpi.comm import waited_seconds
+
+        self._unit_start = (time.perf_counter(), waited_seconds())
+
+    def unit_ends(self, u: int, phase: str) -> None:
+        from zmpi.comm import waited_seconds
+
+        start, waited = self._unit_start
+        self.units[u][phase] += time.perf_counter() - start
+        self.units[u]["waited"] += waited_seconds() - waited
+
     def table(self, comm) -> str:
-        """Every rank's seconds per step per phase (a collective)."""
-        rows = comm.allgather_object((comm.rank, self.steps, dict(self.seconds)))
+        """Every rank's milliseconds per step per phase, then per unit the slowest rank's
+        (a collective)."""
+        rows = comm.allgather_object((comm.rank, self.steps, dict(self.seconds), self.units))
         lines = [f"{'rank':>4} " + " ".join(f"{p + ' ms':>13}" for p in self.PHASES)
                  + f" {'exposed comm':>13}"]
-        for rank, steps, s in rows:
+        for rank, steps, s, _ in rows:
             per = {p: 1e3 * s[p] / max(steps, 1) for p in self.PHASES}
             total = per["forward"] + per["backward"] + per["step"]
             lines.append(f"{rank:>4} " + " ".join(f"{per[p]:>13.1f}" for p in self.PHASES)
                          + f" {100 * per['waited'] / max(total, 1e-9):>12.1f}%")
+        if self.unit_names:
+            w = max(map(len, self.unit_names))
+            lines.append(f"{'unit':>4} {'':<{w}}" + " ".join(f"{p + ' ms':>13}"
+                                                          for p in self.UNIT_PHASES))
+            for u, name in enumerate(self.unit_names):
+                worst = {p: max(1e3 * units[u][p] / max(steps, 1) for _, steps, _, units in rows)
+                         for p in self.UNIT_PHASES}
+                lines.append(f"{u:>4} {name:<{w}}"
+                             + " ".join(f"{worst[p]:>13.1f}" for p in self.UNIT_PHASES))
         return "\n".join(lines)
 
 
@@ -181,7 +209,8 @@ class Engine:
         self._unpublished = False  # a finished delayed update whose params are not published
         self.pending_save = None  # an asynchronous checkpoint save in flight
         self.update_timing = {"optimizer_s": 0.0, "waited_s": 0.0, "delayed_steps": 0}
-        self.phases = PhaseProfile()  # per-phase time of every train_step
+        # per-phase and per-unit time of every train_step
+        self.phases = PhaseProfile(type(u).__name__ for u in self.model.units)
         fp16 = self.config.fp16
         self.scaler = LossScaler.from_config(fp16) if fp16.enabled else LossScaler.disabled()
         self.global_steps = 0
@@ -195,16 +224,22 @@ class Engine:
 
     # ---- model hooks: unit object -> strategy hook on its index --------------------------
     def before_forward(self, unit):
+        self.phases.unit_begins()
         self.strategy.before_forward(self._unit_index[id(unit)])
 
     def after_forward(self, unit):
-        self.strategy.after_forward(self._unit_index[id(unit)])
+        u = self._unit_index[id(unit)]
+        self.strategy.after_forward(u)
+        self.phases.unit_ends(u, "forward")
 
     def before_backward(self, unit):
+        self.phases.unit_begins()
         self.strategy.before_backward(self._unit_index[id(unit)])
 
     def after_backward(self, unit):
-        self.strategy.after_backward(self._unit_index[id(unit)])
+        u = self._unit_index[id(unit)]
+        self.strategy.after_backward(u)
+        self.phases.unit_ends(u, "backward")
 
     # ---- training -------------------------------------------------------------------------
     def train_step(self, inputs, targets) -> float:

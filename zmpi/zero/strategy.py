@@ -341,6 +341,9 @@ class Strategy:
         communication with computation (`overlap_comm`)."""
         if self.overlap:
             self._pending.append((request, callback))
+            for pending, _ in self._pending:  # MPI progresses a collective only inside an
+                if not pending.test():        # MPI call: each launch drives those in flight
+                    break
         else:
             request.wait()
             if callback:
