@@ -16,7 +16,7 @@ export MKL_NUM_THREADS=1
 export ZMPI_BACKEND ?= numpy
 
 .PHONY: install test test-gpu demo lint clean tables bench bench-install bench-adam \
-	bench-offload bench-checkpoint bench-debug
+	bench-offload bench-checkpoint bench-debug reproduce report
 
 install: $(STAMP)
 
@@ -52,6 +52,23 @@ tables: $(STAMP)
 
 bench: bench-install
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_vs_torch.py --profile --out results/vs_torch_n$(NP)
+
+# Every paper table at this machine's scale (about 25 minutes on 2 cores), then
+# experiments/RESULTS.md with its figures (results/figures/).
+reproduce: bench-install
+	for n in 1 2 3 4; do \
+	  $(MPIEXEC) -n $$n $(PY) experiments/zero_tables.py --out results/zero_tables_n$$n || exit 1; \
+	done
+	$(MPIEXEC) -n 2 $(PY) experiments/bandwidth.py --out results/bandwidth_n2
+	$(MPIEXEC) -n 2 $(PY) experiments/largest_model.py --budget-mib 64 --d-model 256 \
+	  --out results/largest_n2
+	for n in 1 2 4; do \
+	  $(MPIEXEC) -n $$n $(PY) experiments/bench_vs_torch.py --out results/vs_torch_n$$n || exit 1; \
+	done
+	$(MAKE) report
+
+report: $(STAMP)
+	$(PY) experiments/report.py
 
 bench-debug: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_debug.py --out results/debug_n$(NP)

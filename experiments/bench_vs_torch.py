@@ -136,6 +136,11 @@ def time_steps(step, warmup, steps):
     return statistics.median(times), losses
 
 
+def _share(exposed: float, comm_s: float) -> str:
+    """The exposed share, or '-' where there is (next to) no communication to expose."""
+    return "-" if comm_s < 1e-3 else f"{100 * exposed:.0f}%"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None)
@@ -224,7 +229,7 @@ def main():
         md.append(f"| {r['stage']} | {r['peer']} | {r['zmpi_step_s']:.3f} | "
                   f"{r['torch_step_s']:.3f} | {r['ratio']:.2f} | {r['zmpi_tokens_per_s']:,.0f} | "
                   f"{100 * r['zmpi_mfu']:.0f}% | {100 * r['torch_mfu']:.0f}% | "
-                  f"{r['comm_s']:.3f} | {100 * r['exposed']:.0f}% |")
+                  f"{r['comm_s']:.3f} | {_share(r['exposed'], r['comm_s'])} |")
     md += ["", "zmpi runs with overlap_comm on. comm s/step: the time blocked in MPI per step with "
            "overlap_comm off (all communication waited for); exposed: the time still blocked "
            "with overlap on, as a share of it (slowest rank)."]

@@ -9,6 +9,11 @@ N; default 2), and writes what the MemoryLedger and the Comm counters saw as CSV
 plus run.json (config, git revision, environment). Traffic is what one rank sends under the
 ring model, per communicator: "world" for stages 0-3, "shard" (inside a group) and "replica"
 (across groups) for hybrid sharding.
+
+A second table, lab.md/lab.csv, is the lab table of the CSCS ZeRO lecture for stages 0-3:
+ranks, batch size, parameters, device memory at init (after the engine is built) and during
+training (the peak of one step: model states, activations and communication buffers, each
+counted by the ledger), per rank.
 """
 import argparse
 import sys
@@ -40,6 +45,7 @@ def measure(comm, model_cfg, label, zero, micro_batch):
         "zero_optimization": zero}, comm)
     data = SyntheticSource(model_cfg.vocab_size, model_cfg.seq_len, micro_batch * comm.size,
                            comm.rank, comm.size)
+    init_bytes = engine.memory.current(device="device")
     engine.memory.reset_peaks()
     engine.train_step(*data.sample(0))
     psi = engine.layout.full_numel
@@ -55,6 +61,11 @@ def measure(comm, model_cfg, label, zero, micro_batch):
         "shard_group_MiB": sent.get("world", sent.get("shard", 0)) / MIB,
         "replica_group_MiB": sent.get("replica", 0) / MIB,
         "sent": sent,
+        "global_batch": micro_batch * comm.size,
+        "init_MiB": init_bytes / MIB,
+        "training_peak_MiB": engine.memory.peak(device="device") / MIB,
+        "activation_peak_MiB": engine.memory.peak("activation", "device") / MIB,
+        "comm_buffer_peak_MiB": engine.memory.peak("comm_buffer", "device") / MIB,
     }
     if label.startswith("stage"):
         stage = int(label[-1])
@@ -89,9 +100,22 @@ def main():
                   f"{r['measured_MiB'] / stage3['measured_MiB']:.2f}x | {r['sent_MiB']:.3f} | "
                   f"{r['declared_sent_MiB']:.3f} | {r.get('formula_sent_MiB', float('nan')):.3f}"
                   f" | {r['shard_group_MiB']:.3f} | {r['replica_group_MiB']:.3f} | "
-                  f"{r['sent_MiB'] / stage3['sent_MiB']:.2f}x |")
+                  + (f"{r['sent_MiB'] / stage3['sent_MiB']:.2f}x |" if stage3["sent_MiB"]
+                     else "- |"))
     print("\n".join(md).replace("| nan |", "| - |"))
+    lab = [f"The lab table: GPT {rows[0]['psi']:,} params, fp16 + Adam, micro-batch "
+           f"{args.micro_batch} x seq {model_cfg.seq_len} per rank; device memory per rank "
+           "(MiB) counted by the ledger", "",
+           "| ZeRO stage | ranks | batch size | parameters | memory at init | memory during "
+           "training (peak) | of which activations | of which comm buffers |", "|---" * 8 + "|"]
+    for r in rows[:4]:
+        lab.append(f"| {r['strategy'][-1]} | {comm.size} | {r['global_batch']} | {r['psi']:,} | "
+                   f"{r['init_MiB']:.2f} | {r['training_peak_MiB']:.2f} | "
+                   f"{r['activation_peak_MiB']:.2f} | {r['comm_buffer_peak_MiB']:.2f} |")
+    print("\n" + "\n".join(lab))
     if args.out:
+        write_results(args.out, rows[:4], lab, comm, name="lab", argv=sys.argv,
+                      model=vars(model_cfg))
         write_results(args.out, rows, [m.replace("| nan |", "| - |") for m in md], comm,
                       argv=sys.argv, model=vars(model_cfg))
 

@@ -1,20 +1,39 @@
-"""Experiment scripts run end to end at a tiny size (what they print is checked, never a
-timing)."""
+"""Experiment scripts run end to end at a tiny size (what they write is checked, never a
+timing), into one results folder that experiments/report.py then turns into RESULTS.md."""
 import pytest
 from mpi_util import REPO_ROOT, launch_mpi
 
 EXPERIMENTS = REPO_ROOT / "experiments"
+ENV = {"PYTHONPATH": f"{REPO_ROOT}:{EXPERIMENTS}"}
+
+
+def _run(script, n, *args, timeout=180):
+    result = launch_mpi(EXPERIMENTS / script, n, timeout=timeout, args=list(args), env=ENV)
+    assert result.returncode == 0, result.describe()
+    return result
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    for n in (1, 2):
+        _run("zero_tables.py", n, "--n-layer", "1", "--d-model", "32", "--out",
+             out / f"zero_tables_n{n}")
+    _run("bandwidth.py", 2, "--sizes", "1024", "65536", "--repeats", "2", "--out",
+         out / "bandwidth_n2", timeout=120)
+    _run("largest_model.py", 2, "--budget-mib", "2", "--d-model", "64", "--max-layers", "6",
+         "--out", out / "largest_n2")
+    return out
+
+
+def _md_rows(path, prefix):
+    return [[c.strip() for c in line.split("|")[1:-1]]
+            for line in path.read_text().splitlines() if line.startswith(prefix)]
 
 
 @pytest.mark.mpi
-def test_largest_model_under_a_budget(tmp_path):
-    result = launch_mpi(EXPERIMENTS / "largest_model.py", 2, timeout=180, args=[
-        "--budget-mib", "2", "--d-model", "64", "--max-layers", "6", "--out", tmp_path / "out"],
-        env={"PYTHONPATH": f"{REPO_ROOT}:{EXPERIMENTS}"})
-    assert result.returncode == 0, result.describe()
-    rows = [line.split("|") for line in (tmp_path / "out" / "table.md").read_text().splitlines()
-            if line.startswith("| stage")]
-    layers = {r[1].strip(): r[2].strip() for r in rows}
+def test_largest_model_under_a_budget(results):
+    layers = {r[0]: r[1] for r in _md_rows(results / "largest_n2" / "table.md", "| stage")}
     assert len(layers) == 7 and int(layers["stage 0 (DP)"]) >= 1
     assert int(layers["stage 3"].rstrip("+")) >= int(layers["stage 0 (DP)"])
     most = int(layers["stage 3 + offload + params"].rstrip("+"))  # activations bound it now
@@ -22,11 +41,45 @@ def test_largest_model_under_a_budget(tmp_path):
 
 
 @pytest.mark.mpi
-def test_bandwidth_table(tmp_path):
-    result = launch_mpi(EXPERIMENTS / "bandwidth.py", 2, timeout=120, args=[
-        "--sizes", "1024", "65536", "--repeats", "2", "--out", tmp_path / "out"],
-        env={"PYTHONPATH": f"{REPO_ROOT}:{EXPERIMENTS}"})
-    assert result.returncode == 0, result.describe()
-    rows = [line for line in (tmp_path / "out" / "table.md").read_text().splitlines()
-            if line.startswith("| all") or line.startswith("| reduce")]
-    assert len(rows) == 6 and all(float(r.split("|")[5]) > 0 for r in rows)
+def test_bandwidth_table(results):
+    rows = [r for r in _md_rows(results / "bandwidth_n2" / "table.md", "| ")
+            if r[0] in ("allreduce", "reduce_scatter", "allgather")]
+    assert len(rows) == 6 and all(float(r[4]) > 0 for r in rows)
+
+
+@pytest.mark.mpi
+def test_lab_table(results):
+    import csv
+
+    for n in (1, 2):
+        md = _md_rows(results / f"zero_tables_n{n}" / "lab.md", "| ")[1:]  # after the header
+        assert [r[0] for r in md] == ["0", "1", "2", "3"] and {r[1] for r in md} == {str(n)}
+        with open(results / f"zero_tables_n{n}" / "lab.csv") as f:
+            rows = list(csv.DictReader(f))
+        init, peak, activations = ([float(r[k]) for r in rows] for k in
+                                   ("init_MiB", "training_peak_MiB", "activation_peak_MiB"))
+        assert all(a > 0 for a in activations)  # the layers' caches are counted
+        assert all(p >= i + a for p, i, a in zip(peak, init, activations, strict=True))
+        if n == 2:  # sharding shrinks what is held at init, stage by stage
+            assert init[0] > init[1] > init[2] > init[3], init
+
+
+@pytest.mark.mpi
+def test_report_collects_every_table_and_marks_what_is_missing(results, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "RESULTS.md"
+    subprocess.run([sys.executable, EXPERIMENTS / "report.py", "--results", results, "--out",
+                    out], env={**ENV, "MPLBACKEND": "Agg"}, check=True, cwd=REPO_ROOT)
+    text = out.read_text()
+    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5."):
+        assert heading in text
+    fig1 = _md_rows(out, "| 0 |") + _md_rows(out, "| 3 |")
+    assert ["0", "120", "120.0"] in fig1 and ["3", "1.9", "1.9"] in fig1  # the paper's Fig. 1
+    measured = [r for r in _md_rows(out, "| 1 |") + _md_rows(out, "| 2 |") if " = " in r[1]]
+    assert len(measured) == 2 and all(" = " in c for r in measured for c in r[1:])
+    assert "Not measured yet: throughput" in text  # no bench run here: said, not invented
+    for png in ("memory_per_device", "comm_volume", "bandwidth", "largest_model"):
+        assert (results / "figures" / f"{png}.png").stat().st_size > 1000
+        assert f"figures/{png}.png" in text
