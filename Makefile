@@ -53,7 +53,7 @@ tables: $(STAMP)
 bench: bench-install
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_vs_torch.py --profile --out results/vs_torch_n$(NP)
 
-# Every paper table at this machine's scale (about 25 minutes on 2 cores), then
+# Every paper table at this machine's scale (about 15 minutes on 2 cores), then
 # experiments/RESULTS.md with its figures (results/figures/).
 reproduce: bench-install
 	for n in 1 2 3 4; do \

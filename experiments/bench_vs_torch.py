@@ -215,7 +215,11 @@ def main():
                      "first_loss": our_losses[0], "profile": profile})
         if comm.rank == 0 and profile:
             print(f"stage {stage}\n{profile}", flush=True)
+    # gloo's teardown races when one rank destroys its group (rank 0 hosts the TCP store)
+    # while another still uses it ("terminate called without an active exception")
+    comm.barrier()
     dist.destroy_process_group()
+    comm.barrier()
     if comm.rank != 0:
         return
     md = [f"GPT d_model {cfg.d_model}, {cfg.n_layer} layers, {cfg.n_head} heads, vocab "

@@ -21,6 +21,7 @@ import sys
 import numpy as np
 
 from results import write_results
+from zmpi import backend
 from zmpi.comm import Comm
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
@@ -66,6 +67,10 @@ def measure(comm, model_cfg, label, zero, micro_batch):
         "training_peak_MiB": engine.memory.peak(device="device") / MIB,
         "activation_peak_MiB": engine.memory.peak("activation", "device") / MIB,
         "comm_buffer_peak_MiB": engine.memory.peak("comm_buffer", "device") / MIB,
+        # on a GPU, CuPy's pool after the step: live arrays, and what it holds (its cached
+        # blocks keep the step's peak); zeros on a CPU
+        "pool_used_MiB": engine.memory.device_pool_bytes()["used"] / MIB,
+        "pool_held_MiB": engine.memory.device_pool_bytes()["held"] / MIB,
     }
     if label.startswith("stage"):
         stage = int(label[-1])
@@ -107,11 +112,15 @@ def main():
            f"{args.micro_batch} x seq {model_cfg.seq_len} per rank; device memory per rank "
            "(MiB) counted by the ledger", "",
            "| ZeRO stage | ranks | batch size | parameters | memory at init | memory during "
-           "training (peak) | of which activations | of which comm buffers |", "|---" * 8 + "|"]
+           "training (peak) | of which activations | of which comm buffers |"
+           + (" CuPy pool used | CuPy pool held |" if backend.is_gpu else ""),
+           "|---" * (10 if backend.is_gpu else 8) + "|"]
     for r in rows[:4]:
         lab.append(f"| {r['strategy'][-1]} | {comm.size} | {r['global_batch']} | {r['psi']:,} | "
                    f"{r['init_MiB']:.2f} | {r['training_peak_MiB']:.2f} | "
-                   f"{r['activation_peak_MiB']:.2f} | {r['comm_buffer_peak_MiB']:.2f} |")
+                   f"{r['activation_peak_MiB']:.2f} | {r['comm_buffer_peak_MiB']:.2f} |"
+                   + (f" {r['pool_used_MiB']:.2f} | {r['pool_held_MiB']:.2f} |"
+                      if backend.is_gpu else ""))
     print("\n" + "\n".join(lab))
     if args.out:
         write_results(args.out, rows[:4], lab, comm, name="lab", argv=sys.argv,
