@@ -57,7 +57,8 @@ class TokenPositionEmbedding(Module):
         if T > self.wpe.shape[0]:
             raise ValueError(f"sequence length {T} > seq_len {self.wpe.shape[0]}")
         tok, tok_cache = embedding_lookup(self.wte, idx)  # (B, T, C)
-        pos, pos_cache = embedding_lookup(self.wpe, xp.arange(T))  # (T, C)
+        # positions 0..T-1 are in range (T <= seq_len above): no check, no device sync
+        pos, pos_cache = embedding_lookup(self.wpe, xp.arange(T), check=False)  # (T, C)
         self._save(tok_cache, pos_cache)
         return tok + pos
 

@@ -150,6 +150,41 @@ def test_collectives_on_device_buffers(n):
         assert rep["aware_staged_bytes"] == {"to_host": 8, "to_device": 8}
 
 
+def test_a_training_step_syncs_the_device_four_times():
+    """Device -> host value transfers (each a stream sync on a GPU) in one step on the
+    stand-in, stage 0 and 3, fp32 and fp16, with clipping: the token ids' range check, the
+    targets' range check (one transfer each: min and max together), the gradients' sum of
+    squares (finite check and clipping norm at once) and the loss. A new float() in the step
+    fails this test."""
+    code = """
+import sys
+sys.path[:0] = ["tests/ranks", "tests"]
+import cupy, numpy as np
+from zero_checks import GPT_CONFIG, config, gpt_data
+from zmpi.comm import Comm
+from zmpi.engine import Engine
+from zmpi.models.gpt import GPT
+from zmpi.nn import functional as F
+comm = Comm()
+for ignore in (None, 3):
+    before = cupy.SYNCS[0]
+    F.check_indices(cupy.asarray(np.arange(10)), 10, "ids", ignore)
+    assert cupy.SYNCS[0] - before == 1
+counts = []
+for stage in (0, 3):
+    for dtype in ("fp32", "fp16"):
+        engine = Engine(GPT(GPT_CONFIG, seed=0), config(stage, dtype, clip=1.0), comm)
+        data = gpt_data(comm, 1)
+        engine.train_step(*data.sample(0))
+        before = cupy.SYNCS[0]
+        engine.train_step(*data.sample(1))
+        counts.append(cupy.SYNCS[0] - before)
+assert counts == [4, 4, 4, 4], counts
+"""
+    env = {**STANDIN, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, check=True)
+
+
 def test_staged_inplace_allgather_copies_only_this_ranks_block():
     code = """
 import numpy as np, cupy

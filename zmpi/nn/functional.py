@@ -53,17 +53,20 @@ def check_indices(idx, n: int, what: str, ignore=None) -> None:
         raise TypeError(f"{what} must be integer ids in [0, {n}), got dtype {idx.dtype}")
     if idx.size == 0:
         return
-    valid = idx if ignore is None else idx[idx != ignore]
-    if valid.size and (int(valid.min()) < 0 or int(valid.max()) >= n):
-        bad = int(valid.min()) if int(valid.min()) < 0 else int(valid.max())
+    # ignored entries count as 0 (a valid id), not dropped: a boolean gather syncs a GPU
+    valid = idx if ignore is None else xp.where(idx != ignore, idx, 0)
+    lo, hi = xp.stack([valid.min(), valid.max()]).tolist()  # one device -> host transfer
+    if lo < 0 or hi >= n:
         raise IndexError(f"{what} must be in [0, {n})"
                          + (f" or {ignore}" if ignore is not None else "")
-                         + f", found {bad} (min {int(valid.min())}, max {int(valid.max())})")
+                         + f", found {lo if lo < 0 else hi} (min {lo}, max {hi})")
 
 
-def embedding_forward(idx, W):
-    """y = W[idx].  idx (...) int in [0, V), W (V, C) -> y (..., C).  cache = (idx, V)."""
-    check_indices(idx, W.shape[0], "embedding indices")
+def embedding_forward(idx, W, check: bool = True):
+    """y = W[idx].  idx (...) int in [0, V), W (V, C) -> y (..., C).  cache = (idx, V).
+    check=False skips `check_indices` (one device sync) for ids known to be in range."""
+    if check:
+        check_indices(idx, W.shape[0], "embedding indices")
     return W[idx], (idx, W.shape[0])
 
 

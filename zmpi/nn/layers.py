@@ -84,14 +84,15 @@ class Embedding(Module):
         return None
 
 
-def embedding_lookup(p, idx):
+def embedding_lookup(p, idx, check: bool = True):
     """Rows `idx` of Parameter `p`, gathered in the storage dtype then cast to the compute dtype
-    (so float16 storage never makes a float32 copy of the whole table).
+    (so float16 storage never makes a float32 copy of the whole table). check: as in
+    F.embedding_forward.
 
     Returns (y (..., C), embedding cache).
     """
     W = live(p)  # (V, C)
-    y, cache = F.embedding_forward(idx, W)
+    y, cache = F.embedding_forward(idx, W, check)
     return y.astype(compute_dtype(W), copy=False), cache
 
 

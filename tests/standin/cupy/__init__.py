@@ -21,6 +21,7 @@ from . import cuda  # noqa: F401  (cupy.cuda)
 
 __version__ = "13.0.0-standin"
 STANDIN = True
+SYNCS = [0]  # stand-in only: device -> host value transfers so far (float(), int(), .get())
 
 
 class _Pool:
@@ -144,6 +145,8 @@ class ndarray:  # noqa: N801 (CuPy's name)
         if out.shape != self._a.shape:
             raise ValueError(f"get(): out shape {out.shape} != {self._a.shape}")
         src = self._a
+        if blocking:
+            SYNCS[0] += 1
         if stream is not None and not blocking and not stream.null:
             _poison(out)  # the copy lands when its stream's event is waited for
             stream._queue(lambda: _np.copyto(out, src))
@@ -164,20 +167,29 @@ class ndarray:  # noqa: N801 (CuPy's name)
         else:
             dst[...] = arr
 
-    # -- conversion of 0-d (a sync on a GPU)
+    # -- conversion to host values (each a device -> host transfer and a sync on a GPU,
+    # counted in SYNCS)
     def __float__(self):
+        SYNCS[0] += 1
         return float(self._a)
 
     def __int__(self):
+        SYNCS[0] += 1
         return int(self._a)
 
     def __bool__(self):
+        SYNCS[0] += 1
         return bool(self._a)
+
+    def tolist(self):
+        SYNCS[0] += 1
+        return self._a.tolist()
 
     def __index__(self):
         return int(self._a)
 
     def item(self):
+        SYNCS[0] += 1
         return self._a.item()
 
     # -- indexing
