@@ -645,6 +645,7 @@ class Comm:
         if MPI.Is_finalized():
             return
         try:
+            self._start_queued()  # the check is a collective: after what is queued
             self._check_call("end of program", site="exit")
         except CollectiveMismatch as e:
             sys.stderr.write(f"[rank {self.rank}] {e}\n")
