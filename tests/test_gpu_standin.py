@@ -139,6 +139,8 @@ def test_collectives_on_device_buffers(n):
         assert rep["allreduce"] == [total] * 8
         assert rep["first_started_by_second"] and rep["queued_started_by_blocking"], rep
         assert rep["in_order"] == [[n] * 4, [2.0 * n] * 6] and rep["scalar"] == n
+        assert rep["failed_start"] == ["OSError", "RuntimeError"]  # never a silent result
+        assert rep["after_failure"] == [n] * 2 and rep["shared_queue"]
         col = [sum((rr + 1) * (2 * r + k) for rr in range(n)) for k in range(2)]
         assert rep["reduce_scatter"] == col
         assert rep["allgather"] == [float(rr) for rr in range(n) for _ in range(2)]

@@ -19,8 +19,8 @@ Device choice: at import, under CuPy, from the launcher's node-local rank variab
 SLURM_LOCALID), before MPI is initialised (`zmpi.comm` imports this module first); the engine
 falls back to the local rank of a shared-memory split.
 
-This module imports no MPI; `zmpi.comm` calls `synchronize()` before handing a device
-buffer to MPI.
+This module imports no MPI; `zmpi.comm` hands a device buffer to MPI only once the work
+that wrote it is done (`StreamPoint`, `HostCopy`: CUDA events, no device-wide sync).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ counts what crossed. All of this lives in `Comm._run` and `Request`.
 
 Counters. `comm.counters[op]` is an `OpCounter(calls, bytes, sent)` for op in
 'allreduce', 'reduce_scatter', 'allgather', 'broadcast', 'allreduce_scalar', 'object'
-(blocking and non-blocking calls count under the same name, at the time they are started).
+(blocking and non-blocking calls count under the same name, when they are called).
 `bytes` is the logical payload: allreduce buf.nbytes, reduce_scatter send.nbytes, allgather
 recv.nbytes (the full gathered buffer), broadcast buf.nbytes, allreduce_scalar 8, object the
 pickled size. `sent` is what this rank sends under bandwidth-optimal ring algorithms, for a
@@ -258,6 +258,7 @@ class Request:
         self._held = held  # staging buffers to return to the pool
         self.started = False
         self.done = False
+        self._failed: BaseException | None = None  # what starting it raised
 
     def ready_to_start(self) -> bool:
         """True once the data MPI reads is in place (never blocks)."""
@@ -268,6 +269,9 @@ class Request:
         """Start this collective and every one queued before it on its Comm, waiting for
         their inputs (local copies only: never for another rank)."""
         if not self.started:
+            if self._failed is not None or self not in self._comm._queue:
+                raise RuntimeError(f"this {self.op} never reached MPI: starting it failed "
+                                   f"({self._failed!r})") from self._failed
             self._comm._start_queued(through=self)
 
     def _start(self) -> None:
@@ -585,6 +589,9 @@ def mpi_flavour() -> str:
 # --------------------------------------------------------------------------- Comm
 
 
+_QUEUES: dict[int, list] = {}  # MPI communicator handle -> its queued requests
+
+
 class Comm:
     """A communicator: rank, size, node-local rank, collectives and counters.
 
@@ -604,7 +611,9 @@ class Comm:
         self.nonblocking_on_device = mpi_flavour() != "Open MPI"
         self.counters = {op: OpCounter() for op in OPS}
         self.staged_bytes = {"to_host": 0, "to_device": 0}  # device buffers staged via the host
-        self._queue: list[Request] = []  # collectives waiting for their inputs, in call order
+        # collectives waiting for their inputs, in call order; one queue per MPI communicator,
+        # shared by every Comm wrapping it (MPI's ordering rule is per communicator)
+        self._queue: list[Request] = _QUEUES.setdefault(self.mpi.py2f(), [])
         self.check_collectives = False
         self._calls = 0  # collectives started on this communicator (the debug check's index)
         if os.environ.get("ZMPI_DEBUG", "").strip() not in ("", "0"):
@@ -749,7 +758,11 @@ class Comm:
             if not block and not self._queue[0].ready_to_start():
                 return
             req = self._queue.pop(0)
-            req._start()
+            try:
+                req._start()
+            except BaseException as e:  # its own wait() must not pass for a completion
+                req._failed = e
+                raise
             if req is through:
                 return
 

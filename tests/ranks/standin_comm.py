@@ -44,6 +44,33 @@ out["scalar"] = comm.allreduce_scalar(1.0)
 out["queued_started_by_blocking"] = rc.started
 rc.wait()
 
+# A request whose start fails never passes for completed: its wait() raises, every time.
+f = cupy.asarray(np.ones(4, np.float32))
+rf = comm.iallreduce(f)
+
+
+def _refuse():
+    raise OSError("injected")
+
+
+rf._start_mpi = _refuse
+errors = []
+for _ in range(2):
+    try:
+        rf.wait()
+    except (OSError, RuntimeError) as e:
+        errors.append(type(e).__name__)
+out["failed_start"] = errors
+out["after_failure"] = comm.allreduce(cupy.asarray(np.ones(2, np.float32))).get().tolist()
+
+# Every Comm on one communicator shares its queue: a collective through another Comm object
+# starts what this one queued.
+other = Comm()
+rq = comm.iallreduce(cupy.asarray(np.ones(3, np.float32)))
+other.barrier()
+out["shared_queue"] = rq.started
+rq.wait()
+
 # reduce-scatter, allgather, in-place allgather of bf16 (2-byte words), broadcast
 send = cupy.asarray(np.arange(2 * n, dtype=np.float32) * (r + 1))
 recv = cupy.zeros(2, np.float32)

@@ -356,7 +356,10 @@ class Strategy:
         units and unit gradients (the next step gathers afresh) and clear the gradients."""
         gathering = [request for _, request in self._gathered.values() if request is not None]
         for request in [request for request, _ in self._pending] + gathering:
-            request.start()  # a queued one reaches MPI, as on the ranks that got this far
+            try:
+                request.start()  # a queued one reaches MPI, as on the ranks that got this far
+            except Exception:  # noqa: S110 (the step's own error is the one to report)
+                pass
         _ABANDONED.extend(self._pending)
         _ABANDONED.extend(self._host_copies)
         self._pending, self._host_copies = [], []

@@ -144,6 +144,8 @@ class ndarray:  # noqa: N801 (CuPy's name)
             raise TypeError("out must be a NumPy array")
         if out.shape != self._a.shape:
             raise ValueError(f"get(): out shape {out.shape} != {self._a.shape}")
+        if out.dtype != self._a.dtype:
+            raise TypeError(f"get(): out dtype {out.dtype} != {self._a.dtype}")
         src = self._a
         if blocking:
             SYNCS[0] += 1
