@@ -231,7 +231,8 @@ def account_staging_in(ledger) -> None:
 
 class Request:
     """A collective, queued or started. `wait()` (idempotent) completes it and returns the
-    result array; `test()` completes it if MPI has finished and says whether it is done.
+    result array; `test()` starts it if its inputs are ready, completes it if MPI has finished,
+    and says whether it is done (it never blocks).
 
     A collective on device buffers may wait to start: MPI may only read the buffers once the
     GPU has written them (its device-to-host staging copy, or the kernels that wrote a buffer
@@ -286,6 +287,8 @@ class Request:
         self.started = True
 
     def test(self) -> bool:
+        if not self.started and self._failed is None:
+            self._comm._start_queued(block=False)  # start it (and those before) if ready
         if self.started and not self.done and (self._mpi is None or self._mpi.Test()):
             self._finish()
         return self.done
