@@ -16,6 +16,7 @@ import json
 import os
 from pathlib import Path
 
+from zmpi.cli import gpt_num_params
 from zmpi.memory import model_state_bytes
 
 STAGES = (0, 1, 2, 3)
@@ -108,6 +109,11 @@ class Report:
     def missing(self, what: str, command: str) -> None:
         self.add("", f"*Not measured yet: {what}. Run `{command}`.*", "")
 
+    def zero_tables(self, ns) -> dict[int, dict[str, dict]]:
+        """{N: {strategy: row}} of results/zero_tables_n<N>/table.csv."""
+        return {n: {r["strategy"]: r for r in self.rows(self.results / f"zero_tables_n{n}")}
+                for n in ns}
+
     # ---- 1. memory per device
     def memory(self) -> None:
         self.add("## 1. Model-state memory per device (ZeRO, Fig. 1)", "",
@@ -121,8 +127,7 @@ class Report:
         ns = world_sizes(self.results, "zero_tables")
         if not ns:
             return self.missing("measured model states", "make reproduce")
-        measured = {n: {r["strategy"]: r for r in self.rows(self.results / f"zero_tables_n{n}")}
-                    for n in ns}
+        measured = self.zero_tables(ns)
         psi = int(measured[ns[0]]["stage0"]["psi"])
         self.add(f"Measured here: the demo GPT ({psi:,} parameters, fp16 + Adam), one training "
                  "step, model-state bytes per rank as the memory ledger counted them, beside "
@@ -190,8 +195,7 @@ class Report:
         if not ns:
             return self.missing("traffic", "make reproduce")
         rows, series = [], []
-        measured = {n: {r["strategy"]: r for r in self.rows(self.results / f"zero_tables_n{n}")}
-                    for n in ns}
+        measured = self.zero_tables(ns)
         psi = int(measured[ns[0]]["stage0"]["psi"])
         for n in ns:
             rows.append([n] + [f"{float(measured[n][f'stage{s}']['sent_MiB']):.3f} "
@@ -240,10 +244,9 @@ class Report:
         bench = self.rows(self.results / "vs_torch_n2")
         if not bw or not bench:
             return
-        from zmpi.models.gpt import GPT, GPTConfig
-
-        meta = json.loads((self.results / "vs_torch_n2" / "run.json").read_text())
-        psi = GPT(GPTConfig(**meta["model"]), seed=0).num_parameters()
+        model = json.loads((self.results / "vs_torch_n2" / "run.json").read_text())["model"]
+        psi = gpt_num_params(model["n_layer"], model["d_model"], model["vocab_size"],
+                             model["seq_len"])
         largest = max(int(r["bytes"]) for r in bw)
         busbw = {r["op"]: float(r["busbw_GBps"]) * 1e9 for r in bw if int(r["bytes"]) == largest}
         per_pass = 4 * psi / 2  # fp32 bytes one rank sends in one pass, (N-1)/N = 1/2

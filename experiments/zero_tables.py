@@ -69,8 +69,7 @@ def measure(comm, model_cfg, label, zero, micro_batch):
         "comm_buffer_peak_MiB": engine.memory.peak("comm_buffer", "device") / MIB,
         # on a GPU, CuPy's pool after the step: live arrays, and what it holds (its cached
         # blocks keep the step's peak); zeros on a CPU
-        "pool_used_MiB": engine.memory.device_pool_bytes()["used"] / MIB,
-        "pool_held_MiB": engine.memory.device_pool_bytes()["held"] / MIB,
+        **{f"pool_{k}_MiB": v / MIB for k, v in engine.memory.device_pool_bytes().items()},
     }
     if label.startswith("stage"):
         stage = int(label[-1])
