@@ -4,11 +4,13 @@
 
 On the same arrays, one thread each (the setting an offloading rank gets per core), for
 shards of 1 M to 64 M fp32 elements: zmpi's `HostAdam` (fp32 gradients, and fp16 gradients
-as ZeRO-Offload hands them over), a textbook NumPy Adam whose every line allocates
-shard-sized temporaries, and torch.optim.AdamW with `foreach=True` and `fused=True` (torch
-from the `bench` extra; skipped if missing). Prints elements/s, the ratio to torch fused and
-the fraction of the memory-bandwidth limit: Adam reads p, g, m, v and writes p, m, v, 28 bytes
-per fp32 element (26 with fp16 gradients), against the copy bandwidth measured at start-up.
+as ZeRO-Offload hands them over), once as one compiled loop (zmpi.host_kernels, Numba: the
+`fast` extra, skipped if missing) and once as NumPy ufuncs (ZMPI_NUMBA=0), a textbook NumPy
+Adam whose every line allocates shard-sized temporaries, and torch.optim.AdamW with
+`foreach=True` and `fused=True` (torch from the `bench` extra; skipped if missing). Prints
+elements/s, the ratio to torch fused and the fraction of the memory-bandwidth limit: Adam
+reads p, g, m, v and writes p, m, v, 28 bytes per fp32 element (26 with fp16 gradients),
+against the copy bandwidth measured at start-up.
 Before timing, zmpi's result is checked against the textbook one. Timings are the best of
 --repeats steps after one warm-up step.
 """
@@ -22,6 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 from results import write_results  # noqa: E402
+from zmpi import host_kernels  # noqa: E402
 from zmpi.comm import Comm  # noqa: E402
 from zmpi.optim.adam import HostAdam  # noqa: E402
 
@@ -59,7 +62,12 @@ def bench_numpy(n, repeats, grad_dtype):
     results = {}
     opt = HostAdam(**HYPER, threads=1)
     state = [p.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)]
-    results["zmpi HostAdam"] = best_time(lambda: opt.step_(state[0], grads, *state[1:]), repeats)
+    if host_kernels.adam is not None:
+        results["zmpi HostAdam (Numba)"] = best_time(
+            lambda: opt.step_(state[0], grads, *state[1:]), repeats)
+    with host_kernels.disabled():
+        results["zmpi HostAdam (NumPy ufuncs)"] = best_time(
+            lambda: opt.step_(state[0], grads, *state[1:]), repeats)
     if grad_dtype == np.float32:
         naive = [p.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32), [0]]
 
@@ -107,7 +115,7 @@ def main():
         n = size << 20
         timings = {}
         timings.update(bench_numpy(n, args.repeats, np.float32))
-        timings.update({k + " (fp16 grads)": t
+        timings.update({k + ", fp16 grads": t
                         for k, t in bench_numpy(n, args.repeats, np.float16).items()})
         timings.update(bench_torch(n, args.repeats))
         fused = timings.get("torch AdamW fused")
@@ -118,7 +126,7 @@ def main():
                          "vs_torch_fused": fused / seconds if fused else float("nan"),
                          "bandwidth_fraction": n * bytes_per / seconds / bandwidth})
             r = rows[-1]
-            print(f"{size:>3} M  {name:<28} {r['G_elements_per_s']:6.3f} G elem/s  "
+            print(f"{size:>3} M  {name:<40} {r['G_elements_per_s']:6.3f} G elem/s  "
                   f"{r['vs_torch_fused']:5.2f}x torch fused  "
                   f"{r['bandwidth_fraction']:5.1%} of bandwidth", flush=True)
     md = [f"Adam step on one thread, fp32 state; copy bandwidth {bandwidth / 1e9:.1f} GB/s "

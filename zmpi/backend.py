@@ -31,6 +31,8 @@ import sys
 import ml_dtypes
 import numpy as np
 
+from zmpi import host_kernels
+
 _DTYPES = {
     "float64": np.dtype(np.float64),
     "fp64": np.dtype(np.float64),
@@ -253,9 +255,9 @@ def copy_(dst, src):
     ZeRO-Offload sends back after the host update is fp16 parameters). Device -> host casts
     on the device, then copies. Returns once dst holds the values."""
     if is_device_array(dst) == is_device_array(src):
-        dst[...] = src
+        host_kernels.cast_(dst, src)
     elif is_device_array(dst):
-        to_device(np.asarray(src, dtype=dst.dtype), out=dst)
+        to_device(host_kernels.astype(np.asarray(src), dst.dtype), out=dst)
         synchronize()
     else:
         to_host(src.astype(dst.dtype, copy=False), out=dst)

@@ -8,6 +8,7 @@ sets them to None while ZeRO-3 has the unit's parameters released. Layers theref
 
 import numpy
 
+from zmpi import host_kernels
 from zmpi.backend import array_module, compute_dtype
 
 
@@ -61,7 +62,7 @@ def compute_data(p):
     an upcast copy (on NumPy: float32). Call it at every use; do not keep the result.
     """
     data = live(p, "data")
-    return data.astype(compute_dtype(data), copy=False)
+    return host_kernels.astype(data, compute_dtype(data))
 
 
 def accumulate_grad_(p, dW):
@@ -78,4 +79,6 @@ def accumulate_grad_(p, dW):
         # A float16 overflow to inf here is expected: the loss scaler detects it and skips
         # the step, so NumPy's cast warning is noise (CuPy does not warn).
         with numpy.errstate(over="ignore", invalid="ignore"):
-            grad[...] = grad.astype(dW.dtype) + dW
+            total = host_kernels.astype(grad, dW.dtype)  # a copy
+            total += dW
+            host_kernels.cast_(grad, total)

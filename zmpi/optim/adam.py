@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from zmpi import host_kernels
 from zmpi.backend import array_module
 
 HOST_CHUNK = 65536  # elements; p, m, v and two fp32 scratch chunks stay within L2/L3
@@ -34,31 +35,62 @@ HOST_CHUNK = 65536  # elements; p, m, v and two fp32 scratch chunks stay within 
 def adam_chunk_(param, grads, m, v, scratch, step, lr, betas, eps, weight_decay, decoupled,
                 grad_scale=1.0, clip_coef=1.0) -> None:
     """One Adam(W) update of a contiguous chunk, in place. `grads` (any float dtype) is read
-    only; `scratch` is two arrays of the master dtype, each at least len(param) long."""
-    xp = array_module(param)
+    only; `scratch` is two arrays of the master dtype, each at least len(param) long.
+
+    On NumPy arrays with the `fast` extra this is one compiled loop (host_kernels.adam), else
+    ufuncs; both do the same operations on the same scalars, so they give the same bits."""
     n = param.shape[0]
-    g, t = scratch[0][:n], scratch[1][:n]
-    beta1, beta2 = betas
-    _scaled_(g, grads, grad_scale * clip_coef)             # g = grad / (loss scale x ranks x
+    k = AdamCoefficients.of(param.dtype, step, lr, betas, eps, weight_decay, decoupled,
+                            grad_scale * clip_coef)
+    if host_kernels.adam is not None and array_module(param) is np:
+        if grads.dtype != param.dtype:  # numba has no float16/bfloat16: convert first
+            grads = host_kernels.cast_(scratch[0][:n], grads)
+        host_kernels.adam(param, grads, m, v, *k)
+    else:
+        _adam_ufuncs_(param, grads, m, v, scratch[0][:n], scratch[1][:n], k)
+
+
+class AdamCoefficients(tuple):
+    """The update's scalars, computed in float64 and rounded once to the master dtype:
+    (scale, l2, beta1, 1 - beta1, beta2, 1 - beta2, eps_hat, decay, step_size), with
+    scale = grad_scale x clip_coef, l2 the L2 weight decay (0 for AdamW), eps_hat = eps
+    sqrt(1 - beta2^t), decay = 1 - lr wd for AdamW (else 1), step_size = lr
+    sqrt(1 - beta2^t) / (1 - beta1^t): so that p -= step_size m / (sqrt(v) + eps_hat) is
+    p -= lr m_hat / (sqrt(v_hat) + eps) without dividing m and v."""
+
+    @classmethod
+    def of(cls, dtype, step, lr, betas, eps, weight_decay, decoupled, scale):
+        beta1, beta2 = betas
+        bias1, bias2_sqrt = 1 - beta1**step, math.sqrt(1 - beta2**step)
+        decay = 1 - lr * weight_decay if weight_decay and decoupled else 1.0
+        l2 = weight_decay if weight_decay and not decoupled else 0.0
+        values = (scale, l2, beta1, 1 - beta1, beta2, 1 - beta2, eps * bias2_sqrt, decay,
+                  lr * bias2_sqrt / bias1)
+        return cls(np.dtype(dtype).type(x) for x in values)
+
+
+def _adam_ufuncs_(param, grads, m, v, g, t, k) -> None:
+    """adam_chunk_ as ufuncs on any array module; g, t: scratch of the chunk's length."""
+    xp = array_module(param)
+    scale, l2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps_hat, decay, step_size = k
+    _scaled_(g, grads, scale)                              # g = grad / (loss scale x ranks x
                                                            #     accumulation) x clip coef
-    if weight_decay and not decoupled:
-        xp.multiply(param, weight_decay, out=t)
+    if l2:
+        xp.multiply(param, l2, out=t)
         g += t                                             # g = g + wd p        (L2, Adam)
     m *= beta1
-    xp.multiply(g, 1 - beta1, out=t)
+    xp.multiply(g, one_minus_beta1, out=t)
     m += t                                                 # m = b1 m + (1 - b1) g
     v *= beta2
     xp.multiply(g, g, out=t)
-    t *= 1 - beta2
+    t *= one_minus_beta2
     v += t                                                 # v = b2 v + (1 - b2) g^2
-    bias1 = 1 - beta1**step
-    bias2_sqrt = math.sqrt(1 - beta2**step)
     xp.sqrt(v, out=t)
-    t += eps * bias2_sqrt                                  # (sqrt(v_hat) + eps) * sqrt(bias2)
-    if weight_decay and decoupled:
-        param *= 1 - lr * weight_decay                     # p = p - lr wd p     (AdamW)
+    t += eps_hat                                           # (sqrt(v_hat) + eps) * sqrt(bias2)
+    if decay != 1:
+        param *= decay                                     # p = p - lr wd p     (AdamW)
     xp.divide(m, t, out=t)
-    t *= lr * bias2_sqrt / bias1
+    t *= step_size
     param -= t                                             # p = p - lr m_hat / (sqrt(v_hat) + eps)
 
 
@@ -69,7 +101,7 @@ def _scaled_(out, grads, scale) -> None:
     if grads.dtype == out.dtype:
         xp.multiply(grads, scale, out=out)
         return
-    out[...] = grads
+    host_kernels.cast_(out, grads)
     if scale != 1.0:
         out *= scale
 

@@ -6,6 +6,7 @@ whole units of the model-wide gradient buffer, launched as soon as backward has 
 last unit (non-blocking when `overlap_comm`), and only on the micro-step that ends a gradient
 accumulation. Traffic per step: one allreduce of Psi, i.e. 2 Psi (N-1)/N per rank on a ring.
 """
+from zmpi import backend
 from zmpi.zero.strategy import Strategy, register
 
 
@@ -30,7 +31,7 @@ class Stage0(Strategy):
             self._launch(self.comm.iallreduce(self.grads_full[bucket]))
 
     def publish_params(self):
-        self.params_full[...] = self.master
+        backend.copy_(self.params_full, self.master)
 
     def expected_traffic(self):
         return {"world": self.ring_bytes(self.layout.full_numel, passes=2)}  # one allreduce
