@@ -36,9 +36,11 @@ def test_train_two_ranks_end_to_end(tmp_path):
         assert float(host) > 0 and "optimizer on" in table[0]
     assert "--- sample ---" in result.stdout
     assert "time per step by phase" in result.stdout
-    profile = meta["profile"].splitlines()  # header, 2 ranks, header, the 3 units
-    assert len(profile) == 7 and profile[3].split()[:2] == ["unit", "forward"]
-    units = [line.split() for line in profile[4:]]
+    profile = meta["profile"].splitlines()  # header, 2 ranks, critical path, header, 3 units
+    assert len(profile) == 8 and profile[4].split()[:2] == ["unit", "forward"]
+    assert profile[3].split()[:4] in (["critical", "path:", "rank", "0"],
+                                      ["critical", "path:", "rank", "1"])
+    units = [line.split() for line in profile[5:]]
     assert [u[1] for u in units] == ["TokenPositionEmbedding", "Block", "LMHead"]
     assert all(float(ms) > 0 for u in units for ms in u[2:4])  # forward, backward
     assert (tmp_path / "logs" / "rank1.log").read_text().count("step") >= 3

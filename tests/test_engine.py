@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from zmpi.config import ConfigError
-from zmpi.engine import Engine
+from zmpi.engine import Engine, PhaseProfile
 from zmpi.models.gpt import GPT, GPTConfig
 from zmpi.models.mlp import MLPModel
 from zmpi.zero import available_strategies, get_strategy, register
@@ -207,3 +207,15 @@ def test_an_error_mid_step_leaves_the_next_step_clean(stage):
     fresh.train_step(*batch(2, seed=1))
     a, b = broken.gather_parameters(), fresh.gather_parameters()
     assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_critical_path_separates_exposed_communication_from_imbalance():
+    def rank(r, busy, waited, steps=2):  # seconds per step
+        s = {"forward": 0.4 * busy * steps, "backward": 0.6 * busy * steps,
+             "step": waited * steps, "optimizer": 0.0, "waited": waited * steps}
+        return r, steps, s, []
+
+    # rank 1 computes 0.15 s longer: rank 0's extra wait is for rank 1, not for the network
+    rows = [rank(0, 1.0, 0.20), rank(1, 1.15, 0.05), rank(2, 1.05, 0.12)]
+    r, exposed, imbalance = PhaseProfile._critical(rows)
+    assert r == 1 and exposed == pytest.approx(0.05) and imbalance == pytest.approx(0.15)

@@ -83,17 +83,39 @@ class PhaseProfile:
         self.units[u][phase] += time.perf_counter() - start
         self.units[u]["waited"] += waited_seconds() - waited
 
+    def critical_path(self, comm) -> tuple[int, float, float]:
+        """(rank, exposed, imbalance), seconds per step (a collective). The critical rank is
+        the one busy longest (forward + backward + step less its MPI waits): it never waits
+        for a slower rank, so its waits are the communication the step did not hide. What
+        other ranks wait beyond that, up to `imbalance`, is waiting for the critical rank's
+        compute (load imbalance, or a busy core), not for the network."""
+        return self._critical(self._gather(comm))
+
+    def _gather(self, comm) -> list:
+        return comm.allgather_object((comm.rank, self.steps, dict(self.seconds), self.units))
+
+    @staticmethod
+    def _critical(rows) -> tuple[int, float, float]:
+        per = [(rank, (s["forward"] + s["backward"] + s["step"] - s["waited"]) / max(steps, 1),
+                s["waited"] / max(steps, 1)) for rank, steps, s, _ in rows]
+        rank, _, exposed = max(per, key=lambda r: r[1])
+        return rank, exposed, max(w for _, _, w in per) - exposed
+
     def table(self, comm) -> str:
-        """Every rank's milliseconds per step per phase, then per unit the slowest rank's
-        (a collective)."""
-        rows = comm.allgather_object((comm.rank, self.steps, dict(self.seconds), self.units))
+        """Every rank's milliseconds per step per phase, the critical path, then per unit the
+        slowest rank's (a collective)."""
+        rows = self._gather(comm)
         lines = [f"{'rank':>4} " + " ".join(f"{p + ' ms':>13}" for p in self.PHASES)
-                 + f" {'exposed comm':>13}"]
+                 + f" {'waited share':>13}"]
         for rank, steps, s, _ in rows:
             per = {p: 1e3 * s[p] / max(steps, 1) for p in self.PHASES}
             total = per["forward"] + per["backward"] + per["step"]
             lines.append(f"{rank:>4} " + " ".join(f"{per[p]:>13.1f}" for p in self.PHASES)
                          + f" {100 * per['waited'] / max(total, 1e-9):>12.1f}%")
+        rank, exposed, imbalance = self._critical(rows)
+        lines.append(f"critical path: rank {rank} (busy longest); its waits, "
+                     f"{1e3 * exposed:.1f} ms/step, are exposed communication; other ranks "
+                     f"wait up to {1e3 * imbalance:.1f} ms/step more for its compute")
         if self.unit_names:
             w = max(map(len, self.unit_names))
             lines.append(f"{'unit':>4} {'':<{w}}" + " ".join(f"{p + ' ms':>13}"
