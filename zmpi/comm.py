@@ -284,6 +284,7 @@ class Request:
                 self._start_mpi()
         else:
             self._mpi = self._start_mpi()
+            _PROGRESS.started()
         self.started = True
 
     def test(self) -> bool:
@@ -303,6 +304,8 @@ class Request:
         return self.result
 
     def _finish(self):
+        if not self._blocking:
+            _PROGRESS.finished()
         fence = None
         for host, device in self._copy_back:
             fence = backend.to_device_async(host, device)
@@ -311,6 +314,69 @@ class Request:
         self._keep = self._held = self._copy_back = ()
         self._mpi = None
         self.done = True
+
+
+class _Progress:
+    """Drives MPI's progress engine from a daemon thread while non-blocking collectives are in
+    flight. MPICH (and Open MPI without its progress thread) advances a non-blocking
+    collective only inside an MPI call on this rank, and backward computes a whole unit
+    between two calls: a bucket launched there would sit until the next launch, its rounds of
+    a multi-round algorithm one per launch, and wait at the end of the step. The thread calls
+    MPI_Iprobe on a private communicator every `interval` seconds (about 10 us each) while
+    anything is in flight, and sleeps on a condition otherwise. Needs MPI_THREAD_MULTIPLE
+    (mpi4py asks for it); with less, or ZMPI_PROGRESS_THREAD=0, there is no thread."""
+
+    def __init__(self, interval: float = 1e-3):
+        self.interval = interval
+        self._in_flight = 0
+        self._cond = threading.Condition()
+        self._thread = None
+        self._stopping = False
+        setting = os.environ.get("ZMPI_PROGRESS_THREAD", "1")
+        if setting not in ("0", "1"):
+            raise ValueError(f"ZMPI_PROGRESS_THREAD must be 0 or 1, got {setting!r}")
+        self.enabled = setting == "1"
+        self.polls = 0  # Iprobe calls made (for tests)
+
+    def started(self) -> None:
+        """A non-blocking collective entered MPI."""
+        with self._cond:
+            self._in_flight += 1
+            if self._thread is None and self.enabled and not self._stopping \
+                    and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+                self._probe = MPI.COMM_SELF.Dup()
+                self._thread = threading.Thread(target=self._run, name="zmpi-progress",
+                                                daemon=True)
+                self._thread.start()
+                atexit.register(self.stop)  # runs before mpi4py's MPI_Finalize (registered first)
+            self._cond.notify()
+
+    def finished(self) -> None:
+        """A non-blocking collective completed."""
+        with self._cond:
+            self._in_flight -= 1
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._in_flight <= 0 and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            self._probe.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+            self.polls += 1
+            time.sleep(self.interval)
+
+
+_PROGRESS = _Progress()
 
 
 def wait_all(requests):

@@ -52,9 +52,10 @@ from zmpi.zero.strategy import get_strategy
 class PhaseProfile:
     """Seconds per phase of train_step, summed over steps: forward, backward (compute plus the
     strategy's hooks), step (reductions, optimizer, publishing), and within them the time
-    blocked in MPI (`waited`: exposed communication) and in the optimizer; and per unit, the
-    seconds of its forward and backward (hooks included: a stage-3 gather shows in its unit)
-    and the MPI waits within them. Host time: on a GPU nothing is synchronised for it, so
+    blocked in MPI (`waited`; on the critical rank, exposed communication, see
+    `critical_path`) and in the optimizer; and per unit, the seconds of its forward and
+    backward (hooks included: a stage-3 gather shows in its unit) and the MPI waits within
+    them. Host time: on a GPU nothing is synchronised for it, so
     device work shows in the phase that next waits for it; a delayed (DPU) update counts only
     where the step waits for it."""
 

@@ -6,11 +6,14 @@ Inputs are simple functions of (rank, size); tests/test_comm.py computes the exp
 analytically and compares. Nothing is asserted here, so one failing check cannot hide others.
 """
 
+import time
+
 import ml_dtypes
 import numpy as np
 from _report import report
 
 from zmpi import backend
+from zmpi import comm as zcomm
 from zmpi.comm import Comm, wait_all
 
 BF16 = ml_dtypes.bfloat16
@@ -145,6 +148,16 @@ def main():
     out["objects"] = [obj, objs]
     comm.reset_counters()
     out["counters_after_reset"] = comm.counters_snapshot()
+
+    # While a non-blocking collective is in flight and this thread makes no MPI call (it
+    # sleeps), the progress thread polls MPI; once the collective completed it rests.
+    polls = zcomm._PROGRESS.polls
+    req = comm.iallreduce(np.full(1 << 20, r + 1.0, np.float32))  # 4 MiB: not eager
+    in_flight = zcomm._PROGRESS._in_flight
+    time.sleep(0.2)
+    out["progress"] = {"in_flight": in_flight, "polls": zcomm._PROGRESS.polls - polls,
+                       "sum_ok": bool((req.wait() == n * (n + 1) / 2).all()),
+                       "in_flight_after": zcomm._PROGRESS._in_flight}
     comm.barrier()
     report(out)
 
