@@ -260,12 +260,12 @@ class Report:
             rows.append([s, f"{1e3 * predicted:.0f}", f"{1e3 * float(r['comm_s']):.0f}"])
         self.add(f"The cost model checked against this MPI: the benchmark's GPT ({psi:,} "
                  "parameters, fp32, section 5) at N = 2, its per-step volume over the bus "
-                 f"bandwidth above at {largest:,} bytes, against the time its ranks were "
-                 "blocked in MPI with overlap off (ms per step):", "")
+                 f"bandwidth above at {largest:,} bytes, against the time its critical rank "
+                 "(the one busy longest) was blocked in MPI with overlap off (ms per step):", "")
         self.add(*table(["stage", "predicted from bandwidth", "measured blocked"], rows), "")
-        self.add("The blocked time also holds the wait for the slower rank (both ranks "
-                 "compute on the same 2 cores) and the per-step scalar allreduces, so it stays "
-                 "above the prediction.", "")
+        self.add("The blocked time also holds the per-step scalar allreduces and, unit by "
+                 "unit, the moments the critical rank ran ahead of the other (both ranks "
+                 "compute on the same 2 cores), so it stays above the prediction.", "")
 
     # ---- 4. largest model
     def largest(self) -> None:

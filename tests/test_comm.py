@@ -139,9 +139,11 @@ def test_mpi_basics(reports):
 
 
 def test_progress_thread_polls_while_a_collective_is_in_flight(reports, monkeypatch):
-    for rep in reports:
-        assert rep["progress"]["in_flight"] == 1 and rep["progress"]["polls"] > 0, rep
-        assert rep["progress"]["sum_ok"] and rep["progress"]["in_flight_after"] == 0
+    for rep in reports:  # no thread with more ranks than cores (oversubscribed)
+        progress = rep["progress"]
+        assert progress["in_flight"] == 1 and progress["sum_ok"], progress
+        assert (progress["polls"] > 0) == (len(reports) <= progress["cores"]), progress
+        assert progress["in_flight_after"] == 0
     monkeypatch.setenv("ZMPI_PROGRESS_THREAD", "yes")
     with pytest.raises(ValueError, match="ZMPI_PROGRESS_THREAD must be 0 or 1"):
         zcomm._Progress()

@@ -316,6 +316,10 @@ class Request:
         self.done = True
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 class _Progress:
     """Drives MPI's progress engine from a daemon thread while non-blocking collectives are in
     flight. MPICH (and Open MPI without its progress thread) advances a non-blocking
@@ -324,7 +328,9 @@ class _Progress:
     a multi-round algorithm one per launch, and wait at the end of the step. The thread calls
     MPI_Iprobe on a private communicator every `interval` seconds (about 10 us each) while
     anything is in flight, and sleeps on a condition otherwise. Needs MPI_THREAD_MULTIPLE
-    (mpi4py asks for it); with less, or ZMPI_PROGRESS_THREAD=0, there is no thread."""
+    (mpi4py asks for it) and a core per rank: with more ranks on the node than cores, its
+    wake-ups take the GIL and the cores from compute (measured: stages 2-3 up to 1.7x slower
+    at 4 ranks on 2 cores), so there is none; nor with ZMPI_PROGRESS_THREAD=0."""
 
     def __init__(self, interval: float = 1e-3):
         self.interval = interval
@@ -337,13 +343,15 @@ class _Progress:
             raise ValueError(f"ZMPI_PROGRESS_THREAD must be 0 or 1, got {setting!r}")
         self.enabled = setting == "1"
         self.polls = 0  # Iprobe calls made (for tests)
+        self.ranks_on_node = 1  # set by Comm(): more ranks than cores, no thread
 
     def started(self) -> None:
         """A non-blocking collective entered MPI."""
         with self._cond:
             self._in_flight += 1
             if self._thread is None and self.enabled and not self._stopping \
-                    and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+                    and MPI.Query_thread() == MPI.THREAD_MULTIPLE \
+                    and self.ranks_on_node <= _cores():
                 self._probe = MPI.COMM_SELF.Dup()
                 self._thread = threading.Thread(target=self._run, name="zmpi-progress",
                                                 daemon=True)
@@ -674,6 +682,7 @@ class Comm:
         local = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
         local.Free()
+        _PROGRESS.ranks_on_node = max(_PROGRESS.ranks_on_node, self.local_size)
         self.is_cuda_aware, self.cuda_aware_source = cuda_support()
         # Open MPI's CUDA support covers blocking collectives only (its non-blocking ones reduce
         # on the host: ompi #9845, #12045): there a device buffer's collective runs blocking.
