@@ -233,6 +233,16 @@ class Report:
                             [[op] + [f"{float(cell[op, b]['seconds']) * 1e6:,.0f} us, "
                                      f"{float(cell[op, b]['busbw_GBps']):.2f} GB/s"
                                      for b in sizes] for op in ops]), "")
+        packing = self.rows(self.results / "bandwidth_n2", "packing")
+        if packing:
+            self.add("Why large units are never packed into a bucket (`Strategy.solo_numel`, "
+                     "16 Ki elements): allgathering a bucket of "
+                     f"{packing[0]['units']} units one collective per unit, against packed "
+                     "into one with the copies in and out:", "")
+            self.add(*table(["elements per unit", "per unit", "packed", "packed / per unit"],
+                            [[f"{int(r['unit_numel']):,}", f"{float(r['solo_s']) * 1e6:,.0f} us",
+                              f"{float(r['packed_s']) * 1e6:,.0f} us",
+                              f"{float(r['packed_over_solo']):.2f}"] for r in packing]), "")
         self.cost_model(bw)
         self.add("Made by `make reproduce` (zero_tables at N = 2, 3, 4; bandwidth at N = 2). "
                  "At full scale: the same scripts under `srun` on the cluster "

@@ -19,8 +19,8 @@ def results(tmp_path_factory):
     for n in (1, 2):
         _run("zero_tables.py", n, "--n-layer", "1", "--d-model", "32", "--out",
              out / f"zero_tables_n{n}")
-    _run("bandwidth.py", 2, "--sizes", "1024", "65536", "--repeats", "2", "--out",
-         out / "bandwidth_n2", timeout=120)
+    _run("bandwidth.py", 2, "--sizes", "1024", "65536", "--repeats", "2", "--unit-numels",
+         "1000", "5000", "--out", out / "bandwidth_n2", timeout=120)
     _run("largest_model.py", 2, "--budget-mib", "2", "--d-model", "64", "--max-layers", "6",
          "--out", out / "largest_n2")
     return out
@@ -45,6 +45,11 @@ def test_bandwidth_table(results):
     rows = [r for r in _md_rows(results / "bandwidth_n2" / "table.md", "| ")
             if r[0] in ("allreduce", "reduce_scatter", "allgather")]
     assert len(rows) == 6 and all(float(r[4]) > 0 for r in rows)
+    packing = _md_rows(results / "bandwidth_n2" / "packing.md", "| ")[1:]  # after the header
+    assert [r[0] for r in packing] == ["1,000", "5,000"]
+    assert all(float(r[3]) == pytest.approx(float(r[2].split()[0].replace(",", "")) /
+                                            float(r[1].split()[0].replace(",", "")), rel=0.1)
+               for r in packing)
 
 
 @pytest.mark.mpi

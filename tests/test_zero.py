@@ -10,6 +10,7 @@ compare what the ranks report with the reference (tests/reference.py), with the 
 formulas (zmpi.memory).
 """
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,6 +21,8 @@ from zmpi.data import SyntheticSource
 from zmpi.memory import model_state_bytes
 from zmpi.models.gpt import GPT
 from zmpi.zero import available_strategies
+from zmpi.zero.flat import ModelLayout, UnitLayout
+from zmpi.zero.strategy import Strategy
 
 sys.path.insert(0, str(RANKS_DIR))
 import zero_checks  # noqa: E402  (the rank script: its cases and constants)
@@ -56,6 +59,23 @@ def test_every_registered_strategy_is_in_the_suite():
     labels = {label.split(",")[0] for label, _ in zero_checks.strategies(4)}
     assert set(available_strategies()) <= labels
     assert {"stage0", "stage3", "hybrid", "hybrid_zero2"} <= labels
+
+
+def test_buckets_group_small_units_and_send_large_ones_alone():
+    """Consecutive units share a bucket up to the limit; a unit over the limit, or of
+    `solo_numel` elements or more, is a bucket of its own (sent in place, never packed)."""
+    sizes = [10, 20, 30, 1000, 5, 5, 40, 40, 2000, 7]
+    strategy = Strategy.__new__(Strategy)
+    strategy.layout = ModelLayout([UnitLayout.build({"w": (n,)}, 1) for n in sizes])
+    strategy.solo_numel = 1000
+    assert strategy.buckets(50) == [range(0, 2), range(2, 3), range(3, 4), range(4, 7),
+                                    range(7, 8), range(8, 9), range(9, 10)]
+    assert strategy.buckets(10**9) == [range(0, 3), range(3, 4), range(4, 8), range(8, 9),
+                                       range(9, 10)]
+    assert strategy.buckets(1) == [range(u, u + 1) for u in range(len(sizes))]
+    strategy._reduce_buckets, strategy.config = None, SimpleNamespace(reduce_bucket_size=50)
+    assert [strategy.reduce_bucket_from(u) for u in (0, 1, 4, 9)] == [
+        range(0, 2), None, range(4, 7), range(9, 10)]
 
 
 @pytest.fixture(scope="module")

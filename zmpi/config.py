@@ -402,8 +402,10 @@ class ZeroConfig(_Section):
     """`zero_optimization`: which stage (or registered strategy) and how it communicates.
 
     Buckets: `reduce_bucket_size` elements of consecutive units per gradient allreduce (stage
-    0) or reduce-scatter at the step (stage 1); stages 2-3 reduce each unit as its backward
-    ends. `allgather_bucket_size` elements per allgather of updated shards (stages 1-2).
+    0) or reduce-scatter (stage 1), launched as backward completes the bucket on the last
+    micro-step; stages 2-3 reduce each unit as its backward ends. `allgather_bucket_size`
+    elements per allgather of updated shards (stages 1-2). A unit of 16 Ki elements or more
+    is always sent alone (`Strategy.solo_numel`).
     Stage 3 keys that act: `stage3_prefetch_bucket_size` (elements of the following units
     whose allgather starts before the current unit computes; default: one unit, zmpi's
     `prefetch`), `stage3_param_persistence_threshold` (units of at most this many elements

@@ -156,6 +156,10 @@ class Strategy:
     shard_optimizer = False  # ZeRO P_os
     shard_gradients = False  # ZeRO P_g
     shard_parameters = False  # ZeRO P_p
+    # Elements from which a unit is sent alone, never packed into a bucket with others. At
+    # 16 Ki float32 elements per unit an allgather packed costs what one per unit costs; at
+    # 64 Ki, 2.2x (N = 2 over shared memory; experiments/bandwidth.py, packing.md).
+    solo_numel = 1 << 14
 
     def __init__(self, units, unit_params, layout, comm, ledger, dtype, master_dtype, xp,
                  zero_config, replica=None):
@@ -180,6 +184,7 @@ class Strategy:
         self._unit_grads = {}  # u -> full grad buffer of one unit           (grad sharding)
         self._shared = [tuple(units.index(s) for s in getattr(m, "shared_units", ()))
                         for m in units]
+        self._reduce_buckets = None  # first unit -> bucket, built on first use
         P, S = layout.full_numel, layout.shard_numel
         opt_dev = "host" if self.offload_optimizer else "device"
         self._pinned = offload.pin_memory
@@ -434,14 +439,33 @@ class Strategy:
 
     def buckets(self, limit: int) -> list[range]:
         """The units in order, grouped into runs of consecutive units of at most `limit`
-        elements together (a larger unit is a bucket of its own): DeepSpeed's bucket sizes."""
+        elements together (DeepSpeed's bucket sizes; a larger unit is a bucket of its own).
+        A unit of `solo_numel` elements or more is always a bucket of its own: it is sent in
+        place, where packing it with its neighbours would cost a copy of it (two for an
+        allgather) to save one collective's latency."""
         out, start, size = [], 0, 0
         for u, unit in enumerate(self.layout.units):
-            if u > start and size + unit.padded_numel > limit:
+            solo = unit.padded_numel >= self.solo_numel
+            if u > start and (solo or size + unit.padded_numel > limit):
                 out.append(range(start, u))
                 start, size = u, 0
             size += unit.padded_numel
-        return out + [range(start, len(self.layout.units))] if self.layout.units else out
+            if solo:
+                out.append(range(u, u + 1))
+                start, size = u + 1, 0
+        return out + [range(start, len(self.layout.units))] \
+            if start < len(self.layout.units) else out
+
+    def reduce_bucket_from(self, u: int) -> range | None:
+        """The gradient bucket (`reduce_bucket_size`) whose first unit is u, else None: its
+        gradients are complete once u's backward ends (backward runs the units in reverse)."""
+        if self._reduce_buckets is None:
+            self._reduce_buckets = {b.start: b for b in self.buckets(
+                self.config.reduce_bucket_size)}
+        return self._reduce_buckets.get(u)
+
+    def _bucket_full(self, units: range) -> slice:
+        return slice(self.layout.full_offsets[units.start], self.layout.full_offsets[units.stop])
 
     def _bucket_shard(self, units: range) -> slice:
         return slice(self.layout.shard_offsets[units.start], self.layout.shard_offsets[units.stop])
@@ -519,9 +543,10 @@ class Strategy:
         `allgather_bucket_size` elements: a lone unit is allgathered in place in `full`; the
         units of a larger bucket are gathered packed into a comm_buffer and copied out."""
         for units in self.buckets(self.config.allgather_bucket_size):
-            packed = self.pack(units, full)
             mine = self._bucket_shard(units)
             n = mine.stop - mine.start
+            packed = full[self._bucket_full(units)] if len(units) == 1 else \
+                self.alloc(n * self.world_size, full.dtype, "comm_buffer", "bucket", zero=False)
             backend.copy_(packed[self.rank * n:(self.rank + 1) * n], shard[mine])
 
             def unpack(units=units, packed=packed):
