@@ -169,3 +169,41 @@ def test_gpu_collectives_on_two_ranks():
         assert rep["reduce_scatter"] == [2.0 * (2 * r + j) + 1 for j in range(2)]
         assert rep["allgather"] == [0.0, 0.0, 1.0, 1.0]
         assert rep["broadcast"] == [0.0, 1.0, 2.0]
+
+
+_REFAULTS = """
+import json, resource, sys
+import numpy as np
+from zmpi import backend
+kept = backend.keep_freed_host_memory()
+faults = []
+for mib in (16, 12, 16, 8):  # allocate, touch and free, as a step does its activations
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    a = np.ones(mib << 18, np.float32)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    del a
+print(json.dumps({"kept": kept, "faults": faults}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_freed_host_memory_is_kept_for_reuse(setting):
+    """With the setting on, freed blocks of 8-16 MiB are reused without page faults; off
+    (malloc as it is), some of them map fresh pages again (hundreds of faults)."""
+    env = {"ZMPI_BACKEND": "numpy", "ZMPI_KEEP_HOST_MEMORY": setting,
+           "PYTHONPATH": str(Path(backend.__file__).parents[1])}
+    out = subprocess.run([sys.executable, "-c", _REFAULTS], check=True, env=env, timeout=60,
+                         capture_output=True, text=True).stdout
+    report = __import__("json").loads(out)
+    assert report["kept"] == (setting == "1")
+    if setting == "1":
+        assert max(report["faults"][1:]) < 50, report  # the first allocation maps the pages
+    else:
+        assert max(report["faults"][1:]) > 200, report
+
+
+def test_keep_host_memory_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("ZMPI_KEEP_HOST_MEMORY", "yes")
+    with pytest.raises(ValueError, match="ZMPI_KEEP_HOST_MEMORY must be 0 or 1"):
+        backend.keep_freed_host_memory()

@@ -316,10 +316,6 @@ class Request:
         self.done = True
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
 class _Progress:
     """Drives MPI's progress engine from a daemon thread while non-blocking collectives are in
     flight. MPICH (and Open MPI without its progress thread) advances a non-blocking
@@ -351,7 +347,7 @@ class _Progress:
             self._in_flight += 1
             if self._thread is None and self.enabled and not self._stopping \
                     and MPI.Query_thread() == MPI.THREAD_MULTIPLE \
-                    and self.ranks_on_node <= _cores():
+                    and self.ranks_on_node <= backend.host_cores():
                 self._probe = MPI.COMM_SELF.Dup()
                 self._thread = threading.Thread(target=self._run, name="zmpi-progress",
                                                 daemon=True)

@@ -169,6 +169,7 @@ class Engine:
 
             comm = Comm()
         self.comm = comm
+        backend.keep_freed_host_memory()  # a step re-allocates what the last one freed
         if backend.is_gpu and backend.device_source is None:  # no launcher variable: fall back
             backend.select_device(comm.local_rank)
         if backend.is_gpu and comm.local_size > backend.device_count() and comm.local_rank == 0:

@@ -51,6 +51,7 @@ def environment() -> dict:
         "mpi4py": __import__("mpi4py").__version__,
         "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
         "backend": backend.name,
+        "host_memory_kept": backend.host_memory_kept,
         "platform": platform.platform(),
         "processor": platform.machine(),
     }

@@ -157,7 +157,7 @@ def main():
     time.sleep(0.2)
     out["progress"] = {"in_flight": in_flight, "polls": zcomm._PROGRESS.polls - polls,
                        "sum_ok": bool((req.wait() == n * (n + 1) / 2).all()),
-                       "in_flight_after": zcomm._PROGRESS._in_flight, "cores": zcomm._cores()}
+                       "in_flight_after": zcomm._PROGRESS._in_flight, "cores": backend.host_cores()}
     comm.barrier()
     report(out)
 

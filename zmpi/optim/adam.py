@@ -20,14 +20,13 @@ averaging) and `clip_coef`. `param`, `m` and `v` share the master dtype (fp32, o
 from __future__ import annotations
 
 import math
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from zmpi import host_kernels
-from zmpi.backend import array_module
+from zmpi.backend import array_module, host_cores
 
 HOST_CHUNK = 65536  # elements; p, m, v and two fp32 scratch chunks stay within L2/L3
 
@@ -206,8 +205,7 @@ class Adam:
 
 def host_threads(ranks_on_node: int = 1) -> int:
     """Cores this process may use, shared among the node's ranks (at least 1)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, ranks_on_node))
+    return max(1, host_cores() // max(1, ranks_on_node))
 
 
 class HostAdam(Adam):
