@@ -219,3 +219,36 @@ def test_critical_path_separates_exposed_communication_from_imbalance():
     rows = [rank(0, 1.0, 0.20), rank(1, 1.15, 0.05), rank(2, 1.05, 0.12)]
     r, exposed, imbalance = PhaseProfile._critical(rows)
     assert r == 1 and exposed == pytest.approx(0.05) and imbalance == pytest.approx(0.15)
+
+
+def test_phase_profile_leaves_out_the_first_step(monkeypatch):
+    """Step 1 (compiling, first touch) takes 5 s of forward; steps 2-3 take 1 s forward and
+    0.5 s step each: the profile reports 2 steps of those, and step 1 alone when it is all."""
+    import zmpi.comm
+
+    ticks = iter([0, 5, 5.5, 10, 11, 11.5, 20, 21, 21.5])
+    monkeypatch.setattr("zmpi.engine.time.perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(zmpi.comm, "waited_seconds", lambda: 0.0)
+    profile = PhaseProfile()
+    for step in range(3):
+        clock = profile.clock()
+        clock.lap("forward")
+        clock.lap("step")
+        steps, seconds, _ = profile.counted()
+        if step == 0:
+            assert steps == 1 and seconds["forward"] == 5 and seconds["step"] == 0.5
+    assert steps == 2 and seconds["forward"] == 2 and seconds["step"] == 1
+
+
+def test_a_finished_engine_leaves_no_buffers_behind():
+    """Nothing global (the staging pool accounts its buffers in the newest ledger) keeps a
+    dropped engine's ledger, and with it every buffer of the engine, alive."""
+    import gc
+    import weakref
+
+    engine = Engine(GPT(CFG), {"train_micro_batch_size_per_gpu": 2})
+    engine.train_step(*batch(2))
+    ledger, master = weakref.ref(engine.memory), weakref.ref(engine.strategy.master)
+    del engine
+    gc.collect()  # an engine and its model's hooks form a cycle
+    assert ledger() is None and master() is None

@@ -495,7 +495,8 @@ def main(argv=None) -> None:
                    help="the vocabulary of --data (default: meta.json or meta.pkl beside it)")
     t.add_argument("--profile", action="store_true",
                    help="print (and save in run.json) each rank's time per step by phase: "
-                   "forward, backward, step, optimizer, waited-for communication")
+                   "forward, backward, step, optimizer, waited-for communication (the "
+                   "first step, a warm-up, left out when there are more)")
     t.add_argument("--out", help="output directory (default runs/<time>)")
     t.add_argument("--log-dir", help="every rank logs to LOG_DIR/rank<r>.log")
     t.add_argument("--save-every", type=int, metavar="K", default=0,

@@ -76,6 +76,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -182,7 +183,12 @@ class _StagingPool:
         self._free: dict = {}
         self._all: list = []
         self.nbytes = 0  # total ever allocated (the pool never shrinks)
-        self.ledger = None
+        self._ledger = None  # weak: a ledger holds its engine's buffers, which must not
+        # outlive the engine
+
+    @property
+    def ledger(self):
+        return None if self._ledger is None else self._ledger()
 
     def acquire(self, shape, dtype) -> np.ndarray:
         """A free buffer of this shape and dtype: one whose last copy has landed, else the
@@ -198,17 +204,19 @@ class _StagingPool:
         buf = backend.pinned_empty(shape, dtype)
         self.nbytes += buf.nbytes
         self._all.append(buf)
-        if self.ledger is not None:
-            self.ledger.register(buf, "comm_buffer", "host", "staging")
+        ledger = self.ledger
+        if ledger is not None:
+            ledger.register(buf, "comm_buffer", "host", "staging")
         return buf
 
     def account_in(self, ledger) -> None:
         """Move the accounting of every staging buffer, now and later, to `ledger`."""
+        previous = self.ledger
         for buf in self._all:
-            if self.ledger is not None:
-                self.ledger.release(buf)
+            if previous is not None:
+                previous.release(buf)
             ledger.register(buf, "comm_buffer", "host", "staging")
-        self.ledger = ledger
+        self._ledger = weakref.ref(ledger)
 
     def release(self, buf: np.ndarray, fence=None):
         """Return `buf`; `fence` (None, or an object with ready()/wait()) says when the copy

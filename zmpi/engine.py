@@ -57,7 +57,8 @@ class PhaseProfile:
     backward (hooks included: a stage-3 gather shows in its unit) and the MPI waits within
     them. Host time: on a GPU nothing is synchronised for it, so
     device work shows in the phase that next waits for it; a delayed (DPU) update counts only
-    where the step waits for it."""
+    where the step waits for it. The first step (compiling the host loops, first touch of
+    every buffer) is left out of the figures once there are others."""
 
     PHASES = ("forward", "backward", "step", "optimizer", "waited")
     UNIT_PHASES = ("forward", "backward", "waited")
@@ -67,6 +68,7 @@ class PhaseProfile:
         self.unit_names = list(unit_names)
         self.units = [dict.fromkeys(self.UNIT_PHASES, 0.0) for _ in self.unit_names]
         self.steps = 0
+        self._first = None  # (seconds, units) at the end of the first step
         self._unit_start = (0.0, 0.0)
 
     def clock(self):
@@ -92,8 +94,23 @@ class PhaseProfile:
         compute (load imbalance, or a busy core), not for the network."""
         return self._critical(self._gather(comm))
 
+    def step_ends(self) -> None:
+        self.steps += 1
+        if self.steps == 1:
+            self._first = (dict(self.seconds), [dict(unit) for unit in self.units])
+
+    def counted(self) -> tuple[int, dict, list]:
+        """(steps, seconds, units) of the steps counted: all but the first when there were
+        more."""
+        if self.steps < 2:
+            return self.steps, dict(self.seconds), self.units
+        seconds, units = self._first
+        return (self.steps - 1, {p: self.seconds[p] - seconds[p] for p in self.PHASES},
+                [{p: now[p] - then[p] for p in self.UNIT_PHASES}
+                 for now, then in zip(self.units, units, strict=True)])
+
     def _gather(self, comm) -> list:
-        return comm.allgather_object((comm.rank, self.steps, dict(self.seconds), self.units))
+        return comm.allgather_object((comm.rank, *self.counted()))
 
     @staticmethod
     def _critical(rows) -> tuple[int, float, float]:
@@ -144,7 +161,7 @@ class _Clock:
         s["optimizer"] += optimizer
         self.last, self.waited = now, waited
         if phase == "step":
-            self.profile.steps += 1
+            self.profile.step_ends()
 
 
 def as_config(config) -> Config:

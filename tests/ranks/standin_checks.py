@@ -8,6 +8,7 @@ writes rank 0's gathered parameters to OUT/<case>.npz; reports the backend, whet
 device buffers directly, the bytes staged through the host, and the device bytes at peak during
 a stage-3 engine's construction (stand-in pool) next to the ledger's.
 """
+import gc
 import sys
 
 import numpy as np
@@ -41,6 +42,8 @@ def main(out):
     init = {}
     if backend.is_gpu:
         pool = backend.xp.get_default_memory_pool()
+        del engine
+        gc.collect()  # the engines above (an engine and its model's hooks form a cycle)
         pool.reset_peak()
         before = pool.used_bytes()
         engine = Engine(GPT(GPT_CONFIG, seed=0), config(3, "fp16", n=comm.size), comm)
