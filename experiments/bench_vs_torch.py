@@ -178,19 +178,26 @@ def main():
     rows = []
     for stage in args.stages:
         timed = {}
-        for overlap in (False, True):  # blocking: all communication is waited for
+        # blocking: every collective waited for; then overlapped, the run reported; at stage
+        # 3 also overlapped without prefetch, to measure what prefetching the next unit hides
+        variants = ["blocking", "overlap"] + (["no_prefetch"] if stage == 3 else [])
+        for variant in variants:
             model = GPT(cfg, seed=0)
             weights = {n: p.data.copy() for n, p in model.named_parameters()}
+            zero = {"stage": stage, "overlap_comm": variant != "blocking",
+                    "prefetch": variant != "no_prefetch"}
             engine = Engine(model, {"train_micro_batch_size_per_gpu": args.micro_batch,
                                     "optimizer": {"type": "AdamW", "params": {"lr": args.lr}},
-                                    "zero_optimization": {"stage": stage,
-                                                          "overlap_comm": overlap}}, comm)
-            step_s, our_losses = time_steps(lambda i, e=engine: e.train_step(*batches[i]),
-                                            args.warmup, args.steps)
-            timed[overlap] = (step_s, *engine.phases.critical_path(comm)[1:])
-            profile = engine.phases.table(comm) if args.profile else None
+                                    "zero_optimization": zero}, comm)
+            step_s, losses = time_steps(lambda i, e=engine: e.train_step(*batches[i]),
+                                        args.warmup, args.steps)
+            timed[variant] = (step_s, *engine.phases.critical_path(comm)[1:])
+            if variant == "overlap":
+                our_losses = losses
+                profile = engine.phases.table(comm) if args.profile else None
             engine.close()
-        ours = timed[True][0]
+        ours = timed["overlap"][0]
+        no_prefetch = timed.get("no_prefetch", (None, None))
         peer, optimizer = torch_setup(stage, torch_gpt(cfg, weights), args.lr, comm)
 
         def torch_step(i, peer=peer, optimizer=optimizer):
@@ -212,10 +219,12 @@ def main():
                      "torch_step_s": theirs, "ratio": ours / theirs,
                      "zmpi_tokens_per_s": tokens / ours, "torch_tokens_per_s": tokens / theirs,
                      "zmpi_mfu": flops / ours / peak, "torch_mfu": flops / theirs / peak,
-                     "zmpi_blocking_step_s": timed[False][0],
-                     "comm_s": timed[False][1], "exposed_comm_s": timed[True][1],
-                     "exposed": timed[True][1] / max(timed[False][1], 1e-12),
-                     "imbalance_s": timed[True][2],
+                     "zmpi_blocking_step_s": timed["blocking"][0],
+                     "comm_s": timed["blocking"][1], "exposed_comm_s": timed["overlap"][1],
+                     "exposed": timed["overlap"][1] / max(timed["blocking"][1], 1e-12),
+                     "imbalance_s": timed["overlap"][2],
+                     "no_prefetch_step_s": no_prefetch[0],
+                     "no_prefetch_exposed_comm_s": no_prefetch[1],
                      "first_loss": our_losses[0], "profile": profile})
         if comm.rank == 0 and profile:
             print(f"stage {stage}\n{profile}", flush=True)
@@ -243,6 +252,13 @@ def main():
            "busy longest) is blocked in MPI per step with overlap_comm off (all communication "
            "waited for); exposed: the time it is still blocked with overlap on, as a share of "
            "that; imbalance: what the other ranks wait beyond that for its compute (overlap on)."]
+    for r in rows:
+        if r["no_prefetch_step_s"] is not None:
+            md += ["", f"Stage 3 prefetch (the next unit's allgather starts before this unit "
+                   f"computes): {r['zmpi_step_s']:.3f} s/step with it, "
+                   f"{r['no_prefetch_step_s']:.3f} without; exposed communication "
+                   f"{1e3 * r['exposed_comm_s']:.1f} ms/step with it, "
+                   f"{1e3 * r['no_prefetch_exposed_comm_s']:.1f} without."]
     print("\n".join(md))
     if args.out:
         write_results(args.out, rows, md, comm, argv=sys.argv, model=vars(cfg),

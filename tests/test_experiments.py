@@ -80,6 +80,7 @@ def test_bench_vs_torch_at_a_tiny_size(results):
     rows = _md_rows(results / "vs_torch_n2" / "table.md", "| ")[1:]
     assert [r[0] for r in rows] == ["0", "1", "2", "3"]  # first losses agreed, or it exits
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+    assert "Stage 3 prefetch" in (results / "vs_torch_n2" / "table.md").read_text()
 
 
 @pytest.mark.mpi
