@@ -177,7 +177,7 @@ import numpy as np
 from zmpi import backend
 kept = backend.keep_freed_host_memory()
 faults = []
-for mib in (16, 12, 16, 8):  # allocate, touch and free, as a step does its activations
+for mib in (64, 48, 16, 64, 8):  # allocate, touch and free, as a step does its activations
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     a = np.ones(mib << 18, np.float32)
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -189,7 +189,7 @@ print(json.dumps({"kept": kept, "faults": faults}))
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 @pytest.mark.parametrize("setting", ["1", "0"])
 def test_freed_host_memory_is_kept_for_reuse(setting):
-    """With the setting on, freed blocks of 8-16 MiB are reused without page faults; off
+    """With the setting on, freed blocks of 8-64 MiB are reused without page faults; off
     (malloc as it is), some of them map fresh pages again (hundreds of faults)."""
     env = {"ZMPI_BACKEND": "numpy", "ZMPI_KEEP_HOST_MEMORY": setting,
            "PYTHONPATH": str(Path(backend.__file__).parents[1])}

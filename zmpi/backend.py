@@ -328,16 +328,15 @@ def host_cores() -> int:
     return cores or 1
 
 
-# glibc's mallopt parameters (malloc.h), and its largest mmap threshold on 64-bit machines
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD_MAX = 32 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 host_memory_kept = False  # whether keep_freed_host_memory() took effect in this process
 
 
 def keep_freed_host_memory() -> bool:
     """Ask glibc's malloc to keep freed host memory for reuse rather than hand it back to the
-    kernel: blocks up to 32 MiB come from the heap instead of a fresh mmap each, and the heap
-    is trimmed only of free memory beyond 2 GiB. A training step frees its activations and
+    kernel: every block comes from the heap (none from a fresh mmap of its own, which glibc
+    otherwise uses for blocks of 32 MiB or more and unmaps on free), and the heap is trimmed
+    only of free memory beyond 2 GiB. A training step frees its activations and
     temporaries and allocates them again in the next step; memory handed back costs a page
     fault per 4 KiB page when it is touched again, 10-19% of a CPU step of the benchmark's
     GPT. The price: the process keeps the heap at its peak. Process-wide (every library's
@@ -354,6 +353,6 @@ def keep_freed_host_memory() -> bool:
 
         if platform.libc_ver()[0] == "glibc":
             mallopt = ctypes.CDLL(None).mallopt
-            host_memory_kept = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+            host_memory_kept = bool(mallopt(_M_MMAP_MAX, 0)
                                     and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))  # C int
     return host_memory_kept
