@@ -332,9 +332,10 @@ class _Progress:
     a multi-round algorithm one per launch, and wait at the end of the step. The thread calls
     MPI_Iprobe on a private communicator every `interval` seconds (about 10 us each) while
     anything is in flight, and sleeps on a condition otherwise. Needs MPI_THREAD_MULTIPLE
-    (mpi4py asks for it) and a core per rank: with more ranks on the node than cores, its
-    wake-ups take the GIL and the cores from compute (measured: stages 2-3 up to 1.7x slower
-    at 4 ranks on 2 cores), so there is none; nor with ZMPI_PROGRESS_THREAD=0."""
+    (mpi4py asks for it) and a core of its own: on a core that computes, its wake-ups take
+    the GIL and the core from compute (measured on 2 cores: at 2 ranks 3-5% longer steps at
+    stages 0, 2 and 3, at 4 ranks up to 1.7x). ZMPI_PROGRESS_THREAD: `auto` (the default) runs
+    it only where the node has two cores or more per rank, 1 always, 0 never."""
 
     def __init__(self, interval: float = 1e-3):
         self.interval = interval
@@ -342,20 +343,24 @@ class _Progress:
         self._cond = threading.Condition()
         self._thread = None
         self._stopping = False
-        setting = os.environ.get("ZMPI_PROGRESS_THREAD", "1")
-        if setting not in ("0", "1"):
-            raise ValueError(f"ZMPI_PROGRESS_THREAD must be 0 or 1, got {setting!r}")
-        self.enabled = setting == "1"
+        self.mode = os.environ.get("ZMPI_PROGRESS_THREAD", "auto").strip()
+        if self.mode not in ("auto", "0", "1"):
+            raise ValueError(f"ZMPI_PROGRESS_THREAD must be auto, 0 or 1, got {self.mode!r}")
         self.polls = 0  # Iprobe calls made (for tests)
-        self.ranks_on_node = 1  # set by Comm(): more ranks than cores, no thread
+        self.ranks_on_node = 1  # set by Comm()
+
+    def wanted(self) -> bool:
+        """Whether this rank should have the thread (`auto`: a spare core per rank)."""
+        if self.mode == "auto":
+            return 2 * self.ranks_on_node <= backend.host_cores()
+        return self.mode == "1"
 
     def started(self) -> None:
         """A non-blocking collective entered MPI."""
         with self._cond:
             self._in_flight += 1
-            if self._thread is None and self.enabled and not self._stopping \
-                    and MPI.Query_thread() == MPI.THREAD_MULTIPLE \
-                    and self.ranks_on_node <= backend.host_cores():
+            if self._thread is None and not self._stopping and self.wanted() \
+                    and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
                 self._probe = MPI.COMM_SELF.Dup()
                 self._thread = threading.Thread(target=self._run, name="zmpi-progress",
                                                 daemon=True)
