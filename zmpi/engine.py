@@ -31,6 +31,7 @@ import math
 import threading
 import time
 import warnings
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,7 @@ from zmpi.backend import array_module
 from zmpi.checkpoint import sharded as checkpoint
 from zmpi.config import Config
 from zmpi.memory import ARRAY_OPS, MemoryLedger
-from zmpi.nn.module import Module, UnitModel, activations_counted_in
+from zmpi.nn.module import Module, UnitHooks, UnitModel, activations_counted_in
 from zmpi.optim import lr_schedules
 from zmpi.optim.adam import Adam, HostAdam, host_threads
 from zmpi.optim.loss_scaler import LossScaler
@@ -164,6 +165,33 @@ class _Clock:
             self.profile.step_ends()
 
 
+class _EngineHooks(UnitHooks):
+    """The model's way to its engine's hooks: a weak reference, so that an engine and its model
+    form no cycle and dropping the engine frees its buffers at once."""
+
+    def __init__(self, engine):
+        self._engine = weakref.ref(engine)
+
+    def _live(self):
+        engine = self._engine()
+        if engine is None:
+            raise RuntimeError("the Engine this model was given to is gone; its parameters "
+                               "lived in that engine's buffers: build a new model")
+        return engine
+
+    def before_forward(self, unit):
+        self._live().before_forward(unit)
+
+    def after_forward(self, unit):
+        self._live().after_forward(unit)
+
+    def before_backward(self, unit):
+        self._live().before_backward(unit)
+
+    def after_backward(self, unit):
+        self._live().after_backward(unit)
+
+
 def as_config(config) -> Config:
     """A Config from a Config, a DeepSpeed-style dict, a JSON path, or None (defaults)."""
     if config is None:
@@ -231,7 +259,7 @@ class Engine:
                             self.config.zero_optimization, replica_group)
         self.strategy.initialize(initial)
         self._unit_index = {id(unit): u for u, unit in enumerate(units)}
-        model.hooks = self
+        model.hooks = _EngineHooks(self)
 
         opt = self.config.optimizer
         hyper = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,

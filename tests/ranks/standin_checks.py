@@ -43,7 +43,7 @@ def main(out):
     if backend.is_gpu:
         pool = backend.xp.get_default_memory_pool()
         del engine
-        gc.collect()  # the engines above (an engine and its model's hooks form a cycle)
+        gc.collect()  # nothing of the engines above may count in the peak below
         pool.reset_peak()
         before = pool.used_bytes()
         engine = Engine(GPT(GPT_CONFIG, seed=0), config(3, "fp16", n=comm.size), comm)
