@@ -8,7 +8,8 @@ stage 0 DistributedDataParallel, 1 ZeroRedundancyOptimizer (AdamW), 2 FSDP2 `ful
 with reshard_after_forward=False, 3 the same with True. Both start from the same GPT-2
 weights (zmpi's, copied into a torch mirror of the model) and train on the same batches with
 AdamW in fp32; the first losses must agree (the same model). Timing: --warmup steps, then the
-median of --steps. MFU: model FLOPs per step (6 N + 12 L T d per token, the PaLM formula) over
+median of --steps, zmpi and PyTorch taking turns step by step (a drift of the machine's speed
+hits both alike). MFU: model FLOPs per step (6 N + 12 L T d per token, the PaLM formula) over
 the step time, against the single-thread SGEMM peak measured here at start-up (NumPy's BLAS,
 a 1024^3 matmul). Communication: zmpi runs each stage twice, with overlap_comm off (every
 collective waited for) and on; on the critical rank (the one busy longest, which never waits
@@ -130,14 +131,38 @@ def torch_setup(stage, model, lr, comm):
     return model, torch.optim.AdamW(model.parameters(), **adam)
 
 
-def time_steps(step, warmup, steps):
-    losses = [step(i) for i in range(warmup)]
-    times = []
+def torch_stepper(stage, model, lr, comm, batches):
+    """step index -> mean loss over ranks: one training step of the PyTorch peer."""
+    import torch
+    import torch.distributed as dist
+
+    peer, optimizer = torch_setup(stage, model, lr, comm)
+
+    def step(i):
+        x, y = (torch.from_numpy(b) for b in batches[i])
+        optimizer.zero_grad(set_to_none=True)
+        loss = peer(x, y)
+        loss.backward()
+        optimizer.step()
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        return float(value) / comm.size
+
+    return step
+
+
+def time_steps(step_fns, warmup, steps):
+    """Run each of `step_fns` (step index -> loss) `warmup` times, then `steps` times taking
+    turns (step i of each before step i + 1 of any), so that a drift of the machine's speed
+    hits them alike; per function, (median seconds of its timed steps, its losses)."""
+    losses = [[fn(i) for i in range(warmup)] for fn in step_fns]
+    times = [[] for _ in step_fns]
     for i in range(warmup, warmup + steps):
-        start = time.perf_counter()
-        losses.append(step(i))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), losses
+        for fn, seconds, losses_of in zip(step_fns, times, losses, strict=True):
+            start = time.perf_counter()
+            losses_of.append(fn(i))
+            seconds.append(time.perf_counter() - start)
+    return [(statistics.median(s), l) for s, l in zip(times, losses, strict=True)]
 
 
 def _share(exposed: float, comm_s: float) -> str:
@@ -178,9 +203,10 @@ def main():
     rows = []
     for stage in args.stages:
         timed = {}
-        # blocking: every collective waited for; then overlapped, the run reported; at stage
-        # 3 also overlapped without prefetch, to measure what prefetching the next unit hides
-        variants = ["blocking", "overlap"] + (["no_prefetch"] if stage == 3 else [])
+        # blocking: every collective waited for; at stage 3 also overlapped without prefetch,
+        # to measure what prefetching the next unit hides; then overlapped, the run reported,
+        # taking turns step by step with the PyTorch peer
+        variants = ["blocking"] + (["no_prefetch"] if stage == 3 else []) + ["overlap"]
         for variant in variants:
             model = GPT(cfg, seed=0)
             weights = {n: p.data.copy() for n, p in model.named_parameters()}
@@ -189,28 +215,18 @@ def main():
             engine = Engine(model, {"train_micro_batch_size_per_gpu": args.micro_batch,
                                     "optimizer": {"type": "AdamW", "params": {"lr": args.lr}},
                                     "zero_optimization": zero}, comm)
-            step_s, losses = time_steps(lambda i, e=engine: e.train_step(*batches[i]),
-                                        args.warmup, args.steps)
+            steps = [lambda i, e=engine: e.train_step(*batches[i])]
+            if variant == "overlap":
+                steps.append(torch_stepper(stage, torch_gpt(cfg, weights), args.lr, comm,
+                                           batches))
+            (step_s, losses), *peer = time_steps(steps, args.warmup, args.steps)
             timed[variant] = (step_s, *engine.phases.critical_path(comm)[1:])
             if variant == "overlap":
-                our_losses = losses
+                our_losses, ((theirs, their_losses),) = losses, peer
                 profile = engine.phases.table(comm) if args.profile else None
             engine.close()
         ours = timed["overlap"][0]
         no_prefetch = timed.get("no_prefetch", (None, None))
-        peer, optimizer = torch_setup(stage, torch_gpt(cfg, weights), args.lr, comm)
-
-        def torch_step(i, peer=peer, optimizer=optimizer):
-            x, y = (torch.from_numpy(b) for b in batches[i])
-            optimizer.zero_grad(set_to_none=True)
-            loss = peer(x, y)
-            loss.backward()
-            optimizer.step()
-            value = loss.detach().clone()
-            dist.all_reduce(value)
-            return float(value) / comm.size
-
-        theirs, their_losses = time_steps(torch_step, args.warmup, args.steps)
         if abs(our_losses[0] - their_losses[0]) > 1e-4 * abs(their_losses[0]):
             raise SystemExit(f"stage {stage}: first losses differ (zmpi {our_losses[0]:.6f}, "
                              f"torch {their_losses[0]:.6f}): not the same model")
