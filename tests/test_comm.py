@@ -276,3 +276,27 @@ def test_abort_on_exception_ends_the_job():
     assert result.seconds < 20, result.describe()
     assert "[rank 1] RuntimeError: deliberate failure on rank 1" in result.stderr
     assert "UNREACHABLE" not in result.stdout
+
+
+def test_watchdog_keeps_no_frame_of_a_finished_wait():
+    """The watchdog's thread looks at the frames of the collectives waited for; once a wait
+    ended it must not keep its frame (and so the frame's buffers) alive."""
+    import sys
+    import time
+    import weakref
+
+    class Buffer:
+        pass
+
+    def waiting_call():
+        buf = Buffer()  # noqa: F841  (a local the frame holds)
+        return sys._getframe(), weakref.ref(buf)
+
+    dog = zcomm._Watchdog(timeout=4.0)  # checks once a second
+    frame, alive = waiting_call()
+    token = dog.begin("allreduce", frame)
+    del frame
+    time.sleep(1.5)  # the thread has looked at the wait
+    dog.end(token)
+    time.sleep(1.5)
+    assert alive() is None

@@ -549,9 +549,11 @@ class _Watchdog:
         while True:
             time.sleep(min(1.0, self.timeout / 4))
             now = time.monotonic()
-            for what, frame, start in list(self._waits.values()):
-                if now - start > self.timeout:
-                    self._expire(what, frame, now - start)
+            # no loop variable may hold a frame between checks: a frame keeps its locals,
+            # and so the buffers of a finished collective, alive
+            for what, frame, waited in [(w, f, now - s) for w, f, s in list(self._waits.values())
+                                        if now - s > self.timeout]:
+                self._expire(what, frame, waited)
 
     @staticmethod
     def _expire(what, frame, waited):
