@@ -28,13 +28,9 @@ from results import write_results
 from zmpi.comm import Comm
 
 
-def measure(comm, op, nbytes, repeats):
-    n = max(nbytes // 4 // comm.size, 1) * comm.size  # float32 elements, a multiple of N
-    full = np.ones(n, np.float32)
-    part = np.ones(n // comm.size, np.float32)
-    call = {"allreduce": lambda: comm.allreduce(full),
-            "reduce_scatter": lambda: comm.reduce_scatter(full, part),
-            "allgather": lambda: comm.allgather(part, full)}[op]
+def median_seconds(comm, call, repeats):
+    """The slowest rank's median seconds of `call()` over `repeats` calls (after one untimed),
+    the ranks starting each call together."""
     call()
     times = []
     for _ in range(repeats):
@@ -42,7 +38,17 @@ def measure(comm, op, nbytes, repeats):
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
-    seconds = comm.allreduce_scalar(statistics.median(times), op="max")
+    return comm.allreduce_scalar(statistics.median(times), op="max")
+
+
+def measure(comm, op, nbytes, repeats):
+    n = max(nbytes // 4 // comm.size, 1) * comm.size  # float32 elements, a multiple of N
+    full = np.ones(n, np.float32)
+    part = np.ones(n // comm.size, np.float32)
+    call = {"allreduce": lambda: comm.allreduce(full),
+            "reduce_scatter": lambda: comm.reduce_scatter(full, part),
+            "allgather": lambda: comm.allgather(part, full)}[op]
+    seconds = median_seconds(comm, call, repeats)
     algbw = full.nbytes / seconds
     factor = (2 if op == "allreduce" else 1) * (comm.size - 1) / comm.size
     return {"op": op, "bytes": full.nbytes, "seconds": seconds, "algbw_GBps": algbw / 1e9,
@@ -72,16 +78,8 @@ def measure_packing(comm, unit_numel, units, repeats):
                 at = (r * units + u) * shard
                 full[u * n + r * shard:u * n + (r + 1) * shard] = packed[at:at + shard]
 
-    row = {"unit_numel": n, "units": units}
-    for name, call in (("solo_s", solo), ("packed_s", pack)):
-        call()
-        times = []
-        for _ in range(repeats):
-            comm.barrier()
-            start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
-        row[name] = comm.allreduce_scalar(statistics.median(times), op="max")
+    row = {"unit_numel": n, "units": units, "solo_s": median_seconds(comm, solo, repeats),
+           "packed_s": median_seconds(comm, pack, repeats)}
     row["packed_over_solo"] = row["packed_s"] / row["solo_s"]
     return row
 
