@@ -482,16 +482,22 @@ class Strategy:
                 yield r, piece, slice(at, at + piece.stop - piece.start)
                 at += piece.stop - piece.start
 
-    def pack(self, units: range, full):
-        """The bucket of `full` (P) for a collective: unit u's own slice when it is alone (it
-        is already rank-major), else a packed copy (a comm_buffer the caller releases)."""
+    def bucket_buffer(self, units: range, full):
+        """Where the bucket of `full` (P) travels in a collective: unit u's own slice when it
+        is alone (it is already rank-major), else a new, unfilled comm_buffer in the packed
+        order of `_bucket_pieces` (the caller releases it)."""
         if len(units) == 1:
-            return full[self.layout.full_slice(units.start)]
+            return full[self._bucket_full(units)]
         mine = self._bucket_shard(units)
-        packed = self.alloc((mine.stop - mine.start) * self.world_size, full.dtype,
-                            "comm_buffer", "bucket", zero=False)
-        for _, piece, at in self._bucket_pieces(units):
-            packed[at] = full[piece]
+        return self.alloc((mine.stop - mine.start) * self.world_size, full.dtype,
+                          "comm_buffer", "bucket", zero=False)
+
+    def pack(self, units: range, full):
+        """The bucket of `full` (P) for a collective, filled from `full` (`bucket_buffer`)."""
+        packed = self.bucket_buffer(units, full)
+        if len(units) > 1:
+            for _, piece, at in self._bucket_pieces(units):
+                packed[at] = full[piece]
         return packed
 
     def reduce_scatter_to_shard(self, units: range, full, accumulate: bool, free=()) -> None:
@@ -545,8 +551,7 @@ class Strategy:
         for units in self.buckets(self.config.allgather_bucket_size):
             mine = self._bucket_shard(units)
             n = mine.stop - mine.start
-            packed = full[self._bucket_full(units)] if len(units) == 1 else \
-                self.alloc(n * self.world_size, full.dtype, "comm_buffer", "bucket", zero=False)
+            packed = self.bucket_buffer(units, full)  # only this rank's part is written here
             backend.copy_(packed[self.rank * n:(self.rank + 1) * n], shard[mine])
 
             def unpack(units=units, packed=packed):
