@@ -108,7 +108,7 @@ def bench(comm, args, directory: Path) -> dict:
     _, call_s = timed(comm, lambda: engine.save_checkpoint(directory, tag="async",
                                                            async_=True))
     during = []
-    while engine.pending_save is not None and len(during) < 50:
+    while engine.checkpoints.pending is not None and len(during) < 50:
         during += train(1)
     stall_s = call_s + sum(during) - step_s * len(during)
     engine.close()

@@ -39,6 +39,13 @@ class GPTConfig:
     d_model: int = 128
 
 
+def gpt_num_params(n_layer: int, d_model: int, vocab_size: int, seq_len: int) -> int:
+    """Parameters of zmpi's GPT (tied LM head): embeddings V d + T d, per block 12 d^2 + 13 d
+    (qkv, proj, fc, proj with biases; two LayerNorms), the final LayerNorm 2 d."""
+    return (vocab_size + seq_len) * d_model + n_layer * (12 * d_model**2 + 13 * d_model) \
+        + 2 * d_model
+
+
 class TokenPositionEmbedding(Module):
     """Unit 0: x = wte[idx] + wpe[arange(T)].  idx (B, T) int -> x (B, T, C), compute dtype.
 

@@ -28,6 +28,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RANKS_DIR = Path(__file__).resolve().parent / "ranks"
+CLI = REPO_ROOT / "zmpi" / "cli" / "__main__.py"  # `python -m zmpi.cli`, launched by path
 PREFIX = "ZMPI_REPORT "
 
 

@@ -17,7 +17,9 @@ import pytest
 from mpi_util import RANKS_DIR, launch_mpi, run_mpi
 
 from zmpi.checkpoint import tools
-from zmpi.checkpoint.store import MANIFEST, CheckpointError, _body_crc, read_manifest
+from zmpi.checkpoint.manifest import _body_crc, read_manifest
+from zmpi.checkpoint.ownership import LOCK
+from zmpi.checkpoint.store import MANIFEST, CheckpointError
 
 pytestmark = pytest.mark.mpi
 SCRIPT = RANKS_DIR / "checkpoint_checks.py"
@@ -281,10 +283,10 @@ def test_keep_last_removes_old_tags_only_after_the_new_one(tmp_path):
     for step in range(4):
         _steps(engine, step, step + 1)
         engine.save_checkpoint(tmp_path, keep_last=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step3", "step4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK, "latest", "step3", "step4"]
     assert (tmp_path / "latest").read_text().strip() == "step4"
     engine.save_checkpoint(tmp_path, keep_last=2)  # the same tag again: replaced in place
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step3", "step4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK, "latest", "step3", "step4"]
     assert tools.verify(tmp_path) == []
 
 
@@ -304,9 +306,10 @@ def test_bad_save_arguments_are_clear_errors(tmp_path):
     with pytest.raises(TypeError, match="not JSON serializable"):
         engine.save_checkpoint(tmp_path, client_state={"x": object()})
     (tmp_path / "file").write_text("")
-    with pytest.raises(CheckpointError, match="save_checkpoint .*failed"):
+    with pytest.raises(CheckpointError, match="claiming checkpoint directory .*file failed: .*"
+                       "not writable"):
         engine.save_checkpoint(tmp_path / "file")
-    assert engine.pending_save is None
+    assert engine.checkpoints.pending is None
 
 
 def test_checkpoint_of_offloaded_stage3_loads_into_stage0(tmp_path):

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import pytest
-from mpi_util import REPO_ROOT, launch_mpi
+from mpi_util import CLI, REPO_ROOT, launch_mpi
 
 
 def test_estimate_reproduces_design_table():
@@ -16,7 +16,7 @@ def test_estimate_reproduces_design_table():
 
 
 def test_train_two_ranks_end_to_end(tmp_path):
-    result = launch_mpi(REPO_ROOT / "zmpi" / "cli.py", 2, timeout=180, args=[
+    result = launch_mpi(CLI, 2, timeout=180, args=[
         "train", "--stage", "3", "--precision", "fp16", "--steps", "30", "--n-layer", "1",
         "--delay-update", "10", "--profile",
         "--d-model", "32", "--seq-len", "32", "--sample-tokens", "20",
@@ -58,7 +58,7 @@ def _args(**kw):
 
 
 def test_flags_override_config(tmp_path):
-    from zmpi.cli import build_config
+    from zmpi.cli.inputs import build_config
     from zmpi.config import Config
 
     path = tmp_path / "c.json"
@@ -79,7 +79,7 @@ def test_flags_override_config(tmp_path):
 
 
 def test_offload_flags_set_deepspeed_keys(tmp_path):
-    from zmpi.cli import build_config
+    from zmpi.cli.inputs import build_config
 
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {
@@ -105,7 +105,7 @@ def test_estimate_with_offload_gives_device_and_host_memory():
 
 
 def _train(tmp_path, n, *extra):
-    result = launch_mpi(REPO_ROOT / "zmpi" / "cli.py", n, timeout=180, args=[
+    result = launch_mpi(CLI, n, timeout=180, args=[
         "train", "--precision", "fp16", "--n-layer", "1", "--d-model", "32", "--seq-len", "32",
         "--batch", "4", "--sample-tokens", "5", *extra])
     assert result.returncode == 0, result.describe()
@@ -123,7 +123,7 @@ def test_train_save_every_and_resume(tmp_path):
     _train(tmp_path, 2, "--stage", "3", "--steps", "8", "--out", tmp_path / "whole")
     _train(tmp_path, 2, "--stage", "3", "--steps", "4", "--save-every", "2", "--keep-last",
            "1", "--async-save", "--out", tmp_path / "first", "--ckpt-dir", tmp_path / "ck")
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step4"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [".zmpi-lock", "latest", "step4"]
     out = _train(tmp_path, 2, "--stage", "3", "--steps", "8", "--resume", tmp_path / "ck",
                  "--out", tmp_path / "second").stdout
     assert "resumed from" in out and "step 4, saved by 2 ranks with stage3" in out
@@ -137,7 +137,7 @@ def test_train_save_every_and_resume(tmp_path):
 
 
 def test_resume_from_a_bad_checkpoint_is_one_clear_line(tmp_path):
-    result = launch_mpi(REPO_ROOT / "zmpi" / "cli.py", 2, timeout=120, args=[
+    result = launch_mpi(CLI, 2, timeout=120, args=[
         "train", "--steps", "2", "--n-layer", "1", "--d-model", "32", "--resume",
         tmp_path / "nowhere", "--out", tmp_path / "run"])
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.describe()
@@ -151,7 +151,7 @@ def test_checkpoint_flags_without_save_every_are_rejected():
 
 
 def test_seed_and_strategy_flags(tmp_path):
-    from zmpi.cli import build_config
+    from zmpi.cli.inputs import build_config
 
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"seed": 7, "zero_optimization": {"strategy": "stage2"}}))
@@ -167,7 +167,7 @@ def test_seed_and_strategy_flags(tmp_path):
 
 
 def test_shard_group_size_flag():
-    from zmpi.cli import build_config
+    from zmpi.cli.inputs import build_config
 
     cfg = build_config(_args(strategy="hybrid", shard_group_size=2), 4)
     assert cfg["zero_optimization"] == {"strategy": "hybrid", "shard_group_size": 2}
@@ -186,10 +186,10 @@ SMALL = ["--n-layer", "1", "--d-model", "32", "--seq-len", "32", "--sample-token
 def test_public_style_configs_run_at_two_ranks(tmp_path, name, extra):
     """Config files of the kind public training repositories carry run as they are; the lr
     column of metrics.csv follows the schedule (DeepSpeed semantics: step k at rate k-1)."""
-    from zmpi.cli import _read_config, build_config
+    from zmpi.cli.inputs import _read_config, build_config
     from zmpi.optim.lr_schedules import build
 
-    result = launch_mpi(REPO_ROOT / "zmpi" / "cli.py", 2, timeout=180, args=[
+    result = launch_mpi(CLI, 2, timeout=180, args=[
         "train", "--config", REPO_ROOT / "configs" / name, *SMALL, *extra,
         "--out", tmp_path / "run"])
     assert result.returncode == 0, result.describe()
@@ -229,7 +229,7 @@ def test_config_errors_are_one_line_on_rank_0(tmp_path):
         path = tmp_path / name
         if text is not None:
             path.write_text(text)
-        result = launch_mpi(REPO_ROOT / "zmpi" / "cli.py", 2, timeout=60,
+        result = launch_mpi(CLI, 2, timeout=60,
                             args=["train", "--config", path, *SMALL])
         assert result.returncode != 0, name
         lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -242,7 +242,7 @@ def test_train_on_a_binary_token_file(tmp_path):
     import numpy as np
 
     (np.arange(20000) * 13 % 97).astype(np.uint16).tofile(tmp_path / "train.bin")
-    result = launch_mpi(REPO_ROOT / "zmpi" / "cli.py", 2, timeout=120, args=[
+    result = launch_mpi(CLI, 2, timeout=120, args=[
         "train", "--data", tmp_path / "train.bin", "--vocab-size", "97", *SMALL,
         "--out", tmp_path / "run"])
     assert result.returncode == 0, result.describe()
@@ -253,8 +253,7 @@ def test_train_on_a_binary_token_file(tmp_path):
 
 
 def test_estimate_from_a_shape_per_stage_precision_offload_and_json():
-    from zmpi.cli import gpt_num_params
-    from zmpi.models.gpt import GPT, GPTConfig
+    from zmpi.models.gpt import GPT, GPTConfig, gpt_num_params
 
     assert gpt_num_params(2, 32, 65, 16) == GPT(GPTConfig(65, 16, 2, 2, 32)).num_parameters()
 

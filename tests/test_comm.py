@@ -1,17 +1,21 @@
-"""Tests for zmpi.comm: a size-1 Comm in this process, then real collectives on 2, 3 and 4
-ranks under mpiexec (tests/ranks/comm_checks.py reports raw results; expectations are computed
-here from rank and size), and abort-on-exception.
+"""Tests for zmpi.comm: a size-1 Comm in this process, then real collectives and
+point-to-point messages on 2, 3 and 4 ranks under mpiexec (tests/ranks/comm_checks.py reports
+raw results; expectations are computed here from rank and size), abort-on-exception, and the
+watchdog over a recv that never gets its message.
 
     .venv/bin/python -m pytest tests/test_comm.py -q
 """
 
+import json
 import pickle
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_util import RANKS_DIR, launch_mpi, run_mpi
+from mpi_util import RANKS_DIR, REPO_ROOT, launch_mpi, run_mpi
 
 from zmpi import backend
 from zmpi import comm as zcomm
@@ -253,6 +257,8 @@ def test_mpi_counters_follow_ring_model(reports):
             "allreduce_scalar": {"calls": 1, "bytes": 8, "sent": ring(8, n, 2)},
             "object": {"calls": 2, "bytes": obj_bytes + gathered,
                        "sent": (obj_bytes if r == 0 else 0) + ring(gathered, n)},
+            "send": {"calls": 0, "bytes": 0, "sent": 0},
+            "recv": {"calls": 0, "bytes": 0, "sent": 0},
         }
         assert rep["counters"] == expected
         assert rep["objects"] == [[1, 2, 3], list(range(n))]
@@ -300,3 +306,105 @@ def test_watchdog_keeps_no_frame_of_a_finished_wait():
     dog.end(token)
     time.sleep(1.5)
     assert alive() is None
+
+
+# --------------------------------------------------------------------------- point-to-point
+
+
+def test_size_one_messages_to_itself(comm):
+    sent, got = np.arange(6, dtype=np.float32).reshape(2, 3), np.zeros((2, 3), np.float32)
+    req = comm.isend(sent, 0, tag=2)
+    assert comm.recv(got, 0, tag=2) is got and req.wait() is sent
+    assert np.array_equal(got, sent)
+    assert comm.counters_snapshot()["send"] == {"calls": 1, "bytes": 24, "sent": 24}
+    assert comm.counters_snapshot()["recv"] == {"calls": 1, "bytes": 24, "sent": 0}
+    bad = comm.irecv(np.zeros(3, np.float32), 0)
+    comm.isend(np.zeros(3, np.int32), 0).wait()
+    for _ in range(2):  # every time, never a silent result
+        with pytest.raises(ValueError, match="sent int32 x 3 .* buffer is float32 x 3"):
+            bad.wait()
+
+
+def test_mpi_ring_exchange(reports):
+    """send/recv around the ring, then isend/irecv both ways on two tags: values, results,
+    and counters (bytes = payload; sent = payload for send, 0 for recv; nothing else)."""
+    n = len(reports)
+    for r, rep in enumerate(reports):
+        left, right = (r - 1) % n, (r + 1) % n
+        assert rep["p2p"] == {"ring": (10 * left + np.arange(6.0)).reshape(2, 3).tolist(),
+                              "bf16": [left + 0.5] * 4, "int64": [right, -right],
+                              "results_are_buffers": [True] * 4}
+        assert rep["p2p_counters"] == {"send": {"calls": 3, "bytes": 48, "sent": 48},
+                                       "recv": {"calls": 3, "bytes": 48, "sent": 0}}
+        assert rep["p2p_other_calls"] == 0
+
+
+def test_mpi_mismatched_message_is_a_clear_error(reports):
+    """A message larger or smaller than the receive buffer, or of another dtype: ValueError
+    naming both sides, from recv and from irecv (test/wait), not a hang or a truncation."""
+    n = len(reports)
+    for r, rep in enumerate(reports):
+        errors = rep["p2p_errors"]
+        sender = f"recv: rank {(r - 1) % n} sent float32 x 4 (tag 11), but the receive buffer is"
+        for how in ("recv", "irecv"):
+            assert errors[f"{how}_larger"].startswith(f"{sender} float32 x 2"), errors
+            assert errors[f"{how}_smaller"].startswith(f"{sender} float32 x 8"), errors
+            assert errors[f"{how}_dtype"].startswith(f"{sender} int32 x 4"), errors
+        assert errors["bad_dest"] == f"send: rank {n} not in [0, {n})"
+        assert errors["bad_source"] == f"recv: rank -1 not in [0, {n})"
+        assert errors["bad_tag"].startswith("send: tag -1 not in [0, ")
+        assert "C-contiguous" in errors["non_contiguous"]
+        assert rep["p2p_after_errors"] == [(r - 1) % n] * 3
+
+
+def test_watchdog_ends_a_recv_that_never_gets_its_message():
+    result = launch_mpi(RANKS_DIR / "comm_checks.py", 2, args=["recv_nothing"], timeout=30,
+                        env={"ZMPI_COLLECTIVE_TIMEOUT": "1"})
+    assert not result.timed_out and result.returncode == 3, result.describe()
+    assert result.seconds < 15, result.describe()
+    assert ("[rank 0] zmpi watchdog: waited 1 s (ZMPI_COLLECTIVE_TIMEOUT) in recv (float32 x 4 "
+            "from rank 1, tag 3), called at tests/ranks/comm_checks.py") in result.stderr
+    assert "UNREACHABLE" not in result.stdout
+
+
+STANDIN_MESSAGES = """
+import json, os
+import cupy, numpy as np
+from zmpi.comm import Comm
+out = {}
+for aware in ("0", "1"):
+    os.environ["ZMPI_CUDA_AWARE"] = aware
+    comm = Comm()
+    x, got, y = (cupy.asarray(np.arange(6, dtype=np.float32)), cupy.zeros(6, np.float32),
+                 cupy.zeros(6, np.float32))
+    req = comm.isend(x, 0, tag=1)  # to this rank itself (size 1)
+    comm.recv(got, 0, tag=1)
+    req.wait()
+    comm.wait_all([comm.irecv(y, 0), comm.isend(x * 2, 0)])
+    bad = comm.irecv(cupy.zeros(5, np.float32), 0)
+    comm.send(x, 0)
+    try:
+        bad.wait()
+        error = None
+    except ValueError as e:
+        error = str(e)
+    out[aware] = {"recv": got.get().tolist(), "irecv": y.get().tolist(), "error": error,
+                  "staged": comm.staged_bytes}
+print(json.dumps(out))
+"""
+
+
+def test_messages_of_device_buffers_staged_and_cuda_aware():
+    """On the strict CuPy stand-in: device buffers are staged through the host (MPI not
+    CUDA-aware) or handed to MPI directly, as in the collectives."""
+    env = {"PYTHONPATH": f"{REPO_ROOT / 'tests' / 'standin'}:{REPO_ROOT}",
+           "ZMPI_BACKEND": "cupy", "OMP_NUM_THREADS": "1"}
+    out = json.loads(subprocess.run([sys.executable, "-c", STANDIN_MESSAGES], env=env,
+                                    cwd=REPO_ROOT, capture_output=True, text=True,
+                                    check=True).stdout)
+    for aware, staged in (("0", {"to_host": 72, "to_device": 68}),
+                          ("1", {"to_host": 0, "to_device": 0})):
+        assert out[aware]["recv"] == list(range(6)) and out[aware]["irecv"] == list(range(0, 12, 2))
+        assert "sent float32 x 6 (tag 0), but the receive buffer is float32 x 5" in \
+            out[aware]["error"]
+        assert out[aware]["staged"] == staged  # three sends of 24 bytes; recvs of 24, 24, 20

@@ -227,7 +227,7 @@ def test_phase_profile_leaves_out_the_first_step(monkeypatch):
     import zmpi.comm
 
     ticks = iter([0, 5, 5.5, 10, 11, 11.5, 20, 21, 21.5])
-    monkeypatch.setattr("zmpi.engine.time.perf_counter", lambda: next(ticks))
+    monkeypatch.setattr("zmpi.engine.profile.time.perf_counter", lambda: next(ticks))
     monkeypatch.setattr(zmpi.comm, "waited_seconds", lambda: 0.0)
     profile = PhaseProfile()
     for step in range(3):

@@ -4,16 +4,22 @@ preemption, with a checkpoint and exit 0). Each launch has a hard timeout, so a 
 Faults on 2 ranks (tests/ranks/faults.py): collectives of different sizes or dtypes with the
 debug check, a rank that skips a collective (watchdog), a stage-3 collective called on rank 0
 only, divergence of replicated state, a NaN in one unit's gradient, a bad token id on one rank,
-fp16 overflow at the minimum loss scale. Then bad input in one process, SIGTERM preemption with
-an exact resume, Ctrl-C, and the run record of a killed run.
+fp16 overflow at the minimum loss scale; a rank stopped (SIGSTOP) when another aborts, with
+the launcher unable to clean up. Then bad input in one process, SIGTERM preemption with an
+exact resume, Ctrl-C, the run record of a killed run, metrics.csv after a resume from an older
+checkpoint, and the constant state `zmpi train` keeps per run.
 """
 import json
+import os
+import shutil
 import signal
+import sys
 import time
+from collections import deque
 
 import numpy as np
 import pytest
-from mpi_util import RANKS_DIR, REPO_ROOT, finish_mpi, launch_mpi, start_mpi
+from mpi_util import CLI, RANKS_DIR, finish_mpi, launch_mpi, start_mpi
 
 from zmpi.models.gpt import GPT, GPTConfig
 
@@ -29,11 +35,11 @@ FAULTS = {  # mode: (env, exit code, every message that must appear in stderr)
         "[rank 0] zmpi watchdog: waited 2 s (ZMPI_COLLECTIVE_TIMEOUT) in allreduce(sum) "
         "(float32 x 4, 2 ranks), called at tests/ranks/faults.py"]),
     "gather_on_rank0": ({"ZMPI_DEBUG": "1"}, None, [
-        "rank 0: call #3 allgather float32", "in full_master (from tests/ranks/faults.py",
-        "rank 1: call #3 end of program at exit"]),
+        "rank 0: call #4 allgather float32", "in full_master (from tests/ranks/faults.py",
+        "rank 1: call #4 end of program at exit"]),
     "diverge": ({}, 1, ["RuntimeError: replicas diverged after step 2: params of unit 1 "
-                        "(Block) differs between the ranks of the world group: ranks [0] hold "
-                        "copy 0; ranks [1] hold copy 1"]),
+                        "(Block) differs between the ranks of the data-parallel group: ranks [0] "
+                        "hold copy 0; ranks [1] hold copy 1"]),
     "nan": ({}, 1, ["FloatingPointError: non-finite gradients at optimizer step 0 (0 skipped "
                     "before; float32); the first in backward order is in unit 1 (Block: "
                     "units.1.attn.proj.bias"]),
@@ -56,6 +62,63 @@ def test_fault_ends_the_job_quickly_and_clearly(mode):
     for message in messages:
         assert message in result.stderr, (message, result.describe())
     assert "UNREACHABLE" not in result.stdout
+
+
+def _proc(pid, field):
+    """Field `field` (0: state letter, 1: parent pid) of /proc/pid/stat, or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[field]
+    except (OSError, IndexError):
+        return None
+
+
+def _wait_until(condition, what, timeout=30):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _kill_if(pid, name):
+    """SIGKILL `pid` if it is still a process whose command line holds `name`."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if name.encode() in f.read():
+                os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
+def test_an_abort_ends_a_stopped_rank_even_where_the_launcher_does_not(tmp_path):
+    """Rank 1 stops itself (SIGSTOP) and rank 0's watchdog aborts the job. MPICH's mpiexec
+    returns as soon as the abort reaches it; its proxy SIGKILLs the ranks only after that, and
+    each rank has a session of its own, so where the proxy cannot act then (stopped here; a
+    batch system ending mpiexec's process group) the stopped rank stayed behind for ever.
+    The aborting rank now ends the job's other ranks on its host itself."""
+    proc = start_mpi(RANKS_DIR / "faults.py", 2, args=["stopped"],
+                     env={"ZMPI_COLLECTIVE_TIMEOUT": "1", "ZMPI_REPORT_DIR": str(tmp_path)})
+    pids, proxy = [], None
+    try:
+        reports = [tmp_path / f"rank-{r}.json" for r in (0, 1)]
+        _wait_until(lambda: all(p.exists() for p in reports) or proc.poll() is not None,
+                    "both ranks' pids")
+        pids = [json.loads(p.read_text())["pid"] for p in reports]
+        _wait_until(lambda: _proc(pids[1], 0) == "T", "rank 1 to stop")
+        proxy = int(_proc(pids[0], 1))
+        assert proxy != proc.pid and int(_proc(pids[1], 1)) == proxy
+        os.kill(proxy, signal.SIGSTOP)  # the launcher can no longer clean up
+        _wait_until(lambda: _proc(pids[0], 0) in ("Z", None), "rank 0 to end after its abort")
+        assert _proc(pids[1], 0) in ("Z", None), "the stopped rank outlived the abort"
+    finally:
+        for pid in pids:
+            _kill_if(pid, "faults.py")
+        if proxy is not None:
+            _kill_if(proxy, "hydra_pmi_proxy")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
 
 
 CFG = GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, d_model=8)
@@ -116,11 +179,11 @@ def _wait_for_rows(path, rows, proc, timeout=60):
 def test_sigterm_saves_a_checkpoint_exits_0_and_resume_equals_an_uninterrupted_run(tmp_path):
     from zmpi.checkpoint.tools import consolidate
 
-    cli, steps = REPO_ROOT / "zmpi" / "cli.py", 600
-    whole = launch_mpi(cli, 2, timeout=180, args=[*TRAIN, "--steps", steps, "--save-every",
+    steps = 600
+    whole = launch_mpi(CLI, 2, timeout=180, args=[*TRAIN, "--steps", steps, "--save-every",
                                                   steps, "--out", tmp_path / "whole"])
     assert whole.returncode == 0, whole.describe()
-    proc = start_mpi(cli, 2, args=[*TRAIN, "--steps", steps, "--save-every", steps,
+    proc = start_mpi(CLI, 2, args=[*TRAIN, "--steps", steps, "--save-every", steps,
                                    "--out", tmp_path / "cut"])
     _wait_for_rows(tmp_path / "cut" / "metrics.csv", 20, proc)
     sent = time.monotonic()
@@ -133,7 +196,7 @@ def test_sigterm_saves_a_checkpoint_exits_0_and_resume_equals_an_uninterrupted_r
     stopped = run["last_step"] + 1
     assert 20 <= stopped < steps
     assert len((tmp_path / "cut" / "metrics.csv").read_text().splitlines()) == stopped + 1
-    resumed = launch_mpi(cli, 2, timeout=180, args=[*TRAIN, "--steps", steps, "--save-every",
+    resumed = launch_mpi(CLI, 2, timeout=180, args=[*TRAIN, "--steps", steps, "--save-every",
                                                     steps, "--out", tmp_path / "cut",
                                                     "--resume"])
     assert resumed.returncode == 0, resumed.describe()
@@ -150,7 +213,7 @@ def test_sigterm_saves_a_checkpoint_exits_0_and_resume_equals_an_uninterrupted_r
 
 @pytest.mark.mpi
 def test_ctrl_c_ends_every_rank_with_one_line(tmp_path):
-    proc = start_mpi(REPO_ROOT / "zmpi" / "cli.py", 2,
+    proc = start_mpi(CLI, 2,
                      args=[*TRAIN, "--steps", 100000, "--out", tmp_path / "run"])
     _wait_for_rows(tmp_path / "run" / "metrics.csv", 5, proc)
     proc.send_signal(signal.SIGINT)
@@ -162,3 +225,100 @@ def test_ctrl_c_ends_every_rank_with_one_line(tmp_path):
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["status"] == "running"  # killed: run.json from the start, metrics up to now
     assert len((tmp_path / "run" / "metrics.csv").read_text().splitlines()) > 5
+
+
+SMALL = ["train", "--n-layer", "1", "--d-model", "16", "--n-head", "2", "--seq-len", "8",
+         "--batch", "4", "--sample-tokens", "5"]
+
+
+def _steps(run_dir):
+    return [int(line.split(",")[0])
+            for line in (run_dir / "metrics.csv").read_text().splitlines()[1:]]
+
+
+@pytest.mark.mpi
+def test_a_resumed_run_drops_the_metrics_rows_it_does_again(tmp_path):
+    """A run killed after its step-4 checkpoint had written the rows of steps 4 and 5 (the
+    step-6 save never happened); --resume into the same --out goes on from step 4 and used to
+    append steps 4 and 5 again. Now each step is in metrics.csv once, run.json says what was
+    dropped, and the last line's losses are the run's own first and last rows."""
+    run = tmp_path / "run"
+    first = launch_mpi(CLI, 2, timeout=120, args=[*SMALL, "--steps", 6, "--save-every", 4,
+                                                  "--out", run])
+    assert first.returncode == 0, first.describe()
+    shutil.rmtree(run / "checkpoints" / "step6")  # as if killed before the step-6 save
+    (run / "checkpoints" / "latest").write_text("step4")
+    assert _steps(run) == [0, 1, 2, 3, 4, 5]
+    resumed = launch_mpi(CLI, 2, timeout=120, args=[*SMALL, "--steps", 8, "--out", run,
+                                                    "--resume"])
+    assert resumed.returncode == 0, resumed.describe()
+    assert "step 4" in resumed.stdout, resumed.describe()
+    assert _steps(run) == list(range(8))
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["first_step"] == 4 and meta["metrics_truncated_from"] == 4
+    assert meta["metrics_rows_dropped"] == 2 and meta["steps_run"] == 4
+    losses = [float(line.split(",")[1])
+              for line in (run / "metrics.csv").read_text().splitlines()[1:]]
+    assert f"loss {losses[4]:.3f} -> {losses[7]:.3f} (val " in resumed.stdout
+    assert meta["first_loss"] == losses[4] and meta["last_loss"] == losses[7]
+    assert meta["mean_loss"] == pytest.approx(sum(losses[4:]) / 4)
+
+
+def test_run_record_drops_rows_from_its_first_step_and_a_torn_row(tmp_path):
+    from types import SimpleNamespace
+
+    from zmpi.runinfo import RunRecord
+
+    path = tmp_path / "metrics.csv"
+    rows = ["step,loss,tokens_per_s,loss_scale,lr,skipped_steps"] + [
+        f"{s},{4 - s / 10},100.0,1.0,0.003,0" for s in range(6)]
+    path.write_bytes(("\r\n".join(rows) + "\r\n" + "6,3.3,1").encode())  # killed mid-row
+    record = RunRecord(tmp_path, SimpleNamespace(rank=0, size=1), first_step=3)
+    record.append((3, 3.5, 100.0, 1.0, 0.003, 0))
+    record.close(status="finished")
+    assert path.read_text().splitlines() == rows[:4] + ["3,3.5,100.0,1.0,0.003,0"]
+    meta = json.loads((tmp_path / "run.json").read_text())
+    assert meta["metrics_truncated_from"] == 3 and meta["metrics_rows_dropped"] == 4
+    assert not (tmp_path / "metrics.csv.tmp").exists()
+    RunRecord(tmp_path, SimpleNamespace(rank=0, size=1), first_step=9).close()  # nothing to drop
+    assert "metrics_truncated_from" not in json.loads((tmp_path / "run.json").read_text())
+    assert len(path.read_text().splitlines()) == 5
+
+
+def test_step_summary_keeps_constant_state():
+    from zmpi.runinfo import StepSummary
+
+    summary = StepSummary()
+    assert summary.as_dict() == {"steps_run": 0, "first_loss": None, "last_loss": None,
+                                 "mean_loss": None}
+    for step in range(10_000):
+        summary.add(np.float32(5 - step / 10_000))
+    assert not hasattr(summary, "__dict__")  # four numbers, whatever the number of steps
+    assert summary.steps == 10_000 and summary.first_loss == 5.0
+    assert summary.last_loss == pytest.approx(4.0001)
+    assert summary.mean_loss == pytest.approx(4.50005)
+
+
+def test_train_keeps_no_per_step_state(tmp_path, monkeypatch):
+    """What `zmpi train` holds at the end of the loop does not grow with the number of steps
+    (it kept a ~300-byte tuple per step in a list for the whole run)."""
+    from zmpi import cli, runinfo
+
+    held = []
+    close = runinfo.RunRecord.close
+
+    def spy(self, **fields):  # called by train() at the end of the run
+        held.append({name: len(value) for name, value in sys._getframe(1).f_locals.items()
+                     if isinstance(value, (list, tuple, dict, set, deque))})
+        return close(self, **fields)
+
+    monkeypatch.setattr(runinfo.RunRecord, "close", spy)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:  # one rank, in this process
+        for steps in (3, 9):
+            cli.main([*map(str, SMALL), "--sample-tokens", "2", "--steps", str(steps),
+                      "--out", str(tmp_path / str(steps))])
+    finally:
+        for s, h in handlers.items():  # zmpi train's PreemptionGuard took them
+            signal.signal(s, h)
+    assert len(held) == 2 and held[0] == held[1], held

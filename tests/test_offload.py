@@ -125,21 +125,21 @@ def test_error_in_background_update_reaches_the_next_step():
     with pytest.raises(RuntimeError, match="delayed optimizer step 1 failed") as info:
         engine.train_step(*_batch(2))  # ...it is raised here
     assert isinstance(info.value.__cause__, MemoryError)
-    assert engine._update is None  # nothing left running: no hang at shutdown
+    assert engine.delayed.thread is None  # nothing left running: no hang at shutdown
 
 
 def test_flush_points_land_the_update():
     engine = _dpu_engine(stage=1, warmup=1)
     engine.train_step(*_batch(0))
-    assert engine._update is None  # warm-up step: synchronous
+    assert engine.delayed.thread is None  # warm-up step: synchronous
     engine.train_step(*_batch(1))
-    thread = engine._update[0]
+    thread = engine.delayed.thread
     engine.eval_loss(*_batch(9))  # evaluation sees the latest parameters
-    assert engine._update is None and not thread.is_alive()
+    assert engine.delayed.thread is None and not thread.is_alive()
     before = engine.gather_parameters()
     engine.train_step(*_batch(2))
     engine.close()
     after = engine.gather_parameters()
-    assert engine._update is None
+    assert engine.delayed.thread is None
     assert any(np.abs(after[k] - before[k]).max() > 0 for k in before)
     assert engine.update_timing["delayed_steps"] == 2

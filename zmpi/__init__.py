@@ -1,7 +1,7 @@
 """zmpi: ZeRO stages 0-3 on MPI with an autograd-free NumPy/CuPy layer library.
 
-    from zmpi import Engine, Config, Comm     # imported on first use: `import zmpi.nn`
-                                              # alone never starts MPI
+    from zmpi import Engine, Config, Comm, Mesh   # imported on first use: `import zmpi.nn`
+                                                  # alone never starts MPI
 """
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
@@ -12,7 +12,8 @@ except PackageNotFoundError:  # a source tree that was not installed
     __version__ = "0+unknown"
 
 _EXPORTS = {"Engine": "zmpi.engine", "Config": "zmpi.config", "Comm": "zmpi.comm",
-            "CheckpointError": "zmpi.checkpoint", "ConfigError": "zmpi.config"}
+            "Mesh": "zmpi.parallel.mesh", "CheckpointError": "zmpi.checkpoint",
+            "ConfigError": "zmpi.config"}
 __all__ = [*_EXPORTS, "__version__"]
 
 

@@ -24,7 +24,7 @@ import numpy
 
 __all__ = ["CATEGORIES", "MODEL_STATE", "DEVICES", "MemoryLedger", "OutOfMemory",
            "model_state_breakdown", "model_state_bytes", "model_state_placement",
-           "comm_volume_elements", "ring_bytes", "ARRAY_OPS"]
+           "comm_volume_elements", "estimate_rows", "ring_bytes", "ARRAY_OPS"]
 
 CATEGORIES = ("param", "grad", "master", "adam_m", "adam_v", "activation", "comm_buffer",
               "checkpoint")
@@ -289,3 +289,24 @@ def comm_volume_elements(num_params, world_size, stage) -> float:
     _check_stage(stage)
     _check_sizes(num_params, world_size)
     return _PASSES[stage] * num_params * (world_size - 1) / world_size
+
+
+def estimate_rows(psi, n, stages, param_bytes, optimizer_bytes, offload_optimizer=False,
+                  offload_param=False) -> list[dict]:
+    """Per stage: model-state GB per rank on the device and the host (ZeRO Fig. 1, with
+    ZeRO-Offload's placement) and elements each rank sends per step; a stage the offload
+    settings exclude carries its reason instead (what `zmpi estimate` prints)."""
+    rows = []
+    for stage in stages:
+        row = {"stage": stage, "traffic_elements": comm_volume_elements(psi, n, stage)}
+        try:
+            place = model_state_placement(psi, n, stage, param_bytes, param_bytes,
+                                          optimizer_bytes / 3, optimizer_bytes / 3,
+                                          offload_optimizer, offload_param)
+        except ValueError as e:
+            rows.append({**row, "error": str(e)})
+            continue
+        row.update(device_gb=sum(place["device"].values()) / 1e9,
+                   host_gb=sum(place["host"].values()) / 1e9)
+        rows.append(row)
+    return rows

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 import platform
 import subprocess
 import sys
@@ -88,20 +89,60 @@ def rank_logger(rank: int, log_dir: str | Path | None = None) -> logging.Logger:
 METRICS = ("step", "loss", "tokens_per_s", "loss_scale", "lr", "skipped_steps")
 
 
+def _drop_rows_from(path: Path, first: int) -> int:
+    """Rewrite the metrics.csv at `path` (atomically) without its rows for steps >= `first`
+    and without rows a kill cut short (no line end, or not one field per column); returns
+    how many rows it dropped (0: the file is left as it is). A header cut short empties it."""
+    if not path.exists():
+        return 0
+    with open(path, newline="") as f:
+        lines = f.read().splitlines(keepends=True)
+    if not lines:
+        return 0
+    width = len(lines[0].rstrip("\r\n").split(","))
+    keep = lines[:1] if lines[0].endswith("\n") else []
+    for line in lines[1:] if keep else ():
+        fields = line.rstrip("\r\n").split(",")
+        try:
+            if line.endswith("\n") and len(fields) == width and int(fields[0]) < first:
+                keep.append(line)
+        except ValueError:
+            pass
+    dropped = len(lines) - len(keep) - (0 if keep else 1)  # rows, not the header
+    if len(keep) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", newline="") as f:
+            f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    return dropped
+
+
 class RunRecord:
     """A run's output directory, written as the run goes (rank 0; other ranks do nothing):
     run.json at the start (status "running") and again at the end (its final status and
     results), metrics.csv appended and flushed every step. A run that is killed keeps what it
-    did; a resumed run in the same directory appends to its metrics.csv."""
+    did.
 
-    def __init__(self, out: str | Path, comm, **meta):
+    metrics.csv has one row per step. A run that starts at step `first_step` (a resumed run:
+    the checkpoint's step; else 0) in a directory that already has a metrics.csv first drops
+    the rows for steps >= first_step, which the killed run did after its last checkpoint and
+    this run does again (and a row a kill cut short), rewriting the file atomically; run.json
+    then says so: "metrics_truncated_from": first_step, "metrics_rows_dropped": how many.
+    The rows before first_step stay, and the new ones are appended after them."""
+
+    def __init__(self, out: str | Path, comm, first_step: int = 0, **meta):
         self.out, self.active = Path(out), comm.rank == 0
-        self.meta = run_metadata(comm, **meta)
+        self.meta = run_metadata(comm, first_step=first_step, **meta)
         self._metrics = None
         if self.active:
             self.out.mkdir(parents=True, exist_ok=True)
-            self.write(status="running")
             path = self.out / "metrics.csv"
+            dropped = _drop_rows_from(path, first_step)
+            if dropped:
+                self.meta.update(metrics_truncated_from=first_step, metrics_rows_dropped=dropped)
+            self.write(status="running")
             fresh = not path.exists() or path.stat().st_size == 0
             self._metrics = open(path, "a", newline="")  # noqa: SIM115 (open for the run)
             self._writer = csv.writer(self._metrics)
@@ -126,6 +167,33 @@ class RunRecord:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+
+
+class StepSummary:
+    """What the end of a run reports about its steps, in constant memory however long the
+    run: how many, the first and the last loss, and the mean loss (a running sum). The rows
+    themselves go to metrics.csv (`RunRecord.append`), not into a list."""
+
+    __slots__ = ("steps", "first_loss", "last_loss", "loss_sum")
+
+    def __init__(self):
+        self.steps, self.first_loss, self.last_loss, self.loss_sum = 0, None, None, 0.0
+
+    def add(self, loss: float) -> None:
+        loss = float(loss)
+        if self.steps == 0:
+            self.first_loss = loss
+        self.steps += 1
+        self.last_loss = loss
+        self.loss_sum += loss
+
+    @property
+    def mean_loss(self) -> float | None:
+        return self.loss_sum / self.steps if self.steps else None
+
+    def as_dict(self) -> dict:
+        return {"steps_run": self.steps, "first_loss": self.first_loss,
+                "last_loss": self.last_loss, "mean_loss": self.mean_loss}
 
 
 class PreemptionGuard:

@@ -1,11 +1,15 @@
 """Rank side of tests/test_comm.py: run every Comm check once and report the raw results.
 
     mpiexec -n 3 python tests/ranks/comm_checks.py
+    ZMPI_COLLECTIVE_TIMEOUT=1 mpiexec -n 2 python tests/ranks/comm_checks.py recv_nothing
 
 Inputs are simple functions of (rank, size); tests/test_comm.py computes the expected values
 analytically and compares. Nothing is asserted here, so one failing check cannot hide others.
+`recv_nothing`: rank 0 waits in a recv that rank 1 (asleep, outside MPI) never sends; the
+watchdog must end the job.
 """
 
+import sys
 import time
 
 import ml_dtypes
@@ -130,6 +134,59 @@ def main():
     out["errors"] = errors
     out["after_errors"] = comm.allreduce_scalar(1.0)
 
+    # point-to-point: a ring (rank 0 sends first, the others receive first), then non-blocking
+    # messages both ways on two tags, waited for in reverse order
+    right, left = (r + 1) % n, (r - 1) % n
+    comm.reset_counters()
+    sent, got = (10 * r + np.arange(6)).astype(np.float32).reshape(2, 3), np.zeros((2, 3), f32)
+    if r == 0:
+        returned = [comm.send(sent, right) is sent, comm.recv(got, left) is got]
+    else:
+        returned = [comm.recv(got, left) is got, comm.send(sent, right) is sent]
+    a_in, b_in = np.zeros(4, BF16), np.zeros(2, np.int64)
+    reqs = [comm.irecv(a_in, left, tag=4), comm.irecv(b_in, right, tag=9),
+            comm.isend(np.full(4, r + 0.5, BF16), right, tag=4),
+            comm.isend(np.array([r, -r], np.int64), left, tag=9)]
+    results = wait_all(reqs[::-1])
+    out["p2p"] = {"ring": f64(got), "bf16": f64(a_in), "int64": f64(b_in),
+                  "results_are_buffers": returned + [results[3] is a_in, results[2] is b_in]}
+    snap = comm.counters_snapshot()
+    out["p2p_counters"] = {op: snap.pop(op) for op in ("send", "recv")}
+    out["p2p_other_calls"] = sum(c["calls"] for c in snap.values())
+
+    # a message whose dtype or size differs from the receive buffer: ValueError on the
+    # receiver (blocking and not), never a hang or a silent truncation; then all is well
+    p2p_errors = {}
+    for name, buf in (("larger", np.zeros(2, f32)), ("smaller", np.zeros(8, f32)),
+                      ("dtype", np.zeros(4, np.int32))):
+        for how in ("recv", "irecv"):
+            sreq = comm.isend(np.ones(4, f32), right, tag=11)
+            try:
+                if how == "recv":
+                    comm.recv(buf, left, tag=11)
+                else:
+                    req = comm.irecv(buf, left, tag=11)
+                    while not req.test():  # test() raises too, once the message is in
+                        pass
+                p2p_errors[f"{how}_{name}"] = None
+            except ValueError as e:
+                p2p_errors[f"{how}_{name}"] = str(e)
+            sreq.wait()
+    bad = {"bad_dest": lambda: comm.send(np.zeros(2, f32), n),
+           "bad_source": lambda: comm.irecv(np.zeros(2, f32), -1),
+           "bad_tag": lambda: comm.isend(np.zeros(2, f32), right, tag=-1),
+           "non_contiguous": lambda: comm.send(np.zeros((4, 4), f32)[:, 0], right)}
+    for name, fn in bad.items():
+        try:
+            fn()
+            p2p_errors[name] = None
+        except ValueError as e:
+            p2p_errors[name] = str(e)
+    out["p2p_errors"] = p2p_errors
+    after = comm.isend(np.full(3, r, np.int32), right, tag=11)
+    out["p2p_after_errors"] = f64(comm.recv(np.zeros(3, np.int32), left, tag=11))
+    after.wait()
+
     # counters: a fixed sequence, compared with the ring model in the test
     comm.reset_counters()
     comm.allreduce(np.zeros(10, np.float32))
@@ -166,5 +223,14 @@ def main():
     report(out)
 
 
+def recv_nothing():
+    comm = Comm()
+    if comm.rank == 0:
+        comm.recv(np.zeros(4, np.float32), 1, tag=3)  # rank 1 never sends
+        print("UNREACHABLE: the recv returned", flush=True)
+    else:
+        time.sleep(60)
+
+
 if __name__ == "__main__":
-    main()
+    recv_nothing() if sys.argv[1:] == ["recv_nothing"] else main()

@@ -8,8 +8,12 @@ sizes/dtypes), skip (rank 1 skips an allreduce: the watchdog fires), gather_on_r
 0 calls a stage-3 collective), diverge (rank 1's stage-0 master weights drift; the replica
 check fires),
 nan (a NaN in unit 1's gradient on rank 0, fp32), bad_ids_on_rank1 (only rank 1's batch has an
-out-of-range token id), min_scale (fp16 overflows every step at the minimum loss scale).
+out-of-range token id), min_scale (fp16 overflows every step at the minimum loss scale),
+stopped (each rank reports its pid, then rank 1 stops itself with SIGSTOP before a collective:
+rank 0's watchdog aborts the job; the test checks that rank 1 does not outlive it).
 """
+import os
+import signal
 import sys
 
 import numpy as np
@@ -66,6 +70,14 @@ def main(mode):
         if comm.rank == 1:
             x[1, 3] = -1  # NumPy would read the last embedding row
         e.train_step(x, y)
+    elif mode == "stopped":
+        from _report import report
+
+        comm.allreduce(np.ones(4, np.float32))
+        report({"pid": os.getpid()})
+        if comm.rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        comm.allreduce(np.ones(4, np.float32))
     elif mode == "min_scale":
         e = engine(comm, fp16={"enabled": True, "loss_scale": 0, "initial_scale_power": 1,
                                "hysteresis": 1, "min_loss_scale": 1})

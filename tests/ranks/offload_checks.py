@@ -90,13 +90,13 @@ def delayed_update(comm, out_dir):
                         offload_config(stage, "fp64", comm.size, zero), comm)
         data = gpt_data(comm, 2)
         losses = [engine.train_step(*data.sample(step)) for step in range(DPU_STEPS)]
-        in_flight = engine._update is not None  # the last step's update has not landed yet
+        in_flight = engine.delayed.thread is not None  # the last step's update has not landed yet
         memory = {d: {c: engine.memory.current(c, d) for c in MODEL_STATE} for d in DEVICES}
         params = engine.gather_parameters()  # lands it
         if comm.rank == 0:
             np.savez(f"{out_dir}/dpu_stage{stage}.npz", **params)
         results.append({"stage": stage, "losses": losses, "in_flight": in_flight,
-                        "landed": engine._update is None, "memory": memory,
+                        "landed": engine.delayed.thread is None, "memory": memory,
                         "full_numel": engine.layout.full_numel,
                         "delayed_steps": engine.update_timing["delayed_steps"]})
         engine.close()

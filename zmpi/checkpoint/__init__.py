@@ -9,7 +9,9 @@
     zmpi ckpt verify ckpt
     zmpi ckpt consolidate ckpt model.h5               # one file of full fp32 tensors
 
-`store` is the on-disk format, `sharded` the collective save and load of an Engine, `tools`
+`store` is the on-disk format (files, shards, ranged reads), `manifest` the manifest and its
+checks, `ownership` which run may write a directory and what its retention may delete,
+`sharded` the collective save and load (`Checkpointer`, on an engine's `TrainState`), `tools`
 the offline inspection, verification and consolidation.
 """
 from zmpi.checkpoint.store import CheckpointError

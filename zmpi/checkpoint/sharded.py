@@ -1,10 +1,14 @@
-"""Saving and loading an Engine's whole training state, collectively (format: store.py).
+"""Saving and loading an engine's whole training state, collectively (format: store.py).
+
+`Checkpointer` is an engine's checkpoint side (`engine.checkpoints`): the run it saves as,
+its claims on directories (ownership.py), the save in flight. It works on the `TrainState`
+the engine hands each call (zmpi.engine.state), never on the engine.
 
 Save (every rank): each rank writes its owned shard of the four model states to its own file
 in a staging directory (with hybrid sharding one replica of each shard writes: a checkpoint
 has as many shards as a shard group has ranks); the ranks agree that every write succeeded;
 rank 0 writes the manifest, renames the staging directory to the tag, replaces `latest` and
-applies `keep_last`.
+prunes (`keep_last`, the run's own checkpoints only).
 With `async_` the shard is copied to host buffers and written by a background thread while
 training goes on; the rest (the agreement, the manifest) runs at the first collective point
 after every rank's write is done: a `train_step` (which polls with one scalar allreduce while
@@ -19,6 +23,7 @@ is written into the strategy's buffers (an allgather where the strategy replicat
 """
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import uuid
@@ -28,6 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from zmpi import backend
+from zmpi.checkpoint.manifest import read_manifest, state_crc, write_manifest
+from zmpi.checkpoint.ownership import Claim, complete_checkpoints, probe, prune, take
 from zmpi.checkpoint.store import (
     LATEST,
     MANIFEST,
@@ -36,13 +43,12 @@ from zmpi.checkpoint.store import (
     ShardReader,
     check_tag,
     fsync_dir,
+    moved_dir,
     owned_pieces,
-    read_manifest,
     resolve_tag,
     shard_name,
     staging_dir,
     write_atomic,
-    write_manifest,
     write_shard,
 )
 
@@ -65,17 +71,17 @@ def agree(comm, what: str, fn, *args):
     return result
 
 
-# ---- save -----------------------------------------------------------------------------------
+# ---- a save in flight, and what a load returns ------------------------------------------------
 @dataclass
 class PendingSave:
     """A save whose shard file is being written (by `thread` if asynchronous)."""
 
-    directory: Path
+    claim: Claim  # of the directory it is saved in
     tag: str
     body: dict  # the manifest, less its file list
     keep_last: int | None
     write: object  # () -> file entry
-    buffers: list  # host snapshot buffers, in the ledger
+    buffers: list  # (ledger, host snapshot buffer) pairs, released when it finishes
     thread: threading.Thread | None = None
     outcome: dict = field(default_factory=dict)
 
@@ -101,115 +107,6 @@ class PendingSave:
         return self.outcome["entry"]
 
 
-def save(engine, directory, tag=None, keep_last=None, async_=False, client_state=None) -> Path:
-    """engine.save_checkpoint: see its docstring. Returns the checkpoint's final directory."""
-    comm = engine.comm
-    finish_pending(engine)
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-    tag = check_tag(tag if tag is not None else f"step{engine.global_steps}")
-    directory = Path(directory)
-    tags = comm.allgather_object((str(directory), tag))
-    if len(set(tags)) != 1:
-        raise ValueError(f"save_checkpoint got different directories or tags on different "
-                         f"ranks: {sorted(set(tags))}")
-    engine.wait_update()  # a delayed update in flight finishes; its publication stays pending
-    body = engine.checkpoint_state(client_state)
-    staging = staging_dir(directory, tag)
-
-    def prepare():
-        if comm.rank == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
-            staging.mkdir()
-
-    agree(comm, f"save_checkpoint {staging}", prepare)
-    body["checkpoint_id"] = comm.bcast_object(uuid.uuid4().hex)
-    body["tag"] = tag
-    strategy, shards = engine.strategy, engine.layout.world_size
-    states, buffers = {}, []
-    for state in STATES if strategy.writes_checkpoint else ():  # one replica per shard writes
-        shard = strategy.state_shard(state)
-        if async_ or backend.is_device_array(shard):  # a host copy the writer owns
-            host = engine.memory.allocate(shard.shape, shard.dtype, "checkpoint", "host",
-                                          f"checkpoint {state}")
-            backend.copy_(host, shard)
-            buffers.append(host)
-            shard = host
-        states[state] = shard
-    attrs = {"checkpoint_id": body["checkpoint_id"], "rank": strategy.rank,
-             "world_size": shards, "tag": tag}
-    path = staging / shard_name(strategy.rank, shards)
-    pending = PendingSave(directory, tag, body, keep_last, buffers=buffers,
-                          write=lambda: write_shard(path, engine.layout, strategy.rank, states,
-                                                    attrs) if states else None)
-    engine.pending_save = pending
-    if async_:
-        pending.start()
-    else:
-        finish_pending(engine)
-    return directory / tag
-
-
-def poll(engine) -> None:
-    """Finish an asynchronous save once every rank's writer is done (one scalar allreduce)."""
-    pending = engine.pending_save
-    if pending is not None and engine.comm.allreduce_scalar(float(pending.done()), "min") == 1:
-        finish_pending(engine)
-
-
-def finish_pending(engine) -> None:
-    """Complete the save in flight, if any (a collective): wait for every rank's shard, write
-    the manifest, move the checkpoint into place, update `latest`, apply keep_last."""
-    pending, engine.pending_save = engine.pending_save, None
-    if pending is None:
-        return
-    comm = engine.comm
-    staging = staging_dir(pending.directory, pending.tag)
-    try:
-        entries = comm.allgather_object(agree(comm, f"saving shard files in {staging}",
-                                              pending.result))
-        entries = sorted((e for e in entries if e is not None), key=lambda e: e["file"])
-    finally:
-        for buf in pending.buffers:
-            engine.memory.release(buf)
-
-    def publish():
-        if comm.rank == 0:
-            write_manifest(staging / MANIFEST, dict(pending.body, files=entries))
-            fsync_dir(staging)
-            final = pending.directory / pending.tag
-            if final.exists():  # re-saving a tag: the old copy is removed once replaced
-                old = staging.with_name(staging.name[:-len("partial")] + "old")
-                shutil.rmtree(old, ignore_errors=True)
-                final.rename(old)
-                staging.rename(final)
-                shutil.rmtree(old)
-            else:
-                staging.rename(final)
-            fsync_dir(pending.directory)
-            write_atomic(pending.directory / LATEST, (pending.tag + "\n").encode())
-            if pending.keep_last is not None:
-                _retain(pending.directory, pending.keep_last, pending.tag)
-
-    agree(comm, f"writing the manifest of {pending.directory / pending.tag}", publish)
-
-
-def _retain(directory: Path, keep_last: int, newest: str) -> None:
-    """Delete all but the `keep_last` newest complete checkpoints (by global step, then time)."""
-    complete = []
-    for path in directory.iterdir():
-        if path.is_dir() and (path / MANIFEST).is_file() and path.name != newest:
-            try:
-                step = read_manifest(path)["global_steps"]
-            except CheckpointError:
-                continue  # not ours to judge: leave it
-            complete.append((step, path.stat().st_mtime, path))
-    for _, _, path in sorted(complete)[: max(0, len(complete) - (keep_last - 1))]:
-        shutil.rmtree(path)
-
-
-# ---- load -----------------------------------------------------------------------------------
 @dataclass
 class Loaded:
     """What `load_checkpoint` restored: where from, the step, the saver's client state, and
@@ -222,6 +119,7 @@ class Loaded:
     global_steps: int
     client_state: dict
     notes: list[str]
+    run_id: str  # the run that saved it, which the loading engine continues
 
 
 def check_same_model(manifest: dict, layout, where) -> None:
@@ -243,25 +141,202 @@ def read_owned(reader: ShardReader, state: str, layout, rank: int, dtype) -> np.
     return out
 
 
-def load(engine, directory, tag=None, verify=True) -> Loaded:
-    """engine.load_checkpoint: see its docstring."""
-    comm = engine.comm
-    finish_pending(engine)
+class Checkpointer:
+    """An engine's checkpoints: the run it saves as (`run_id`), its claims on directories and
+    the save in flight. Each call is handed the engine's `TrainState` (zmpi.engine.state) and
+    never sees the engine itself. Every method is a collective."""
 
-    def read():
-        ckpt = resolve_tag(directory, tag)
-        manifest = read_manifest(ckpt)
-        check_same_model(manifest, engine.layout, ckpt / MANIFEST)
-        same_dtype = manifest["dtype"] == engine.dtype.name
-        with ShardReader(ckpt, manifest, verify) as reader:
-            states = {s: read_owned(reader, s, engine.layout, engine.strategy.rank,
-                                    engine.dtype if s == "params" else engine.master_dtype)
-                      for s in STATES if s != "params" or same_dtype}
-        return ckpt, manifest, states
+    def __init__(self, comm, run_id: str):
+        self.comm, self.run_id = comm, run_id
+        self.claims = {}  # absolute directory -> Claim, held until release()
+        self.pending = None  # the PendingSave in flight
 
-    where = f"load_checkpoint {directory}" + (f" tag {tag}" if tag else "")
-    ckpt, manifest, states = agree(comm, where, read)
-    notes = engine.restore_checkpoint_state(manifest, states)
-    return Loaded(ckpt, manifest["tag"], manifest["world_size"], manifest["strategy"],
-                  manifest["global_steps"], manifest["client_state"], notes)
+    # ---- directories ------------------------------------------------------------------------
+    def claim(self, directory, overwrite: bool = False) -> Claim:
+        """engine.claim_checkpoint_dir: lock `directory` for this run (rank 0), check that
+        every rank can write there (ownership.py); once per directory. The same
+        CheckpointError on every rank when it is another run's, in use or not writable."""
+        key = os.path.abspath(directory)
+        if key not in self.claims:
+            self.claims[key] = self._claim(Path(directory), overwrite)
+        return self.claims[key]
 
+    def _claim(self, directory: Path, overwrite: bool) -> Claim:
+        comm, run_id = self.comm, self.run_id
+        held = agree(comm, f"claiming checkpoint directory {directory}",
+                     lambda: take(directory, run_id, overwrite) if comm.rank == 0 else None)
+        try:
+            agree(comm, f"checking that {directory} is writable", probe, directory)
+        except CheckpointError:
+            if held is not None:
+                held.release()
+            raise
+        return held or Claim(directory, run_id, None)
+
+    def release(self) -> None:
+        """Let go of every directory (the lock files stay, unlocked)."""
+        for held in self.claims.values():
+            held.release()
+        self.claims.clear()
+
+    # ---- save -------------------------------------------------------------------------------
+    def save(self, state, directory, tag=None, keep_last=None, async_=False,
+             client_state=None) -> Path:
+        """engine.save_checkpoint: see its docstring. Returns the checkpoint's directory."""
+        comm = self.comm
+        self.finish()
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        tag = check_tag(tag if tag is not None else f"step{state.global_steps}")
+        directory = Path(directory)
+        tags = comm.allgather_object((str(directory), tag))
+        if len(set(tags)) != 1:
+            raise ValueError(f"save_checkpoint got different directories or tags on different "
+                             f"ranks: {sorted(set(tags))}")
+        held = self.claim(directory)
+        state.settle()
+        body = state.manifest(client_state)
+        staging = staging_dir(directory, tag)
+
+        def prepare():
+            if comm.rank == 0:  # the claim made the directory
+                shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
+                staging.mkdir()
+
+        agree(comm, f"save_checkpoint {staging}", prepare)
+        body.update(checkpoint_id=comm.bcast_object(uuid.uuid4().hex), tag=tag,
+                    run_id=self.run_id)
+        strategy, layout = state.strategy, state.layout
+        states, buffers = {}, []
+        for name in STATES if strategy.writes_checkpoint else ():  # one replica per shard
+            shard = strategy.state_shard(name)
+            if async_ or backend.is_device_array(shard):  # a host copy the writer owns
+                host = state.memory.allocate(shard.shape, shard.dtype, "checkpoint", "host",
+                                             f"checkpoint {name}")
+                backend.copy_(host, shard)
+                buffers.append((state.memory, host))
+                shard = host
+            states[name] = shard
+        attrs = {"checkpoint_id": body["checkpoint_id"], "rank": strategy.rank,
+                 "world_size": layout.world_size, "tag": tag,
+                 "state_crc": comm.bcast_object(state_crc(body))}  # of rank 0's: the manifest
+        path = staging / shard_name(strategy.rank, layout.world_size)
+        self.pending = PendingSave(held, tag, body, keep_last, buffers=buffers,
+                                   write=lambda: write_shard(path, layout, strategy.rank, states,
+                                                             attrs) if states else None)
+        if async_:
+            self.pending.start()
+        else:
+            self.finish()
+        return directory / tag
+
+    def poll(self) -> None:
+        """Finish an asynchronous save once every rank's writer is done (one scalar
+        allreduce; train_step calls it while a save is in flight)."""
+        if self.pending is not None and self.comm.allreduce_scalar(
+                float(self.pending.done()), "min") == 1:
+            self.finish()
+
+    def finish(self) -> None:
+        """Complete the save in flight, if any: wait for every rank's shard, write the
+        manifest, move the checkpoint into place, update `latest`, prune. If any rank failed,
+        the staging directory is removed and `latest` is left as it was."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        comm, directory = self.comm, pending.claim.directory
+        staging = staging_dir(directory, pending.tag)
+
+        def publish(entries):
+            if comm.rank == 0:
+                write_manifest(staging / MANIFEST, dict(pending.body, files=entries))
+                fsync_dir(staging)
+                final = directory / pending.tag
+                if final.exists():  # re-saving a tag: the old copy is removed once replaced
+                    old = moved_dir(directory, pending.tag)
+                    shutil.rmtree(old, ignore_errors=True)
+                    final.rename(old)  # a kill from here to the next rename: store.repair
+                    staging.rename(final)
+                    shutil.rmtree(old)
+                else:
+                    staging.rename(final)
+                fsync_dir(directory)
+                write_atomic(directory / LATEST, (pending.tag + "\n").encode())
+                prune(pending.claim, pending.tag, pending.keep_last)
+
+        try:
+            try:
+                entries = comm.allgather_object(agree(comm, f"saving shard files in {staging}",
+                                                      pending.result))
+            finally:
+                for ledger, buf in pending.buffers:
+                    ledger.release(buf)
+            entries = sorted((e for e in entries if e is not None), key=lambda e: e["file"])
+            agree(comm, f"writing the manifest of {directory / pending.tag}", publish, entries)
+        except CheckpointError:  # raised on every rank
+            if comm.rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            comm.barrier()  # gone before any rank goes on
+            raise
+
+    # ---- load -------------------------------------------------------------------------------
+    def load(self, state, directory, tag=None, verify=True, fallback=False) -> Loaded:
+        """engine.load_checkpoint: see its docstring. The run of the checkpoint becomes this
+        Checkpointer's (claims made for another run are released)."""
+        comm = self.comm
+        self.finish()
+        strategy, layout = state.strategy, state.layout
+
+        def read(tag):
+            ckpt = resolve_tag(directory, tag)
+            manifest = read_manifest(ckpt)
+            check_same_model(manifest, layout, ckpt / MANIFEST)
+            same_dtype = manifest["dtype"] == state.dtype.name
+            with ShardReader(ckpt, manifest, verify) as reader:
+                states = {s: read_owned(reader, s, layout, strategy.rank,
+                                        state.dtype if s == "params" else state.master_dtype)
+                          for s in STATES if s != "params" or same_dtype}
+            return ckpt, manifest, states
+
+        where = f"load_checkpoint {directory}" + (f" tag {tag}" if tag else "")
+        try:
+            ckpt, manifest, states = agree(comm, where, read, tag)
+            skipped = []
+        except CheckpointError as error:
+            if not fallback or tag is not None:
+                raise
+            ckpt, manifest, states, skipped = _load_fallback(comm, directory, read, error)
+        notes = skipped + state.restore(manifest, states)
+        if manifest["run_id"] != self.run_id:
+            self.release()  # claimed for the run this engine no longer is
+            self.run_id = manifest["run_id"]
+        return Loaded(ckpt, manifest["tag"], manifest["world_size"], manifest["strategy"],
+                      manifest["global_steps"], manifest["client_state"], notes,
+                      manifest["run_id"])
+
+
+def fallback_tags(directory, exclude) -> list[str]:
+    """The tags of the other complete checkpoints in `directory`, newest (global step, then
+    time) first: what a load falls back to when the newest one is damaged."""
+    found = [(m["global_steps"], path.stat().st_mtime, path.name)
+             for path, m in complete_checkpoints(Path(directory)) if path != exclude]
+    return [name for *_, name in sorted(found, reverse=True)]
+
+
+def _load_fallback(comm, directory, read, error):
+    """load(fallback=True): the newest complete checkpoint that loads, after `error` on the
+    one `latest` names; every rank tries the same tags in the same order."""
+    try:
+        newest = resolve_tag(directory, None)
+    except CheckpointError:
+        newest = None
+    tags = comm.bcast_object(fallback_tags(directory, newest) if comm.rank == 0 else None)
+    notes = [f"the newest checkpoint could not be loaded ({error})"]
+    for candidate in tags:
+        try:
+            return (*agree(comm, f"load_checkpoint {directory} tag {candidate}", read,
+                           candidate), notes + [f"fell back to {candidate}"])
+        except CheckpointError as e:
+            notes.append(f"{candidate} could not be loaded either ({e})")
+    raise CheckpointError(f"{error}; no other checkpoint in {directory} loads "
+                          f"({len(tags)} tried)") from None

@@ -1,4 +1,4 @@
-"""The on-disk checkpoint format: atomic files, shard files, the manifest, ranged reads.
+"""The on-disk checkpoint format: names, atomic files, shard files, ranged reads.
 
 This module is the format and nothing else: it knows files, layouts and bytes, not engines or
 MPI (zmpi.checkpoint.sharded runs it collectively; zmpi.checkpoint.tools runs it offline).
@@ -7,6 +7,7 @@ MPI (zmpi.checkpoint.sharded runs it collectively; zmpi.checkpoint.tools runs it
     DIR/<tag>/manifest.json              written last: the checkpoint is complete iff present
     DIR/<tag>/rank00001-of-00004.h5      rank 1's shard file
     DIR/.<tag>.partial/                  a save in progress (renamed to <tag> when complete)
+    DIR/.zmpi-lock                       held by the run writing here (ownership.py)
 
 A shard file holds rank r's *owned shard* of the flat layout (zero.flat: unit u's elements
 [r P_u / N, (r+1) P_u / N)) for each of the four model states, whatever the stage: a stage
@@ -22,17 +23,17 @@ Each dataset has the attributes `start` (offset of the piece in the parameter's 
 elements) and `shape` (the whole parameter's shape), is chunked with HDF5's Fletcher-32 filter,
 and a parameter that has no element in this shard has no dataset. bfloat16 (not an HDF5 type)
 is stored as its uint16 bit pattern with `dtype = "bfloat16"`. The file's root attributes say
-which checkpoint (`checkpoint_id`), rank and world size it belongs to. Padding is not stored.
+which checkpoint (`checkpoint_id`), rank and world size it belongs to, and `state_crc` the
+manifest state it was saved with (`state_crc()`). Padding is not stored.
 
-The manifest (JSON) records the format version, the flat layout (`ModelLayout.to_dict`), the
-engine state (steps, optimizer, loss scaler, config, the caller's client state) and, per shard
-file, its size and CRC-32; a CRC-32 of the manifest's own body guards the manifest. Every file
-is written under a temporary name, flushed, fsync'ed and renamed (`write_atomic`).
+The manifest (manifest.py) is written last and read first. Every file is written under a
+temporary name, flushed, fsync'ed and renamed (`write_atomic`).
 """
 from __future__ import annotations
 
-import json
+import io
 import os
+import shutil
 import zlib
 from pathlib import Path
 
@@ -70,7 +71,12 @@ def staging_dir(directory: Path, tag: str) -> Path:
 
 
 def resolve_tag(directory, tag: str | None) -> Path:
-    """The directory of checkpoint `tag` in `directory` (tag None: the one `latest` names)."""
+    """The directory of checkpoint `tag` in `directory` (tag None: the one `latest` names).
+
+    A kill between the two renames that replace a re-saved tag (publish: `<tag>` to
+    `.<tag>.old`, then `.<tag>.partial` to `<tag>`) leaves `<tag>` missing for a moment; the
+    complete copy is then found where the save left it (the new one if its manifest was
+    written, else the old one) and `repair` puts it back at the next save."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: missing: no such checkpoint directory")
@@ -80,11 +86,41 @@ def resolve_tag(directory, tag: str | None) -> Path:
             tags = sorted(p.name for p in directory.iterdir() if (p / MANIFEST).is_file())
             raise CheckpointError(f"{latest}: missing: no '{LATEST}' file, so no complete "
                                   f"checkpoint was saved here (complete tags: {tags or 'none'})")
-        tag = latest.read_text().strip()
+        tag = latest.read_text(errors="replace").strip()
+        try:
+            check_tag(tag)
+        except ValueError:
+            raise CheckpointError(f"{latest}: corrupt: it names {tag[:60]!r}, not a checkpoint "
+                                  "tag") from None
     path = directory / check_tag(tag)
     if not path.is_dir():
+        for moved in (staging_dir(directory, tag), moved_dir(directory, tag)):
+            if (moved / MANIFEST).is_file():
+                return moved
         raise CheckpointError(f"{path}: missing: no checkpoint tagged {tag!r}")
     return path
+
+
+def moved_dir(directory: Path, tag: str) -> Path:
+    """Where publish moves the previous copy of a re-saved tag until the new one is in place."""
+    return Path(directory) / f".{tag}.old"
+
+
+def repair(directory: Path) -> list[str]:
+    """Finish the replacement of a re-saved tag that a kill interrupted (see resolve_tag):
+    the complete copy goes back to its tag. Run by the directory's single writer. Returns
+    what it did, for the log."""
+    done = []
+    for old in Path(directory).glob(".*.old"):
+        tag = old.name[1:-len(".old")]
+        final, new = Path(directory) / tag, staging_dir(directory, tag)
+        if not final.exists():
+            source = new if (new / MANIFEST).is_file() else old
+            source.rename(final)
+            done.append(f"restored {final} from {source.name} (a re-save was interrupted)")
+        if old.exists():
+            shutil.rmtree(old)
+    return done
 
 
 # ---- atomic files ---------------------------------------------------------------------------
@@ -97,13 +133,18 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that a crash leaves either the old file or the new one."""
+    """Write `data` to `path` so that a crash leaves either the old file or the new one (and
+    a failed write, e.g. a full disk, leaves the old one and no temporary file)."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 
@@ -140,65 +181,98 @@ def _chunk(n: int, itemsize: int) -> int:
     return -(-n // chunks)
 
 
+class _GuardedFile(io.RawIOBase):
+    """The file HDF5 writes a shard through (h5py's file-object driver). An OSError of the
+    disk (ENOSPC, EFBIG, EIO) is kept in `error` instead of being handed to HDF5: HDF5 cannot
+    recover from a failed write (h5py raises it from a destructor, or the process crashes),
+    so the writes after it are dropped, HDF5 finishes on a file that is then discarded, and
+    the caller raises `error`."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        # unbuffered: a failed write surfaces in write(), not in a later seek's flush
+        self.f, self.error = open(path, "w+b", buffering=0), None  # noqa: SIM115
+
+    def readable(self):
+        return True
+
+    def writable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, pos, whence=0):
+        return self.f.seek(pos, whence)
+
+    def tell(self):
+        return self.f.tell()
+
+    def readinto(self, buffer):
+        return self.f.readinto(buffer)
+
+    def _guard(self, fn, *args):
+        if self.error is None:
+            try:
+                return fn(*args)
+            except OSError as e:
+                self.error = e
+        return None
+
+    def write(self, data):
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view) and self.error is None:
+            done += self._guard(self.f.write, view[done:]) or 0
+        if done < len(view):
+            self.f.seek(len(view) - done, os.SEEK_CUR)  # dropped: the file is discarded
+        return len(view)
+
+    def truncate(self, size=None):
+        self._guard(self.f.truncate, size)
+        return size
+
+    def sync(self):
+        self._guard(os.fsync, self.f.fileno())
+
+    def close(self):
+        super().close()
+        self.f.close()
+
+
 def write_shard(path: Path, layout: ModelLayout, rank: int, states: dict, attrs: dict) -> dict:
     """Write rank's owned shard of each state in `states` (name -> host array (S,)) to an HDF5
-    file at `path` atomically; returns {"file", "bytes", "crc32"} for the manifest."""
+    file at `path` atomically; returns {"file", "bytes", "crc32"} for the manifest. A failed
+    write (a full disk, a file too large) raises CheckpointError and leaves no file."""
     import h5py
 
     tmp = path.with_name(path.name + ".tmp")
     pieces = list(owned_pieces(layout, rank))
     shapes = layout.shapes()
-    with h5py.File(tmp, "w") as f:
-        f.attrs.update(attrs)
-        for state, shard in states.items():
-            group = f.create_group(state)
-            for name, start, at, n in pieces:
-                data = _disk_view(shard[at : at + n])
-                ds = group.create_dataset(name, data=data, fletcher32=True,
-                                          chunks=(_chunk(n, data.itemsize),))
-                ds.attrs["start"] = start
-                ds.attrs["shape"] = list(shapes[name])
-                if data.dtype != shard.dtype:
-                    ds.attrs["dtype"] = shard.dtype.name
-        f.flush()
-        os.fsync(f.id.get_vfd_handle())
+    sink = _GuardedFile(tmp)
+    try:
+        with h5py.File(sink, "w") as f:
+            f.attrs.update(attrs)
+            for state, shard in states.items():
+                group = f.create_group(state)
+                for name, start, at, n in pieces:
+                    data = _disk_view(shard[at : at + n])
+                    ds = group.create_dataset(name, data=data, fletcher32=True,
+                                              chunks=(_chunk(n, data.itemsize),))
+                    ds.attrs["start"] = start
+                    ds.attrs["shape"] = list(shapes[name])
+                    if data.dtype != shard.dtype:
+                        ds.attrs["dtype"] = shard.dtype.name
+        sink.sync()
+    finally:
+        sink.close()
+        if sink.error is not None:
+            tmp.unlink(missing_ok=True)
+    if sink.error is not None:
+        raise CheckpointError(f"{path}: not written: {sink.error.strerror or sink.error}")
     crc = file_crc32(tmp)  # read back from the page cache
     os.replace(tmp, path)
     return {"file": path.name, "bytes": path.stat().st_size, "crc32": crc}
-
-
-# ---- manifest -------------------------------------------------------------------------------
-def _body_crc(body: dict) -> int:
-    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
-
-
-def write_manifest(path: Path, body: dict) -> None:
-    manifest = dict(body, format=FORMAT, version=VERSION)
-    manifest["checksum"] = _body_crc(manifest)
-    write_atomic(path, json.dumps(manifest, indent=1, sort_keys=True).encode())
-
-
-def read_manifest(ckpt: Path) -> dict:
-    """The manifest of checkpoint directory `ckpt`, its format and checksum verified."""
-    path = Path(ckpt) / MANIFEST
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing: the checkpoint is incomplete (its save did "
-                              "not finish) or this is not a zmpi checkpoint")
-    try:
-        manifest = json.loads(path.read_text())
-        checksum = manifest.pop("checksum")
-    except (ValueError, KeyError, AttributeError, TypeError) as e:
-        raise CheckpointError(f"{path}: corrupt: not a readable manifest ({e})") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: mismatch: format {manifest.get('format')!r}, not "
-                              f"{FORMAT!r}")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(f"{path}: mismatch: format version {manifest.get('version')!r}; "
-                              f"this zmpi reads version {VERSION}")
-    if _body_crc(manifest) != checksum:
-        raise CheckpointError(f"{path}: corrupt: checksum mismatch (the manifest was changed)")
-    manifest["layout_obj"] = ModelLayout.from_dict(manifest["layout"])
-    return manifest
 
 
 # ---- reading --------------------------------------------------------------------------------
@@ -274,7 +348,14 @@ def open_shard(ckpt: Path, manifest: dict, rank: int, verify: bool = True):
         f = h5py.File(path, "r")
     except OSError as e:
         raise CheckpointError(f"{path}: corrupt: not a readable HDF5 file ({e})") from None
-    if f.attrs.get("checkpoint_id") != manifest["checkpoint_id"]:
+    attrs = f.attrs
+    if (attrs.get("checkpoint_id") != manifest["checkpoint_id"] or attrs.get("rank") != rank
+            or attrs.get("world_size") != len(manifest["files"])):
         f.close()
         raise CheckpointError(f"{path}: mismatch: this shard belongs to another checkpoint")
+    if "state_crc" in attrs and attrs["state_crc"] != manifest["state_crc"]:
+        f.close()  # (checkpoints written before shards recorded it have no attribute)
+        raise CheckpointError(f"{path}: mismatch: the manifest does not describe the state "
+                              "this shard was saved with (the manifest was edited after the "
+                              "save)")
     return f

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
+from zmpi.checkpoint.manifest import read_manifest
 from zmpi.checkpoint.store import (
     STATES,
     CheckpointError,
     ShardReader,
     open_shard,
     owned_pieces,
-    read_manifest,
     resolve_tag,
 )
 

@@ -2,7 +2,8 @@
 
     functional   pure kernels: y, cache = op_forward(...); grads = op_backward(dy, cache)
     parameter    Parameter (.data, .grad), compute_data, accumulate_grad_
-    module       Module, UnitModel (units + engine hooks + loss), UnitHooks
+    base         Module (forward/backward, parameters, state), activation accounting
+    module       UnitModel (units + engine hooks + loss), UnitHooks
     layers       Linear, Dense (Linear + GELU), Embedding, LayerNorm, GELU, CausalSelfAttention,
                  MLP (transformer feed-forward), Block
     losses       Loss, CrossEntropyLoss (ignore_index), MSELoss

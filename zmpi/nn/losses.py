@@ -20,7 +20,7 @@ would compute on the whole batch (PyTorch DDP instead averages per-rank means).
 """
 
 from zmpi.nn import functional as F
-from zmpi.nn.module import Module
+from zmpi.nn.base import Module
 
 
 class Loss(Module):

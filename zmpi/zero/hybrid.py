@@ -27,9 +27,9 @@ sharding is memory: model states shrink by G, not by N. G = 1 is data parallelis
 G = N is ZeRO-3 (ZeRO-2). A checkpoint holds G shards, written by the first replica group.
 """
 from zmpi.config import ConfigError
+from zmpi.zero.registry import register
 from zmpi.zero.stage2 import Stage2
 from zmpi.zero.stage3 import Stage3
-from zmpi.zero.strategy import register
 
 _KEY = "zero_optimization.shard_group_size"
 

@@ -8,7 +8,8 @@ and only on the micro-step that ends a gradient accumulation. Traffic per step: 
 of Psi, i.e. 2 Psi (N-1)/N per rank on a ring.
 """
 from zmpi import backend
-from zmpi.zero.strategy import Strategy, register
+from zmpi.zero.registry import register
+from zmpi.zero.strategy import Strategy
 
 
 @register("stage0")

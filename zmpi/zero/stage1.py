@@ -8,7 +8,8 @@ of the shard it updates. After Adam the updated shards are allgathered into ever
 parameters (buckets of `allgather_bucket_size`).
 Traffic per step: reduce-scatter Psi + allgather Psi = 2 Psi (N-1)/N per rank.
 """
-from zmpi.zero.strategy import Strategy, register
+from zmpi.zero.registry import register
+from zmpi.zero.strategy import Strategy
 
 
 @register("stage1")

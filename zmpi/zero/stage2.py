@@ -5,7 +5,8 @@ it is reduce-scattered right after (every micro-step: gradient accumulation adds
 shard); the rank then frees it, keeping the 1/N shard it updates. After Adam the updated
 parameter shards are allgathered. Traffic per step: 2 Psi (N-1)/N per rank, as stage 1.
 """
-from zmpi.zero.strategy import Strategy, register
+from zmpi.zero.registry import register
+from zmpi.zero.strategy import Strategy
 
 
 @register("stage2")

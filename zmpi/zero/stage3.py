@@ -16,7 +16,8 @@ from collections import Counter
 
 from zmpi import backend
 from zmpi.config import ConfigError
-from zmpi.zero.strategy import Strategy, register
+from zmpi.zero.registry import register
+from zmpi.zero.strategy import Strategy
 
 
 @register("stage3")
@@ -25,8 +26,8 @@ class Stage3(Strategy):
     shard_gradients = True
     shard_parameters = True
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, ctx):
+        super().__init__(ctx)
         cfg, units = self.config, range(len(self.units))
         self._persistent = {u for u in units
                             if self.layout.units[u].numel <= cfg.stage3_param_persistence_threshold}

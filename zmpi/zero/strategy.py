@@ -1,4 +1,4 @@
-"""Partition strategies: the shared ZeRO mechanism, and the registry of policies over it.
+"""Partition strategies: the shared ZeRO mechanism every policy runs on.
 
 A strategy decides what each rank keeps and which collective runs at each hook (README.md,
 "The stages"). `Strategy` holds the mechanism every policy shares: buffers laid out by
@@ -44,6 +44,11 @@ both. The model states are partitioned over `self.comm`: the world, or the shard
 policy picks in `process_groups` (hybrid.py). A new strategy is one file: subclass, set the
 flags, override hooks, declare the traffic, decorate with `@register("name")`
 (docs/strategies.md).
+
+Besides the mechanism here, a Strategy is: `Declarations` (declarations.py: process groups
+and what it holds and sends), `BucketPlanning` (buckets.py: which units travel together) and
+`StateShards` (states.py: the states as owned shards, for checkpoints). It is built from one
+`StrategyContext` (context.py). The registry of names is registry.py.
 """
 from __future__ import annotations
 
@@ -54,9 +59,12 @@ import numpy as np
 from zmpi import backend
 from zmpi.backend import HostCopy, array_module
 from zmpi.config import ConfigError
-from zmpi.memory import DEVICES, MODEL_STATE, ring_bytes
+from zmpi.zero.buckets import BucketPlanning
+from zmpi.zero.context import StrategyContext
+from zmpi.zero.declarations import Declarations
+from zmpi.zero.registry import strategy_base
+from zmpi.zero.states import StateShards
 
-_REGISTRY: dict[str, type[Strategy]] = {}
 _ABANDONED: list = []  # requests in flight when an error stopped a step, and their buffers
 
 
@@ -73,108 +81,36 @@ def _settle_abandoned() -> None:
                     pass
 
 
-def register(name: str):
-    """Class decorator: make a Strategy subclass available under `name`."""
-
-    def deco(cls):
-        if name in _REGISTRY:
-            raise ValueError(f"strategy {name!r} is already registered")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
-
-
-ENTRY_POINT_GROUP = "zmpi.strategies"
-
-
-def _register_builtins() -> None:
-    from zmpi.zero import hybrid, stage0, stage1, stage2, stage3  # noqa: F401  (@register)
-
-
-def get_strategy(name: str) -> type[Strategy]:
-    """The Strategy class called `name`: a registered name (the built-in "stage0".."stage3",
-    anything imported that used @register, or a package's entry point in the group
-    "zmpi.strategies"), or "package.module:ClassName", imported here (on every rank).
-    ValueError naming what is available otherwise."""
-    _register_builtins()
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    if ":" in name:
-        return _from_path(name)
-    entry = _entry_points().get(name)
-    if entry is not None:
-        return _checked(entry.load(), f"entry point {name!r} ({entry.value})", name)
-    raise ValueError(f"unknown partition strategy {name!r}; available: "
-                     f"{', '.join(available_strategies())}, or 'package.module:ClassName'")
-
-
-def available_strategies() -> list[str]:
-    """Registered names and installed entry points (loaded on first use)."""
-    _register_builtins()
-    return sorted(set(_REGISTRY) | set(_entry_points()))
-
-
-def _entry_points() -> dict:
-    from importlib.metadata import entry_points
-
-    return {e.name: e for e in entry_points(group=ENTRY_POINT_GROUP)}
-
-
-def _from_path(path: str) -> type[Strategy]:
-    import importlib
-
-    module_name, _, attr = path.partition(":")
-    try:
-        obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load partition strategy {path!r}: {e}") from e
-    return _checked(obj, path, path)
-
-
-def _checked(obj, what: str, name: str) -> type[Strategy]:
-    """obj if it is a Strategy subclass (registered under `name` if it was not yet)."""
-    if not (isinstance(obj, type) and issubclass(obj, Strategy)):
-        raise ValueError(f"partition strategy {what} is {obj!r}, not a subclass of "
-                         "zmpi.zero.strategy.Strategy")
-    if obj not in _REGISTRY.values():
-        register(name)(obj)
-    return obj
-
-
 def _add_(dst, src) -> None:
     """dst += src, quietly: an fp16 inf here is the loss scaler's overflow signal."""
     with np.errstate(over="ignore", invalid="ignore"):
         array_module(dst).add(dst, src, out=dst)
 
 
-class Strategy:
+@strategy_base
+class Strategy(Declarations, BucketPlanning, StateShards):
     """The mechanism. Subclasses set the three flags and override hooks (all no-ops here)."""
 
     name = "base"
     shard_optimizer = False  # ZeRO P_os
     shard_gradients = False  # ZeRO P_g
     shard_parameters = False  # ZeRO P_p
-    # Elements from which a unit is sent alone, never packed into a bucket with others. At
-    # 16 Ki float32 elements per unit an allgather packed costs what one per unit costs; at
-    # 64 Ki, 2.2x (N = 2 over shared memory; experiments/bandwidth.py, packing.md).
-    solo_numel = 1 << 14
 
-    def __init__(self, units, unit_params, layout, comm, ledger, dtype, master_dtype, xp,
-                 zero_config, replica=None):
-        """units: the model's unit Modules, in forward order. unit_params[u]: name -> Parameter
-        of unit u (names as in layout.units[u]). layout: ModelLayout, built for comm.size.
-        comm, replica: this rank's shard group and replica group (`process_groups`). dtype:
-        storage dtype of parameters and gradients; master_dtype: of master weights and Adam
-        moments (fp32, or fp64 for exactness runs). xp: array module of device buffers."""
-        self.units, self.unit_params, self.layout = units, unit_params, layout
-        self.comm, self.replica, self.ledger, self.xp = comm, replica, ledger, xp
-        self.dtype, self.master_dtype = dtype, master_dtype
+    def __init__(self, ctx: StrategyContext):
+        """ctx: what the strategy is built from (StrategyContext says what each field is).
+        self.comm (and self.rank, self.world_size) is ctx.shard_group, self.replica is
+        ctx.replica_group; the other fields keep their names (self.layout, self.config, ...)."""
+        self.ctx = ctx
+        units, layout, zero_config = ctx.units, ctx.layout, ctx.config
+        dtype, master_dtype = ctx.dtype, ctx.master_dtype
+        self.units, self.unit_params, self.layout = units, ctx.unit_params, layout
+        self.comm, self.replica, self.ledger, self.xp = (ctx.shard_group, ctx.replica_group,
+                                                         ctx.ledger, ctx.xp)
+        self.dtype, self.master_dtype, self.mesh = dtype, master_dtype, ctx.mesh
         self.config = zero_config
         self.overlap = zero_config.overlap_comm
         self.sync_gradients = True
-        self.rank, self.world_size = comm.rank, comm.size
+        self.rank, self.world_size = self.comm.rank, self.comm.size
         offload, offload_param = zero_config.offload_optimizer, zero_config.offload_param
         self.offload_optimizer, self.offload_param = offload.enabled, offload_param.enabled
         self._check_offload()
@@ -184,7 +120,7 @@ class Strategy:
         self._unit_grads = {}  # u -> full grad buffer of one unit           (grad sharding)
         self._shared = [tuple(units.index(s) for s in getattr(m, "shared_units", ()))
                         for m in units]
-        self._reduce_buckets = None  # first unit -> bucket, built on first use
+        self._reduce_buckets = None  # first unit -> bucket, built on first use (buckets.py)
         P, S = layout.full_numel, layout.shard_numel
         opt_dev = "host" if self.offload_optimizer else "device"
         self._pinned = offload.pin_memory
@@ -212,66 +148,6 @@ class Strategy:
             raise ConfigError("zero_optimization.offload_param.device",
                               f"parameter offload needs a strategy that shards the parameters "
                               f"(stage 3); {self.name!r} does not")
-
-    # ---- process groups, and what the policy declares it holds and sends ---------------
-    @classmethod
-    def process_groups(cls, comm, zero_config):
-        """(shard group, replica group) of this rank, as Comms: the ranks the model states are
-        partitioned over (the layout is built for its size), and the ranks that hold the same
-        shard (None: no replication). Called by the engine, collectively, before the layout
-        exists. Default: the whole world shards, nothing is replicated."""
-        if zero_config.shard_group_size is not None:
-            raise ConfigError("zero_optimization.shard_group_size",
-                              f"strategy {cls.name!r} does not split the ranks into groups; "
-                              "shard_group_size is for the hybrid strategies")
-        return comm, None
-
-    @classmethod
-    def suite_configs(cls, world_size: int) -> list[dict]:
-        """The `zero_optimization` settings (beyond "strategy") the shared test suite runs this
-        policy with at `world_size` ranks (tests/test_zero.py): by default its defaults."""
-        return [{}]
-
-    def comms(self) -> dict:
-        """{group kind: Comm} of every communicator this policy sends on (for its counters)."""
-        if self.replica is None:
-            return {"world": self.comm}
-        return {"shard": self.comm, "replica": self.replica}
-
-    @property
-    def writes_checkpoint(self) -> bool:
-        """Whether this rank writes its shard to a checkpoint (one replica of each shard)."""
-        return self.replica is None or self.replica.rank == 0
-
-    def ring_bytes(self, numel: int, passes: int = 1, comm=None) -> int:
-        """Bytes this rank sends for `passes` ring passes over `numel` storage-dtype elements
-        on `comm` (default: the shard group): passes * B (n-1)/n, as Comm counts them."""
-        return ring_bytes(numel * self.dtype.itemsize, (comm or self.comm).size, passes)
-
-    def expected_traffic(self) -> dict[str, int]:
-        """{group kind (as `comms`): bytes this rank sends} in one optimizer step without
-        gradient accumulation, under the ring model Comm counts. Every policy declares it:
-        the shared test suite checks it against the counters."""
-        raise NotImplementedError(f"strategy {self.name!r} does not declare expected_traffic()")
-
-    def expected_model_state(self) -> dict[str, dict[str, int]]:
-        """{"device"|"host": {category: bytes}} of the model states (zmpi.memory.MODEL_STATE)
-        this rank holds between steps: what the ledger must measure (the shared test suite
-        checks). Derived from the flags and the offload settings; a policy that keeps more
-        overrides it."""
-        P, S = self.layout.full_numel, self.layout.shard_numel
-        b, mb = self.dtype.itemsize, self.master_dtype.itemsize
-        opt = "host" if self.offload_optimizer else "device"
-        held = {d: dict.fromkeys(MODEL_STATE, 0) for d in DEVICES}
-        held["host" if self.offload_param else "device"]["param"] = \
-            (S if self.shard_parameters else P) * b
-        held["device"]["grad"] = 0 if self.shard_gradients else P * b
-        grad_shards = int(self.shard_gradients or self.offload_optimizer) \
-            + int(self.grads_spare is not None)
-        held[opt]["grad"] += grad_shards * S * b
-        for category in ("master", "adam_m", "adam_v"):
-            held[opt][category] = (S if self.shard_optimizer else P) * mb
-        return held
 
     # ---- set-up -------------------------------------------------------------------------
     def initialize(self, initial) -> None:
@@ -437,69 +313,6 @@ class Strategy:
         self._bind(u, "grad", None)
         self.reduce_scatter_to_shard(range(u, u + 1), full, accumulate=True, free=(full,))
 
-    def buckets(self, limit: int) -> list[range]:
-        """The units in order, grouped into runs of consecutive units of at most `limit`
-        elements together (DeepSpeed's bucket sizes; a larger unit is a bucket of its own).
-        A unit of `solo_numel` elements or more is always a bucket of its own: it is sent in
-        place, where packing it with its neighbours would cost a copy of it (two for an
-        allgather) to save one collective's latency."""
-        out, start, size = [], 0, 0
-        for u, unit in enumerate(self.layout.units):
-            solo = unit.padded_numel >= self.solo_numel
-            if u > start and (solo or size + unit.padded_numel > limit):
-                out.append(range(start, u))
-                start, size = u, 0
-            size += unit.padded_numel
-            if solo:
-                out.append(range(u, u + 1))
-                start, size = u + 1, 0
-        return out + [range(start, len(self.layout.units))] \
-            if start < len(self.layout.units) else out
-
-    def reduce_bucket_from(self, u: int) -> range | None:
-        """The gradient bucket (`reduce_bucket_size`) whose first unit is u, else None: its
-        gradients are complete once u's backward ends (backward runs the units in reverse)."""
-        if self._reduce_buckets is None:
-            self._reduce_buckets = {b.start: b for b in self.buckets(
-                self.config.reduce_bucket_size)}
-        return self._reduce_buckets.get(u)
-
-    def _bucket_full(self, units: range) -> slice:
-        return slice(self.layout.full_offsets[units.start], self.layout.full_offsets[units.stop])
-
-    def _bucket_shard(self, units: range) -> slice:
-        return slice(self.layout.shard_offsets[units.start], self.layout.shard_offsets[units.stop])
-
-    def _bucket_pieces(self, units: range):
-        """(rank, slice of the full layout, slice of the packed bucket) of every owned piece:
-        a packed bucket holds rank 0's shards of its units, then rank 1's, ... (what
-        reduce-scatter splits and allgather concatenates)."""
-        n = self.layout.shard_offsets[units.stop] - self.layout.shard_offsets[units.start]
-        for r in range(self.world_size):
-            at = r * n
-            for u in units:
-                piece = self.layout.owned_slice(u, r)
-                yield r, piece, slice(at, at + piece.stop - piece.start)
-                at += piece.stop - piece.start
-
-    def bucket_buffer(self, units: range, full):
-        """Where the bucket of `full` (P) travels in a collective: unit u's own slice when it
-        is alone (it is already rank-major), else a new, unfilled comm_buffer in the packed
-        order of `_bucket_pieces` (the caller releases it)."""
-        if len(units) == 1:
-            return full[self._bucket_full(units)]
-        mine = self._bucket_shard(units)
-        return self.alloc((mine.stop - mine.start) * self.world_size, full.dtype,
-                          "comm_buffer", "bucket", zero=False)
-
-    def pack(self, units: range, full):
-        """The bucket of `full` (P) for a collective, filled from `full` (`bucket_buffer`)."""
-        packed = self.bucket_buffer(units, full)
-        if len(units) > 1:
-            for _, piece, at in self._bucket_pieces(units):
-                packed[at] = full[piece]
-        return packed
-
     def reduce_scatter_to_shard(self, units: range, full, accumulate: bool, free=()) -> None:
         """Reduce-scatter `full` (the packed whole gradient of a bucket of units, device) so
         that this rank's summed shard is added into its part of grads_shard (or written, if
@@ -554,50 +367,10 @@ class Strategy:
             packed = self.bucket_buffer(units, full)  # only this rank's part is written here
             backend.copy_(packed[self.rank * n:(self.rank + 1) * n], shard[mine])
 
-            def unpack(units=units, packed=packed):
+            def done(units=units, packed=packed):
                 if len(units) > 1:
-                    for _, piece, at in self._bucket_pieces(units):
-                        full[piece] = packed[at]
+                    self.unpack(units, packed, full)
                     self.ledger.release(packed)
 
-            self._launch(self.comm.iallgather_inplace(packed), unpack)
+            self._launch(self.comm.iallgather_inplace(packed), done)
         self.wait_pending()
-
-    # ---- checkpoints: every state as this rank's owned shard, whatever the policy -----
-    def state_buffer(self, state: str):
-        """(buffer, whether it holds only the owned shard) of 'params', 'master', 'adam_m'
-        or 'adam_v'."""
-        if state == "params":
-            return ((self.params_shard, True) if self.shard_parameters
-                    else (self.params_full, False))
-        if state not in ("master", "adam_m", "adam_v"):
-            raise ValueError(f"unknown model state {state!r}")
-        return getattr(self, state), self.shard_optimizer
-
-    def state_shard(self, state: str):
-        """This rank's owned shard (S,) of a model state: the buffer itself when the policy
-        shards that state, else the owned slices of the full buffer (a copy)."""
-        buf, sharded = self.state_buffer(state)
-        return buf if sharded else self.owned(buf)
-
-    def set_state_shard(self, state: str, shard) -> None:
-        """Inverse of `state_shard`: write `shard` (S, host or device) into the state's buffer.
-        A collective when the policy replicates the state (each unit is allgathered in place
-        from every rank's owned part): every rank calls it with the same `state`."""
-        buf, sharded = self.state_buffer(state)
-        if sharded:
-            backend.copy_(buf, shard)
-        else:
-            self.allgather_shard_into(buf, shard)
-
-    def full_master(self):
-        """The master weights of the whole model in the full layout (P), on every rank, in
-        host memory: the shard is copied to the host once and gathered there, so the device
-        never holds the whole fp32 model."""
-        if not self.shard_optimizer:
-            return backend.to_host(self.master)
-        shard = backend.to_host(self.master)
-        full = np.empty(self.layout.full_numel, self.master_dtype)
-        for u in range(len(self.units)):
-            self.comm.allgather(shard[self.layout.shard_slice(u)], full[self.layout.full_slice(u)])
-        return full

@@ -1,0 +1,283 @@
+"""Bad inputs to `zmpi train` and the data loader: each is one line from rank 0 on stderr and
+exit code 2, never a traceback, never a silently replaced value, never once per rank; a
+nanoGPT meta.pkl is read without running code. Most cases run in-process (`main([...])`,
+one rank); two launches at 2 ranks check that the line is printed once."""
+import json
+import pickle
+
+import numpy as np
+import pytest
+from mpi_util import CLI, launch_mpi
+
+from zmpi.cli import main
+from zmpi.cli.inputs import InputError, build_config
+from zmpi.config import Config, ConfigError
+from zmpi.data import load_tokens
+
+TINY = ["--steps", "1", "--n-layer", "1", "--d-model", "16", "--n-head", "2", "--seq-len",
+        "8", "--sample-tokens", "0"]
+
+
+class _RunsCode:
+    """Unpickling this calls open(marker, "w"): it creates the marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _token_file(directory, n=2000, vocab=65):
+    directory.mkdir(parents=True, exist_ok=True)
+    (np.arange(n) % vocab).astype(np.uint16).tofile(directory / "train.bin")
+    return directory / "train.bin"
+
+
+def _nanogpt_meta(vocab=65):
+    chars = [chr(32 + i) for i in range(vocab)]
+    return {"vocab_size": vocab, "itos": dict(enumerate(chars)),
+            "stoi": {c: i for i, c in enumerate(chars)}}
+
+
+# --- Item A: meta.pkl never runs code -----------------------------------------------------
+
+def test_meta_pkl_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
+    data = _token_file(tmp_path / "evil")
+    marker = tmp_path / "marker"
+    with open(tmp_path / "evil" / "meta.pkl", "wb") as f:
+        pickle.dump(_RunsCode(marker), f)
+    with pytest.raises(ValueError, match=r"meta\.pkl: not a plain-data pickle: refused global"):
+        load_tokens(data)
+    assert not marker.exists()
+    # the same through zmpi train: one line, exit code 2, nothing ran
+    err = _train_fails(["--data", str(data)], tmp_path)
+    assert "meta.pkl: not a plain-data pickle" in err and not marker.exists()
+
+
+def test_plain_nanogpt_meta_pkl_and_meta_json_still_work(tmp_path):
+    data = _token_file(tmp_path / "pkl")
+    with open(tmp_path / "pkl" / "meta.pkl", "wb") as f:
+        pickle.dump(_nanogpt_meta(65), f)
+    tokens, vocab = load_tokens(data)
+    assert vocab == 65 and len(tokens) == 2000
+    data = _token_file(tmp_path / "json")
+    (tmp_path / "json" / "meta.json").write_text(json.dumps({"vocab_size": 65}))
+    assert load_tokens(data)[1] == 65
+
+
+@pytest.mark.parametrize("meta,message", [
+    ({**_nanogpt_meta(), "vocab_size": True}, r"vocab_size must be an int in 1\.\.65536"),
+    ({**_nanogpt_meta(), "vocab_size": 0}, r"vocab_size must be an int in 1\.\.65536"),
+    ({**_nanogpt_meta(), "vocab_size": 70000}, r"vocab_size must be an int in 1\.\.65536"),
+    ({**_nanogpt_meta(), "vocab_size": 65.0}, r"vocab_size must be an int in 1\.\.65536"),
+    ({"itos": {}}, r'has no "vocab_size" key'),
+    ([65], r"holds a list, not a dict"),
+])
+def test_bad_vocabulary_metadata_is_a_value_error_naming_the_file(tmp_path, meta, message):
+    data = _token_file(tmp_path / "d")
+    with open(tmp_path / "d" / "meta.pkl", "wb") as f:
+        pickle.dump(meta, f)
+    with pytest.raises(ValueError, match=r"meta\.pkl: " + message):
+        load_tokens(data)
+    (tmp_path / "d" / "meta.pkl").write_bytes(b"not a pickle")
+    with pytest.raises(ValueError, match=r"meta\.pkl: not a plain-data pickle"):
+        load_tokens(data)
+
+
+# --- Item B: one line, exit code 2 ---------------------------------------------------------
+
+def _train_fails(flags, tmp_path) -> str:
+    """Run `zmpi train TINY flags` in-process; assert exit code 2 and no traceback; return
+    stderr (the caller checks it is one line via `_one_line`)."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_info:
+        main(["train", *TINY, "--out", str(tmp_path / "run"), *flags])
+    assert exit_info.value.code == 2, (exit_info.value.code, err.getvalue())
+    return _one_line(err.getvalue())
+
+
+def _one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def test_unknown_flag_is_one_line_and_exit_2(tmp_path):
+    line = _train_fails(["--foo"], tmp_path)
+    assert line == "zmpi: unrecognized arguments: --foo (see zmpi --help)"
+
+
+def _config(tmp_path, text) -> list:
+    path = tmp_path / "c.json"
+    path.write_text(text if isinstance(text, str) else json.dumps(text))
+    return ["--config", str(path)]
+
+
+FLAG_CASES = [  # (flags, what the line says)
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--batch", "-4"], "--batch must be >= 1, got -4"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--steps", "-3"], "--steps must be >= 1, got -3"),
+    (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+    (["--n-layer", "0"], "--n-layer must be >= 1, got 0"),
+    (["--d-model", "0"], "--d-model must be >= 1, got 0"),
+    (["--n-head", "3", "--d-model", "32"], "--n-head 3 does not divide --d-model 32"),
+    (["--sample-tokens", "-1"], "--sample-tokens must be >= 0, got -1"),
+    (["--warmup-steps", "0"], "--warmup-steps must be >= 1, got 0"),
+    (["--vocab-size", "0"], "--vocab-size must be an int in 1..65536"),
+    (["--vocab-size", "65537"], "--vocab-size must be an int in 1..65536"),
+    (["--save-every", "-1"], "--save-every must be >= 0, got -1"),
+    (["--keep-last", "2"], "--keep-last and --async-save act only with --save-every K"),
+    (["--steps", "abc"], "zmpi train: argument --steps: invalid int value: 'abc'"),
+    (["--lr-schedule", "constant", "--warmup-steps", "3"],
+     "--warmup-steps needs a schedule, not constant"),
+]
+
+
+@pytest.mark.parametrize("flags,message", FLAG_CASES, ids=[" ".join(c[0]) for c in FLAG_CASES])
+def test_bad_flags_are_one_line_and_exit_2(tmp_path, flags, message):
+    line = _train_fails(flags, tmp_path)
+    assert line.startswith("zmpi train: ") and message in line, line
+
+
+CONFIG_CASES = [  # (config, what the line says after "config FILE: ")
+    ({"train_batch_size": 0}, "train_batch_size: must be >= 1, got 0"),
+    ({"train_batch_size": True}, "train_batch_size: expected int or null, got bool (True)"),
+    ('{"train_batch_size": Infinity}', "train_batch_size: expected int or null, got float (inf)"),
+    ({"train_batch_size": 32.0}, "train_batch_size: expected int or null, got float (32.0)"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps: must be >= 1, got 0"),
+    ({"gradient_accumulation_steps": 2.5},
+     "gradient_accumulation_steps: expected int, got float (2.5)"),
+    ({"train_micro_batch_size_per_gpu": False},
+     "train_micro_batch_size_per_gpu: expected int, got bool (False)"),
+    ({"gradient_clipping": float("nan")}, "gradient_clipping: must be a finite number, got nan"),
+    ({"zero_optimization": {"strategy": "zmpi_no_such_module:Foo"}},
+     "zero_optimization.strategy: cannot load partition strategy 'zmpi_no_such_module:Foo': "
+     "No module named 'zmpi_no_such_module'"),
+    ({"zero_optimization": {"strategy": "zmpi.zero.strategy:NoSuchClass"}},
+     "zero_optimization.strategy: cannot load partition strategy "
+     "'zmpi.zero.strategy:NoSuchClass': module 'zmpi.zero.strategy' has no attribute "
+     "'NoSuchClass'"),
+]
+
+
+@pytest.mark.parametrize("config,message", CONFIG_CASES,
+                         ids=[str(c[0])[:50] for c in CONFIG_CASES])
+def test_bad_config_values_are_one_line_and_exit_2(tmp_path, config, message):
+    flags = _config(tmp_path, config)
+    line = _train_fails(flags, tmp_path)
+    assert line == f"zmpi train: config {flags[1]}: {message}", line
+
+
+def test_batch_that_does_not_split_and_strategy_flag(tmp_path):
+    flags = _config(tmp_path, {"train_batch_size": 7, "gradient_accumulation_steps": 2})
+    line = _train_fails(flags, tmp_path)
+    assert line == (f"zmpi train: global batch 7 (train_batch_size in {flags[1]}) does not "
+                    "split over 1 data-parallel ranks x 2 accumulation steps")
+    line = _train_fails(["--strategy", "zmpi_no_such_module:Foo"], tmp_path)
+    assert line.startswith("zmpi train: config from the flags: zero_optimization.strategy: "
+                           "cannot load partition strategy")
+
+
+def test_bad_data_files_are_one_line_and_exit_2(tmp_path):
+    line = _train_fails(["--data", str(tmp_path / "missing.bin"), "--vocab-size", "10"],
+                        tmp_path)
+    assert line.startswith(f"zmpi train: --data {tmp_path / 'missing.bin'}: ")
+    assert "No such file" in line
+    short = _token_file(tmp_path / "short", n=20, vocab=10)  # 18 + 2 after the split
+    line = _train_fails(["--data", str(short), "--vocab-size", "10"], tmp_path)
+    assert "20 tokens are too few for --seq-len 8" in line and "each need seq_len + 1 = 9" in line
+    (tmp_path / "short" / "meta.json").write_text('{"vocab_size": "x"}')
+    line = _train_fails(["--data", str(short)], tmp_path)
+    assert "meta.json: vocab_size must be an int in 1..65536" in line
+    (tmp_path / "short" / "meta.json").write_text('{"vocab_size": 10')
+    assert "meta.json: not valid JSON" in _train_fails(["--data", str(short)], tmp_path)
+    nometa = _token_file(tmp_path / "nometa", vocab=10)
+    assert "give the vocabulary size" in _train_fails(["--data", str(nometa)], tmp_path)
+    assert "token id 9 >= vocab size 5" in _train_fails(
+        ["--data", str(nometa), "--vocab-size", "5"], tmp_path)
+
+
+def test_build_config_refuses_instead_of_replacing(tmp_path):
+    """--batch 0 and train_batch_size 0 used to become 32 (an `or`); build_config (also an API)
+    refuses them before any arithmetic."""
+    import argparse
+
+    base = {"config": None, "batch": None, "lr": None, "stage": None, "precision": None,
+            "seed": None, "strategy": None, "offload_optimizer": False, "offload_param": False,
+            "delay_update": None, "shard_group_size": None, "lr_schedule": None,
+            "warmup_steps": None, "steps": 10}
+    with pytest.raises(InputError, match="--batch must be >= 1, got 0"):
+        build_config(argparse.Namespace(**{**base, "batch": 0}), 1)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"train_batch_size": 0}))
+    with pytest.raises(ConfigError, match="train_batch_size: must be >= 1, got 0"):
+        build_config(argparse.Namespace(**{**base, "config": str(path)}), 1)
+    path.write_text(json.dumps({"gradient_accumulation_steps": 0}))
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps: must be >= 1"):
+        build_config(argparse.Namespace(**{**base, "config": str(path), "batch": 8}), 1)
+    # at 2 ranks these were "does not split" (true taken as 1, inf % 2 is nan), per rank
+    for text, message in (('{"train_batch_size": true}', "expected int or null, got bool"),
+                          ('{"train_batch_size": Infinity}', r"got float \(inf\)"),
+                          ('{"gradient_accumulation_steps": 2.5}', r"expected int, got float")):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            build_config(argparse.Namespace(**{**base, "config": str(path)}), 2)
+
+
+def test_config_api_types_are_strict():
+    """The engine's Config: bool and float refused for the batch keys, inf/nan anywhere."""
+    for d, message in [
+        ({"train_batch_size": 32.0}, r"train_batch_size: expected int or null, got float"),
+        ({"train_micro_batch_size_per_gpu": 4.0}, r"expected int, got float \(4\.0\)"),
+        ({"gradient_accumulation_steps": True}, r"expected int, got bool"),
+        ({"train_batch_size": float("inf")}, r"expected int or null, got float \(inf\)"),
+        ({"optimizer": {"params": {"lr": float("inf")}}},
+         r"optimizer\.params\.lr: must be a finite number, got inf"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            Config.from_dict(d)
+    assert Config.from_dict({"zero_optimization": {"reduce_bucket_size": 5e8}}) \
+        .zero_optimization.reduce_bucket_size == 500_000_000  # sizes: "5e8" still an int
+
+
+def test_a_problem_on_some_ranks_only_ends_every_rank(capsys):
+    """The ranks exchange their checks' outcome; rank 0 prints the first problem, naming the
+    ranks that saw it when not all did."""
+    from zmpi.cli.inputs import _agree_on_inputs
+
+    class TwoRanks:
+        size = 2
+
+        def __init__(self, problems):
+            self.problems = problems
+
+        def allgather_object(self, _):
+            return self.problems
+
+    _agree_on_inputs(TwoRanks([None, None]), None)  # nothing wrong: returns
+    with pytest.raises(SystemExit) as exit_info:
+        _agree_on_inputs(TwoRanks([None, "--data x: missing"]), None)
+    assert exit_info.value.code == 2
+    assert _one_line(capsys.readouterr().err) == "zmpi train: --data x: missing (on rank 1 only)"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", ["flag", "config"])
+def test_two_ranks_print_the_line_once(tmp_path, case):
+    """At 2 ranks: a flag error (found before MPI work) and a config error found by every rank
+    (a batch of 7 does not split over 2 ranks) are each one line, from rank 0, exit code 2."""
+    if case == "flag":
+        extra, message = ["--steps", "0"], "zmpi train: --steps must be >= 1, got 0"
+    else:
+        extra = _config(tmp_path, {"train_batch_size": 7})
+        message = (f"zmpi train: global batch 7 (train_batch_size in {extra[1]}) does not "
+                   "split over 2 data-parallel ranks x 1 accumulation steps")
+    result = launch_mpi(CLI, 2, timeout=60, args=[
+        "train", *TINY, "--out", tmp_path / "run", *extra])
+    assert result.returncode == 2, result.describe()
+    assert _one_line(result.stderr) == message, result.describe()

@@ -1,0 +1,192 @@
+"""The manifest of a checkpoint: written last, read first, and never trusted.
+
+    write_manifest(ckpt / MANIFEST, body)       # body + format, version and a checksum
+    manifest = read_manifest(ckpt)              # every field checked; CheckpointError if not
+
+The manifest is JSON: the format version, the flat layout (`ModelLayout.to_dict`), the mesh,
+the engine state (steps, optimizer, loss scaler, config, the caller's client state), the run
+that wrote it (`run_id`, ownership.py) and, per shard file, its size and CRC-32, with a CRC-32
+of its own body. That checksum catches accidents only: it can be recomputed after an edit. So
+`read_manifest` checks every field (types, ranges, the layout's structure, shard file names
+confined to the checkpoint's directory), and each shard records `state_crc` of the state it
+was saved with, which `store.open_shard` compares: an edited manifest no longer matches.
+"""
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from pathlib import Path
+
+from zmpi.checkpoint.store import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    CheckpointError,
+    shard_name,
+    write_atomic,
+)
+from zmpi.zero.flat import ModelLayout
+
+_ENVELOPE = ("files", "format", "version", "checksum", "state_crc")  # unknown to the shards
+
+
+def _body_crc(body: dict) -> int:
+    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
+
+
+def state_crc(body: dict) -> int:
+    """CRC-32 of a manifest's state (everything but its file list and envelope). Each shard
+    file records it, so a manifest edited after the save (its own checksum recomputed, say a
+    step changed) no longer matches its shards."""
+    return _body_crc({k: v for k, v in body.items() if k not in _ENVELOPE})
+
+
+def write_manifest(path: Path, body: dict) -> None:
+    manifest = dict(body, format=FORMAT, version=VERSION)
+    manifest["checksum"] = _body_crc(manifest)
+    write_atomic(path, json.dumps(manifest, indent=1, sort_keys=True).encode())
+
+
+def read_manifest(ckpt: Path) -> dict:
+    """The manifest of checkpoint directory `ckpt`: format, checksum and every field checked
+    (types, ranges, shard file names). The manifest is data from disk, not trusted: a field
+    that is wrong raises one CheckpointError ("corrupt") naming it."""
+    path = Path(ckpt) / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing: the checkpoint is incomplete (its save did "
+                              "not finish) or this is not a zmpi checkpoint")
+    try:
+        manifest = json.loads(path.read_text())
+        checksum = manifest.pop("checksum")
+    except (ValueError, KeyError, AttributeError, TypeError) as e:
+        raise CheckpointError(f"{path}: corrupt: not a readable manifest ({e})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: mismatch: format {manifest.get('format')!r}, not "
+                              f"{FORMAT!r}")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path}: mismatch: format version {manifest.get('version')!r}; "
+                              f"this zmpi reads version {VERSION}")
+    if _body_crc(manifest) != checksum:
+        raise CheckpointError(f"{path}: corrupt: checksum mismatch (the manifest was changed)")
+    try:
+        check_fields(manifest)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: corrupt: {e}") from None
+    manifest["state_crc"] = state_crc(manifest)
+    manifest["layout_obj"] = ModelLayout.from_dict(manifest["layout"])
+    manifest.setdefault("run_id", LEGACY_RUN)
+    return manifest
+
+
+# ---- field checks (ValueError naming the field) -------------------------------------------
+def _int(lo=0):
+    return lambda v: type(v) is int and v >= lo, f"an integer >= {lo}"
+
+
+def _num(lo=-math.inf, hi=math.inf, open_lo=False):
+    def ok(v):
+        return (type(v) in (int, float) and math.isfinite(v)
+                and (v > lo if open_lo else v >= lo) and v <= hi)
+    return ok, f"a finite number {'>' if open_lo else '>='} {lo}" + (
+        f" and <= {hi}" if hi < math.inf else "")
+
+
+def _of(*types):
+    return lambda v: type(v) in types, " or ".join(t.__name__ if t else "null" for t in types)
+
+
+def _one_of(*values):
+    return lambda v: v in values, f"one of {', '.join(map(repr, values))}"
+
+
+_NONE = type(None)
+FIELDS = {  # manifest key -> (test, what it must be)
+    "world_size": _int(1), "num_params": _int(0), "global_steps": _int(0),
+    "strategy": _of(str), "tag": _of(str), "saved_at": _of(str), "git_revision": _of(str, _NONE),
+    "checkpoint_id": (lambda v: type(v) is str and len(v) == 32
+                      and all(c in "0123456789abcdef" for c in v), "32 hex digits"),
+    "run_id": _of(str), "dtype": _one_of("float16", "bfloat16", "float32", "float64"),
+    "master_dtype": _one_of("float32", "float64"), "unpublished_update": _of(bool),
+    "last_lr": _num(0), "config": _of(dict), "scheduler": _of(dict), "client_state": _of(dict),
+    "tied": _of(dict), "optimizer": _of(dict), "loss_scaler": _of(dict, _NONE),
+    "layout": _of(dict), "files": _of(list),
+    "mesh": (lambda m: type(m) is dict and set(m) == {"dp", "pp", "tp"}
+             and all(type(v) is int and v >= 1 for v in m.values()), "{dp, pp, tp} sizes"),
+}
+OPTIONAL = {"run_id", "mesh"}  # absent from checkpoints written before zmpi recorded them;
+LEGACY_RUN = "legacy"  # such checkpoints are read as one run of this id
+OPTIMIZER = {"step_count": _int(0), "lr": _num(0), "eps": _num(0, open_lo=True),
+             "weight_decay": _num(0), "decoupled": _of(bool),
+             "betas": (lambda v: type(v) is list and len(v) == 2
+                       and all(_num(0, 1)[0](b) and b < 1 for b in v), "two numbers in [0, 1)")}
+LOSS_SCALER = {"scale": _num(0, open_lo=True), "hysteresis_left": _int(0),
+               "clean_steps": _int(0), "skipped_steps": _int(0)}
+FILE = {"file": _of(str), "bytes": _int(0),
+        "crc32": (lambda v: type(v) is int and 0 <= v < 2**32, "a CRC-32 (0 <= n < 2**32)")}
+
+
+def _check(section: dict, fields: dict, where: str, optional=()) -> None:
+    for key, (ok, want) in fields.items():
+        if key not in section:
+            if key in optional:
+                continue
+            raise ValueError(f"{where}{key} is absent")
+        if not ok(section[key]):
+            raise ValueError(f"{where}{key} is {json.dumps(section[key])[:60]}, not {want}")
+
+
+def check_fields(m: dict) -> None:
+    """ValueError naming the first field of manifest `m` that is absent or wrong, including
+    the layout's structure and the shard file names (each must be the one its rank writes,
+    so no path leads outside the checkpoint's directory)."""
+    _check(m, FIELDS, "", OPTIONAL)
+    _check(m["optimizer"], OPTIMIZER, "optimizer.")
+    if m["loss_scaler"] is not None:
+        _check(m["loss_scaler"], LOSS_SCALER, "loss_scaler.")
+    n = m["world_size"]
+    names = _check_layout(m["layout"], n, m["num_params"])
+    if len(m["files"]) != n:
+        raise ValueError(f"files lists {len(m['files'])} shards for world_size {n}")
+    for r, entry in enumerate(m["files"]):
+        if type(entry) is not dict:
+            raise ValueError(f"files[{r}] is not an object")
+        _check(entry, FILE, f"files[{r}].")
+        if entry["file"] != shard_name(r, n):
+            raise ValueError(f"files[{r}] names {entry['file'][:80]!r}, not {shard_name(r, n)!r}"
+                             " (shard files are the checkpoint directory's own)")
+    for alias, owner in m["tied"].items():
+        if owner not in names or alias in names:
+            raise ValueError(f"tied maps {alias[:60]!r} to {str(owner)[:60]!r}, not an alias to "
+                             "a parameter of the layout")
+
+
+def _check_layout(layout: dict, world_size: int, num_params: int) -> set:
+    """The layout's parameter names, after checking its structure; ValueError otherwise."""
+    if layout.get("world_size") != world_size or type(layout.get("units")) is not list:
+        raise ValueError(f"layout has world_size {layout.get('world_size')!r} (the manifest "
+                         f"says {world_size}) or no list of units")
+    names, total = set(), 0
+    for u, unit in enumerate(layout["units"]):
+        where = f"layout.units[{u}]"
+        params = unit.get("params") if type(unit) is dict else None
+        padded = unit.get("padded_numel") if type(unit) is dict else None
+        if type(params) is not list or type(padded) is not int or padded % world_size:
+            raise ValueError(f"{where} is not a unit (params, padded_numel a multiple of "
+                             f"{world_size})")
+        offset = 0
+        for p in params:
+            shape = p.get("shape") if type(p) is dict else None
+            if (type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape)
+                    or type(p.get("name")) is not str or p["name"] in names
+                    or p.get("offset") != offset):
+                raise ValueError(f"{where} has a parameter entry that is not a unique name, "
+                                 f"a shape and its offset {offset}: {json.dumps(p)[:80]}")
+            names.add(p["name"])
+            offset += math.prod(shape)
+        if offset > padded:
+            raise ValueError(f"{where} holds {offset} elements in padded_numel {padded}")
+        total += offset
+    if total != num_params:
+        raise ValueError(f"layout holds {total} parameters, num_params says {num_params}")
+    return names

@@ -1,0 +1,176 @@
+"""The `zmpi` command.
+
+    mpiexec -n 2 python -m zmpi.cli train --stage 3          # what `make demo` runs
+    mpiexec -n 4 python -m zmpi.cli train --config configs/gpt_stage2_fp16.json --steps 200
+    python -m zmpi.cli estimate --params 7.5e9 --world-size 64   # the ZeRO paper's Fig. 1
+    mpiexec -n 2 python -m zmpi.cli train --stage 2 --offload-optimizer --delay-update
+    mpiexec -n 2 python -m zmpi.cli train --save-every 100 --ckpt-dir ckpt --steps 300
+    mpiexec -n 4 python -m zmpi.cli train --resume ckpt --steps 600   # any world size
+    python -m zmpi.cli ckpt inspect ckpt        # also: verify, consolidate ckpt out.h5
+
+`train` trains a character-level GPT on the shipped Tiny Shakespeare corpus with any ZeRO
+stage, shows a progress bar on rank 0 (loss, tokens/s), prints every rank's measured
+model-state memory next to the paper's formula, samples some text, and writes the run's config,
+git revision, environment, metrics and sample to `--out` (default runs/<time>). With
+`--save-every K` it saves a sharded checkpoint every K steps and at the end; `--resume` goes
+on from the newest one, at any world size and stage. `ckpt` inspects, verifies and
+consolidates checkpoints without MPI.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from zmpi.checkpoint import CheckpointError
+from zmpi.cli import ckpt, estimate, train
+from zmpi.cli.inputs import (
+    DEFAULTS,
+    SCHEDULE_FLAGS,
+    InputError,
+    _exit_bad_input,
+    _rank,
+    check_train_args,
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error (every rank parses the same argv) is one line, printed by
+    rank 0 only: `zmpi train: argument --steps: invalid int value: 'x'`, exit code 2."""
+
+    def error(self, message):
+        if _rank() == 0:
+            print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr,
+                  flush=True)
+        raise SystemExit(2)
+
+
+def main(argv=None) -> None:
+    parser = _Parser(prog="zmpi", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a char-level GPT on Tiny Shakespeare")
+    t.add_argument("--config", help="DeepSpeed-style JSON config (flags below override it)")
+    t.add_argument("--stage", type=int, choices=range(4), help="ZeRO stage (default 3)")
+    t.add_argument("--strategy", help="a registered partition strategy, an installed "
+                   "entry point, or package.module:ClassName (overrides the stage)")
+    t.add_argument("--tp", type=int, metavar="T", default=None,
+                   help="tensor-parallel degree of the process mesh (tensor_parallel."
+                   "autotp_size; only 1 until tensor parallelism lands)")
+    t.add_argument("--pp", type=int, metavar="P", default=None,
+                   help="pipeline-parallel degree of the process mesh (pipeline.stages; only 1 "
+                   "until pipeline parallelism lands)")
+    t.add_argument("--shard-group-size", type=int, metavar="G", default=None,
+                   help="hybrid strategies: shard over groups of G ranks (default: a node)")
+    t.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,
+                   help="parameter/gradient storage; overrides the config's fp16/bf16 "
+                   "sections (default: from --config, else fp32)")
+    t.add_argument("--steps", type=int, default=DEFAULTS["steps"])
+    t.add_argument("--batch", type=int, default=None,
+                   help="sequences per optimizer step over all ranks and accumulation steps "
+                   f"(default: the config's train_batch_size, else {DEFAULTS['batch']})")
+    t.add_argument("--lr", type=float, default=None, help=f"default {DEFAULTS['lr']}")
+    t.add_argument("--lr-schedule", choices=SCHEDULE_FLAGS, default=None,
+                   help="DeepSpeed schedule to --lr (warm-up from 0, log-shaped as DeepSpeed's "
+                   "default; decay/cosine end at --steps); default: the config's, else constant")
+    t.add_argument("--warmup-steps", type=int, metavar="W", default=None,
+                   help="warm-up steps of the schedule (alone: WarmupLR)")
+    for name in ("seq_len", "n_layer", "n_head", "d_model"):
+        t.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=DEFAULTS[name])
+    t.add_argument("--offload-optimizer", action="store_true",
+                   help="ZeRO-Offload: master weights, Adam state and update on the host "
+                   "(sets zero_optimization.offload_optimizer.device=cpu; stages 1-3)")
+    t.add_argument("--offload-param", action="store_true",
+                   help="stage 3: parameter shards on the host (offload_param.device=cpu)")
+    t.add_argument("--delay-update", type=int, metavar="WARMUP", default=None,
+                   help="one-step delayed update after WARMUP synchronous steps (implies "
+                   "--offload-optimizer; the paper uses 40)")
+    t.add_argument("--seed", type=int, default=None,
+                   help="model init and data order (default: the config's seed, else 0)")
+    t.add_argument("--sample-tokens", type=int, default=200)
+    t.add_argument("--data", metavar="FILE.bin", help="train on a flat uint16 token file "
+                   "(nanoGPT's format; memory-mapped; the last 10%% is validation) instead of "
+                   "Tiny Shakespeare")
+    t.add_argument("--vocab-size", type=int, default=None,
+                   help="the vocabulary of --data (default: meta.json or meta.pkl beside it)")
+    t.add_argument("--profile", action="store_true",
+                   help="print (and save in run.json) each rank's time per step by phase: "
+                   "forward, backward, step, optimizer, waited-for communication (the "
+                   "first step, a warm-up, left out when there are more)")
+    t.add_argument("--out", help="output directory (default runs/<time>)")
+    t.add_argument("--log-dir", help="every rank logs to LOG_DIR/rank<r>.log")
+    t.add_argument("--save-every", type=int, metavar="K", default=0,
+                   help="save a checkpoint every K steps and at the end (default: never)")
+    t.add_argument("--ckpt-dir", help="checkpoint directory (default OUT/checkpoints)")
+    t.add_argument("--keep-last", type=int, metavar="K", default=None,
+                   help="keep only the K newest checkpoints (default: all)")
+    t.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in a background thread while training goes on")
+    t.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
+                   help="go on from the newest checkpoint in DIR (default: --ckpt-dir), "
+                   "continuing its run; with --save-every, DIR is where it saves unless "
+                   "--ckpt-dir")
+    t.add_argument("--resume-tag", metavar="TAG", default=None,
+                   help="with --resume: this checkpoint instead of the newest")
+    t.add_argument("--resume-fallback", action="store_true",
+                   help="with --resume: if the newest checkpoint does not load, the newest one "
+                   "that does")
+    t.add_argument("--overwrite-ckpt-dir", action="store_true",
+                   help="start a new run in a checkpoint directory that holds another run's "
+                   "checkpoints: they are deleted once this run's first one is complete "
+                   "(without this flag such a directory is refused)")
+    e = sub.add_parser("estimate", help="model-state memory per rank from the ZeRO formulas")
+    e.add_argument("--params", type=float, default=None,
+                   help="the model's parameter count Psi (e.g. 7.5e9); or give a GPT shape")
+    for flag, text in (("--n-layer", "layers"), ("--d-model", "hidden size"),
+                       ("--vocab-size", "vocabulary"), ("--seq-len", "context length")):
+        e.add_argument(flag, type=int, default=None if flag == "--n-layer" else
+                       {"--d-model": 768, "--vocab-size": 50257, "--seq-len": 1024}[flag],
+                       help=f"GPT shape instead of --params: {text}"
+                       + ("" if flag == "--n-layer" else " (default %(default)s)"))
+    e.add_argument("--world-size", type=int, required=True, help="data-parallel ranks N")
+    e.add_argument("--stage", type=int, choices=range(4), default=None,
+                   help="one ZeRO stage (default: all four)")
+    e.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16",
+                   help="fp16/bf16: 2-byte params and grads; fp32: 4-byte; K = 12 either way "
+                   "(zmpi keeps fp32 master weights, Adam m and v) (default fp16)")
+    e.add_argument("--param-bytes", type=int, default=None,
+                   help="bytes per parameter and per gradient (overrides --precision)")
+    e.add_argument("--optimizer-bytes", type=int, default=None,
+                   help="optimizer bytes per parameter K (overrides --precision)")
+    e.add_argument("--offload-optimizer", action="store_true",
+                   help="ZeRO-Offload: master weights, Adam state and gradient shard on the host")
+    e.add_argument("--offload-param", action="store_true",
+                   help="stage 3 parameter shards on the host")
+    e.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    c = sub.add_parser("ckpt", help="inspect, verify or consolidate a checkpoint (no MPI)")
+    csub = c.add_subparsers(dest="ckpt_command", required=True)
+    for name, text in (("inspect", "print the manifest: step, world size, dtypes, files"),
+                       ("verify", "check every checksum; exit code 0 if sound, else 1"),
+                       ("consolidate", "one file of full fp32 tensors (tied weights once)")):
+        p = csub.add_parser(name, help=text)
+        p.add_argument("directory", help="checkpoint directory (the one holding `latest`)")
+        if name == "consolidate":
+            p.add_argument("out", help="output file (.h5, or .npz with --npz)")
+            p.add_argument("--npz", action="store_true", help="write a NumPy .npz")
+        p.add_argument("--tag", help="which checkpoint (default: the one `latest` names)")
+    args = parser.parse_args(argv)
+    if args.command == "ckpt":
+        ckpt.ckpt(args)
+    elif args.command == "train":
+        try:
+            check_train_args(args)
+        except InputError as e:
+            _exit_bad_input(str(e))
+        if args.stage is None and not args.config and not args.strategy:
+            args.stage = 3
+        if (args.resume_tag or args.resume_fallback) and args.resume is None:
+            _exit_bad_input("--resume-tag and --resume-fallback act only with --resume")
+        if args.overwrite_ckpt_dir and not args.save_every:
+            _exit_bad_input("--overwrite-ckpt-dir acts only with --save-every K")
+        try:
+            train.train(args)
+        except CheckpointError as e:  # raised alike on every rank: the ranks agree first
+            if _rank() == 0:
+                print(f"zmpi train: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+    else:
+        estimate.estimate(args)

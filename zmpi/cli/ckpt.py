@@ -1,0 +1,27 @@
+"""`zmpi ckpt inspect|verify|consolidate`: checkpoints offline, without MPI."""
+from __future__ import annotations
+
+import sys
+
+from zmpi.checkpoint import CheckpointError
+
+
+def ckpt(args) -> None:
+    """zmpi ckpt inspect|verify|consolidate: offline, no MPI. Exit code 1 on any problem."""
+    from zmpi.checkpoint import tools
+
+    try:
+        if args.ckpt_command == "inspect":
+            print(tools.inspect(args.directory, args.tag))
+        elif args.ckpt_command == "verify":
+            problems = tools.verify(args.directory, args.tag)
+            for problem in problems:
+                print(problem)
+            print(f"{len(problems)} problems" if problems else "ok: every checksum matches")
+            raise SystemExit(1 if problems else 0)
+        else:
+            out = tools.consolidate(args.directory, args.out, args.tag, args.npz)
+            print(f"wrote {out}")
+    except CheckpointError as e:
+        print(f"zmpi ckpt {args.ckpt_command}: {e}", file=sys.stderr)
+        raise SystemExit(1) from None

@@ -1,0 +1,304 @@
+"""`zmpi train`'s inputs: the checks of its flags, the --data file and the config, and the
+DeepSpeed-style config built from them (`build_config`). A bad input is an InputError (one
+line), which `zmpi train` prints once, on rank 0, exiting with code 2 (`_exit_bad_input`)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+DEFAULTS = {  # the demo: ~0.8M parameters, about 1.5 minutes on 2 cores
+    "steps": 600, "batch": 32, "seq_len": 64, "n_layer": 4, "n_head": 4, "d_model": 128,
+    "lr": 3e-3,
+}
+
+
+class InputError(SystemExit):
+    """A bad `zmpi train` input (a flag, the config, the --data file), described in one line.
+    `zmpi train` prints it once, on rank 0, and exits with code 2 (`_exit_bad_input`); left
+    uncaught it exits printing the line, as SystemExit does."""
+
+
+def _rank() -> int:
+    """This process's rank in MPI_COMM_WORLD; 0 outside an MPI launch (MPI is initialised only
+    when the launcher's environment says it is one, or when it already is)."""
+    import os
+
+    launched = any(k in os.environ for k in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK",
+                                             "PMI_SIZE", "SLURM_PROCID"))
+    if not launched and "mpi4py.MPI" not in sys.modules:
+        return 0
+    from zmpi.comm import MPI  # zmpi.comm imports the backend before mpi4py.MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def _exit_bad_input(message: str):
+    """End `zmpi train` on a bad input: `zmpi train: message` on rank 0's stderr only (every
+    rank found the same problem), then SystemExit(2) on every rank, never a traceback."""
+    if _rank() == 0:
+        print(f"zmpi train: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+INT_FLAGS = {  # dest: the least value the flag accepts
+    "steps": 1, "batch": 1, "seq_len": 1, "n_layer": 1, "n_head": 1, "d_model": 1,
+    "sample_tokens": 0, "warmup_steps": 1, "save_every": 0, "keep_last": 1,
+    "shard_group_size": 1, "delay_update": 0,
+}
+
+
+def check_train_args(args) -> None:
+    """The checks of `zmpi train`'s flags that need no file and no MPI; InputError (one line)
+    on the first problem. The --data file, the config and their agreement with the flags are
+    checked in `train` (`_checked_inputs`)."""
+    from zmpi.data import check_vocab_size
+
+    for name, least in INT_FLAGS.items():
+        value = getattr(args, name, None)
+        if value is not None and value < least:
+            raise InputError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    if args.vocab_size is not None:
+        try:
+            check_vocab_size(args.vocab_size, "--vocab-size")
+        except ValueError as e:
+            raise InputError(str(e)) from None
+    if args.d_model % args.n_head:
+        raise InputError(f"--n-head {args.n_head} does not divide --d-model {args.d_model}")
+    if not args.save_every and (args.keep_last is not None or args.async_save):
+        raise InputError("--keep-last and --async-save act only with --save-every K")
+
+
+def _set(cfg: dict, path: str, value, flag: str, notes: list) -> None:
+    """cfg[a][b]... = value for path 'a.b...'; a note when it replaces a different value."""
+    *parents, key = path.split(".")
+    for name in parents:
+        cfg = cfg.setdefault(name, {})
+    if key in cfg and cfg[key] != value:
+        notes.append(f"{flag} overrides the config's {path} = {cfg[key]!r} with {value!r}")
+    cfg[key] = value
+
+
+def _get(cfg: dict, path: str):
+    for name in path.split("."):
+        cfg = cfg.get(name, {}) if isinstance(cfg, dict) else {}
+    return cfg
+
+
+def _read_config(path: str) -> dict:
+    """The JSON object in `path`; a ConfigError (one line) if it cannot be read or parsed."""
+    from zmpi.config import ConfigError
+
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError("", f"cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError("", f"{path} is not valid JSON: {e.msg} at line {e.lineno} "
+                              f"column {e.colno}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError("", f"{path} holds a JSON {type(cfg).__name__}, not an object")
+    return cfg
+
+
+def _fill_auto(cfg: dict, notes: list, args) -> None:
+    """Replace the "auto" values that follow from zmpi train's flags: the optimizer's lr (and
+    its other parameters, zmpi's defaults), the scheduler's steps and rates, gradient
+    clipping, fp16/bf16. What cannot be derived stays "auto" and the config names it."""
+    from zmpi.config import AUTO, OptimizerConfig
+
+    lr = args.lr if args.lr is not None else DEFAULTS["lr"]
+    defaults = OptimizerConfig()
+    sources = {
+        "optimizer.params.lr": (lr, "--lr"),
+        "optimizer.params.betas": (list(defaults.betas), "zmpi's default"),
+        "optimizer.params.eps": (defaults.eps, "zmpi's default"),
+        "optimizer.params.weight_decay": (defaults.weight_decay, "zmpi's default"),
+        "scheduler.params.total_num_steps": (args.steps, "--steps"),
+        "scheduler.params.warmup_max_lr": (lr, "--lr"),
+        "scheduler.params.warmup_min_lr": (0.0, "DeepSpeed's default"),
+        "gradient_clipping": (1.0, "zmpi train's default"),
+        "fp16.enabled": (args.precision == "fp16", "--precision"),
+        "bf16.enabled": (args.precision == "bf16", "--precision"),
+    }
+    if args.warmup_steps is not None:
+        sources["scheduler.params.warmup_num_steps"] = (args.warmup_steps, "--warmup-steps")
+    for path, (value, source) in sources.items():
+        *parents, key = path.split(".")
+        section = _get(cfg, ".".join(parents)) if parents else cfg
+        if isinstance(section, dict) and section.get(key) == AUTO:
+            section[key] = value
+            notes.append(f"{path}: 'auto' is {value!r} ({source})")
+
+
+SCHEDULE_FLAGS = ("constant", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+
+
+def _schedule_from_flags(cfg: dict, args, notes: list) -> None:
+    """--lr-schedule and --warmup-steps: the common schedules without writing a config."""
+    if args.lr_schedule == "constant":
+        if cfg.get("scheduler"):
+            notes.append(f"--lr-schedule constant drops the config's scheduler "
+                         f"{cfg['scheduler'].get('type')!r}")
+        cfg.pop("scheduler", None)
+        if args.warmup_steps is not None:
+            raise InputError("--warmup-steps needs a schedule, not constant")
+        return
+    kind = args.lr_schedule or _get(cfg, "scheduler.type") or (
+        "WarmupLR" if args.warmup_steps is not None else None)
+    if kind is None:
+        return
+    _set(cfg, "scheduler.type", kind, "--lr-schedule", notes)
+    if args.warmup_steps is not None:
+        _set(cfg, "scheduler.params.warmup_num_steps", args.warmup_steps, "--warmup-steps",
+             notes)
+    if args.lr_schedule is None:
+        return  # the config's own schedule, maybe with --warmup-steps
+    lr = args.lr if args.lr is not None else _get(cfg, "optimizer.params.lr") or DEFAULTS["lr"]
+    if kind in ("WarmupLR", "WarmupDecayLR"):
+        _set(cfg, "scheduler.params.warmup_max_lr", lr, "--lr-schedule", notes)
+    if kind in ("WarmupDecayLR", "WarmupCosineLR"):
+        _set(cfg, "scheduler.params.total_num_steps", args.steps, "--lr-schedule", notes)
+
+
+def _data_parallel_size(cfg: dict, args, world_size: int, notes: list) -> int:
+    """--tp and --pp into `cfg` (tensor_parallel.autotp_size, pipeline.stages); returns the
+    data-parallel size, world_size / (tp x pp), over which the global batch splits."""
+    from zmpi.config import Config
+    from zmpi.parallel.mesh import mesh_sizes
+
+    for flag, path in (("tp", "tensor_parallel.autotp_size"), ("pp", "pipeline.stages")):
+        if getattr(args, flag, None) is not None:
+            _set(cfg, path, getattr(args, flag), f"--{flag}", notes)
+    sizes = Config.from_dict({k: cfg[k] for k in ("tensor_parallel", "pipeline") if k in cfg})
+    try:
+        dp, _, _ = mesh_sizes(world_size, sizes.tensor_parallel.autotp_size,
+                              sizes.pipeline.stages)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    return dp
+
+
+def build_config(args, world_size: int, notes: list | None = None) -> dict:
+    """DeepSpeed-style config: --config file if given, else defaults; flags override it, and
+    each override of a value the config set is described in `notes` (the CLI prints them).
+    "auto" values that follow from the flags are filled in (and noted).
+
+    The global batch (--batch, or the config's train_batch_size) counts sequences per optimizer
+    step over all data-parallel ranks (world_size / (tp x pp)) and accumulation steps; it must
+    split evenly over both.
+    """
+    from zmpi.config import AUTO, Config
+
+    notes = [] if notes is None else notes
+    cfg = _read_config(args.config) if args.config else {}
+    # the batch keys' types and ranges (the engine's own checks) before any arithmetic on them
+    Config.from_dict({k: cfg[k] for k in Config._BATCH if k in cfg})
+    world_size = _data_parallel_size(cfg, args, world_size, notes)  # the batch splits over dp
+    _fill_auto(cfg, notes, args)
+    if cfg.get("train_batch_size") == AUTO:
+        cfg["train_batch_size"] = args.batch if args.batch is not None else DEFAULTS["batch"]
+        notes.append(f"train_batch_size: 'auto' is {cfg['train_batch_size']} (--batch)")
+    accumulation = cfg.get("gradient_accumulation_steps", 1)
+    if AUTO in (accumulation, cfg.get("train_micro_batch_size_per_gpu")):
+        if args.batch is not None:  # the engine derives the "auto" keys from the batch
+            _set(cfg, "train_batch_size", args.batch, "--batch", notes)
+    elif args.batch is not None or "train_micro_batch_size_per_gpu" not in cfg:
+        if args.batch is not None:
+            batch, source = args.batch, "--batch"
+        elif cfg.get("train_batch_size") is not None:  # checked above: an int >= 1
+            batch, source = cfg["train_batch_size"], f"train_batch_size in {args.config}"
+        else:
+            batch, source = DEFAULTS["batch"], "the default"
+        if batch < 1:
+            raise InputError(f"--batch must be >= 1, got {batch}")
+        if batch % (world_size * accumulation):
+            raise InputError(f"global batch {batch} ({source}) does not split over {world_size} "
+                             f"data-parallel "
+                             f"ranks x {accumulation} accumulation steps")
+        _set(cfg, "train_micro_batch_size_per_gpu", batch // (world_size * accumulation),
+             "--batch", notes)
+        _set(cfg, "train_batch_size", batch, "--batch", notes)
+    cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": DEFAULTS["lr"]}})
+    if args.lr is not None:
+        _set(cfg, "optimizer.params.lr", args.lr, "--lr", notes)
+    _schedule_from_flags(cfg, args, notes)
+    cfg.setdefault("gradient_clipping", 1.0)
+    if args.stage is not None:
+        _set(cfg, "zero_optimization.stage", args.stage, "--stage", notes)
+    if args.strategy is not None:
+        _set(cfg, "zero_optimization.strategy", args.strategy, "--strategy", notes)
+    strategy = cfg.get("zero_optimization", {}).get("strategy")
+    if args.stage is not None and strategy not in (None, f"stage{args.stage}"):
+        raise InputError(f"--stage {args.stage} contradicts the strategy "
+                         f"{strategy!r} (from {'--strategy' if args.strategy else '--config'}); "
+                         "give one of them")
+    if args.precision is not None:  # exactly one of fp16/bf16 on (or neither for fp32)
+        for section in ("fp16", "bf16"):
+            _set(cfg, f"{section}.enabled", args.precision == section, "--precision", notes)
+    if args.offload_optimizer or args.delay_update is not None:
+        flag = "--offload-optimizer" if args.offload_optimizer else "--delay-update"
+        _set(cfg, "zero_optimization.offload_optimizer.device", "cpu", flag, notes)
+        if args.delay_update is not None:
+            for key, value in (("delay_update", True), ("delay_update_warmup", args.delay_update)):
+                _set(cfg, f"zero_optimization.offload_optimizer.{key}", value, "--delay-update",
+                     notes)
+    if args.offload_param:
+        _set(cfg, "zero_optimization.offload_param.device", "cpu", "--offload-param", notes)
+    if args.shard_group_size is not None:
+        _set(cfg, "zero_optimization.shard_group_size", args.shard_group_size,
+             "--shard-group-size", notes)
+    if args.seed is not None:
+        _set(cfg, "seed", args.seed, "--seed", notes)
+    cfg.setdefault("seed", 0)
+    return cfg
+
+
+def _checked_inputs(args, world_size: int):
+    """(tokenizer or None, train tokens, validation tokens, vocab size, config dict, notes):
+    the data (--data, else Tiny Shakespeare) and the config (build_config), with what the
+    engine would find wrong only later checked now: InputError or ConfigError, one line."""
+    from zmpi.config import Config, ConfigError
+    from zmpi.data import CharTokenizer, load_text, load_tokens, train_val_split
+    from zmpi.zero import get_strategy
+
+    if args.data:  # a binary token file, memory-mapped
+        try:
+            tokens, vocab_size = load_tokens(args.data, args.vocab_size)
+        except (OSError, ValueError) as e:
+            raise InputError(f"--data {args.data}: {e}") from None
+        tokenizer, source = None, f"--data {args.data}"
+    else:
+        text = load_text()
+        tokenizer = CharTokenizer(text)
+        tokens, vocab_size = tokenizer.encode(text), tokenizer.vocab_size
+        source = "the Tiny Shakespeare corpus"
+    train_tokens, val_tokens = train_val_split(tokens, 0.1)
+    if min(len(train_tokens), len(val_tokens)) < args.seq_len + 1:
+        raise InputError(f"{source}: {len(tokens)} tokens are too few for --seq-len "
+                         f"{args.seq_len}: the training part (the first 90%, "
+                         f"{len(train_tokens)}) and the validation part (the last 10%, "
+                         f"{len(val_tokens)}) each need seq_len + 1 = {args.seq_len + 1}")
+    notes = []
+    config = build_config(args, world_size, notes)
+    resolved = Config.from_dict(config)
+    resolved.check_parallelism()
+    dp = world_size // (resolved.tensor_parallel.autotp_size * resolved.pipeline.stages)
+    resolved = resolved.resolve_batch(dp)  # what the engine checks
+    try:  # "package.module:Class" imports (runs) that module here, as the engine would
+        get_strategy(resolved.strategy_name)
+    except ValueError as e:
+        raise ConfigError("zero_optimization.strategy", str(e)) from None
+    return tokenizer, train_tokens, val_tokens, vocab_size, config, notes
+
+
+def _agree_on_inputs(comm, problem: str | None) -> None:
+    """The ranks exchange the outcome of their own input checks (one allgather, the first
+    collective): a problem on any rank (on some only, e.g. a file missing on one node) ends
+    every rank with exit code 2 and one line from rank 0."""
+    problems = comm.allgather_object(problem)
+    failed = [r for r, p in enumerate(problems) if p is not None]
+    if failed:
+        only = "" if len(failed) == comm.size else \
+            f" (on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} only)"
+        _exit_bad_input(problems[failed[0]] + only)

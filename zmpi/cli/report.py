@@ -1,0 +1,40 @@
+"""What `zmpi train` prints at the end of a run: every rank's model-state memory next to the
+formula (`memory_table`) and the traffic each rank sent (`traffic_line`)."""
+from __future__ import annotations
+
+from zmpi.memory import DEVICES, MODEL_STATE
+
+
+def memory_table(engine, comm) -> str:
+    """Every rank's measured model-state bytes (ledger) on the device and on the host, next
+    to what the strategy declares (for stages 0-3: the SC'20 formula extended with
+    ZeRO-Offload's placement, zmpi.memory; the test suite checks they agree)."""
+    s = engine.strategy
+    mbytes = engine.master_dtype.itemsize
+    formula = s.expected_model_state()
+    rows = comm.allgather_object((comm.rank, *(engine.memory.model_state_bytes(d)
+                                               for d in DEVICES),
+                                  engine.memory.peak(MODEL_STATE, "device")))
+    want = [sum(formula[d].values()) / 2**20 for d in DEVICES]
+    lines = [f"model-state memory per rank ({s.name}, {engine.dtype.name} params, "
+             f"Psi = {engine.num_params:,} + {engine.layout.padding} padding, "
+             f"K = {3 * mbytes}, N = {comm.size}, sharded over {s.world_size}; offload: optimizer "
+             f"{'on' if s.offload_optimizer else 'off'}, params "
+             f"{'on' if s.offload_param else 'off'})",
+             f"{'rank':>4} {'device MiB':>11} {'formula':>9} {'host MiB':>9} {'formula':>9} "
+             f"{'device peak':>12}"]
+    for rank, device, host, peak in rows:
+        lines.append(f"{rank:>4} {device / 2**20:>11.3f} {want[0]:>9.3f} {host / 2**20:>9.3f} "
+                     f"{want[1]:>9.3f} {peak / 2**20:>12.3f}")
+    return "\n".join(lines)
+
+
+def traffic_line(engine, steps: int) -> str:
+    """This rank's bytes sent by array collectives per communicator since the engine started
+    (ring model, Comm's counters), next to what the strategy declares per step."""
+    declared = engine.strategy.expected_traffic()
+    parts = []
+    for kind, sent in engine.sent_bytes().items():
+        parts.append(f"{kind} {sent / 2**20:.2f} MiB ({sent / 2**20 / max(steps, 1):.3f} per "
+                     f"step; declared {declared.get(kind, 0) / 2**20:.3f} without accumulation)")
+    return f"traffic sent by this rank over {steps} steps: " + "; ".join(parts)

@@ -1,0 +1,189 @@
+"""`zmpi train`: the training run. Checks its inputs on every rank, builds the engine,
+resumes (--resume), claims the checkpoint directory (--save-every), runs the loop with its
+progress bar, checkpoints and preemption handling, and reports at the end."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from zmpi.checkpoint import CheckpointError
+from zmpi.cli.inputs import InputError, _agree_on_inputs, _checked_inputs, _exit_bad_input
+from zmpi.cli.report import memory_table, traffic_line
+from zmpi.models.gpt import GPT, GPTConfig
+
+
+def train(args) -> None:
+    from tqdm import tqdm
+
+    from zmpi.comm import Comm
+    from zmpi.config import ConfigError
+    from zmpi.data import BatchSampler
+    from zmpi.engine import Engine
+    from zmpi.runinfo import PreemptionGuard, RunRecord, StepSummary, rank_logger
+
+    comm = Comm()
+    log = rank_logger(comm.rank, args.log_dir)
+    where = f"config {args.config}" if args.config else "config from the flags"
+    try:  # every input is checked on every rank before the first collective
+        inputs, problem = _checked_inputs(args, comm.size), None
+    except InputError as e:
+        inputs, problem = None, str(e)
+    except ConfigError as e:
+        inputs, problem = None, f"{where}: {e}"
+    _agree_on_inputs(comm, problem)
+    tokenizer, train_tokens, val_tokens, vocab_size, config, notes = inputs
+    model_cfg = GPTConfig(vocab_size, args.seq_len, args.n_layer, args.n_head, args.d_model)
+    try:
+        args.seed = config["seed"]  # the config's, unless --seed overrides it
+        engine = Engine(GPT(model_cfg, seed=args.seed), config, comm)
+    except ConfigError as e:  # the same on every rank: one line from rank 0, no tracebacks
+        _exit_bad_input(f"{where}: {e}")
+    for note in notes:
+        log.info(note)
+    cfg = engine.config
+    rows = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
+    mesh = engine.mesh  # every tensor and pipeline rank of a replica reads its replica's rows
+    global_batch = rows * mesh.dp
+    train_data = BatchSampler(train_tokens, args.seq_len, global_batch, mesh.dp_rank, mesh.dp,
+                              seed=args.seed)
+    val_data = BatchSampler(val_tokens, args.seq_len, global_batch, mesh.dp_rank, mesh.dp,
+                            seed=args.seed + 1)
+    log.info(f"zmpi train: GPT {engine.num_params:,} params, {comm.size} ranks, "
+             f"{engine.strategy.name}, {engine.dtype.name}, global batch {global_batch} x "
+             f"{args.seq_len} tokens, {args.steps} steps")
+
+    out = Path(comm.bcast_object(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"))
+    # with --save-every, a resumed run saves where it resumed from (unless --ckpt-dir)
+    ckpt_dir = Path(args.ckpt_dir or (args.resume if args.save_every else None)
+                    or out / "checkpoints")
+    first = _resume(args, engine, comm, log) if args.resume is not None else 0
+    if args.save_every:
+        _claim(engine, ckpt_dir, args.overwrite_ckpt_dir, log)
+    record = RunRecord(out, comm, argv=sys.argv, config=cfg.to_dict(), model=vars(model_cfg),
+                       engine=engine.describe(), first_step=first)
+    guard = PreemptionGuard()
+    summary = StepSummary()  # what the end needs; the rows go to metrics.csv only
+    bar = tqdm(range(first, args.steps), disable=comm.rank != 0, file=sys.stdout,
+               mininterval=0.5, dynamic_ncols=True)
+    start = time.perf_counter()
+    for step in bar:
+        t0 = time.perf_counter()
+        loss = engine.train_step(*train_data.sample(step))
+        tokens_per_s = global_batch * args.seq_len / (time.perf_counter() - t0)
+        summary.add(loss)
+        record.append((step, loss, tokens_per_s, engine.scaler.scale, engine.lr,
+                       engine.scaler.skipped_steps))
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+        if args.log_dir and step % cfg.steps_per_print == 0:
+            log.info(f"step {step} loss {loss:.4f} tokens/s {tokens_per_s:.0f}")
+        preempted = guard.requested(comm)
+        if preempted or (args.save_every and ((step + 1) % args.save_every == 0
+                                              or step + 1 == args.steps)):
+            t0 = time.perf_counter()
+            path = engine.save_checkpoint(ckpt_dir, f"step{step + 1}", args.keep_last,
+                                          async_=args.async_save and not preempted,
+                                          client_state={"step": step + 1, "seed": args.seed})
+            if args.log_dir or preempted:
+                log.info(f"{'started saving' if args.async_save else 'saved'} {path} "
+                         f"({time.perf_counter() - t0:.2f} s)")
+        if preempted:
+            bar.close()
+            engine.close()  # finishes the save
+            log.info(f"zmpi train: {guard.received or 'a signal on another rank'}: stopped "
+                     f"after step {step}; go on with --resume {ckpt_dir}")
+            record.close(status="preempted", last_step=step, checkpoint=str(ckpt_dir))
+            return
+    elapsed = time.perf_counter() - start
+    engine.flush()  # a delayed update in flight lands before evaluation
+    log.info(traffic_line(engine, summary.steps))
+    profile = engine.phases.table(comm) if args.profile else None
+    if profile:
+        log.info("time per step by phase (ms):\n" + profile)
+    val_loss = np.mean([engine.eval_loss(*val_data.sample(i)) for i in range(4)])
+    mean_tps = summary.steps * global_batch * args.seq_len / elapsed
+    log.info(f"loss {summary.first_loss:.3f} -> {summary.last_loss:.3f} (val {val_loss:.3f}); "
+             f"{mean_tps:,.0f} tokens/s over {elapsed:.1f} s")
+    log.info(memory_table(engine, comm))
+
+    prompt = (tokenizer.encode("ROMEO:\n") if tokenizer else val_tokens[:8].astype(np.int64))
+    ids = engine.model.generate(prompt[None, :], args.sample_tokens, temperature=0.8,
+                                rng=args.seed)[0]
+    sample = tokenizer.decode(ids) if tokenizer else " ".join(map(str, ids.tolist()))
+    log.info("--- sample ---\n" + sample)
+    if comm.rank == 0:
+        (out / "sample.txt").write_text(sample)
+    record.close(status="finished", val_loss=float(val_loss), tokens_per_s=mean_tps,
+                 profile=profile, **summary.as_dict(),
+                 memory=engine.memory.snapshot(), optimizer_timing=engine.update_timing)
+    log.info(f"wrote {out}/run.json, metrics.csv, sample.txt")
+    engine.close()
+
+
+def _resume(args, engine, comm, log) -> int:
+    """Load the checkpoint --resume names (or --ckpt-dir's); returns the step to go on from.
+    A bad checkpoint ends the run on every rank with one line from rank 0 (and, if the newest
+    checkpoint is damaged, the newest one that verifies as the way on)."""
+    directory = args.resume or args.ckpt_dir or (Path(args.out) / "checkpoints" if args.out
+                                                 else None)
+    if directory is None:
+        _exit_bad_input("--resume needs a directory, --ckpt-dir or --out")
+    try:
+        loaded = engine.load_checkpoint(directory, args.resume_tag,
+                                        fallback=args.resume_fallback)
+    except CheckpointError as e:
+        if comm.rank == 0:
+            print(f"zmpi train: cannot resume: {e}" + ("" if args.resume_tag else
+                  _sound_alternative(directory)), file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    saved_seed = loaded.client_state.get("seed", args.seed)
+    notes = loaded.notes + ([f"the data seed is {args.seed} (the checkpoint had {saved_seed})"]
+                            if saved_seed != args.seed else [])
+    first = loaded.client_state.get("step")
+    if first is None:  # saved by engine.save_checkpoint, not by zmpi train
+        first = loaded.global_steps + engine.scaler.skipped_steps
+        notes.append(f"the checkpoint records no zmpi train step; going on from step {first} "
+                     "(its optimizer steps plus skipped steps)")
+    elif type(first) is not int or first < 0:
+        _exit_bad_input(f"cannot resume: {loaded.path}: client_state.step is {first!r}, not "
+                        "a step")
+    for note in notes:
+        log.info(note)
+    log.info(f"resumed from {loaded.path} (step {first}, saved by {loaded.world_size} ranks "
+             f"with {loaded.strategy}) on {comm.size} ranks with {engine.strategy.name}")
+    if first >= args.steps:
+        _exit_bad_input(f"the checkpoint is at step {first}; ask for more --steps than that "
+                        "to go on")
+    return first
+
+
+def _sound_alternative(directory) -> str:
+    """When the newest checkpoint in `directory` does not load: the newest that verifies, as
+    a hint to add to the error (rank 0, offline; reads each candidate whole)."""
+    from zmpi.checkpoint import tools
+    from zmpi.checkpoint.sharded import fallback_tags
+    from zmpi.checkpoint.store import resolve_tag
+
+    try:
+        newest = resolve_tag(directory, None)
+    except CheckpointError:
+        newest = None
+    for tag in fallback_tags(directory, newest):
+        if not tools.verify(directory, tag):
+            return (f"\n  the newest checkpoint that verifies is {Path(directory) / tag}: "
+                    f"resume it with --resume-tag {tag}, or add --resume-fallback")
+    return ""
+
+
+def _claim(engine, ckpt_dir, overwrite, log) -> None:
+    """Claim the checkpoint directory at start-up (with --save-every): another writer, another
+    run's checkpoints or an unwritable directory end the run now (CheckpointError), not at
+    the first save. (A save on preemption alone claims it when it saves.)"""
+    held = engine.claim_checkpoint_dir(ckpt_dir, overwrite)
+    for note in held.notes:
+        log.info(note)
+    if held.replace_others:
+        log.info(f"--overwrite-ckpt-dir: the other run's checkpoints in {ckpt_dir} are deleted "
+                 "once this run's first checkpoint is complete")

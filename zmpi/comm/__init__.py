@@ -1,0 +1,71 @@
+"""zmpi.comm: MPI through one door. Every collective and point-to-point message on a flat
+buffer goes through a `Comm`, which counts it.
+
+Run a program under MPI as usual:
+
+    mpiexec -n 4 python train.py          # Comm() wraps MPI.COMM_WORLD
+    python train.py                       # works too: a size-1 Comm (MPI singleton)
+
+The modules, one concept each (communicator imports the others; none imports it):
+
+    communicator.py   Comm: collectives, send/recv/isend/irecv, counters, split/free,
+                      object collectives
+    requests.py       Request, wait_all, the request queue, the progress thread
+    staging.py        the host staging pool for device buffers (and its ledger accounting)
+    wire.py           MPI datatypes and reduction ops (bfloat16 reduced in float32), the
+                      buffer checks, the message header, OPS and OpCounter
+    faults.py         abort on an exception (and the peer kill), Ctrl-C, the watchdog,
+                      CollectiveMismatch and the collective check, waited_seconds
+    mpi_info.py       the loaded MPI library, cuda_support, mpi_flavour
+
+Everything `zmpi.comm` held before it became a package is importable from it still, except
+the module flags a function rebinds (faults._PEERS_ASKED, _abort_installed, _WATCHDOG): read
+those on `zmpi.comm.faults`. Patching a name here changes what callers that import it from
+here get, not what the modules inside use.
+"""
+
+# ruff: noqa: F401  (re-exports: the private names too, which tests and older code reach for)
+
+from zmpi import backend  # before mpi4py.MPI (MPI_Init): it picks this rank's GPU
+
+# isort: split
+from mpi4py import MPI
+
+from zmpi.comm.communicator import Comm
+from zmpi.comm.faults import (
+    _FORWARD_S,
+    _PEERS,
+    CollectiveMismatch,
+    _abort,
+    _call_site,
+    _end_local_peers,
+    _identity,
+    _proc_stat,
+    _set_peers,
+    _Watchdog,
+    _watchdog,
+    _watched,
+    install_abort_on_exception,
+    waited_seconds,
+)
+from zmpi.comm.mpi_info import _libmpi, cuda_support, mpi_flavour
+from zmpi.comm.requests import _PROGRESS, _QUEUES, Request, _Progress, wait_all
+from zmpi.comm.staging import _POOL, _StagingPool, account_staging_in, staging_nbytes
+from zmpi.comm.wire import (
+    _NATIVE_OPS,
+    _NUMPY_OPS,
+    _USER_OPS,
+    _WIRES,
+    OPS,
+    OpCounter,
+    _check_op,
+    _flat,
+    _same_dtype,
+    _user_op,
+    _Wire,
+    _wire,
+)
+
+__all__ = ["MPI", "Comm", "CollectiveMismatch", "OPS", "OpCounter", "Request", "wait_all",
+           "account_staging_in", "staging_nbytes", "cuda_support", "mpi_flavour",
+           "install_abort_on_exception", "waited_seconds"]

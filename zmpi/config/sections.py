@@ -1,0 +1,177 @@
+"""The smaller DeepSpeed sections of zmpi.config: `optimizer`, `scheduler`, `fp16`, `bf16`,
+`tensor_parallel`, `pipeline`, and zmpi's own `debug` and `memory_budget`.
+
+`zero_optimization` and its offload subsections are in zmpi.config.zero; the top-level
+`Config` is in zmpi.config.core. This module imports no MPI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from .base import AUTO, ConfigError, _check, _Section
+
+__all__ = ["OptimizerConfig", "SchedulerConfig", "FP16Config", "BF16Config",
+           "TensorParallelConfig", "PipelineConfig", "DebugConfig", "MemoryBudgetConfig"]
+
+
+_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW"}
+
+
+@dataclass(frozen=True)
+class OptimizerConfig(_Section):
+    """Adam(W). JSON form: {"type": "AdamW", "params": {"lr", "betas", "eps", "weight_decay",
+    "adam_w_mode"}}.
+
+    `type` is case-insensitive and normalised to "Adam" or "AdamW". As in DeepSpeed, "Adam"
+    decays the weights directly (AdamW; Loshchilov & Hutter, ICLR'19) unless `adam_w_mode` is
+    false, which adds weight decay to the gradient instead (L2, torch.optim.Adam).
+    """
+
+    type: str = "AdamW"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    adam_w_mode: bool = True
+
+    @property
+    def decoupled_weight_decay(self) -> bool:
+        return self.type == "AdamW" or self.adam_w_mode
+
+    def _validate(self):
+        _check(self.type.lower() in _OPTIMIZERS, "type",
+               f"unknown optimizer {self.type!r}; allowed: {', '.join(_OPTIMIZERS.values())}")
+        object.__setattr__(self, "type", _OPTIMIZERS[self.type.lower()])
+        self._at_least(0, "lr", "eps", strict=True)
+        self._at_least(0, "weight_decay")
+        for i, b in enumerate(self.betas):
+            _check(0.0 <= b < 1.0, f"betas[{i}]", f"must be in [0, 1), got {b}")
+
+    @classmethod
+    def from_dict(cls, d):
+        cls._check_keys(d, ["type", "params"])
+        params = d.get("params", {})
+        try:
+            cls._check_keys(params, [f.name for f in fields(cls) if f.name != "type"])
+            params, _ = cls._special_keys(params)  # "auto" is an error here
+        except ConfigError as e:
+            raise e.prefixed("params") from None
+        try:
+            return cls(**({"type": d["type"]} if "type" in d else {}), **params)
+        except ConfigError as e:
+            raise (e if e.key == "type" else e.prefixed("params")) from None
+
+    def to_dict(self):
+        flat = super().to_dict()
+        return {"type": flat.pop("type"), "params": flat}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(_Section):
+    """`scheduler`: a learning-rate schedule, {"type": "WarmupDecayLR", "params": {...}}, with
+    DeepSpeed's types, parameters, defaults and step semantics (zmpi.optim.lr_schedules:
+    WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle). No type: the optimizer's lr."""
+
+    type: str | None = None
+    params: dict = field(default_factory=dict)
+
+    def _validate(self):
+        if self.type is None:
+            _check(not self.params, "params", "given without a scheduler type")
+            return
+        from zmpi.optim.lr_schedules import check_params
+
+        for k, v in self.params.items():
+            _check(v != AUTO, f"params.{k}", "'auto' has nothing to be derived from here; "
+                   "give a value (zmpi train fills it from --steps, --warmup-steps and --lr)")
+        try:
+            check_params(self.type, self.params)
+        except ValueError as e:
+            key, _, msg = str(e).partition(": ")
+            if key.startswith("params."):
+                raise ConfigError(key, msg) from None
+            raise ConfigError("type", str(e)) from None
+
+
+@dataclass(frozen=True)
+class FP16Config(_Section):
+    """fp16 mixed precision; `loss_scale` 0 means dynamic scaling starting at
+    2**initial_scale_power, halved on overflow after `hysteresis` overflows, doubled after
+    `loss_scale_window` clean steps, never below `min_loss_scale` (DeepSpeed semantics)."""
+
+    _ALWAYS = {
+        "consecutive_hysteresis": (False, "restores the hysteresis only when the scale grows"),
+        "fp16_master_weights_and_grads": (False, "keeps fp32 master weights"),
+    }
+    _INERT = {"auto_cast": "layers cast their inputs to the compute dtype"}
+
+    enabled: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+    def _validate(self):
+        self._at_least(0, "loss_scale", note=" (0 = dynamic)")
+        self._at_least(1, "loss_scale_window", "hysteresis")
+        self._at_least(0, "min_loss_scale", strict=True)
+        _check(0 <= self.initial_scale_power <= 64, "initial_scale_power",
+               f"must be in 0..64, got {self.initial_scale_power}")
+
+
+@dataclass(frozen=True)
+class BF16Config(_Section):
+    """bfloat16 mixed precision (no loss scaling needed: bf16 has fp32's exponent range)."""
+
+    enabled: bool = False
+
+
+@dataclass(frozen=True)
+class MemoryBudgetConfig(_Section):
+    """`memory_budget` (zmpi's): the bytes each rank may hold on the device and on the host,
+    as the MemoryLedger counts them (model states, gathered units, communication buffers); an
+    allocation beyond raises zmpi.memory.OutOfMemory naming the buffer and what is held. For
+    experiments that find the largest trainable model, and for GPUs shared with others."""
+
+    device: int | None = None
+    host: int | None = None
+
+    def _validate(self):
+        self._at_least(1, "device", "host")
+
+
+@dataclass(frozen=True)
+class DebugConfig(_Section):
+    """`debug` (zmpi's): `check_collectives` compares every collective's op, dtype and size
+    across ranks before it runs (also ZMPI_DEBUG=1); `check_replicas_every` K > 0 compares
+    the replicated state of every rank every K steps (0: never)."""
+
+    check_collectives: bool = False
+    check_replicas_every: int = 0
+
+    def _validate(self):
+        self._at_least(0, "check_replicas_every")
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig(_Section):
+    """`tensor_parallel` (DeepSpeed's AutoTP section): `autotp_size` T, the tensor-parallel
+    degree of the process mesh (zmpi.parallel.mesh)."""
+
+    autotp_size: int = 1
+
+    def _validate(self):
+        self._at_least(1, "autotp_size")
+
+
+@dataclass(frozen=True)
+class PipelineConfig(_Section):
+    """`pipeline` (DeepSpeed's pipeline section): `stages` P, the pipeline-parallel degree of
+    the process mesh."""
+
+    stages: int = 1
+
+    def _validate(self):
+        self._at_least(1, "stages")

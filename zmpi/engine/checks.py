@@ -1,0 +1,144 @@
+"""The engine's diagnostics: what is checked once at set-up, and what finds a failure's cause.
+
+    check_units(units, unit_params)           every unit has parameters, none is shared
+    check_same_on_replicas(initial, comm)     every replica built the same initial model
+    storage_dtype(config, unit_params)        fp16/bf16 from the config, else the model's
+    check_grads_contract(strategy, grads)     a strategy kept its optimizer-gradient contract
+    check_replicas(engine)                    replicated state identical (CRC-32 per unit)
+    first_nonfinite_unit(engine, grads)       where a NaN/inf gradient first appears
+
+Each raises a clear error on every rank (the collectives among them are over the engine's
+groups), so a failure names its cause instead of surfacing steps later.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+import zlib
+
+import numpy as np
+
+from zmpi import backend
+from zmpi.backend import array_module
+from zmpi.nn.module import Module, UnitModel
+
+STATES = ("params", "master", "adam_m", "adam_v")
+
+
+def as_one_unit(model, comm) -> UnitModel:
+    """A plain zmpi.nn Module runs as a one-unit UnitModel (softmax cross-entropy loss;
+    wrap it yourself, UnitModel([module], loss=...), for another)."""
+    if not isinstance(model, Module):
+        raise TypeError(f"Engine needs a zmpi.nn UnitModel or Module, got "
+                        f"{type(model).__name__}")
+    if comm.rank == 0:
+        warnings.warn(f"{type(model).__name__} is not a UnitModel: it runs as one unit. "
+                      "ZeRO-3 then gathers all its parameters at once, so the peak "
+                      "parameter memory is the whole model; split it into units "
+                      "(zmpi.nn.UnitModel([...], loss=...)) to gather one at a time",
+                      stacklevel=3)
+    return UnitModel([model])
+
+
+def check_units(units, unit_params) -> None:
+    seen = {}
+    for u, params in enumerate(unit_params):
+        if not params:
+            raise ValueError(f"unit {u} ({type(units[u]).__name__}) has no parameters")
+        for name, p in params.items():
+            if id(p) in seen:
+                raise ValueError(f"parameter {name} belongs to units {seen[id(p)]} and {u}")
+            seen[id(p)] = u
+    for u, unit in enumerate(units):
+        for shared in getattr(unit, "shared_units", ()):
+            if shared not in units or units.index(shared) >= u:
+                raise ValueError(f"unit {u} shares weights with a unit that is not an "
+                                 "earlier unit of the model")
+
+
+def check_same_on_replicas(initial, comm) -> None:
+    """ValueError unless every rank of `comm` (the replicas of this rank's slice of the
+    model: the data-parallel group) built the same initial parameters."""
+    checksum = float(np.abs(initial).sum(dtype=np.float64))
+    if not math.isfinite(checksum):
+        raise ValueError("the model's initial parameters contain NaN or inf")
+    low = comm.allreduce_scalar(checksum, op="min")
+    high = comm.allreduce_scalar(checksum, op="max")
+    if low != high:
+        raise ValueError("ranks built different initial models: seed the model identically "
+                         "on every rank")
+
+
+def storage_dtype(config, unit_params) -> np.dtype:
+    """fp16/bf16 when the config enables them, else the model's own float32 or float64."""
+    if config.dtype_name != "float32":
+        return backend.dtype_from_name(config.dtype_name)
+    dtypes = {np.dtype(p.data.dtype) for params in unit_params for p in params.values()}
+    if len(dtypes) != 1 or not dtypes <= {np.dtype(np.float32), np.dtype(np.float64)}:
+        raise ValueError(f"build the model in float32 (or float64), not "
+                         f"{sorted(map(str, dtypes))}; select fp16/bf16 storage with the "
+                         "config's fp16/bf16 sections")
+    return dtypes.pop()
+
+
+def check_grads_contract(strategy, grads, dtype) -> None:
+    """The cheap invariant every strategy must keep: after before_step() the optimizer's
+    gradient buffer exists and is laid out like the master weights."""
+    master = strategy.master
+    if grads is None or grads.shape != master.shape or grads.dtype != dtype:
+        got = None if grads is None else f"{grads.shape} {grads.dtype}"
+        raise RuntimeError(
+            f"strategy {strategy.name!r} broke its contract: after before_step(), "
+            f"optimizer_grads() must be a {master.shape} {dtype} buffer (the "
+            f"master's layout), got {got}")
+
+
+def check_replicas(engine) -> None:
+    """engine.check_replicas: see its docstring."""
+    engine.wait_update()  # the delayed update writes the master weights
+    strategy, layout = engine.strategy, engine.layout
+    scalars = (engine.global_steps, engine.scaler.scale, engine.optimizer.step_count)
+    dp = engine.mesh.dp_comm  # the replicas of this rank's slice of the model
+    checks = [("data-parallel", dp, "step, loss scale and optimizer step", [scalars])]
+    for state in STATES:
+        buf, sharded = strategy.state_buffer(state)
+        if sharded and strategy.replica is None:
+            continue
+        host = backend.to_host(buf)
+        slices = [layout.shard_slice(u) if sharded else layout.full_slice(u)
+                  for u in range(len(layout.units))]
+        checks.append(("replica" if sharded else "data-parallel",
+                       strategy.replica if sharded else dp, state,
+                       [zlib.crc32(np.ascontiguousarray(host[s]).view(np.uint8))
+                        for s in slices]))
+    for kind, comm, what, digests in checks:
+        everyone = comm.allgather_object((engine.comm.rank, digests))  # world ranks
+        ranks = [r for r, _ in everyone]
+        for u, copies in enumerate(zip(*(d for _, d in everyone), strict=True)):
+            if len(set(copies)) > 1:
+                holders = {}
+                for r, d in zip(ranks, copies, strict=True):
+                    holders.setdefault(d, []).append(r)
+                unit = "" if what.startswith("step") else (
+                    f" of unit {u} ({type(engine.model.units[u]).__name__})")
+                raise RuntimeError(
+                    f"replicas diverged after step {engine.global_steps}: {what}{unit} "
+                    f"differs between the ranks of the {kind} group: "
+                    + "; ".join(f"ranks {rs} hold copy {i}"
+                                for i, rs in enumerate(holders.values())))
+
+
+def first_nonfinite_unit(engine, grads) -> str:
+    """The last unit (the first in backward order) whose reduced gradient holds a NaN or inf
+    on any rank, described by index, type and parameter names (a collective)."""
+    xp, layout = array_module(grads), engine.layout
+    local = -1
+    for u in reversed(range(len(layout.units))):
+        part = layout.shard_slice(u) if engine.strategy.shard_optimizer else layout.full_slice(u)
+        if not bool(xp.isfinite(grads[part]).all()):
+            local = u
+            break
+    u = int(engine.comm.allreduce_scalar(local, op="max"))
+    names = [s.name for s in layout.units[u].slots]
+    return (f"unit {u} ({type(engine.model.units[u]).__name__}: "
+            f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")

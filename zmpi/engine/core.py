@@ -1,0 +1,423 @@
+"""Engine: trains a unit model with a ZeRO partition strategy over MPI.
+
+    from zmpi.engine import Engine
+    engine = Engine(model, {"train_micro_batch_size_per_gpu": 4,
+                            "zero_optimization": {"stage": 3}, "fp16": {"enabled": True}})
+    loss = engine.train_step(x, y)      # x, y: this rank's rows of the step's global batch
+
+Run under `mpiexec -n N python -m mpi4py script.py` (or plain `python` for one rank).
+
+The engine owns every buffer (through the strategy, accounted in `engine.memory`), runs the
+model's units with the strategy's hooks, and does what is the same for every stage: loss
+scaling, the overflow check, averaging over the global batch, global-norm gradient clipping
+across shards, and Adam on the rank's master shard (step.py). The strategy decides what is
+kept and which collectives run (zero/strategy.py), over the mesh's data-parallel group.
+
+ZeRO-Offload puts the master shard, Adam's moments and the reduced gradient shard on the host,
+where `HostAdam` updates them; with `delay_update` (DPU, delayed.py) that update runs while
+the next step computes. `flush()` lands an update in flight.
+
+`save_checkpoint` / `load_checkpoint` write and read the whole training state as sharded HDF5
+(zmpi/checkpoint): loadable at any world size and by any strategy, offload on or off.
+"""
+from __future__ import annotations
+
+import json
+import math
+import uuid
+import warnings
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from zmpi import backend
+from zmpi.checkpoint.sharded import Checkpointer
+from zmpi.config import Config
+from zmpi.engine.checks import (
+    as_one_unit,
+    check_replicas,
+    check_same_on_replicas,
+    check_units,
+    storage_dtype,
+)
+from zmpi.engine.delayed import DelayedUpdate
+from zmpi.engine.profile import PhaseProfile
+from zmpi.engine.state import TrainState
+from zmpi.engine.step import reduce_and_update
+from zmpi.engine.traffic import by_dimension, by_group, groups, sent_by_group
+from zmpi.memory import MemoryLedger
+from zmpi.nn.module import UnitHooks, UnitModel, activations_counted_in
+from zmpi.optim import lr_schedules
+from zmpi.optim.adam import Adam, HostAdam, host_threads
+from zmpi.optim.loss_scaler import LossScaler
+from zmpi.parallel.mesh import Mesh
+from zmpi.zero import StrategyContext, get_strategy
+from zmpi.zero.flat import ModelLayout, UnitLayout
+
+
+class _EngineHooks(UnitHooks):
+    """The model's way to its engine's hooks: a weak reference, so that an engine and its model
+    form no cycle and dropping the engine frees its buffers at once."""
+
+    def __init__(self, engine):
+        self._engine = weakref.ref(engine)
+
+    def _live(self):
+        engine = self._engine()
+        if engine is None:
+            raise RuntimeError("the Engine this model was given to is gone; its parameters "
+                               "lived in that engine's buffers: build a new model")
+        return engine
+
+    def before_forward(self, unit):
+        self._live().before_forward(unit)
+
+    def after_forward(self, unit):
+        self._live().after_forward(unit)
+
+    def before_backward(self, unit):
+        self._live().before_backward(unit)
+
+    def after_backward(self, unit):
+        self._live().after_backward(unit)
+
+
+def as_config(config) -> Config:
+    """A Config from a Config, a DeepSpeed-style dict, a JSON path, or None (defaults)."""
+    if config is None:
+        return Config()
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, dict):
+        return Config.from_dict(config)
+    return Config.from_json(Path(config).read_text())
+
+
+class Engine:
+    """ZeRO data-parallel training of `model` (a zmpi.nn UnitModel built in fp32, identically
+    seeded on every rank). After construction the model's Parameters are views into buffers the
+    engine owns; in ZeRO-3 they are None while their unit is released."""
+
+    def __init__(self, model, config=None, comm=None):
+        if comm is None:
+            from zmpi.comm import Comm
+
+            comm = Comm()
+        self.comm = comm
+        backend.keep_freed_host_memory()  # a step re-allocates what the last one freed
+        if backend.is_gpu and backend.device_source is None:  # no launcher variable: fall back
+            backend.select_device(comm.local_rank)
+        if backend.is_gpu and comm.local_size > backend.device_count() and comm.local_rank == 0:
+            warnings.warn(f"{comm.local_size} ranks share {backend.device_count()} GPUs on this "
+                          "node: run one rank per GPU", stacklevel=2)
+        config = as_config(config)
+        config.check_parallelism()
+        # data x pipeline x tensor; the ZeRO strategies see only the data-parallel group
+        self.mesh = Mesh(comm, tp=config.tensor_parallel.autotp_size,
+                         pp=config.pipeline.stages)
+        self.config = config.resolve_batch(self.mesh.dp)
+        self.micro_batch = self.config.train_micro_batch_size_per_gpu
+        self.accumulation = self.config.gradient_accumulation_steps
+        self.xp = backend.xp
+        budget = self.config.memory_budget
+        self.memory = MemoryLedger(backend.device_memory_in_use if backend.is_gpu else None,
+                                   {"device": budget.device, "host": budget.host})
+        from zmpi.comm import account_staging_in
+
+        account_staging_in(self.memory)  # pinned staging buffers in the ledger's host column
+
+        if not isinstance(model, UnitModel):
+            model = as_one_unit(model, comm)
+        self.model = model
+        units = list(model.units)
+        names = {id(p): name for name, p in model.named_parameters()}  # model-wide names
+        unit_params = [{names[id(p)]: p for _, p in unit.named_parameters()} for unit in units]
+        check_units(units, unit_params)
+        self.dtype = storage_dtype(self.config, unit_params)
+        # fp32 master weights and Adam state; fp64 when the model itself is fp64 (exactness tests).
+        self.master_dtype = np.dtype(np.float64 if self.dtype == np.float64 else np.float32)
+        cls = get_strategy(self.config.strategy_name)
+        # The strategy's groups: the ranks that partition the model states (the layout's
+        # world size) and the ranks that replicate them (hybrid sharding).
+        shard_group, replica_group = cls.process_groups(self.mesh.dp_comm,
+                                                        self.config.zero_optimization)
+        self.layout = ModelLayout([UnitLayout.build({n: p.data.shape for n, p in ps.items()},
+                                                    shard_group.size) for ps in unit_params])
+        initial = np.zeros(self.layout.full_numel, self.master_dtype)
+        for u, params in enumerate(unit_params):
+            views = self.layout.units[u].views(initial[self.layout.full_slice(u)])
+            for name, p in params.items():
+                views[name][...] = backend.to_host(p.data)
+        check_same_on_replicas(initial, self.mesh.dp_comm)
+
+        self.strategy = cls(StrategyContext(
+            units=units, unit_params=unit_params, layout=self.layout, shard_group=shard_group,
+            replica_group=replica_group, ledger=self.memory, dtype=self.dtype,
+            master_dtype=self.master_dtype, xp=self.xp, config=self.config.zero_optimization,
+            mesh=self.mesh))
+        self.strategy.initialize(initial)
+        self._unit_index = {id(unit): u for u, unit in enumerate(units)}
+        model.hooks = _EngineHooks(self)
+
+        opt = self.config.optimizer
+        hyper = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                     weight_decay=opt.weight_decay, decoupled=opt.decoupled_weight_decay)
+        if isinstance(self.strategy.master, np.ndarray):  # host memory: offload, or a CPU run
+            self.optimizer = HostAdam(**hyper, threads=host_threads(comm.local_size))
+        else:
+            self.optimizer = Adam(**hyper)
+        sched = self.config.scheduler
+        self.schedule = None if sched.type is None else lr_schedules.build(
+            sched.type, sched.params, opt.lr, opt.betas)
+        offload = self.config.zero_optimization.offload_optimizer
+        self.delay_update, self.delay_update_warmup = (offload.delay_update,
+                                                       offload.delay_update_warmup)
+        self.update_timing = {"optimizer_s": 0.0, "waited_s": 0.0, "delayed_steps": 0}
+        self.delayed = DelayedUpdate(self.update_timing)
+        # this run's id is in every checkpoint it saves; loading a checkpoint continues its run
+        self.checkpoints = Checkpointer(comm, comm.bcast_object(uuid.uuid4().hex))
+        # per-phase and per-unit time of every train_step
+        self.phases = PhaseProfile(type(u).__name__ for u in self.model.units)
+        fp16 = self.config.fp16
+        self.scaler = LossScaler.from_config(fp16) if fp16.enabled else LossScaler.disabled()
+        self.global_steps = 0
+        if self.config.debug.check_collectives:
+            for c in (self.comm, *self.strategy.comms().values()):
+                c.enable_collective_checks()
+        self.reset_counters()
+        notes = self.config.notes()
+        if notes and comm.rank == 0:
+            warnings.warn("zmpi config: " + "; ".join(notes), stacklevel=2)
+
+    # ---- model hooks: unit object -> strategy hook on its index --------------------------
+    def before_forward(self, unit):
+        self.phases.unit_begins()
+        self.strategy.before_forward(self._unit_index[id(unit)])
+
+    def after_forward(self, unit):
+        u = self._unit_index[id(unit)]
+        self.strategy.after_forward(u)
+        self.phases.unit_ends(u, "forward")
+
+    def before_backward(self, unit):
+        self.phases.unit_begins()
+        self.strategy.before_backward(self._unit_index[id(unit)])
+
+    def after_backward(self, unit):
+        u = self._unit_index[id(unit)]
+        self.strategy.after_backward(u)
+        self.phases.unit_ends(u, "backward")
+
+    # ---- training -------------------------------------------------------------------------
+    def train_step(self, inputs, targets) -> float:
+        """One optimizer step on this rank's rows of the global batch.
+
+        inputs, targets: (micro_batch * gradient_accumulation_steps, ...) — this rank's share;
+        they are split into micro-batches. Gradients are averaged over the global batch
+        (all ranks, all micro-batches; over the counted targets of all of them when the
+        model's loss ignores some, see zmpi.nn.losses). Returns the global mean loss (same on
+        every rank).
+        """
+        rows = self.micro_batch * self.accumulation
+        if len(inputs) != rows or len(targets) != rows:
+            raise ValueError(
+                f"train_step got {len(inputs)} input and {len(targets)} target rows; the config "
+                f"asks for train_micro_batch_size_per_gpu ({self.micro_batch}) x "
+                f"gradient_accumulation_steps ({self.accumulation}) = {rows} rows per rank")
+        self.model.check_batch(inputs, targets)  # before any collective: bad data, clear error
+        if self.checkpoints.pending is not None:
+            self.checkpoints.poll()  # an asynchronous save completes once every rank wrote
+        try:
+            with activations_counted_in(self.memory):  # the layers' caches, as "activation"
+                return self._train_step(inputs, targets)
+        except BaseException:
+            self.strategy.abandon_in_flight()  # no freed buffer may still be MPI's
+            raise
+
+    def _train_step(self, inputs, targets) -> float:
+        total, normalizer = 0.0, self._normalizer(targets, self.accumulation)
+        clock = self.phases.clock()
+        for i in range(self.accumulation):
+            rows_i = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
+            self.strategy.sync_gradients = i == self.accumulation - 1
+            total = total + self.model.forward_loss(self.xp.asarray(inputs[rows_i]),
+                                                    self.xp.asarray(targets[rows_i]), normalizer)
+            clock.lap("forward")
+            self.model.backward_loss(scale=self.scaler.scale)
+            clock.lap("backward")
+        optimizer_before = self.update_timing["optimizer_s"]
+        self._step()
+        clock.lap("step", optimizer=self.update_timing["optimizer_s"] - optimizer_before)
+        every = self.config.debug.check_replicas_every
+        if every and self.global_steps % every == 0:
+            self.check_replicas()
+        dp = self.mesh.dp_comm
+        loss = dp.allreduce_scalar(float(total) / self.accumulation) / dp.size
+        if not math.isfinite(loss) and not self.config.fp16.enabled:
+            raise FloatingPointError(f"the loss is {loss} at step {self.global_steps - 1} "
+                                     f"({self.dtype.name})")
+        return loss
+
+    def eval_loss(self, inputs, targets) -> float:
+        """Mean loss of a forward pass over every rank's `inputs` (no gradients, no update).
+        A collective: every rank must call it (stage 3 gathers parameters, and the mean is
+        an allreduce). A delayed update in flight lands first."""
+        self.model.check_batch(inputs, targets)
+        self.flush()
+        with activations_counted_in(self.memory):
+            loss = self.model.loss(self.xp.asarray(inputs), self.xp.asarray(targets),
+                                   self._normalizer(targets, 1))
+            self.model.clear_cache()  # no backward follows
+        return self.mesh.dp_comm.allreduce_scalar(loss) / self.mesh.dp
+
+    def _normalizer(self, targets, micro_batches):
+        """None when every target counts; else the global count of counted targets over
+        (ranks x micro_batches), so that the mean of the micro-batch losses is the loss over
+        every rank's counted targets (one scalar allreduce)."""
+        local = self.model.loss_fn.count(targets)
+        if local is None:
+            return None
+        return max(self.mesh.dp_comm.allreduce_scalar(local), 1.0) / (self.mesh.dp
+                                                                       * micro_batches)
+
+    def flush(self) -> None:
+        """Land the delayed update in flight, if any: wait for the host Adam thread, raise
+        its error, publish the parameters it produced. A collective in stages 1-2 (the
+        updated shards are allgathered): every rank calls it."""
+        self.wait_update()
+        if self.delayed.unpublished:
+            self.delayed.unpublished = False
+            self.strategy.publish_params()
+
+    def wait_update(self) -> None:
+        """Wait for the delayed update in flight, if any, and raise its error; the parameters
+        it produced stay unpublished until `flush` (a checkpoint saves them that way)."""
+        self.delayed.wait()
+
+    def close(self) -> None:
+        """Finish an asynchronous checkpoint save, land any delayed update, stop the
+        optimizer's threads and free the sub-communicators (the mesh's and the strategy's).
+        A collective; the engine cannot train after it."""
+        self.checkpoints.finish()
+        self.flush()
+        self.optimizer.close()
+        self.checkpoints.release()
+        for group in self.strategy.comms().values():  # the policy's own groups (hybrid)
+            if group not in self.mesh.comms().values():
+                group.free()
+        self.mesh.free()
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def save_checkpoint(self, directory, tag=None, keep_last=None, async_=False,
+                        client_state=None):
+        """Save the whole training state under directory/tag (default tag `step<N>`, N the
+        global step) and point directory/latest at it. A collective: every rank calls it with
+        the same arguments and writes its shard; returns the checkpoint's directory.
+
+        The first save into a directory claims it for this run (`claim_checkpoint_dir`).
+        keep_last=K deletes all but the K newest of this run's complete checkpoints in
+        `directory`, after the new one is complete (never another run's). async_=True copies
+        this rank's state to host buffers and writes it in a background thread; the checkpoint
+        is completed (manifest, `latest`) at the first train_step after every rank finished
+        writing, or at the next save, load or close, where an error in the writer is raised.
+        client_state: a JSON-serialisable dict stored with the checkpoint (rank 0's), e.g. the
+        data position; load returns it. A CheckpointError is raised on every rank if any rank
+        fails; `latest` and the earlier checkpoints are then as they were."""
+        return self.checkpoints.save(TrainState(self), directory, tag, keep_last, async_,
+                                     client_state)
+
+    def claim_checkpoint_dir(self, directory, overwrite=False):
+        """Make `directory` this run's to save into, until close() (a collective; the first
+        save does it anyway, `zmpi train` at start-up). Refused with a CheckpointError on every
+        rank if another process holds it, a rank cannot write there, or it holds another
+        run's checkpoints; with overwrite=True those are deleted once this run's first
+        checkpoint is complete. Returns the claim (its `notes` say what was repaired)."""
+        return self.checkpoints.claim(directory, overwrite)
+
+    def load_checkpoint(self, directory, tag=None, verify=True, fallback=False):
+        """Restore the whole training state from directory/tag (default: the tag `latest`
+        names), saved at any world size and by any strategy. A collective. Every file read is
+        checked against the manifest (size, and CRC-32 unless verify=False) and HDF5's
+        Fletcher-32; any problem raises a CheckpointError on every rank that names the file,
+        and the engine is left as it was. fallback=True (with no tag): if the newest
+        checkpoint does not load, the newest one that does (the notes say so). The engine
+        continues the run that saved the checkpoint (its run id). Returns a `Loaded` (tag,
+        step, client_state and notes on what differs from this engine's config)."""
+        return self.checkpoints.load(TrainState(self), directory, tag, verify, fallback)
+
+    @property
+    def run_id(self) -> str:
+        """The run this engine trains: a new one per engine, or the one of the checkpoint it
+        loaded. Every checkpoint it saves records it (zmpi.checkpoint.ownership)."""
+        return self.checkpoints.run_id
+
+    def _step(self) -> None:
+        try:
+            reduce_and_update(self)
+        finally:
+            self.strategy.zero_grads()  # also after an error, so the next step starts clean
+
+    def check_replicas(self) -> None:
+        """Compare, by CRC-32, every copy of the state that ranks should hold identically: the
+        step, loss scale and optimizer step on every rank; each unit of each replicated model
+        state (parameters in stages 0-2, everything in stage 0) on every rank; each unit of
+        each sharded state across the replicas of a shard (hybrid sharding). A collective;
+        RuntimeError on every rank, naming the first differing state and unit and which ranks
+        hold which copy. `debug.check_replicas_every` runs it every K steps."""
+        check_replicas(self)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the last step (for a step skipped on overflow, the rate it
+        would have run at; the configured lr before the first step)."""
+        return self.optimizer.lr
+
+    # ---- inspection -------------------------------------------------------------------------
+    def gather_parameters(self) -> dict[str, np.ndarray]:
+        """Full master value (fp32; fp64 for fp64 models) of every parameter, on every rank.
+        A collective: every rank must call it. A delayed update in flight lands first."""
+        self.flush()
+        full = backend.to_host(self.strategy.full_master())
+        out = {}
+        for u, unit_layout in enumerate(self.layout.units):
+            for name, view in unit_layout.views(full[self.layout.full_slice(u)]).items():
+                out[name] = view.copy()
+        return out
+
+    def reset_counters(self) -> None:
+        """Zero the counters of every Comm the engine sends on (world, mesh, strategy)."""
+        for comm in groups(self.comm, self.mesh, self.strategy):
+            comm.reset_counters()
+
+    def traffic(self) -> dict[str, dict]:
+        """{group kind: {op: {calls, bytes, sent}}} counted since the last reset, for every
+        communicator the strategy sends on ("world"; "shard" and "replica" for hybrid)."""
+        return by_group(self.strategy)
+
+    def sent_bytes(self) -> dict[str, int]:
+        """{group kind: bytes this rank sent in array collectives} since the last reset (ring
+        model): what the strategy's `expected_traffic` declares per step."""
+        return sent_by_group(self.strategy)
+
+    def traffic_by_dimension(self) -> dict[str, dict]:
+        """{"dp"|"pp"|"tp": {op: {calls, bytes, sent}}} since the last reset: each mesh
+        dimension's collectives (the strategy's groups count in "dp", where they live), so
+        each dimension's formula is checked against its own counters."""
+        return by_dimension(self.mesh, self.strategy)
+
+    @property
+    def num_params(self) -> int:
+        return self.layout.num_params
+
+    def describe(self) -> dict:
+        """What this run is: config, world size, mesh, strategy, layout sizes (run outputs)."""
+        return {"config": self.config.to_dict(), "world_size": self.comm.size,
+                "mesh": self.mesh.describe(),
+                "strategy": self.strategy.name, "shard_group_size": self.layout.world_size,
+                "num_params": self.num_params,
+                "padding": self.layout.padding, "dtype": self.dtype.name,
+                "backend": backend.name}
+
+    def __repr__(self) -> str:
+        return f"Engine({json.dumps(self.describe(), default=str)})"

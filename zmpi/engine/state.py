@@ -1,0 +1,96 @@
+"""What a checkpoint holds of an engine: the view of it that zmpi.checkpoint works with.
+
+The checkpoint package never sees the Engine: it is handed a `TrainState`, which names what
+a save reads (the groups, the layout, the strategy's state shards, the ledger for host
+copies, the manifest's state) and what a load changes (`restore`). A new piece of training
+state is added here, in `manifest` and `restore`, and nowhere else.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from zmpi.runinfo import git_revision
+
+
+class TrainState:
+    """An engine's training state, for one save or load (made per call: it holds the engine
+    only while that call runs)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.comm, self.mesh, self.layout = engine.comm, engine.mesh, engine.layout
+        self.strategy, self.memory = engine.strategy, engine.memory
+        self.dtype, self.master_dtype = engine.dtype, engine.master_dtype
+        self.global_steps = engine.global_steps
+
+    def settle(self) -> None:
+        """Before a snapshot: a delayed update in flight finishes (its publication stays
+        pending, and is recorded as such)."""
+        self._engine.wait_update()
+
+    def manifest(self, client_state=None) -> dict:
+        """Everything but the four model states that a checkpoint records (its manifest)."""
+        engine = self._engine
+        opt = engine.optimizer
+        body = {
+            "world_size": engine.layout.world_size, "strategy": engine.strategy.name,
+            "mesh": engine.mesh.describe(),
+            "dtype": engine.dtype.name, "master_dtype": engine.master_dtype.name,
+            "num_params": engine.num_params, "layout": engine.layout.to_dict(),
+            "tied": engine.model.tied_parameters(), "global_steps": engine.global_steps,
+            "optimizer": {**opt.state_dict(), "lr": engine.config.optimizer.lr,
+                          "betas": list(engine.config.optimizer.betas), "eps": opt.eps,
+                          "weight_decay": opt.weight_decay, "decoupled": opt.decoupled},
+            "scheduler": engine.config.scheduler.to_dict(), "last_lr": opt.lr,
+            "loss_scaler": engine.scaler.state_dict() if engine.config.fp16.enabled else None,
+            "unpublished_update": engine.delayed.unpublished, "config": engine.config.to_dict(),
+            "client_state": client_state or {}, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "git_revision": git_revision() if engine.comm.rank == 0 else None,
+        }
+        json.dumps(body["client_state"])  # TypeError now, not when the manifest is written
+        return body
+
+    def restore(self, manifest: dict, states: dict) -> list[str]:
+        """Install a checkpoint read by zmpi.checkpoint (a collective). `states`: this rank's
+        owned shard of each model state, in this engine's layout; without "params" (the
+        storage dtype changed) the parameters are the master weights cast. Returns notes on
+        what the checkpoint had that this engine's config overrides."""
+        engine = self._engine
+        notes = []
+        try:
+            engine.wait_update()  # an update in flight is superseded by the checkpoint
+        except RuntimeError as e:
+            notes.append(f"discarded a failed delayed update: {e}")
+        for state, shard in states.items():
+            engine.strategy.set_state_shard(state, shard)
+        engine.global_steps = manifest["global_steps"]
+        saved = manifest["optimizer"]
+        engine.optimizer.load_state_dict(saved)
+        opt, base = engine.optimizer, engine.config.optimizer
+        for key, ours in (("lr", base.lr), ("betas", list(base.betas)), ("eps", opt.eps),
+                          ("weight_decay", opt.weight_decay), ("decoupled", opt.decoupled)):
+            if saved[key] != ours:
+                notes.append(f"optimizer {key} is {ours!r} (the checkpoint had {saved[key]!r})")
+        if "scheduler" in manifest and manifest["scheduler"] != engine.config.scheduler.to_dict():
+            notes.append(f"the scheduler is {engine.config.scheduler.to_dict()} (the checkpoint "
+                         f"had {manifest.get('scheduler')}); it goes on from step "
+                         f"{engine.global_steps}")
+        opt.lr = manifest.get("last_lr", opt.lr) if engine.schedule else opt.lr
+        if manifest["dtype"] != engine.dtype.name:
+            notes.append(f"parameters are stored as {engine.dtype.name} (the checkpoint had "
+                         f"{manifest['dtype']}): they are the master weights cast")
+        if manifest["loss_scaler"] is not None and engine.config.fp16.enabled:
+            engine.scaler.load_state_dict(manifest["loss_scaler"])
+        elif manifest["loss_scaler"] is not None or engine.config.fp16.enabled:
+            notes.append("the loss scaler starts afresh (fp16 is "
+                         f"{'on' if engine.config.fp16.enabled else 'off'} here, "
+                         f"{'off' if engine.config.fp16.enabled else 'on'} in the checkpoint)")
+        # A delayed update saved before its publication lands at the next step, as it would
+        # have without the checkpoint; otherwise publish now.
+        engine.delayed.unpublished = manifest["unpublished_update"] or "params" not in states
+        delayed = (engine.delay_update and engine.global_steps >= engine.delay_update_warmup
+                   and "params" in states)
+        if engine.delayed.unpublished and not delayed:
+            engine.flush()
+        return notes

@@ -1,0 +1,86 @@
+"""The step of train_step: from the reduced gradients to updated parameters.
+
+    reduce_and_update(engine)   finish the strategy's reductions; unscale (loss scaling and the
+                                global-batch mean); skip on overflow or name the first
+                                non-finite unit; clip; Adam now, or in the background (DPU)
+    apply_schedule(engine)      the LR schedule's rate (and betas) for the step about to run
+    clip_coef(engine, sumsq)    the factor that brings the global L2 norm to gradient_clipping
+
+What is the same for every stage lives here; what a stage keeps and sends is its strategy's.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+from zmpi.engine.checks import check_grads_contract, first_nonfinite_unit
+
+
+def reduce_and_update(engine) -> None:
+    """The optimizer step of train_step, after the last backward: finish the reductions,
+    unscale, check for overflow (skip the step, or name the first non-finite unit), clip,
+    and apply Adam now or, with DPU, in the background."""
+    strategy = engine.strategy
+    strategy.wait_pending()
+    strategy.before_step()
+    # Reduced gradients (this rank's shard, storage dtype): the optimizer reads them as
+    # grads * grad_scale (the global-batch mean) * clip_coef, converted chunk by chunk.
+    grads = strategy.optimizer_grads()
+    check_grads_contract(strategy, grads, engine.dtype)
+    grad_scale = 1.0 / (engine.scaler.scale * engine.mesh.dp * engine.accumulation)
+    finite, sumsq = engine.optimizer.grad_stats(grads, grad_scale, engine.master_dtype)
+    engine.flush()  # the previous step's delayed update lands (its compute overlapped ours)
+    apply_schedule(engine)  # a skipped step keeps the rate it would have run at
+    if any_rank(engine.comm, not finite):
+        scaler = engine.scaler
+        at_minimum = scaler.scale <= scaler.min_scale and scaler.hysteresis_left <= 1
+        if not engine.config.fp16.enabled or at_minimum:
+            where = first_nonfinite_unit(engine, grads)
+            raise FloatingPointError(
+                f"non-finite gradients at optimizer step {engine.global_steps} "
+                f"({engine.scaler.skipped_steps} skipped before; {engine.dtype.name}"
+                + (f", loss scale already at its minimum {scaler.min_scale:g}"
+                   if engine.config.fp16.enabled else "")
+                + f"); the first in backward order is in {where}")
+        scaler.update(overflow=True)  # skip the step on every rank
+        return
+    update = (strategy.master, grads, strategy.adam_m, strategy.adam_v, grad_scale,
+              clip_coef(engine, sumsq))
+    if engine.delay_update and engine.global_steps >= engine.delay_update_warmup:
+        strategy.swap_grad_buffers()  # backward of the next step fills the other buffer
+        engine.delayed.start(lambda: engine.optimizer.step_(*update), engine.global_steps)
+    else:
+        start = time.perf_counter()
+        engine.optimizer.step_(*update)
+        engine.update_timing["optimizer_s"] += time.perf_counter() - start
+        strategy.publish_params()
+    engine.scaler.update(overflow=False)
+    engine.global_steps += 1
+
+
+def apply_schedule(engine) -> None:
+    """Set the optimizer's lr (and betas, for OneCycle) for the step about to be applied:
+    the schedule at DeepSpeed's last_batch_iteration = applied steps - 1."""
+    if engine.schedule is None:
+        return
+    it = engine.global_steps - 1
+    engine.optimizer.lr = engine.schedule.lr(it)
+    betas = engine.schedule.betas(it)
+    if betas is not None:
+        engine.optimizer.betas = betas
+
+
+def clip_coef(engine, sumsq: float) -> float:
+    """Factor that brings the global L2 norm over all ranks' shards to gradient_clipping
+    (1.0 when it is below, or clipping is off)."""
+    max_norm = engine.config.gradient_clipping
+    if max_norm <= 0:
+        return 1.0
+    if engine.strategy.shard_optimizer:  # each shard group holds the whole model once
+        sumsq = engine.strategy.comm.allreduce_scalar(sumsq)
+    coef = max_norm / (math.sqrt(sumsq) + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+    return min(coef, 1.0)
+
+
+def any_rank(comm, flag: bool) -> bool:
+    return comm.allreduce_scalar(float(flag), op="max") > 0

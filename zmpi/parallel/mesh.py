@@ -1,0 +1,102 @@
+"""The process mesh: data x pipeline x tensor parallelism over the world communicator.
+
+    mesh = Mesh(comm, tp=2, pp=2)          # 8 ranks: dp = 8 / (2 * 2) = 2
+    mesh.dp, mesh.pp, mesh.tp              # sizes
+    mesh.dp_rank, mesh.pp_rank, mesh.tp_rank
+    mesh.dp_comm, mesh.pp_comm, mesh.tp_comm   # zmpi Comms of this rank's groups
+    mesh.prev_rank, mesh.next_rank         # pipeline neighbours (world ranks; None at the ends)
+
+Rank order is DeepSpeed's `PipeModelDataParallelTopology` and Megatron-LM's: tensor fastest,
+then data, then pipeline, so the ranks of one tensor group are neighbours (on a cluster they
+share a node, where tensor parallelism's per-layer allreduces belong):
+
+    world rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+Each dimension has its own Comm, so every collective counts in its own dimension's counters.
+A dimension that spans the whole world is the world Comm itself, and one of size 1 is this
+rank alone (MPI_COMM_SELF): a plain data-parallel run (tp = pp = 1) communicates exactly as
+it did before the mesh existed. Only groups that are neither are made with `Comm.split`; the
+mesh frees them in `free()` (Engine.close() calls it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DIMENSIONS = ("dp", "pp", "tp")
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """Where world rank `rank` sits in a (dp, pp, tp) mesh, and its groups' colors."""
+
+    dp_rank: int
+    pp_rank: int
+    tp_rank: int
+
+    @classmethod
+    def of(cls, rank: int, dp: int, pp: int, tp: int) -> Coordinates:
+        return cls(dp_rank=(rank // tp) % dp, pp_rank=rank // (dp * tp), tp_rank=rank % tp)
+
+    def group(self, dim: str, dp: int, pp: int, tp: int) -> int:
+        """The color of this rank's `dim` group: equal for the ranks that differ only in
+        their `dim` coordinate."""
+        return {"dp": self.pp_rank * tp + self.tp_rank,
+                "pp": self.dp_rank * tp + self.tp_rank,
+                "tp": self.pp_rank * dp + self.dp_rank}[dim]
+
+
+def mesh_sizes(size: int, tp: int = 1, pp: int = 1) -> tuple[int, int, int]:
+    """(dp, pp, tp) for `size` ranks; ValueError unless tp * pp divides size."""
+    for name, value in (("tp", tp), ("pp", pp)):
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if size % (tp * pp):
+        raise ValueError(f"tp x pp = {tp} x {pp} = {tp * pp} does not divide the {size} ranks "
+                         "into data-parallel replicas")
+    return size // (tp * pp), pp, tp
+
+
+class Mesh:
+    """dp x pp x tp over `comm` (the world): sizes, this rank's coordinates, its three groups
+    as zmpi Comms and its pipeline neighbours. Constructing it is collective over `comm`."""
+
+    def __init__(self, comm, tp: int = 1, pp: int = 1):
+        self.comm = comm
+        self.dp, self.pp, self.tp = mesh_sizes(comm.size, tp, pp)
+        here = Coordinates.of(comm.rank, self.dp, self.pp, self.tp)
+        self.dp_rank, self.pp_rank, self.tp_rank = here.dp_rank, here.pp_rank, here.tp_rank
+        self._made = []  # the split Comms this mesh owns
+        for dim in DIMENSIONS:
+            setattr(self, f"{dim}_comm", self._group(dim, here))
+        step = self.dp * self.tp  # world ranks between neighbouring pipeline stages
+        self.prev_rank = comm.rank - step if self.pp_rank > 0 else None
+        self.next_rank = comm.rank + step if self.pp_rank < self.pp - 1 else None
+
+    def _group(self, dim: str, here: Coordinates):
+        size = getattr(self, dim)
+        if size == self.comm.size:
+            return self.comm
+        if size == 1:
+            from zmpi.comm import MPI, Comm
+
+            sub = Comm(MPI.COMM_SELF)
+        else:
+            sub = self.comm.split(here.group(dim, self.dp, self.pp, self.tp))
+        self._made.append(sub)
+        return sub
+
+    def comms(self) -> dict:
+        """{dimension: its Comm}, for the counters per dimension."""
+        return {dim: getattr(self, f"{dim}_comm") for dim in DIMENSIONS}
+
+    def free(self) -> None:
+        """Free the sub-communicators this mesh made (a collective over each)."""
+        while self._made:
+            self._made.pop().free()
+
+    def describe(self) -> dict:
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+
+    def __repr__(self) -> str:
+        return (f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}; rank {self.comm.rank} at "
+                f"dp {self.dp_rank}, pp {self.pp_rank}, tp {self.tp_rank})")

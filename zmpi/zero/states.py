@@ -1,0 +1,54 @@
+"""The model states as this rank's owned shard, whatever the policy: what checkpoints save
+and load, and the whole master model for consolidation.
+
+`StateShards` is a mixin of `Strategy` (strategy.py). It works from the three sharding flags
+and the buffers alone, so every policy inherits it; it collects with `self.owned`, and
+scatters a replicated state back with `self.allgather_shard_into` (a collective).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from zmpi import backend
+
+
+class StateShards:
+    """Every model state as this rank's owned shard (a mixin of Strategy)."""
+
+    def state_buffer(self, state: str):
+        """(buffer, whether it holds only the owned shard) of 'params', 'master', 'adam_m'
+        or 'adam_v'."""
+        if state == "params":
+            return ((self.params_shard, True) if self.shard_parameters
+                    else (self.params_full, False))
+        if state not in ("master", "adam_m", "adam_v"):
+            raise ValueError(f"unknown model state {state!r}")
+        return getattr(self, state), self.shard_optimizer
+
+    def state_shard(self, state: str):
+        """This rank's owned shard (S,) of a model state: the buffer itself when the policy
+        shards that state, else the owned slices of the full buffer (a copy)."""
+        buf, sharded = self.state_buffer(state)
+        return buf if sharded else self.owned(buf)
+
+    def set_state_shard(self, state: str, shard) -> None:
+        """Inverse of `state_shard`: write `shard` (S, host or device) into the state's buffer.
+        A collective when the policy replicates the state (each unit is allgathered in place
+        from every rank's owned part): every rank calls it with the same `state`."""
+        buf, sharded = self.state_buffer(state)
+        if sharded:
+            backend.copy_(buf, shard)
+        else:
+            self.allgather_shard_into(buf, shard)
+
+    def full_master(self):
+        """The master weights of the whole model in the full layout (P), on every rank, in
+        host memory: the shard is copied to the host once and gathered there, so the device
+        never holds the whole fp32 model."""
+        if not self.shard_optimizer:
+            return backend.to_host(self.master)
+        shard = backend.to_host(self.master)
+        full = np.empty(self.layout.full_numel, self.master_dtype)
+        for u in range(len(self.units)):
+            self.comm.allgather(shard[self.layout.shard_slice(u)], full[self.layout.full_slice(u)])
+        return full
