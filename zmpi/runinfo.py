@@ -37,10 +37,8 @@ def git_revision(path: str | Path | None = None) -> str:
 
 def environment() -> dict:
     """Versions of the interpreter, array and MPI libraries, and the machine."""
-    from mpi4py import MPI
-
     from zmpi import backend
-    from zmpi.comm import cuda_support, mpi_flavour
+    from zmpi.comm import MPI, cuda_support, mpi_flavour
 
     cuda_aware, how = cuda_support()
     return {
