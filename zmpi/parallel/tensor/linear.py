@@ -1,0 +1,146 @@
+"""The tensor-parallel linear layers of Megatron-LM (Shoeybi et al. 2019, section 3).
+
+The full layer is zmpi.nn.Linear: y = x @ W + b, W (in, out). Over a tensor-parallel Comm `tp`
+of T ranks, rank r holds:
+
+    ColumnParallelLinear  W[:, r*out/T : (r+1)*out/T] and that slice of b (split by output
+                          features); input x replicated, output y_r = f(x) @ W_r + b_r, this
+                          rank's out/T columns of y (not gathered)
+    RowParallelLinear     W[r*in/T : (r+1)*in/T, :] and the whole b (split by input features);
+                          input x_r, this rank's in/T columns of x; output y = g(x_r @ W_r) + b,
+                          replicated (b added once, after the sum)
+
+So Column -> elementwise -> Row (Megatron's MLP: fc, GELU, proj) needs one allreduce forward
+(g) and one backward (f), each of the activations' size (B, T, C).
+
+Initialisation: the full (in, out) weight is drawn from `rng` exactly as Linear draws it (and
+the generator advances the same way), then this rank keeps its slice; one layer's full matrix
+is held for a moment, never the whole model. Every rank of `tp` must pass the same seed (or
+generators in the same state); then the T slices put together are the Linear that the same
+seed makes, and a model built from one generator matches its serial twin layer by layer.
+
+Each Parameter carries `tp_split`: the axis along which it is split over `tp` (0 or 1), or None
+for a parameter every rank holds whole (RowParallelLinear's bias). A gradient norm over the
+model counts split parameters on every tp rank and replicated ones once.
+"""
+
+import math
+
+import numpy
+
+from zmpi.nn import functional as F
+from zmpi.nn.base import Module
+from zmpi.nn.layers import constant_parameter
+from zmpi.nn.parameter import Parameter, accumulate_grad_, compute_data
+from zmpi.parallel.tensor.regions import CopyToTensorRegion, ReduceFromTensorRegion
+
+
+def split_size(features: int, tp, what: str) -> int:
+    """features / tp.size; ValueError unless it divides evenly."""
+    if features % tp.size:
+        raise ValueError(f"{what}={features} is not divisible by the tensor-parallel size "
+                         f"{tp.size}: every rank must hold an equal slice")
+    return features // tp.size
+
+
+def _full_weight(rng, in_features, out_features, std):
+    """The whole (in, out) float64 weight, drawn as zmpi.nn.Linear draws it."""
+    std = 1.0 / math.sqrt(in_features) if std is None else std
+    return rng.normal(0.0, std, (in_features, out_features))
+
+
+def _split_parameter(full, index, axis, dtype):
+    """A Parameter holding `full[index]` (contiguous, in `dtype`), marked `tp_split = axis`."""
+    p = Parameter(numpy.ascontiguousarray(full[index]).astype(dtype))
+    p.tp_split = axis
+    return p
+
+
+class ColumnParallelLinear(Module):
+    """y_r = x @ W[:, cols_r] + b[cols_r]: this rank's out_features / tp.size output features.
+    x (..., in_features) replicated -> y (..., out_features / tp.size).
+
+    weight (in_features, out_features / T), tp_split 1; bias (out_features / T,), tp_split 0.
+    copy_input: put f (CopyToTensorRegion) at the input, so backward returns the full input
+    gradient, summed over tp. Pass False where the caller already has f at the input (several
+    column layers reading one x under a single f); backward then returns this rank's part.
+    """
+
+    def __init__(self, in_features, out_features, tp, bias=True, rng=None,
+                 dtype=numpy.float32, std=None, copy_input=True):
+        local = split_size(out_features, tp, "out_features")
+        cols = slice(tp.rank * local, (tp.rank + 1) * local)
+        rng = numpy.random.default_rng(rng)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _split_parameter(_full_weight(rng, in_features, out_features, std),
+                                       (slice(None), cols), 1, dtype)
+        self.bias = None
+        if bias:
+            self.bias = constant_parameter((local,), 0.0, dtype)
+            self.bias.tp_split = 0
+        self.f = CopyToTensorRegion(tp, inplace=True) if copy_input else None
+
+    def forward(self, x):
+        W = compute_data(self.weight)  # (Cin, Cout / T)
+        b = compute_data(self.bias) if self.bias is not None else None
+        if self.f is not None:
+            x = self.f.forward(x)
+        y, (x, _) = F.linear_forward(x.astype(W.dtype, copy=False), W, b)
+        self._save(x)
+        return y
+
+    def backward(self, dy):
+        x = self._pop()
+        W = compute_data(self.weight)
+        dx, dW, db = F.linear_backward(dy.astype(W.dtype, copy=False), (x, W))
+        accumulate_grad_(self.weight, dW)
+        if self.bias is not None:
+            accumulate_grad_(self.bias, db)
+        return self.f.backward(dx) if self.f is not None else dx  # f: sum over tp
+
+
+class RowParallelLinear(Module):
+    """y = sum over tp of (x_r @ W[rows_r, :]) + b.  x_r (..., in_features / tp.size), this
+    rank's slice of the input's last axis (a ColumnParallelLinear's output) -> y
+    (..., out_features), the same on every rank.
+
+    weight (in_features / T, out_features), tp_split 0; bias (out_features,), replicated
+    (tp_split None): added after the allreduce, so it is counted once.
+    """
+
+    def __init__(self, in_features, out_features, tp, bias=True, rng=None,
+                 dtype=numpy.float32, std=None):
+        local = split_size(in_features, tp, "in_features")
+        rows = slice(tp.rank * local, (tp.rank + 1) * local)
+        rng = numpy.random.default_rng(rng)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _split_parameter(_full_weight(rng, in_features, out_features, std),
+                                       (rows, slice(None)), 0, dtype)
+        self.bias = None
+        if bias:
+            self.bias = constant_parameter((out_features,), 0.0, dtype)
+            self.bias.tp_split = None
+        self.g = ReduceFromTensorRegion(tp, inplace=True)
+
+    def forward(self, x):
+        W = compute_data(self.weight)  # (Cin / T, Cout)
+        if x.shape[-1] != W.shape[0]:
+            raise ValueError(f"RowParallelLinear takes this rank's slice of the input: last "
+                             f"axis {W.shape[0]} (in_features {self.in_features} / tensor-"
+                             f"parallel size), got shape {tuple(x.shape)}")
+        partial, (x, _) = F.linear_forward(x.astype(W.dtype, copy=False), W, None)
+        y = self.g.forward(partial)  # sum over tp: allreduce
+        if self.bias is not None:
+            y += compute_data(self.bias)
+        self._save(x)
+        return y
+
+    def backward(self, dy):
+        x = self._pop()
+        W = compute_data(self.weight)
+        dy = self.g.backward(dy).astype(W.dtype, copy=False)
+        dx, dW, db = F.linear_backward(dy, (x, W))
+        accumulate_grad_(self.weight, dW)
+        if self.bias is not None:
+            accumulate_grad_(self.bias, db)
+        return dx
