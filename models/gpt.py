@@ -28,6 +28,7 @@ from zmpi.nn import (
     normal_parameter,
 )
 from zmpi.nn import functional as F
+from zmpi.parallel.tensor.plan import parallelize
 
 
 @dataclass
@@ -111,14 +112,25 @@ class GPT(UnitModel):
     Parameters are stored in `dtype` (float32, float64, float16 or ml_dtypes.bfloat16) and
     initialised as GPT-2, deterministically from `seed`: weights normal(0, 0.02), residual
     projections (attn.proj, mlp.proj) normal(0, 0.02 / sqrt(2 n_layer)), biases 0, LayerNorm 1/0.
+
+    tp: the mesh's tensor-parallel Comm (`mesh.tp_comm`). Each block is then split by its
+    layers' plans (zmpi.parallel.tensor.plan: attention by heads, the MLP column then row) as
+    it is built; the embedding, the LayerNorms and the LM head are replicated. The slices of
+    the T ranks put together are the model the same seed builds without `tp`.
     """
 
-    def __init__(self, config, seed=0, dtype=numpy.float32):
+    def __init__(self, config, seed=0, dtype=numpy.float32, tp=None):
         self.config = c = config
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        if self.tp is not None and c.n_head % tp.size:
+            raise ValueError(f"n_head={c.n_head} is not divisible by the tensor-parallel size "
+                             f"{tp.size}: every rank must hold an equal share of the heads")
         rng = numpy.random.default_rng(seed)
         proj_std = 0.02 / math.sqrt(2 * c.n_layer)
         embedding = TokenPositionEmbedding(c.vocab_size, c.seq_len, c.d_model, rng, dtype)
-        blocks = [Block(c.d_model, c.n_head, rng=rng, dtype=dtype, proj_std=proj_std)
+        # each block is split as soon as it is built: no rank holds the whole model
+        blocks = [parallelize(Block(c.d_model, c.n_head, rng=rng, dtype=dtype,
+                                    proj_std=proj_std), self.tp)
                   for _ in range(c.n_layer)]
         super().__init__([embedding, *blocks, LMHead(embedding, c.d_model, dtype)])
 

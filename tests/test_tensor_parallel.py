@@ -197,7 +197,9 @@ def test_slices_of_a_wider_group_and_clear_errors():
 
 
 def test_docs_example_runs():
-    """docs/tensor-parallel.md's example, as written, at one rank."""
+    """docs/tensor-parallel.md's examples, as written, at one rank."""
     text = (REPO_ROOT / "docs" / "tensor-parallel.md").read_text()
-    (code,) = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
-    exec(compile(code, "docs/tensor-parallel.md", "exec"), {})
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    assert len(blocks) == 2  # the layers, then the GPT under the engine
+    for code in blocks:
+        exec(compile(code, "docs/tensor-parallel.md", "exec"), {})

@@ -54,7 +54,7 @@ def main(argv=None) -> None:
                    "entry point, or package.module:ClassName (overrides the stage)")
     t.add_argument("--tp", type=int, metavar="T", default=None,
                    help="tensor-parallel degree of the process mesh (tensor_parallel."
-                   "autotp_size; only 1 until tensor parallelism lands)")
+                   "autotp_size): each GPT block split over T ranks by heads and features")
     t.add_argument("--pp", type=int, metavar="P", default=None,
                    help="pipeline-parallel degree of the process mesh (pipeline.stages; only 1 "
                    "until pipeline parallelism lands)")

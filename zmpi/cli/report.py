@@ -37,4 +37,8 @@ def traffic_line(engine, steps: int) -> str:
     for kind, sent in engine.sent_bytes().items():
         parts.append(f"{kind} {sent / 2**20:.2f} MiB ({sent / 2**20 / max(steps, 1):.3f} per "
                      f"step; declared {declared.get(kind, 0) / 2**20:.3f} without accumulation)")
+    if engine.mesh.tp > 1:  # Megatron's 4 allreduces of B x T x C per layer and step
+        sent = engine.traffic_by_dimension()["tp"].get("allreduce", {}).get("sent", 0)
+        parts.append(f"tensor-parallel {sent / 2**20:.2f} MiB "
+                     f"({sent / 2**20 / max(steps, 1):.3f} per step)")
     return f"traffic sent by this rank over {steps} steps: " + "; ".join(parts)

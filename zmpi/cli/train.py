@@ -10,9 +10,16 @@ from pathlib import Path
 import numpy as np
 
 from zmpi.checkpoint import CheckpointError
-from zmpi.cli.inputs import InputError, _agree_on_inputs, _checked_inputs, _exit_bad_input
+from zmpi.cli.inputs import (
+    InputError,
+    _agree_on_inputs,
+    _checked_inputs,
+    _exit_bad_input,
+    _get,
+)
 from zmpi.cli.report import memory_table, traffic_line
 from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.parallel.mesh import Mesh
 
 
 def train(args) -> None:
@@ -38,14 +45,18 @@ def train(args) -> None:
     model_cfg = GPTConfig(vocab_size, args.seq_len, args.n_layer, args.n_head, args.d_model)
     try:
         args.seed = config["seed"]  # the config's, unless --seed overrides it
-        engine = Engine(GPT(model_cfg, seed=args.seed), config, comm)
-    except ConfigError as e:  # the same on every rank: one line from rank 0, no tracebacks
+        # the mesh first: a tensor-parallel GPT is split over its tp group as it is built
+        mesh = Mesh(comm, tp=_get(config, "tensor_parallel.autotp_size") or 1,
+                    pp=_get(config, "pipeline.stages") or 1)
+        model = GPT(model_cfg, seed=args.seed, tp=mesh.tp_comm)
+        engine = Engine(model, config, comm, mesh=mesh)
+    except (ConfigError, ValueError) as e:  # alike on every rank: one line from rank 0
         _exit_bad_input(f"{where}: {e}")
     for note in notes:
         log.info(note)
     cfg = engine.config
     rows = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
-    mesh = engine.mesh  # every tensor and pipeline rank of a replica reads its replica's rows
+    # every tensor and pipeline rank of a replica reads its replica's rows
     global_batch = rows * mesh.dp
     train_data = BatchSampler(train_tokens, args.seq_len, global_batch, mesh.dp_rank, mesh.dp,
                               seed=args.seed)

@@ -112,14 +112,13 @@ class Config(_Section):
         return self.zero_optimization.strategy_name
 
     def check_parallelism(self) -> None:
-        """ConfigError for a mesh dimension zmpi cannot train yet: the mesh exists (tp and pp
-        sizes select it), tensor and pipeline parallelism do not."""
-        for key, size, feature in (("tensor_parallel.autotp_size",
-                                    self.tensor_parallel.autotp_size, "tensor parallelism"),
-                                   ("pipeline.stages", self.pipeline.stages,
-                                    "pipeline parallelism")):
-            _check(size == 1, key, f"{size}: zmpi has no {feature} yet (the process mesh "
-                                   "exists, its layers do not); use 1")
+        """ConfigError for a mesh dimension zmpi cannot train yet: the mesh exists (the pp size
+        selects it), pipeline parallelism does not. (A tp > 1 model is checked by the engine,
+        which sees the model.)"""
+        size = self.pipeline.stages
+        _check(size == 1, "pipeline.stages", f"{size}: zmpi has no pipeline parallelism yet "
+                                              "(the process mesh exists, its stages do not); "
+                                              "use 1")
 
     def resolve_batch(self, world_size: int) -> Config:
         """Fill in train_batch_size (or check it) for `world_size` ranks; raise ConfigError if

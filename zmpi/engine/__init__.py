@@ -11,6 +11,7 @@
     checks.py    set-up checks and diagnostics (replica check, first non-finite unit)
     profile.py   PhaseProfile: time per phase and per unit, the critical rank
     traffic.py   what the collectives moved, per group and per mesh dimension
+    tensor.py    what tensor parallelism changes: the clipping norm, gathering the slices
 """
 from zmpi.engine.core import Engine, as_config
 from zmpi.engine.profile import PhaseProfile

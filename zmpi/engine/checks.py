@@ -1,5 +1,6 @@
 """The engine's diagnostics: what is checked once at set-up, and what finds a failure's cause.
 
+    check_mesh(mesh, config, model)           the mesh is the config's; a tp > 1 model is split
     check_units(units, unit_params)           every unit has parameters, none is shared
     check_same_on_replicas(initial, comm)     every replica built the same initial model
     storage_dtype(config, unit_params)        fp16/bf16 from the config, else the model's
@@ -38,6 +39,22 @@ def as_one_unit(model, comm) -> UnitModel:
                       "(zmpi.nn.UnitModel([...], loss=...)) to gather one at a time",
                       stacklevel=3)
     return UnitModel([model])
+
+
+def check_mesh(mesh, config, model) -> None:
+    """ConfigError unless the mesh is the config's (tp, pp) over the engine's world, and a
+    model trained at tp > 1 was split over this mesh's tensor group (zmpi.parallel.tensor)."""
+    from zmpi.config import ConfigError
+
+    tp, pp = config.tensor_parallel.autotp_size, config.pipeline.stages
+    if (mesh.tp, mesh.pp) != (tp, pp):
+        raise ConfigError("tensor_parallel.autotp_size", f"the mesh given is tp {mesh.tp} x pp "
+                          f"{mesh.pp}; the config says tp {tp} x pp {pp}")
+    if mesh.tp > 1 and getattr(model, "tp", None) is not mesh.tp_comm:
+        raise ConfigError("tensor_parallel.autotp_size", f"{tp}: the model is not split over "
+                          "this engine's tensor-parallel group; build the mesh first and the "
+                          "model on its tp_comm: mesh = Mesh(comm, tp=T); model = GPT(config, "
+                          "tp=mesh.tp_comm); Engine(model, config, comm, mesh=mesh)")
 
 
 def check_units(units, unit_params) -> None:

@@ -36,6 +36,7 @@ from zmpi.checkpoint.sharded import Checkpointer
 from zmpi.config import Config
 from zmpi.engine.checks import (
     as_one_unit,
+    check_mesh,
     check_replicas,
     check_same_on_replicas,
     check_units,
@@ -45,6 +46,7 @@ from zmpi.engine.delayed import DelayedUpdate
 from zmpi.engine.profile import PhaseProfile
 from zmpi.engine.state import TrainState
 from zmpi.engine.step import reduce_and_update
+from zmpi.engine.tensor import gather_tensor_slices, replicated_ranges
 from zmpi.engine.traffic import by_dimension, by_group, groups, sent_by_group
 from zmpi.memory import MemoryLedger
 from zmpi.nn.module import UnitHooks, UnitModel, activations_counted_in
@@ -99,7 +101,7 @@ class Engine:
     seeded on every rank). After construction the model's Parameters are views into buffers the
     engine owns; in ZeRO-3 they are None while their unit is released."""
 
-    def __init__(self, model, config=None, comm=None):
+    def __init__(self, model, config=None, comm=None, mesh=None):
         if comm is None:
             from zmpi.comm import Comm
 
@@ -114,8 +116,9 @@ class Engine:
         config = as_config(config)
         config.check_parallelism()
         # data x pipeline x tensor; the ZeRO strategies see only the data-parallel group
-        self.mesh = Mesh(comm, tp=config.tensor_parallel.autotp_size,
-                         pp=config.pipeline.stages)
+        self.mesh = mesh if mesh is not None else Mesh(
+            comm, tp=config.tensor_parallel.autotp_size, pp=config.pipeline.stages)
+        check_mesh(self.mesh, config, model)
         self.config = config.resolve_batch(self.mesh.dp)
         self.micro_batch = self.config.train_micro_batch_size_per_gpu
         self.accumulation = self.config.gradient_accumulation_steps
@@ -157,6 +160,9 @@ class Engine:
             master_dtype=self.master_dtype, xp=self.xp, config=self.config.zero_optimization,
             mesh=self.mesh))
         self.strategy.initialize(initial)
+        # where the tensor-replicated parameters sit in the optimizer's gradients (clipping)
+        self.tp_replicated = replicated_ranges(self.layout, unit_params,
+                                               self.strategy) if self.mesh.tp > 1 else []
         self._unit_index = {id(unit): u for u, unit in enumerate(units)}
         model.hooks = _EngineHooks(self)
 
@@ -375,14 +381,16 @@ class Engine:
 
     # ---- inspection -------------------------------------------------------------------------
     def gather_parameters(self) -> dict[str, np.ndarray]:
-        """Full master value (fp32; fp64 for fp64 models) of every parameter, on every rank.
-        A collective: every rank must call it. A delayed update in flight lands first."""
+        """Full master value (fp32; fp64 for fp64 models) of every parameter, on every rank,
+        by its unsharded name and shape (tensor-parallel slices gathered). A collective:
+        every rank must call it. A delayed update in flight lands first."""
         self.flush()
         full = backend.to_host(self.strategy.full_master())
+        params = dict(self.model.named_parameters())
         out = {}
         for u, unit_layout in enumerate(self.layout.units):
             for name, view in unit_layout.views(full[self.layout.full_slice(u)]).items():
-                out[name] = view.copy()
+                out[name] = gather_tensor_slices(view, params[name], self.mesh.tp_comm)
         return out
 
     def reset_counters(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 
+from zmpi.checkpoint import CheckpointError
 from zmpi.runinfo import git_revision
 
 
@@ -18,6 +19,9 @@ class TrainState:
     only while that call runs)."""
 
     def __init__(self, engine):
+        if engine.mesh.tp > 1:  # every tensor rank's slices share the parameters' names
+            raise CheckpointError("checkpoints of a tensor-parallel run (tp > 1) are not "
+                                  "supported yet: save and load at tp = 1")
         self._engine = engine
         self.comm, self.mesh, self.layout = engine.comm, engine.mesh, engine.layout
         self.strategy, self.memory = engine.strategy, engine.memory

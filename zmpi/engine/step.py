@@ -14,6 +14,7 @@ import math
 import time
 
 from zmpi.engine.checks import check_grads_contract, first_nonfinite_unit
+from zmpi.engine.tensor import tensor_norm_sq
 
 
 def reduce_and_update(engine) -> None:
@@ -45,7 +46,7 @@ def reduce_and_update(engine) -> None:
         scaler.update(overflow=True)  # skip the step on every rank
         return
     update = (strategy.master, grads, strategy.adam_m, strategy.adam_v, grad_scale,
-              clip_coef(engine, sumsq))
+              clip_coef(engine, sumsq, grads, grad_scale))
     if engine.delay_update and engine.global_steps >= engine.delay_update_warmup:
         strategy.swap_grad_buffers()  # backward of the next step fills the other buffer
         engine.delayed.start(lambda: engine.optimizer.step_(*update), engine.global_steps)
@@ -70,13 +71,16 @@ def apply_schedule(engine) -> None:
         engine.optimizer.betas = betas
 
 
-def clip_coef(engine, sumsq: float) -> float:
+def clip_coef(engine, sumsq: float, grads, grad_scale: float) -> float:
     """Factor that brings the global L2 norm over all ranks' shards to gradient_clipping
-    (1.0 when it is below, or clipping is off)."""
+    (1.0 when it is below, or clipping is off). `sumsq`: this rank's sum of squared scaled
+    gradients (`grads` * `grad_scale`)."""
     max_norm = engine.config.gradient_clipping
     if max_norm <= 0:
         return 1.0
-    if engine.strategy.shard_optimizer:  # each shard group holds the whole model once
+    if engine.mesh.tp > 1:  # split parameters over the tensor ranks, replicated ones once
+        sumsq = tensor_norm_sq(engine, sumsq, grads, grad_scale)
+    elif engine.strategy.shard_optimizer:  # each shard group holds the whole model once
         sumsq = engine.strategy.comm.allreduce_scalar(sumsq)
     coef = max_norm / (math.sqrt(sumsq) + 1e-6)  # as torch.nn.utils.clip_grad_norm_
     return min(coef, 1.0)

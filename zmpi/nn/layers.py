@@ -135,7 +135,10 @@ class CausalSelfAttention(Module):
 
     qkv: Linear (C, 3C) producing [q | k | v]; proj: Linear (C, C), init std `proj_std`
     (GPT-2 scales it by 1/sqrt(2 n_layer) because it writes into the residual stream).
+    Under tensor parallelism (zmpi.parallel.tensor.plan) each rank keeps n_head / T heads.
     """
+
+    tp_plan = {"qkv": "colwise_heads", "proj": "rowwise"}
 
     def __init__(self, d_model, n_head, rng=None, dtype=numpy.float32, std=0.02, proj_std=None):
         if d_model % n_head:
@@ -174,6 +177,8 @@ class Dense(Module):
 
 class MLP(Module):
     """Transformer feed-forward: x (..., C) -> fc (C, 4C) -> GELU -> proj (4C, C)."""
+
+    tp_plan = {"fc": "colwise", "proj": "rowwise"}  # zmpi.parallel.tensor.plan
 
     def __init__(self, d_model, rng=None, dtype=numpy.float32, std=0.02, proj_std=None):
         rng = numpy.random.default_rng(rng)

@@ -20,8 +20,9 @@ generators in the same state); then the T slices put together are the Linear tha
 seed makes, and a model built from one generator matches its serial twin layer by layer.
 
 Each Parameter carries `tp_split`: the axis along which it is split over `tp` (0 or 1), or None
-for a parameter every rank holds whole (RowParallelLinear's bias). A gradient norm over the
-model counts split parameters on every tp rank and replicated ones once.
+for a parameter every rank holds whole (RowParallelLinear's bias), and, when split, `tp_index`:
+the indices along that axis it holds. A gradient norm over the model counts split parameters
+on every tp rank and replicated ones once; gathering a parameter puts each slice back there.
 """
 
 import math
@@ -30,7 +31,6 @@ import numpy
 
 from zmpi.nn import functional as F
 from zmpi.nn.base import Module
-from zmpi.nn.layers import constant_parameter
 from zmpi.nn.parameter import Parameter, accumulate_grad_, compute_data
 from zmpi.parallel.tensor.regions import CopyToTensorRegion, ReduceFromTensorRegion
 
@@ -49,11 +49,27 @@ def _full_weight(rng, in_features, out_features, std):
     return rng.normal(0.0, std, (in_features, out_features))
 
 
-def _split_parameter(full, index, axis, dtype):
-    """A Parameter holding `full[index]` (contiguous, in `dtype`), marked `tp_split = axis`."""
-    p = Parameter(numpy.ascontiguousarray(full[index]).astype(dtype))
-    p.tp_split = axis
+def split_parameter(full, held, axis, dtype):
+    """A Parameter holding the entries `held` (indices along `axis`) of the full array `full`,
+    contiguous, in `dtype`; marked `tp_split = axis` and `tp_index = held`, which say where the
+    slice sits in the full tensor (what gathering it back, or a checkpoint, needs)."""
+    held = numpy.asarray(held)
+    p = Parameter(numpy.ascontiguousarray(numpy.take(full, held, axis=axis)).astype(dtype))
+    p.tp_split, p.tp_index = axis, held
     return p
+
+
+def replicated_parameter(full, dtype):
+    """A Parameter every tensor rank holds whole (`tp_split = None`)."""
+    p = Parameter(numpy.array(full, dtype=dtype))
+    p.tp_split = None
+    return p
+
+
+def contiguous(features: int, tp, what: str):
+    """This rank's equal, contiguous share of `features` entries: an index array."""
+    local = split_size(features, tp, what)
+    return numpy.arange(tp.rank * local, (tp.rank + 1) * local)
 
 
 class ColumnParallelLinear(Module):
@@ -68,16 +84,23 @@ class ColumnParallelLinear(Module):
 
     def __init__(self, in_features, out_features, tp, bias=True, rng=None,
                  dtype=numpy.float32, std=None, copy_input=True):
-        local = split_size(out_features, tp, "out_features")
-        cols = slice(tp.rank * local, (tp.rank + 1) * local)
         rng = numpy.random.default_rng(rng)
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = _split_parameter(_full_weight(rng, in_features, out_features, std),
-                                       (slice(None), cols), 1, dtype)
-        self.bias = None
-        if bias:
-            self.bias = constant_parameter((local,), 0.0, dtype)
-            self.bias.tp_split = 0
+        full = _full_weight(rng, in_features, out_features, std)
+        self._build(full, numpy.zeros(out_features) if bias else None, tp,
+                    contiguous(out_features, tp, "out_features"), dtype, copy_input)
+
+    @classmethod
+    def from_full(cls, weight, bias, tp, columns, dtype, copy_input=True):
+        """The column-parallel layer holding `columns` (indices) of the full `weight` (in, out)
+        and `bias` (out,) or None: what a tensor-parallel plan makes of a built Linear."""
+        layer = cls.__new__(cls)
+        layer._build(weight, bias, tp, columns, dtype, copy_input)
+        return layer
+
+    def _build(self, weight, bias, tp, columns, dtype, copy_input):
+        self.in_features, self.out_features = weight.shape
+        self.weight = split_parameter(weight, columns, 1, dtype)
+        self.bias = None if bias is None else split_parameter(bias, columns, 0, dtype)
         self.f = CopyToTensorRegion(tp, inplace=True) if copy_input else None
 
     def forward(self, x):
@@ -110,16 +133,23 @@ class RowParallelLinear(Module):
 
     def __init__(self, in_features, out_features, tp, bias=True, rng=None,
                  dtype=numpy.float32, std=None):
-        local = split_size(in_features, tp, "in_features")
-        rows = slice(tp.rank * local, (tp.rank + 1) * local)
         rng = numpy.random.default_rng(rng)
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = _split_parameter(_full_weight(rng, in_features, out_features, std),
-                                       (rows, slice(None)), 0, dtype)
-        self.bias = None
-        if bias:
-            self.bias = constant_parameter((out_features,), 0.0, dtype)
-            self.bias.tp_split = None
+        full = _full_weight(rng, in_features, out_features, std)
+        self._build(full, numpy.zeros(out_features) if bias else None, tp,
+                    contiguous(in_features, tp, "in_features"), dtype)
+
+    @classmethod
+    def from_full(cls, weight, bias, tp, rows, dtype):
+        """The row-parallel layer holding `rows` (indices) of the full `weight` (in, out) and
+        the whole `bias` (out,) or None."""
+        layer = cls.__new__(cls)
+        layer._build(weight, bias, tp, rows, dtype)
+        return layer
+
+    def _build(self, weight, bias, tp, rows, dtype):
+        self.in_features, self.out_features = weight.shape
+        self.weight = split_parameter(weight, rows, 0, dtype)
+        self.bias = None if bias is None else replicated_parameter(bias, dtype)
         self.g = ReduceFromTensorRegion(tp, inplace=True)
 
     def forward(self, x):

@@ -1,0 +1,111 @@
+"""Rank side of tests/test_tensor_engine.py: a GPT split by tensor parallelism and trained by
+the engine with every ZeRO stage over the data-parallel group, against the same model trained
+without tensor parallelism in one process (an engine on MPI_COMM_SELF, the whole batch).
+
+    mpiexec -n 2 python tests/ranks/tp_checks.py DIR   # (dp, tp) = (1, 2)
+    mpiexec -n 4 python tests/ranks/tp_checks.py DIR   # (2, 2) and (1, 4)
+
+Reports, per (tp, strategy, precision), the strategies being stages 0-3, hybrid sharding and
+stage 2 with optimizer offload: the largest error of any parameter relative to the move
+training made (per tensor and model-wide), the loss difference, the tensor-parallel traffic.
+"""
+import sys
+
+import numpy as np
+from _report import report
+
+from zmpi.comm import MPI, Comm
+from zmpi.data import SyntheticSource
+from zmpi.engine import Engine
+from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.parallel.mesh import Mesh
+
+CFG = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=4, d_model=16)
+BATCH, STEPS = 8, 5
+DTYPES = {"fp64": np.float64, "fp32": np.float32}
+
+
+STRATEGIES = {  # name: zero_optimization
+    **{f"stage{k}": {"stage": k} for k in range(4)},
+    "hybrid": {"strategy": "hybrid", "shard_group_size": 1},  # (DDP across the groups)
+    "stage2_offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+}
+
+
+def config(zero, dp, tp, clip):
+    return {"train_micro_batch_size_per_gpu": BATCH // dp, "gradient_clipping": clip,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+            "tensor_parallel": {"autotp_size": tp},
+            "zero_optimization": {**zero, "reduce_bucket_size": 2000}}
+
+
+def train(engine, data):
+    return [engine.train_step(*data(step)) for step in range(STEPS)]
+
+
+def errors(got, want, init):
+    worst = err2 = move2 = 0.0
+    for name, w in want.items():
+        diff = got[name].astype(np.float64) - w
+        move = w - init[name]
+        worst = max(worst, np.abs(diff).max() / max(np.abs(move).max(), 1e-30))
+        err2, move2 = err2 + (diff * diff).sum(), move2 + (move * move).sum()
+    return float(worst), float(np.sqrt(err2 / move2))
+
+
+def main():
+    comm = Comm()
+    alone = Comm(MPI.COMM_SELF)
+    out = {"runs": {}}
+    for tp in (t for t in (2, 4) if comm.size % t == 0):
+        dp = comm.size // tp
+        for precision, dtype in DTYPES.items():
+            for k, (name, zero) in enumerate(STRATEGIES.items()):
+                clip = 0.05 if k % 2 else 0.0  # the norm across split parameters
+                source = SyntheticSource(CFG.vocab_size, CFG.seq_len, BATCH, seed=1)
+                serial = Engine(GPT(CFG, seed=0, dtype=dtype), config(zero, 1, 1, clip), alone)
+                init = serial.gather_parameters()
+                want_losses = train(serial, source.global_sample)
+                want = serial.gather_parameters()
+                serial.close()
+
+                mesh = Mesh(comm, tp=tp)
+                model = GPT(CFG, seed=0, dtype=dtype, tp=mesh.tp_comm)
+                engine = Engine(model, config(zero, dp, tp, clip), comm, mesh=mesh)
+                rows = SyntheticSource(CFG.vocab_size, CFG.seq_len, BATCH, mesh.dp_rank, dp,
+                                       seed=1)
+                engine.reset_counters()
+                losses = train(engine, rows.sample)
+                tensor = engine.traffic_by_dimension()["tp"].get("allreduce", {})
+                got = engine.gather_parameters()
+                engine.close()
+                worst, model_move = errors(got, want, init)
+                out["runs"][f"tp{tp}_{name}_{precision}"] = {
+                    "dp": dp, "tp": tp, "tensor_move": worst, "model_move": model_move,
+                    "loss_diff": float(np.max(np.abs(np.subtract(losses, want_losses)))),
+                    "tp_allreduce_calls": tensor.get("calls", 0),
+                    "tp_allreduce_bytes": tensor.get("bytes", 0),
+                    "shapes_match": all(got[n].shape == want[n].shape for n in want)}
+    # what is refused: a model not split over the engine's tensor group; a checkpoint at tp > 1
+    from zmpi.checkpoint import CheckpointError
+    from zmpi.config import ConfigError
+
+    mesh = Mesh(comm, tp=comm.size)
+    try:
+        Engine(GPT(CFG), config({"stage": 0}, 1, comm.size, 0.0), comm, mesh=mesh)
+        out["unsplit_model"] = None
+    except ConfigError as e:
+        out["unsplit_model"] = str(e)
+    engine = Engine(GPT(CFG, tp=mesh.tp_comm), config({"stage": 0}, 1, comm.size, 0.0), comm,
+                    mesh=mesh)
+    try:
+        engine.save_checkpoint(sys.argv[1])
+        out["checkpoint"] = None
+    except CheckpointError as e:
+        out["checkpoint"] = str(e)
+    engine.close()
+    report(out)
+
+
+if __name__ == "__main__":
+    main()

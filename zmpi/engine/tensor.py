@@ -1,0 +1,67 @@
+"""What the engine does differently under tensor parallelism (the mesh's tp > 1).
+
+Each parameter of a tensor-parallel model (zmpi.parallel.tensor) carries `tp_split`: the axis
+it is split along over the tensor ranks (and `tp_index`, the entries it holds), or None where
+every tensor rank holds it whole (LayerNorms, row-parallel biases, the embedding). ZeRO then
+partitions each rank's local parameters over the data-parallel group as if they were a whole
+model; what needs the split is:
+
+    replicated_ranges(layout, unit_params, strategy)  where the replicated parameters sit in
+                                                     the optimizer's gradient buffer
+    tensor_norm_sq(engine, sumsq, grads, grad_scale) the global gradient norm squared: split
+                                                     parameters summed over the tensor ranks,
+                                                     replicated ones counted once
+    gather_tensor_slices(value, parameter, tp)       a parameter's whole value from its slices
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from zmpi.backend import array_module
+
+
+def replicated_ranges(layout, unit_params, strategy) -> list[slice]:
+    """Slices of the optimizer's gradient buffer (this rank's shard when the strategy shards
+    the optimizer, else the full layout) that hold tensor-replicated parameters."""
+    out = []
+    sharded = strategy.shard_optimizer
+    for u, unit in enumerate(layout.units):
+        lo, hi = unit.shard_range(strategy.rank) if sharded else (0, unit.numel)
+        base = layout.shard_offsets[u] - lo if sharded else layout.full_offsets[u]
+        for slot in unit.slots:
+            if getattr(unit_params[u][slot.name], "tp_split", None) is not None:
+                continue
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                out.append(slice(base + a, base + b))
+    return out
+
+
+def tensor_norm_sq(engine, sumsq: float, grads, grad_scale: float) -> float:
+    """The model-wide sum of squared (scaled) gradients from this rank's `sumsq` (over its
+    optimizer gradients): summed over the data-parallel shards, then split parameters add up
+    over the tensor ranks and replicated ones (identical on every tensor rank) count once."""
+    xp = array_module(grads)
+    replicated = sum(float((xp.asarray(grads[s], dtype=engine.master_dtype) ** 2).sum())
+                     for s in engine.tp_replicated) * grad_scale**2
+    if engine.strategy.shard_optimizer:  # each shard group holds the local model once
+        sumsq = engine.strategy.comm.allreduce_scalar(sumsq)
+        replicated = engine.strategy.comm.allreduce_scalar(replicated)
+    return engine.mesh.tp_comm.allreduce_scalar(sumsq - replicated) + replicated
+
+
+def gather_tensor_slices(value, parameter, tp) -> np.ndarray:
+    """The whole value of `parameter` from every tensor rank's slice (`value`, host), or a
+    copy of `value` where it is not split (a collective over `tp` when it is)."""
+    axis = getattr(parameter, "tp_split", None)
+    if axis is None or tp.size == 1:
+        return value.copy()
+    parts = tp.allgather_object((np.asarray(parameter.tp_index), np.ascontiguousarray(value)))
+    shape = list(value.shape)
+    shape[axis] = sum(len(index) for index, _ in parts)
+    full = np.empty(shape, value.dtype)
+    for index, part in parts:
+        taken = [slice(None)] * full.ndim
+        taken[axis] = index
+        full[tuple(taken)] = part
+    return full

@@ -1,0 +1,87 @@
+"""Tensor-parallel plans: a built module's layers replaced by their tensor-parallel slices.
+
+A layer class names its plan as plain data, so zmpi.nn needs nothing of this package:
+
+    class MLP(Module):
+        tp_plan = {"fc": "colwise", "proj": "rowwise"}
+    class CausalSelfAttention(Module):
+        tp_plan = {"qkv": "colwise_heads", "proj": "rowwise"}
+
+    parallelize(unit, tp)     # every module in `unit` whose class names a plan, in place
+
+`parallelize` runs on one unit right after it is built (GPT does it unit by unit), so a rank
+holds one unit's full weights for a moment and never the whole model. The styles:
+
+    colwise        Linear -> ColumnParallelLinear: this rank's contiguous out/T columns
+    rowwise        Linear -> RowParallelLinear: this rank's contiguous in/T rows
+    colwise_heads  the fused [q | k | v] Linear of attention -> ColumnParallelLinear holding
+                   this rank's heads of each of q, k and v (so the local qkv is again
+                   [q | k | v] for n_head / T heads); the module's `n_head` becomes n_head / T
+
+With tp.size == 1 nothing changes. A size T that does not divide a layer (features, heads) is
+a ValueError naming it.
+"""
+from __future__ import annotations
+
+import numpy
+
+from zmpi.nn.layers import Linear
+from zmpi.parallel.tensor.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    contiguous,
+    split_size,
+)
+
+
+def _host(p):
+    """The full values of a Parameter built on the host, in float64 (its slices are cast back
+    to its dtype, so nothing is rounded twice)."""
+    return None if p is None else numpy.asarray(p.data, dtype=numpy.float64)
+
+
+def _colwise(module, name, tp):
+    layer = getattr(module, name)
+    return ColumnParallelLinear.from_full(
+        _host(layer.weight), _host(layer.bias), tp,
+        contiguous(layer.weight.shape[1], tp, f"{name} out_features"), layer.weight.dtype)
+
+
+def _rowwise(module, name, tp):
+    layer = getattr(module, name)
+    return RowParallelLinear.from_full(
+        _host(layer.weight), _host(layer.bias), tp,
+        contiguous(layer.weight.shape[0], tp, f"{name} in_features"), layer.weight.dtype)
+
+
+def _colwise_heads(module, name, tp):
+    layer = getattr(module, name)
+    C = layer.weight.shape[1] // 3
+    heads = split_size(module.n_head, tp, "n_head")
+    hd = C // module.n_head
+    mine = numpy.arange(tp.rank * heads * hd, (tp.rank + 1) * heads * hd)  # within q, k or v
+    columns = numpy.concatenate([part * C + mine for part in range(3)])
+    module.n_head = heads
+    return ColumnParallelLinear.from_full(_host(layer.weight), _host(layer.bias), tp, columns,
+                                          layer.weight.dtype)
+
+
+STYLES = {"colwise": _colwise, "rowwise": _rowwise, "colwise_heads": _colwise_heads}
+
+
+def parallelize(unit, tp):
+    """Apply every plan in `unit` (its own and its submodules') over the Comm `tp`, in place;
+    returns `unit`. Each planned attribute must be a zmpi.nn.Linear built on the host."""
+    if tp is None or tp.size == 1:
+        return unit
+    for module in list(unit.modules()):
+        for name, style in getattr(type(module), "tp_plan", {}).items():
+            layer = getattr(module, name)
+            if not isinstance(layer, Linear):
+                raise TypeError(f"{type(module).__name__}.{name}: a tensor-parallel plan splits "
+                                f"a zmpi.nn.Linear, not {type(layer).__name__}")
+            if style not in STYLES:
+                raise ValueError(f"{type(module).__name__}.tp_plan: unknown style {style!r}; "
+                                 f"styles: {', '.join(STYLES)}")
+            setattr(module, name, STYLES[style](module, name, tp))
+    return unit
