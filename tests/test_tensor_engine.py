@@ -1,7 +1,8 @@
 """A GPT under tensor parallelism, trained by the engine with every ZeRO stage, hybrid sharding
 and optimizer offload over the data-parallel group (tests/ranks/tp_checks.py), against the same
 model trained without tensor parallelism: fp64 to rounding, fp32 within 1e-5 of the move
-training made (model-wide); the tensor-parallel traffic is Megatron's 4 allreduces of B x T x C
+training made (model-wide), fp16 and bf16 within 1e-3 of it (against the same data-parallel
+run without tensor parallelism); the tensor-parallel traffic is Megatron's 4 allreduces of B x T x C
 per layer per step; what is not supported yet is refused with one clear error; `zmpi train
 --tp 2` runs."""
 import json
@@ -10,7 +11,7 @@ import pytest
 from mpi_util import CLI, RANKS_DIR, launch_mpi, run_mpi
 
 N_LAYER, STEPS, BATCH, T, C = 2, 5, 8, 8, 16  # as tests/ranks/tp_checks.py
-ITEMSIZE = {"fp64": 8, "fp32": 4}
+ITEMSIZE = {"fp64": 8, "fp32": 4, "fp16": 4, "bf16": 4}  # activations: fp32 for 16-bit storage
 
 
 @pytest.fixture(scope="module", params=(2, 4), ids=lambda n: f"{n}ranks")
@@ -22,14 +23,20 @@ def reports(request, tmp_path_factory):
 @pytest.mark.mpi
 def test_tensor_parallel_training_matches_the_unsplit_model(reports):
     runs = reports[0]["runs"]
-    assert len(runs) == 12 * (1 if len(reports) == 2 else 2)  # tp 2 (and 4) x 6 strategies x 2
+    # tp 2 (and 4) x (6 strategies x fp64, fp32 + 2 stages x fp16, bf16)
+    assert len(runs) == 16 * (1 if len(reports) == 2 else 2)
     for name, run in runs.items():
         assert run["shapes_match"], name
-        if name.endswith("fp64"):
+        precision = name[-4:]
+        if precision == "fp64":
             assert run["tensor_move"] <= 1e-9 and run["loss_diff"] <= 1e-12, (name, run)
-        else:  # Adam turns float32 rounding into moves where a gradient is ~0 (docs/testing)
+        elif precision == "fp32":  # Adam turns float32 rounding into moves where a gradient
+            # is ~0 (docs/testing.md); the model-wide move is the issue's bound
             assert run["model_move"] <= 1e-5 and run["tensor_move"] <= 1e-3, (name, run)
             assert run["loss_diff"] <= 1e-6, (name, run)
+        else:  # against the same data-parallel run without tensor parallelism (measured
+            # 2.5e-5; the data-parallel suite's bounds against one process are 2e-2 and 0.1)
+            assert run["model_move"] <= 1e-3, (name, run)
     assert all(r["runs"] == runs for r in reports)  # every rank saw the same
 
 

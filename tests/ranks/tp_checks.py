@@ -1,6 +1,8 @@
 """Rank side of tests/test_tensor_engine.py: a GPT split by tensor parallelism and trained by
 the engine with every ZeRO stage over the data-parallel group, against the same model trained
-without tensor parallelism in one process (an engine on MPI_COMM_SELF, the whole batch).
+without tensor parallelism: in one process (an engine on MPI_COMM_SELF, the whole batch) for
+fp64 and fp32; for fp16 and bf16 storage over the same data-parallel group (its sums in 16 bits
+round differently from one process's, so that reference isolates what tensor parallelism adds).
 
     mpiexec -n 2 python tests/ranks/tp_checks.py DIR   # (dp, tp) = (1, 2)
     mpiexec -n 4 python tests/ranks/tp_checks.py DIR   # (2, 2) and (1, 4)
@@ -22,7 +24,10 @@ from zmpi.parallel.mesh import Mesh
 
 CFG = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=4, d_model=16)
 BATCH, STEPS = 8, 5
-DTYPES = {"fp64": np.float64, "fp32": np.float32}
+# precision: (model dtype, config section, the strategies it runs under)
+PRECISIONS = {"fp64": (np.float64, {}, None), "fp32": (np.float32, {}, None),
+              "fp16": (np.float32, {"fp16": {"enabled": True}}, ("stage1", "stage3")),
+              "bf16": (np.float32, {"bf16": {"enabled": True}}, ("stage1", "stage3"))}
 
 
 STRATEGIES = {  # name: zero_optimization
@@ -32,8 +37,8 @@ STRATEGIES = {  # name: zero_optimization
 }
 
 
-def config(zero, dp, tp, clip):
-    return {"train_micro_batch_size_per_gpu": BATCH // dp, "gradient_clipping": clip,
+def config(zero, dp, tp, clip, **mixed):
+    return {**mixed, "train_micro_batch_size_per_gpu": BATCH // dp, "gradient_clipping": clip,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
             "tensor_parallel": {"autotp_size": tp},
             "zero_optimization": {**zero, "reduce_bucket_size": 2000}}
@@ -59,21 +64,28 @@ def main():
     out = {"runs": {}}
     for tp in (t for t in (2, 4) if comm.size % t == 0):
         dp = comm.size // tp
-        for precision, dtype in DTYPES.items():
+        for precision, (dtype, mixed, only) in PRECISIONS.items():
             for k, (name, zero) in enumerate(STRATEGIES.items()):
+                if only is not None and name not in only:
+                    continue
                 clip = 0.05 if k % 2 else 0.0  # the norm across split parameters
-                source = SyntheticSource(CFG.vocab_size, CFG.seq_len, BATCH, seed=1)
-                serial = Engine(GPT(CFG, seed=0, dtype=dtype), config(zero, 1, 1, clip), alone)
+                mesh = Mesh(comm, tp=tp)
+                rows = SyntheticSource(CFG.vocab_size, CFG.seq_len, BATCH, mesh.dp_rank, dp,
+                                       seed=1)
+                # the reference: one process on the whole batch; for 16-bit storage, whose
+                # data-parallel sums round differently, the same run without tensor
+                # parallelism (the unsplit model over this rank's data-parallel group)
+                group, data = (alone, rows.global_sample) if not mixed else \
+                    (mesh.dp_comm, rows.sample)
+                serial = Engine(GPT(CFG, seed=0, dtype=dtype),
+                                config(zero, group.size, 1, clip, **mixed), group)
                 init = serial.gather_parameters()
-                want_losses = train(serial, source.global_sample)
+                want_losses = train(serial, data)
                 want = serial.gather_parameters()
                 serial.close()
 
-                mesh = Mesh(comm, tp=tp)
                 model = GPT(CFG, seed=0, dtype=dtype, tp=mesh.tp_comm)
-                engine = Engine(model, config(zero, dp, tp, clip), comm, mesh=mesh)
-                rows = SyntheticSource(CFG.vocab_size, CFG.seq_len, BATCH, mesh.dp_rank, dp,
-                                       seed=1)
+                engine = Engine(model, config(zero, dp, tp, clip, **mixed), comm, mesh=mesh)
                 engine.reset_counters()
                 losses = train(engine, rows.sample)
                 tensor = engine.traffic_by_dimension()["tp"].get("allreduce", {})
