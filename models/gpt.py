@@ -29,6 +29,12 @@ from zmpi.nn import (
 )
 from zmpi.nn import functional as F
 from zmpi.parallel.tensor.plan import parallelize
+from zmpi.parallel.tensor.vocab import (
+    VocabParallelCrossEntropy,
+    vocab_lookup,
+    vocab_lookup_backward,
+    vocab_parameter,
+)
 
 
 @dataclass
@@ -50,11 +56,15 @@ def gpt_num_params(n_layer: int, d_model: int, vocab_size: int, seq_len: int) ->
 class TokenPositionEmbedding(Module):
     """Unit 0: x = wte[idx] + wpe[arange(T)].  idx (B, T) int -> x (B, T, C), compute dtype.
 
-    wte (V, C) token embedding (also the LM head's output projection), wpe (seq_len, C).
+    wte (V, C) token embedding (also the LM head's output projection), wpe (seq_len, C). With
+    `tp` (a tensor-parallel Comm), wte is this rank's rows of the padded table and the lookup
+    sums over tp (zmpi.parallel.tensor.vocab); wpe stays whole.
     """
 
-    def __init__(self, vocab_size, seq_len, d_model, rng, dtype):
-        self.wte = normal_parameter(rng, (vocab_size, d_model), 0.02, dtype)
+    def __init__(self, vocab_size, seq_len, d_model, rng, dtype, tp=None):
+        self.tp, self.vocab_size = tp, vocab_size
+        self.wte = normal_parameter(rng, (vocab_size, d_model), 0.02, dtype) if tp is None \
+            else vocab_parameter(vocab_size, d_model, tp, rng, dtype)
         self.wpe = normal_parameter(rng, (seq_len, d_model), 0.02, dtype)
 
     def forward(self, idx):
@@ -64,7 +74,8 @@ class TokenPositionEmbedding(Module):
         B, T = idx.shape
         if T > self.wpe.shape[0]:
             raise ValueError(f"sequence length {T} > seq_len {self.wpe.shape[0]}")
-        tok, tok_cache = embedding_lookup(self.wte, idx)  # (B, T, C)
+        tok, tok_cache = embedding_lookup(self.wte, idx) if self.tp is None else \
+            vocab_lookup(self.wte, idx, self.tp, self.vocab_size)  # (B, T, C)
         # positions 0..T-1 are in range (T <= seq_len above): no check, no device sync
         pos, pos_cache = embedding_lookup(self.wpe, xp.arange(T), check=False)  # (T, C)
         self._save(tok_cache, pos_cache)
@@ -72,7 +83,10 @@ class TokenPositionEmbedding(Module):
 
     def backward(self, dx):
         tok_cache, pos_cache = self._pop()
-        accumulate_grad_(self.wte, F.embedding_backward(dx, tok_cache))
+        if self.tp is None:
+            accumulate_grad_(self.wte, F.embedding_backward(dx, tok_cache))
+        else:
+            vocab_lookup_backward(self.wte, dx, tok_cache)
         accumulate_grad_(self.wpe, F.embedding_backward(dx.sum(axis=0), pos_cache))
         return None
 
@@ -80,7 +94,10 @@ class TokenPositionEmbedding(Module):
 class LMHead(Module):
     """Last unit: logits = ln_f(x) @ wte.T.  x (B, T, C) -> logits (B, T, V).
 
-    Owns ln_f; borrows wte from the embedding unit (`shared_units = (embedding,)`).
+    Owns ln_f; borrows wte from the embedding unit (`shared_units = (embedding,)`). Under
+    tensor parallelism the logits are this rank's Vp/T columns (never gathered: the loss is
+    zmpi.parallel.tensor.vocab's), padding rows get no gradient, and backward sums the input
+    gradient over tp.
     """
 
     def __init__(self, embedding, d_model, dtype):
@@ -102,6 +119,10 @@ class LMHead(Module):
         h = self._pop()
         WT = compute_data(self.wte).T  # (C, V)
         dh, dWT, _ = F.linear_backward(dlogits.astype(WT.dtype, copy=False), (h, WT))
+        embedding = self.shared_units[0]
+        if embedding.tp is not None:  # padding rows get no gradient; dh is a partial sum
+            dWT[:, max(0, embedding.vocab_size - int(self.wte.tp_index[0])):] = 0
+            dh = embedding.tp.allreduce(dh) if embedding.tp.size > 1 else dh
         accumulate_grad_(self.wte, dWT.T)
         return self.ln_f.backward(dh)
 
@@ -115,8 +136,10 @@ class GPT(UnitModel):
 
     tp: the mesh's tensor-parallel Comm (`mesh.tp_comm`). Each block is then split by its
     layers' plans (zmpi.parallel.tensor.plan: attention by heads, the MLP column then row) as
-    it is built; the embedding, the LayerNorms and the LM head are replicated. The slices of
-    the T ranks put together are the model the same seed builds without `tp`.
+    it is built; the token embedding (tied to the LM head) is split by vocabulary rows, padded
+    to a multiple of T, and the loss is the vocabulary-parallel cross-entropy, so the (B, T, V)
+    logits are never gathered; the LayerNorms and the position embedding are replicated. The
+    slices of the T ranks put together are the model the same seed builds without `tp`.
     """
 
     def __init__(self, config, seed=0, dtype=numpy.float32, tp=None):
@@ -127,12 +150,14 @@ class GPT(UnitModel):
                              f"{tp.size}: every rank must hold an equal share of the heads")
         rng = numpy.random.default_rng(seed)
         proj_std = 0.02 / math.sqrt(2 * c.n_layer)
-        embedding = TokenPositionEmbedding(c.vocab_size, c.seq_len, c.d_model, rng, dtype)
+        embedding = TokenPositionEmbedding(c.vocab_size, c.seq_len, c.d_model, rng, dtype,
+                                           self.tp)
         # each block is split as soon as it is built: no rank holds the whole model
         blocks = [parallelize(Block(c.d_model, c.n_head, rng=rng, dtype=dtype,
                                     proj_std=proj_std), self.tp)
                   for _ in range(c.n_layer)]
-        super().__init__([embedding, *blocks, LMHead(embedding, c.d_model, dtype)])
+        loss = None if self.tp is None else VocabParallelCrossEntropy(self.tp, c.vocab_size)
+        super().__init__([embedding, *blocks, LMHead(embedding, c.d_model, dtype)], loss=loss)
 
     def check_batch(self, inputs, targets) -> None:
         """(B, T) integer token ids in [0, vocab_size), T <= seq_len, targets shaped as inputs
@@ -161,7 +186,7 @@ class GPT(UnitModel):
         rng = numpy.random.default_rng(rng)
         idx = numpy.asarray(_to_host(idx))
         for _ in range(max_new_tokens):
-            logits = _to_host(self.forward(idx[:, -self.config.seq_len:])[:, -1, :])  # (B, V)
+            logits = self._gathered(self.forward(idx[:, -self.config.seq_len:])[:, -1, :])
             z = logits.astype(numpy.float64) / temperature
             p = numpy.exp(z - z.max(axis=-1, keepdims=True))
             cdf = numpy.cumsum(p / p.sum(axis=-1, keepdims=True), axis=-1)  # (B, V)
@@ -170,6 +195,14 @@ class GPT(UnitModel):
             idx = numpy.concatenate([idx, nxt[:, None].astype(idx.dtype)], axis=1)
         self.clear_cache()
         return idx
+
+    def _gathered(self, logits):
+        """(B, V) host logits from this rank's (B, V) or, under tensor parallelism, its
+        (B, Vp/T) columns (gathered over tp, padding dropped)."""
+        logits = numpy.ascontiguousarray(_to_host(logits))
+        if self.tp is not None:
+            logits = numpy.concatenate(self.tp.allgather_object(logits), axis=-1)
+        return logits[:, :self.config.vocab_size]
 
 
 def _to_host(a):

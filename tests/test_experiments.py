@@ -46,7 +46,8 @@ def test_bandwidth_table(results):
             if r[0] in ("allreduce", "reduce_scatter", "allgather")]
     # a time and a bandwidth for each (the bandwidth of 1 Ki elements can round to 0.00 on a
     # busy machine: timings are not pass/fail)
-    assert len(rows) == 6 and all(float(r[2].split()[0]) > 0 and float(r[4]) >= 0 for r in rows)
+    assert len(rows) == 6 and all(float(r[2].split()[0].replace(",", "")) > 0
+                                  and float(r[4]) >= 0 for r in rows)
     packing = _md_rows(results / "bandwidth_n2" / "packing.md", "| ")[1:]  # after the header
     assert [r[0] for r in packing] == ["1,000", "5,000"]
     assert all(float(r[3]) == pytest.approx(float(r[2].split()[0].replace(",", "")) /

@@ -22,7 +22,7 @@ from zmpi.engine import Engine
 from zmpi.models.gpt import GPT, GPTConfig
 from zmpi.parallel.mesh import Mesh
 
-CFG = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=4, d_model=16)
+CFG = GPTConfig(vocab_size=13, seq_len=8, n_layer=2, n_head=4, d_model=16)  # 13: padded
 BATCH, STEPS = 8, 5
 # precision: (model dtype, config section, the strategies it runs under)
 PRECISIONS = {"fp64": (np.float64, {}, None), "fp32": (np.float32, {}, None),

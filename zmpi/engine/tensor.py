@@ -64,4 +64,6 @@ def gather_tensor_slices(value, parameter, tp) -> np.ndarray:
         taken = [slice(None)] * full.ndim
         taken[axis] = index
         full[tuple(taken)] = part
-    return full
+    kept = [slice(None)] * full.ndim  # a padded split (the vocabulary) drops its padding
+    kept[axis] = slice(getattr(parameter, "tp_full", None))
+    return full[tuple(kept)]

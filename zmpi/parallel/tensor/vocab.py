@@ -59,27 +59,60 @@ def _local_ids(ids, start: int, rows: int, xp):
     return xp.where(held, local, rows), held
 
 
+def vocab_parameter(vocab_size, d_model, tp, rng=None, dtype=numpy.float32, std=0.02):
+    """This rank's rows of a (V, C) table split by rows over `tp`: the full table is drawn from
+    `rng` exactly as zmpi.nn's normal_parameter draws it (so the generator advances as for the
+    serial table); padding rows (ids >= V) are zero. The Parameter carries `tp_split = 0`,
+    `tp_index` (its rows of the padded table) and `tp_full = V` (gathering drops the padding)."""
+    _, start, rows = vocab_shard(vocab_size, tp.size, tp.rank)
+    full = numpy.random.default_rng(rng).normal(0.0, std, (vocab_size, d_model)).astype(dtype)
+    local = numpy.zeros((rows, d_model), dtype=dtype)
+    real = _real_rows(vocab_size, start, rows)
+    local[:real] = full[start:start + real]
+    p = Parameter(local)
+    p.tp_split, p.tp_index, p.tp_full = 0, numpy.arange(start, start + rows), vocab_size
+    return p
+
+
+def vocab_lookup(weight, idx, tp, vocab_size, check=True):
+    """(W[idx] over every rank's rows: (..., C) on every rank in the compute dtype, the cache
+    for vocab_lookup_backward). A local lookup (ids held elsewhere give zero rows), then one
+    allreduce(sum) over tp."""
+    W = live(weight)  # (Vp/tp, C)
+    xp = array_module(W)
+    idx = xp.asarray(idx)
+    if check:
+        F.check_indices(idx, vocab_size, "embedding indices")
+    _, start, rows = vocab_shard(vocab_size, tp.size, tp.rank)
+    local, held = _local_ids(idx, start, rows, xp)
+    y = W[xp.minimum(local, rows - 1)].astype(compute_dtype(W), copy=False)
+    y *= held[..., None]  # ids held elsewhere: zero rows
+    return _allreduce(tp, y), (local, rows)
+
+
+def vocab_lookup_backward(weight, dy, cache) -> None:
+    """Scatter-add dy into this rank's own rows of `weight` (dy is replicated: no
+    communication)."""
+    local, rows = cache
+    # ids held elsewhere land in a spare last row, dropped: no mask over dy, no sync
+    dW = F.embedding_backward(dy, (local, rows + 1))
+    accumulate_grad_(weight, dW[:rows])
+
+
 class VocabParallelEmbedding(Module):
     """y = W[idx] with W (V, C) split by rows over `tp`.  idx (...) int in [0, V) -> y (..., C),
     the full embedding on every rank, in the compute dtype.
 
-    weight: Parameter (Vp/tp, C), this rank's rows of the padded table; initialised as the
-    serial table: the full (V, C) is drawn from `rng` exactly as zmpi.nn's normal_parameter
-    does (so the generator advances as for the serial layer), this rank keeps its slice, and
-    padding rows are zero. Forward: a local lookup (ids held elsewhere give zero rows), then
-    one allreduce(sum) over tp. Backward: the scatter-add of dy into this rank's own rows (dy
-    is replicated; no communication); returns None.
+    weight: Parameter (Vp/tp, C), this rank's rows of the padded table (`vocab_parameter`).
+    Forward: `vocab_lookup` (one allreduce over tp); backward: `vocab_lookup_backward` (no
+    communication); returns None.
     """
 
     def __init__(self, vocab_size, d_model, tp, rng=None, dtype=numpy.float32, std=0.02):
         self.tp = tp
         self.vocab_size = vocab_size
         self.padded_vocab_size, self.start, self.rows = vocab_shard(vocab_size, tp.size, tp.rank)
-        full = numpy.random.default_rng(rng).normal(0.0, std, (vocab_size, d_model)).astype(dtype)
-        local = numpy.zeros((self.rows, d_model), dtype=dtype)
-        real = _real_rows(vocab_size, self.start, self.rows)
-        local[:real] = full[self.start:self.start + real]
-        self.weight = Parameter(local)
+        self.weight = vocab_parameter(vocab_size, d_model, tp, rng, dtype, std)
 
     @property
     def real_rows(self) -> int:
@@ -87,22 +120,12 @@ class VocabParallelEmbedding(Module):
         return _real_rows(self.vocab_size, self.start, self.rows)
 
     def forward(self, idx, check: bool = True):
-        W = live(self.weight)  # (Vp/tp, C)
-        xp = array_module(W)
-        idx = xp.asarray(idx)
-        if check:
-            F.check_indices(idx, self.vocab_size, "embedding indices")
-        local, held = _local_ids(idx, self.start, self.rows, xp)
-        y = W[xp.minimum(local, self.rows - 1)].astype(compute_dtype(W), copy=False)
-        y *= held[..., None]  # ids held elsewhere: zero rows
-        self._save(local)
-        return _allreduce(self.tp, y)  # (..., C)
+        y, cache = vocab_lookup(self.weight, idx, self.tp, self.vocab_size, check)
+        self._save(cache)
+        return y
 
     def backward(self, dy):
-        local = self._pop()
-        # ids held elsewhere land in a spare last row, dropped: no mask over dy, no sync
-        dW = F.embedding_backward(dy, (local, self.rows + 1))
-        accumulate_grad_(self.weight, dW[:self.rows])
+        vocab_lookup_backward(self.weight, dy, self._pop())
         return None
 
 
