@@ -63,6 +63,14 @@ def test_what_tensor_parallelism_does_not_support_yet_is_refused(reports):
 
 
 @pytest.mark.mpi
+def test_the_replica_check_compares_replicated_parameters_across_tensor_ranks(reports):
+    for r in reports:
+        assert r["drift"].startswith("replicas diverged after step 0: master of the "
+                                     "tensor-replicated parameters differs between the ranks "
+                                     "of the tensor-parallel group: ranks [0")
+
+
+@pytest.mark.mpi
 def test_train_with_tp_2(tmp_path):
     result = launch_mpi(CLI, 2, timeout=120, args=[
         "train", "--tp", "2", "--steps", "6", "--n-layer", "1", "--d-model", "16", "--n-head",

@@ -89,6 +89,7 @@ def main():
                 engine.reset_counters()
                 losses = train(engine, rows.sample)
                 tensor = engine.traffic_by_dimension()["tp"].get("allreduce", {})
+                engine.check_replicas()  # replicated parameters identical on the tensor ranks
                 got = engine.gather_parameters()
                 engine.close()
                 worst, model_move = errors(got, want, init)
@@ -110,6 +111,13 @@ def main():
         out["unsplit_model"] = str(e)
     engine = Engine(GPT(CFG, tp=mesh.tp_comm), config({"stage": 0}, 1, comm.size, 0.0), comm,
                     mesh=mesh)
+    if comm.rank == 1:  # a replicated parameter's master copy drifts on one tensor rank
+        engine.strategy.master[engine.tp_replicated[0]][0] += 1.0
+    try:
+        engine.check_replicas()
+        out["drift"] = None
+    except RuntimeError as e:
+        out["drift"] = str(e)
     try:
         engine.save_checkpoint(sys.argv[1])
         out["checkpoint"] = None

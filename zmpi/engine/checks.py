@@ -128,6 +128,14 @@ def check_replicas(engine) -> None:
                        strategy.replica if sharded else dp, state,
                        [zlib.crc32(np.ascontiguousarray(host[s]).view(np.uint8))
                         for s in slices]))
+    if engine.mesh.tp > 1:  # what every tensor rank holds whole must stay identical
+        for state in STATES[1:]:  # the optimizer's layout, which tp_replicated indexes
+            host = backend.to_host(strategy.state_buffer(state)[0])
+            crc = 0
+            for s in engine.tp_replicated:
+                crc = zlib.crc32(np.ascontiguousarray(host[s]).view(np.uint8), crc)
+            checks.append(("tensor-parallel", engine.mesh.tp_comm,
+                           f"{state} of the tensor-replicated parameters", [crc]))
     for kind, comm, what, digests in checks:
         everyone = comm.allgather_object((engine.comm.rank, digests))  # world ranks
         ranks = [r for r, _ in everyone]
@@ -136,7 +144,7 @@ def check_replicas(engine) -> None:
                 holders = {}
                 for r, d in zip(ranks, copies, strict=True):
                     holders.setdefault(d, []).append(r)
-                unit = "" if what.startswith("step") else (
+                unit = "" if kind == "tensor-parallel" or what.startswith("step") else (
                     f" of unit {u} ({type(engine.model.units[u]).__name__})")
                 raise RuntimeError(
                     f"replicas diverged after step {engine.global_steps}: {what}{unit} "

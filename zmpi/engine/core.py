@@ -366,9 +366,11 @@ class Engine:
 
     def check_replicas(self) -> None:
         """Compare, by CRC-32, every copy of the state that ranks should hold identically: the
-        step, loss scale and optimizer step on every rank; each unit of each replicated model
-        state (parameters in stages 0-2, everything in stage 0) on every rank; each unit of
-        each sharded state across the replicas of a shard (hybrid sharding). A collective;
+        step, loss scale and optimizer step on every data-parallel rank; each unit of each
+        replicated model state (parameters in stages 0-2, everything in stage 0) on every
+        data-parallel rank; each unit of each sharded state across the replicas of a shard
+        (hybrid sharding); under tensor parallelism, the optimizer states of the parameters
+        every tensor rank holds whole. A collective;
         RuntimeError on every rank, naming the first differing state and unit and which ranks
         hold which copy. `debug.check_replicas_every` runs it every K steps."""
         check_replicas(self)
