@@ -46,11 +46,17 @@ class GPTConfig:
     d_model: int = 128
 
 
-def gpt_num_params(n_layer: int, d_model: int, vocab_size: int, seq_len: int) -> int:
-    """Parameters of zmpi's GPT (tied LM head): embeddings V d + T d, per block 12 d^2 + 13 d
-    (qkv, proj, fc, proj with biases; two LayerNorms), the final LayerNorm 2 d."""
-    return (vocab_size + seq_len) * d_model + n_layer * (12 * d_model**2 + 13 * d_model) \
-        + 2 * d_model
+def gpt_num_params(n_layer: int, d_model: int, vocab_size: int, seq_len: int,
+                   tp: int = 1) -> int:
+    """Parameters of zmpi's GPT (tied LM head) that one rank holds, with tensor parallelism
+    over `tp` ranks (1: the whole model): the token embedding's ceil(V / tp) d rows (the
+    vocabulary padded), the position embedding's seq_len d, per block (12 d^2 + 7 d) / tp split
+    (qkv, fc with biases; proj, mlp.proj weights) and 6 d replicated (two LayerNorms, the two
+    row-parallel biases), the final LayerNorm 2 d. At tp = 1: V d + T d + L (12 d^2 + 13 d)
+    + 2 d."""
+    d = d_model
+    return (-(-vocab_size // tp) + seq_len) * d + n_layer * ((12 * d * d + 7 * d) // tp + 6 * d) \
+        + 2 * d
 
 
 class TokenPositionEmbedding(Module):

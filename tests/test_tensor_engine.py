@@ -42,6 +42,14 @@ def test_tensor_parallel_training_matches_the_unsplit_model(reports):
 
 
 @pytest.mark.mpi
+def test_each_rank_holds_the_formulas_share_of_the_model(reports):
+    from zmpi.models.gpt import gpt_num_params
+
+    for name, run in reports[0]["runs"].items():  # vocabulary 13: padded to a multiple of tp
+        assert run["local_params"] == gpt_num_params(N_LAYER, C, 13, T, run["tp"]), name
+
+
+@pytest.mark.mpi
 def test_tensor_traffic_is_megatrons(reports):
     """Per step: 4 allreduces of B x T x C per layer (f and g of attention and MLP), 1 for the
     vocabulary-parallel embedding and 1 for the LM head's input gradient, and 3 of B x T for
@@ -79,3 +87,26 @@ def test_train_with_tp_2(tmp_path):
     meta = json.loads((tmp_path / "run.json").read_text())
     assert meta["engine"]["mesh"] == {"dp": 1, "pp": 1, "tp": 2}
     assert "tensor-parallel" in result.stdout  # the traffic line names the dimension
+
+
+@pytest.mark.mpi
+def test_zmpi_estimate_tp_predicts_what_was_measured(reports):
+    """`zmpi estimate --tp T --micro-batch B` (JSON) against the runs: each rank's parameters
+    and the tensor-parallel elements per step as the counters measured them."""
+    import subprocess
+    import sys
+
+    from mpi_util import REPO_ROOT
+
+    for name, run in reports[0]["runs"].items():
+        if not name.endswith("fp64"):
+            continue
+        out = subprocess.run(
+            [sys.executable, "-m", "zmpi.cli", "estimate", "--n-layer", str(N_LAYER),
+             "--d-model", str(C), "--vocab-size", "13", "--seq-len", str(T), "--world-size",
+             str(run["dp"] * run["tp"]), "--tp", str(run["tp"]), "--micro-batch",
+             str(BATCH // run["dp"]), "--json"],
+            capture_output=True, text=True, check=True, cwd=REPO_ROOT).stdout
+        estimate = json.loads(out)
+        assert estimate["params"] == run["local_params"] and estimate["dp"] == run["dp"]
+        assert estimate["tensor_traffic_elements"] * STEPS * 8 == run["tp_allreduce_bytes"]

@@ -94,7 +94,8 @@ def main():
                 engine.close()
                 worst, model_move = errors(got, want, init)
                 out["runs"][f"tp{tp}_{name}_{precision}"] = {
-                    "dp": dp, "tp": tp, "tensor_move": worst, "model_move": model_move,
+                    "dp": dp, "tp": tp, "local_params": engine.num_params,
+                    "tensor_move": worst, "model_move": model_move,
                     "loss_diff": float(np.max(np.abs(np.subtract(losses, want_losses)))),
                     "tp_allreduce_calls": tensor.get("calls", 0),
                     "tp_allreduce_bytes": tensor.get("bytes", 0),

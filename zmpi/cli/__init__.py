@@ -126,7 +126,15 @@ def main(argv=None) -> None:
                        {"--d-model": 768, "--vocab-size": 50257, "--seq-len": 1024}[flag],
                        help=f"GPT shape instead of --params: {text}"
                        + ("" if flag == "--n-layer" else " (default %(default)s)"))
-    e.add_argument("--world-size", type=int, required=True, help="data-parallel ranks N")
+    e.add_argument("--world-size", type=int, required=True,
+                   help="ranks N (data-parallel ranks: N / --tp)")
+    e.add_argument("--tp", type=int, default=1, metavar="T",
+                   help="tensor-parallel degree: each rank holds 1/T of the split parameters "
+                   "(exactly, for a GPT shape; Psi / T for --params), ZeRO partitions that over "
+                   "N / T ranks (default 1)")
+    e.add_argument("--micro-batch", type=int, default=None, metavar="B",
+                   help="with --tp and a GPT shape: sequences per rank per micro-step, for the "
+                   "tensor-parallel traffic per step")
     e.add_argument("--stage", type=int, choices=range(4), default=None,
                    help="one ZeRO stage (default: all four)")
     e.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16",

@@ -1,5 +1,6 @@
 """`zmpi estimate`: model-state memory and traffic per rank from the ZeRO formulas
-(zmpi.memory.estimate_rows), for a parameter count or a GPT shape."""
+(zmpi.memory.estimate_rows), for a parameter count or a GPT shape; with --tp, over the
+data-parallel ranks of each tensor rank's share, plus Megatron's tensor-parallel traffic."""
 from __future__ import annotations
 
 import json
@@ -15,23 +16,36 @@ def estimate(args) -> None:
     if (args.params is None) == (args.n_layer is None):
         raise SystemExit("zmpi estimate: give --params, or a GPT shape (--n-layer, --d-model, "
                          "--vocab-size, --seq-len)")
-    psi = args.params if args.params is not None else gpt_num_params(
-        args.n_layer, args.d_model, args.vocab_size, args.seq_len)
+    tp = args.tp
+    if tp < 1 or args.world_size % tp:
+        raise SystemExit(f"zmpi estimate: --tp {tp} does not divide --world-size "
+                         f"{args.world_size} into data-parallel replicas")
+    if args.micro_batch is not None and (args.n_layer is None or args.micro_batch < 1):
+        raise SystemExit("zmpi estimate: --micro-batch needs a GPT shape and is >= 1")
+    psi = args.params / tp if args.params is not None else gpt_num_params(
+        args.n_layer, args.d_model, args.vocab_size, args.seq_len, tp)
+    dp = args.world_size // tp
     pb = args.param_bytes or (4 if args.precision == "fp32" else 2)
     k = args.optimizer_bytes or 12
     stages = range(4) if args.stage is None else [args.stage]
-    rows = estimate_rows(psi, args.world_size, stages, pb, k, args.offload_optimizer,
-                         args.offload_param)
+    rows = estimate_rows(psi, dp, stages, pb, k, args.offload_optimizer, args.offload_param)
+    tensor = tensor_traffic(args) if tp > 1 and args.micro_batch else None
     if args.json:
-        print(json.dumps({"params": psi, "world_size": args.world_size, "param_bytes": pb,
-                          "optimizer_bytes": k, "offload_optimizer": args.offload_optimizer,
-                          "offload_param": args.offload_param, "stages": rows}, indent=2))
+        print(json.dumps({"params": psi, "world_size": args.world_size, "tp": tp, "dp": dp,
+                          "param_bytes": pb, "optimizer_bytes": k,
+                          "offload_optimizer": args.offload_optimizer,
+                          "offload_param": args.offload_param, "stages": rows,
+                          "tensor_traffic_elements": tensor}, indent=2))
         return
     offload = args.offload_optimizer or args.offload_param
-    print(f"Psi = {psi:.4g} parameters, N = {args.world_size} ranks, {pb}-byte params and "
+    print(f"Psi = {psi:.4g} parameters" + (f" per tensor rank (tp = {tp})" if tp > 1 else "")
+          + f", N = {dp} {'data-parallel ' if tp > 1 else ''}ranks, {pb}-byte params and "
           f"grads, K = {k}" + (f"; offload: optimizer {'on' if args.offload_optimizer else 'off'}"
                                f", params {'on' if args.offload_param else 'off'}"
                                if offload else ""))
+    if tensor is not None:
+        print(f"tensor-parallel traffic per step and micro-batch: {tensor:.4g} elements "
+              f"allreduced ((4 L + 2) B T C + 3 B T), each rank sending 2 (T-1)/T of them")
     if not offload:
         print(f"{'stage':>5} {'GB per rank':>12} {'traffic per step (elements)':>28}")
         for r in rows:
@@ -44,3 +58,12 @@ def estimate(args) -> None:
         else:
             print(f"{r['stage']:>5} {r['device_gb']:>10.1f} {r['host_gb']:>9.1f} "
                   f"{r['traffic_elements']:>28.3g}")
+
+
+def tensor_traffic(args) -> int:
+    """Elements allreduced over the tensor-parallel group per micro-step (forward and backward)
+    by zmpi's GPT: 4 of B T C per block (f and g of attention and MLP), 1 each for the
+    vocabulary-parallel embedding and the LM head's input gradient, and 3 of B T for the
+    cross-entropy (max, sum of exponentials, target logit)."""
+    positions = args.micro_batch * args.seq_len
+    return (4 * args.n_layer + 2) * positions * args.d_model + 3 * positions
