@@ -16,7 +16,7 @@ export MKL_NUM_THREADS=1
 export ZMPI_BACKEND ?= numpy
 
 .PHONY: install test test-gpu demo lint clean tables bench bench-install bench-adam \
-	bench-offload bench-checkpoint bench-debug reproduce report
+	bench-offload bench-checkpoint bench-debug bench-tensor reproduce report
 
 install: $(STAMP)
 
@@ -65,6 +65,7 @@ reproduce: bench-install
 	for n in 1 2 4; do \
 	  $(MPIEXEC) -n $$n $(PY) experiments/bench_vs_torch.py --out results/vs_torch_n$$n || exit 1; \
 	done
+	$(MAKE) bench-tensor
 	$(MAKE) report
 
 report: $(STAMP)
@@ -72,6 +73,11 @@ report: $(STAMP)
 
 bench-debug: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_debug.py --out results/debug_n$(NP)
+
+# Tensor against data parallelism: every dp x tp layout of 4 ranks, the same GPT and batch.
+bench-tensor: $(STAMP)
+	$(MPIEXEC) -n 4 $(PY) experiments/bench_tensor.py --n-layer 4 --d-model 512 --n-head 8 \
+	  --seq-len 128 --batch 8 --out results/tensor_n4
 
 bench-checkpoint: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_checkpoint.py --out results/checkpoint_n$(NP)

@@ -335,6 +335,25 @@ class Report:
                  "lent. On a GPU node: `mpiexec -n 8 python -m zmpi.cli train --stage 3 "
                  "--precision fp16 --profile` (experiments/slurm/train.sbatch).", "")
 
+    # ---- 6. tensor parallelism
+    def tensor(self) -> None:
+        self.add("## 6. Tensor parallelism against data parallelism (Megatron-LM)", "",
+                 "Megatron-LM trains a model split over T ranks at the cost of 4 allreduces of "
+                 "B x T x C activations per layer and step, which is why it keeps a tensor group "
+                 "inside one node. Every dp x tp layout of the same ranks, the same GPT and "
+                 "batch, with the traffic of each mesh dimension counted:", "")
+        folder = next(iter(sorted(self.results.glob("tensor_n*"))), None)
+        rows = self.rows(folder) if folder else None
+        if not rows:
+            return self.missing("tensor parallelism", "make bench-tensor")
+        self.add((folder / "table.md").read_text().rstrip(), "")
+        self.add("Each rank holds 1/tp of the split parameters and the replicated ones whole, so "
+                 "its model states shrink almost by tp; the data-parallel traffic shrinks with "
+                 "them, and the tensor-parallel traffic grows with the activations, not with the "
+                 "model. The loss is the same under every layout (the same model). On this "
+                 "machine the ranks share 2 cores, so the step times compare layouts on one "
+                 "machine, not the network a cluster would add.", "")
+
     def write(self) -> None:
         sources = sorted({revision(p) for p in self.used})
         head = ["# Reproducing the ZeRO papers' tables", "",
@@ -352,7 +371,7 @@ def main():
     args = parser.parse_args()
     report = Report(Path(args.results), Path(args.out))
     for section in (report.memory, report.lab, report.communication, report.largest,
-                    report.throughput):
+                    report.throughput, report.tensor):
         section()
     report.write()
     print(f"wrote {args.out} and {report.figures}/")

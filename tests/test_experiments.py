@@ -23,6 +23,8 @@ def results(tmp_path_factory):
          "1000", "5000", "--out", out / "bandwidth_n2", timeout=120)
     _run("largest_model.py", 2, "--budget-mib", "2", "--d-model", "64", "--max-layers", "6",
          "--out", out / "largest_n2")
+    _run("bench_tensor.py", 4, "--n-layer", "1", "--d-model", "32", "--n-head", "4",
+         "--seq-len", "16", "--batch", "4", "--steps", "2", "--out", out / "tensor_n4")
     return out
 
 
@@ -38,6 +40,19 @@ def test_largest_model_under_a_budget(results):
     assert int(layers["stage 3"].rstrip("+")) >= int(layers["stage 0 (DP)"])
     most = int(layers["stage 3 + offload + params"].rstrip("+"))  # activations bound it now
     assert most >= int(layers["stage 3"].rstrip("+"))
+
+
+@pytest.mark.mpi
+def test_tensor_bench_counts_match_the_formulas(results):
+    rows = _md_rows(results / "tensor_n4" / "table.md", "| ")[1:]  # after the header
+    assert [r[0] for r in rows] == ["4 x 1", "2 x 2", "1 x 4"]
+    for r in rows:
+        params, formula = r[1].split(" (")
+        assert params == formula.rstrip(")")  # each rank's parameters
+        for cell in (r[5], r[6]):  # dp and tp MiB per step, counted (formula)
+            counted, formula = cell.split(" (")
+            assert counted == formula.rstrip(")")
+    assert len({r[7] for r in rows}) == 1  # the same loss under every layout
 
 
 @pytest.mark.mpi
@@ -95,7 +110,7 @@ def test_report_collects_every_table_and_marks_what_is_missing(results, tmp_path
     subprocess.run([sys.executable, EXPERIMENTS / "report.py", "--results", results, "--out",
                     out], env={**ENV, "MPLBACKEND": "Agg"}, check=True, cwd=REPO_ROOT)
     text = out.read_text()
-    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5."):
+    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6."):
         assert heading in text
     fig1 = _md_rows(out, "| 0 |") + _md_rows(out, "| 3 |")
     assert ["0", "120", "120.0"] in fig1 and ["3", "1.9", "1.9"] in fig1  # the paper's Fig. 1
