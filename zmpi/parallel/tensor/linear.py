@@ -31,6 +31,7 @@ import numpy
 
 from zmpi.nn import functional as F
 from zmpi.nn.base import Module
+from zmpi.nn.layers import Linear
 from zmpi.nn.parameter import Parameter, accumulate_grad_, compute_data
 from zmpi.parallel.tensor.regions import CopyToTensorRegion, ReduceFromTensorRegion
 
@@ -72,7 +73,7 @@ def contiguous(features: int, tp, what: str):
     return numpy.arange(tp.rank * local, (tp.rank + 1) * local)
 
 
-class ColumnParallelLinear(Module):
+class ColumnParallelLinear(Linear):
     """y_r = x @ W[:, cols_r] + b[cols_r]: this rank's out_features / tp.size output features.
     x (..., in_features) replicated -> y (..., out_features / tp.size).
 
@@ -103,22 +104,11 @@ class ColumnParallelLinear(Module):
         self.bias = None if bias is None else split_parameter(bias, columns, 0, dtype)
         self.f = CopyToTensorRegion(tp, inplace=True) if copy_input else None
 
-    def forward(self, x):
-        W = compute_data(self.weight)  # (Cin, Cout / T)
-        b = compute_data(self.bias) if self.bias is not None else None
-        if self.f is not None:
-            x = self.f.forward(x)
-        y, (x, _) = F.linear_forward(x.astype(W.dtype, copy=False), W, b)
-        self._save(x)
-        return y
+    def forward(self, x):  # Linear's, on this rank's columns, after f
+        return super().forward(self.f.forward(x) if self.f is not None else x)
 
     def backward(self, dy):
-        x = self._pop()
-        W = compute_data(self.weight)
-        dx, dW, db = F.linear_backward(dy.astype(W.dtype, copy=False), (x, W))
-        accumulate_grad_(self.weight, dW)
-        if self.bias is not None:
-            accumulate_grad_(self.bias, db)
+        dx = super().backward(dy)
         return self.f.backward(dx) if self.f is not None else dx  # f: sum over tp
 
 

@@ -77,7 +77,7 @@ def parallelize(unit, tp):
     for module in list(unit.modules()):
         for name, style in getattr(type(module), "tp_plan", {}).items():
             layer = getattr(module, name)
-            if not isinstance(layer, Linear):
+            if type(layer) is not Linear:  # (a ColumnParallelLinear is split already)
                 raise TypeError(f"{type(module).__name__}.{name}: a tensor-parallel plan splits "
                                 f"a zmpi.nn.Linear, not {type(layer).__name__}")
             if style not in STYLES:
