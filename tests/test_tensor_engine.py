@@ -110,3 +110,15 @@ def test_zmpi_estimate_tp_predicts_what_was_measured(reports):
         estimate = json.loads(out)
         assert estimate["params"] == run["local_params"] and estimate["dp"] == run["dp"]
         assert estimate["tensor_traffic_elements"] * STEPS * 8 == run["tp_allreduce_bytes"]
+
+
+@pytest.mark.mpi
+def test_train_refuses_checkpoints_at_tp_2_before_training(tmp_path):
+    result = launch_mpi(CLI, 2, timeout=120, args=[
+        "train", "--tp", "2", "--steps", "6", "--save-every", "2", "--n-layer", "1",
+        "--d-model", "16", "--n-head", "2", "--seq-len", "8", "--batch", "4", "--out", tmp_path])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.describe()
+    assert result.stderr.strip().splitlines() == [
+        "zmpi train: --save-every and --resume: checkpoints of a tensor-parallel run (tp = 2) "
+        "are not supported yet; train with tp = 1 to save"]
+    assert not (tmp_path / "metrics.csv").exists()
