@@ -31,6 +31,7 @@ from zmpi.nn import functional as F
 from zmpi.parallel.tensor.plan import parallelize
 from zmpi.parallel.tensor.vocab import (
     VocabParallelCrossEntropy,
+    vocab_head_backward,
     vocab_lookup,
     vocab_lookup_backward,
     vocab_parameter,
@@ -123,12 +124,12 @@ class LMHead(Module):
 
     def backward(self, dlogits):
         h = self._pop()
+        embedding = self.shared_units[0]
+        if embedding.tp is not None:  # this rank's vocabulary rows; dh summed over tp
+            return self.ln_f.backward(vocab_head_backward(self.wte, h, dlogits, embedding.tp,
+                                                          embedding.vocab_size))
         WT = compute_data(self.wte).T  # (C, V)
         dh, dWT, _ = F.linear_backward(dlogits.astype(WT.dtype, copy=False), (h, WT))
-        embedding = self.shared_units[0]
-        if embedding.tp is not None:  # padding rows get no gradient; dh is a partial sum
-            dWT[:, max(0, embedding.vocab_size - int(self.wte.tp_index[0])):] = 0
-            dh = embedding.tp.allreduce(dh) if embedding.tp.size > 1 else dh
         accumulate_grad_(self.wte, dWT.T)
         return self.ln_f.backward(dh)
 

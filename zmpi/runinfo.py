@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import os
 import platform
 import subprocess
 import sys
@@ -108,12 +107,9 @@ def _drop_rows_from(path: Path, first: int) -> int:
             pass
     dropped = len(lines) - len(keep) - (0 if keep else 1)  # rows, not the header
     if len(keep) < len(lines):
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", newline="") as f:
-            f.writelines(keep)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
+        from zmpi.checkpoint.store import write_atomic
+
+        write_atomic(path, "".join(keep).encode())
     return dropped
 
 

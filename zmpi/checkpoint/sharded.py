@@ -44,7 +44,6 @@ from zmpi.checkpoint.store import (
     check_tag,
     fsync_dir,
     moved_dir,
-    owned_pieces,
     resolve_tag,
     shard_name,
     staging_dir,
@@ -136,7 +135,7 @@ def check_same_model(manifest: dict, layout, where) -> None:
 def read_owned(reader: ShardReader, state: str, layout, rank: int, dtype) -> np.ndarray:
     """`state` in `layout`'s owned shard of `rank` (S,), padding zero, read by ranges."""
     out = np.zeros(layout.shard_numel, dtype)
-    for name, start, at, n in owned_pieces(layout, rank):
+    for name, start, at, n in layout.owned_pieces(rank):
         reader.read(state, name, start, out[at : at + n])
     return out
 

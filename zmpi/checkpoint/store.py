@@ -156,19 +156,7 @@ def file_crc32(path: Path) -> int:
     return crc
 
 
-# ---- shard pieces ---------------------------------------------------------------------------
-def owned_pieces(layout: ModelLayout, rank: int):
-    """Every parameter piece of `rank`'s owned shard: (name, start in the parameter's flat
-    elements, start in the rank's shard array, length), in shard order."""
-    for u, unit in enumerate(layout.units):
-        lo, hi = unit.shard_range(rank)
-        base = layout.shard_offsets[u] - lo
-        for slot in unit.slots:
-            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if a < b:
-                yield slot.name, a - slot.offset, base + a, b - a
-
-
+# ---- shard files ----------------------------------------------------------------------------
 def _disk_view(arr: np.ndarray) -> np.ndarray:
     """What HDF5 stores for `arr`: bfloat16 as its uint16 bits, other dtypes as they are."""
     return arr.view(np.uint16) if arr.dtype.name == "bfloat16" else arr
@@ -247,7 +235,7 @@ def write_shard(path: Path, layout: ModelLayout, rank: int, states: dict, attrs:
     import h5py
 
     tmp = path.with_name(path.name + ".tmp")
-    pieces = list(owned_pieces(layout, rank))
+    pieces = list(layout.owned_pieces(rank))
     shapes = layout.shapes()
     sink = _GuardedFile(tmp)
     try:
@@ -288,7 +276,7 @@ class ShardReader:
         layout = manifest["layout_obj"]
         self.pieces = {}  # name -> [(source rank, start, length)]
         for r in range(layout.world_size):
-            for name, start, _, n in owned_pieces(layout, r):
+            for name, start, _, n in layout.owned_pieces(r):
                 self.pieces.setdefault(name, []).append((r, start, n))
         self._files = {}
 

@@ -26,7 +26,6 @@ from zmpi.checkpoint.store import (
     CheckpointError,
     ShardReader,
     open_shard,
-    owned_pieces,
     resolve_tag,
 )
 
@@ -76,7 +75,7 @@ def verify(directory, tag=None) -> list[str]:
             continue
         with f:
             for state in STATES:
-                for name, start, _, n in owned_pieces(layout, rank):
+                for name, start, _, n in layout.owned_pieces(rank):
                     try:
                         ds = f[state][name]
                         ok = ds.shape == (n,) and ds.attrs["start"] == start

@@ -23,18 +23,14 @@ from zmpi.backend import array_module
 def replicated_ranges(layout, unit_params, strategy) -> list[slice]:
     """Slices of the optimizer's gradient buffer (this rank's shard when the strategy shards
     the optimizer, else the full layout) that hold tensor-replicated parameters."""
-    out = []
-    sharded = strategy.shard_optimizer
-    for u, unit in enumerate(layout.units):
-        lo, hi = unit.shard_range(strategy.rank) if sharded else (0, unit.numel)
-        base = layout.shard_offsets[u] - lo if sharded else layout.full_offsets[u]
-        for slot in unit.slots:
-            if getattr(unit_params[u][slot.name], "tp_split", None) is not None:
-                continue
-            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if a < b:
-                out.append(slice(base + a, base + b))
-    return out
+    params = {name: p for unit in unit_params for name, p in unit.items()}
+    if strategy.shard_optimizer:
+        pieces = ((name, at, n) for name, _, at, n in layout.owned_pieces(strategy.rank))
+    else:
+        pieces = ((slot.name, layout.full_offsets[u] + slot.offset, slot.numel)
+                  for u, unit in enumerate(layout.units) for slot in unit.slots)
+    return [slice(at, at + n) for name, at, n in pieces
+            if getattr(params[name], "tp_split", None) is None]
 
 
 def tensor_norm_sq(engine, sumsq: float, grads, grad_scale: float) -> float:

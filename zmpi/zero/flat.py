@@ -115,6 +115,17 @@ class ModelLayout:
         base = self.full_offsets[u]
         return slice(base + start, base + stop)
 
+    def owned_pieces(self, rank: int):
+        """Every parameter piece of `rank`'s owned shard: (name, start in the parameter's flat
+        elements, start in the rank's shard array, length), in shard order."""
+        for u, unit in enumerate(self.units):
+            lo, hi = unit.shard_range(rank)
+            base = self.shard_offsets[u] - lo
+            for slot in unit.slots:
+                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if a < b:
+                    yield slot.name, a - slot.offset, base + a, b - a
+
     def to_dict(self) -> dict:
         return {
             "world_size": self.world_size,

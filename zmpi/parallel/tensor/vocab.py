@@ -154,14 +154,21 @@ class VocabParallelLMHead(Module):
         return logits
 
     def backward(self, dlogits):
-        h = self._pop()
         emb = self.embedding
-        WT = compute_data(emb.weight).T  # (C, Vp/tp)
-        dh, dWT, _ = F.linear_backward(dlogits.astype(WT.dtype, copy=False), (h, WT))
-        dW = dWT.T
-        dW[emb.real_rows:] = 0  # padding rows never receive a gradient
-        accumulate_grad_(emb.weight, dW)
-        return _allreduce(emb.tp, dh)
+        return vocab_head_backward(emb.weight, self._pop(), dlogits, emb.tp, emb.vocab_size)
+
+
+def vocab_head_backward(weight, h, dlogits, tp, vocab_size):
+    """Backward of logits_local = h @ weight.T with `weight` this rank's rows of a padded
+    (V, C) table: accumulates into weight.grad (padding rows get none) and returns dh, summed
+    over tp (each rank's is a partial sum over its vocabulary rows)."""
+    WT = compute_data(weight).T  # (C, Vp/tp)
+    dh, dWT, _ = F.linear_backward(dlogits.astype(WT.dtype, copy=False), (h, WT))
+    _, start, rows = vocab_shard(vocab_size, tp.size, tp.rank)
+    dW = dWT.T
+    dW[_real_rows(vocab_size, start, rows):] = 0  # padding rows never receive a gradient
+    accumulate_grad_(weight, dW)
+    return _allreduce(tp, dh)
 
 
 class VocabParallelCrossEntropy(Loss):
