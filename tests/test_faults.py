@@ -30,7 +30,7 @@ FAULTS = {  # mode: (env, exit code, every message that must appear in stderr)
         "rank 1: call #1 allreduce(sum) float32 x 0/6 at tests/ranks/faults.py"]),
     "mismatch_dtype": ({"ZMPI_DEBUG": "1"}, 1, ["rank 0: call #1 allreduce(sum) float32 x 0/8",
                                                 "rank 1: call #1 allreduce(sum) float64 x 0/8"]),
-    # rank 1 (in a barrier) says so too, unless the abort outruns its output
+    # rank 1 enters its barrier 1.5 s late, so rank 0's watchdog fires first and aborts
     "skip": ({"ZMPI_COLLECTIVE_TIMEOUT": "2"}, 3, [
         "[rank 0] zmpi watchdog: waited 2 s (ZMPI_COLLECTIVE_TIMEOUT) in allreduce(sum) "
         "(float32 x 4, 2 ranks), called at tests/ranks/faults.py"]),

@@ -15,6 +15,7 @@ rank 0's watchdog aborts the job; the test checks that rank 1 does not outlive i
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -46,6 +47,8 @@ def main(mode):
         comm.allreduce(np.ones(4, np.float32))
         if comm.rank != 1:
             comm.allreduce(np.ones(4, np.float32))  # rank 1 never comes
+        else:  # enters its barrier later, so rank 0's watchdog is the first to fire
+            time.sleep(1.5)
         comm.barrier()
     elif mode == "gather_on_rank0":
         e = engine(comm, zero={"stage": 3})
