@@ -2,8 +2,9 @@
 and optimizer offload over the data-parallel group (tests/ranks/tp_checks.py), against the same
 model trained without tensor parallelism: fp64 to rounding; fp32 within 1e-4 of the move
 training made (model-wide; measured 1.8e-5); fp16 and bf16 within 1e-3 of it, against the same
-data-parallel run without tensor parallelism. The tensor-parallel traffic is Megatron's; what
-is not supported yet is refused with one clear error; `zmpi train --tp 2` runs."""
+data-parallel run without tensor parallelism. The tensor-parallel traffic is Megatron's; a
+model not split over the engine's tensor group is refused with one clear error; `zmpi train
+--tp 2` runs (checkpoints: tests/test_tensor_checkpoint.py)."""
 import json
 
 import pytest
@@ -14,9 +15,8 @@ ITEMSIZE = {"fp64": 8, "fp32": 4, "fp16": 4, "bf16": 4}  # activations: fp32 for
 
 
 @pytest.fixture(scope="module", params=(2, 4), ids=lambda n: f"{n}ranks")
-def reports(request, tmp_path_factory):
-    return run_mpi(RANKS_DIR / "tp_checks.py", request.param,
-                   args=[tmp_path_factory.mktemp("ckpt")], timeout=300)
+def reports(request):
+    return run_mpi(RANKS_DIR / "tp_checks.py", request.param, timeout=300)
 
 
 @pytest.mark.mpi
@@ -62,12 +62,10 @@ def test_tensor_traffic_is_megatrons(reports):
 
 
 @pytest.mark.mpi
-def test_what_tensor_parallelism_does_not_support_yet_is_refused(reports):
+def test_a_model_not_split_over_the_engines_tensor_group_is_refused(reports):
     for r in reports:
         assert "the model is not split over this engine's tensor-parallel group" in \
             r["unsplit_model"]
-        assert "checkpoints of a tensor-parallel run (tp > 1) are not supported yet" in \
-            r["checkpoint"]
 
 
 @pytest.mark.mpi
@@ -110,15 +108,3 @@ def test_zmpi_estimate_tp_predicts_what_was_measured(reports):
         estimate = json.loads(out)
         assert estimate["params"] == run["local_params"] and estimate["dp"] == run["dp"]
         assert estimate["tensor_traffic_elements"] * STEPS * 8 == run["tp_allreduce_bytes"]
-
-
-@pytest.mark.mpi
-def test_train_refuses_checkpoints_at_tp_2_before_training(tmp_path):
-    result = launch_mpi(CLI, 2, timeout=120, args=[
-        "train", "--tp", "2", "--steps", "6", "--save-every", "2", "--n-layer", "1",
-        "--d-model", "16", "--n-head", "2", "--seq-len", "8", "--batch", "4", "--out", tmp_path])
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.describe()
-    assert result.stderr.strip().splitlines() == [
-        "zmpi train: --save-every and --resume: checkpoints of a tensor-parallel run (tp = 2) "
-        "are not supported yet; train with tp = 1 to save"]
-    assert not (tmp_path / "metrics.csv").exists()

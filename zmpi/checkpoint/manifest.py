@@ -3,10 +3,11 @@
     write_manifest(ckpt / MANIFEST, body)       # body + format, version and a checksum
     manifest = read_manifest(ckpt)              # every field checked; CheckpointError if not
 
-The manifest is JSON: the format version, the flat layout (`ModelLayout.to_dict`), the mesh,
-the engine state (steps, optimizer, loss scaler, config, the caller's client state), the run
-that wrote it (`run_id`, ownership.py) and, per shard file, its size and CRC-32, with a CRC-32
-of its own body. That checksum catches accidents only: it can be recomputed after an edit. So
+The manifest is JSON: the format version, the flat layout (`ModelLayout.to_dict`), the mesh
+and, under tensor parallelism, how the parameters are split (`tensor`), the engine state
+(steps, optimizer, loss scaler, config, the caller's client state), the run that wrote it
+(`run_id`, ownership.py) and, per shard file, its size and CRC-32, with a CRC-32 of its own
+body. That checksum catches accidents only: it can be recomputed after an edit. So
 `read_manifest` checks every field (types, ranges, the layout's structure, shard file names
 confined to the checkpoint's directory), and each shard records `state_crc` of the state it
 was saved with, which `store.open_shard` compares: an edited manifest no longer matches.
@@ -26,6 +27,7 @@ from zmpi.checkpoint.store import (
     shard_name,
     write_atomic,
 )
+from zmpi.checkpoint.tensor import TensorSplits
 from zmpi.zero.flat import ModelLayout
 
 _ENVELOPE = ("files", "format", "version", "checksum", "state_crc")  # unknown to the shards
@@ -75,6 +77,11 @@ def read_manifest(ckpt: Path) -> dict:
         raise CheckpointError(f"{path}: corrupt: {e}") from None
     manifest["state_crc"] = state_crc(manifest)
     manifest["layout_obj"] = ModelLayout.from_dict(manifest["layout"])
+    manifest["splits_obj"] = TensorSplits.from_dict(manifest.get("tensor"))
+    try:
+        manifest["splits_obj"].check_slices(manifest["layout_obj"])
+    except ValueError as e:
+        raise CheckpointError(f"{path}: corrupt: {e}") from None
     manifest.setdefault("run_id", LEGACY_RUN)
     return manifest
 
@@ -110,11 +117,13 @@ FIELDS = {  # manifest key -> (test, what it must be)
     "master_dtype": _one_of("float32", "float64"), "unpublished_update": _of(bool),
     "last_lr": _num(0), "config": _of(dict), "scheduler": _of(dict), "client_state": _of(dict),
     "tied": _of(dict), "optimizer": _of(dict), "loss_scaler": _of(dict, _NONE),
-    "layout": _of(dict), "files": _of(list),
+    "layout": _of(dict), "files": _of(list), "tensor": _of(dict),
     "mesh": (lambda m: type(m) is dict and set(m) == {"dp", "pp", "tp"}
              and all(type(v) is int and v >= 1 for v in m.values()), "{dp, pp, tp} sizes"),
 }
-OPTIONAL = {"run_id", "mesh"}  # absent from checkpoints written before zmpi recorded them;
+# run_id and mesh are absent from checkpoints written before zmpi recorded them, tensor from
+# every checkpoint saved without tensor parallelism (zmpi.checkpoint.tensor);
+OPTIONAL = {"run_id", "mesh", "tensor"}
 LEGACY_RUN = "legacy"  # such checkpoints are read as one run of this id
 OPTIMIZER = {"step_count": _int(0), "lr": _num(0), "eps": _num(0, open_lo=True),
              "weight_decay": _num(0), "decoupled": _of(bool),
@@ -146,14 +155,19 @@ def check_fields(m: dict) -> None:
         _check(m["loss_scaler"], LOSS_SCALER, "loss_scaler.")
     n = m["world_size"]
     names = _check_layout(m["layout"], n, m["num_params"])
-    if len(m["files"]) != n:
-        raise ValueError(f"files lists {len(m['files'])} shards for world_size {n}")
-    for r, entry in enumerate(m["files"]):
+    tp = TensorSplits.from_dict(m.get("tensor")).size
+    if m.get("mesh", {"tp": 1})["tp"] != tp:
+        raise ValueError(f"mesh has tp {m['mesh']['tp']}, the tensor splits are over {tp}")
+    if len(m["files"]) != n * tp:
+        raise ValueError(f"files lists {len(m['files'])} shards for world_size {n}"
+                         + (f" x tp {tp}" if tp > 1 else ""))
+    for i, entry in enumerate(m["files"]):
         if type(entry) is not dict:
-            raise ValueError(f"files[{r}] is not an object")
-        _check(entry, FILE, f"files[{r}].")
-        if entry["file"] != shard_name(r, n):
-            raise ValueError(f"files[{r}] names {entry['file'][:80]!r}, not {shard_name(r, n)!r}"
+            raise ValueError(f"files[{i}] is not an object")
+        _check(entry, FILE, f"files[{i}].")
+        want = shard_name(i % n, n, i // n, tp)
+        if entry["file"] != want:
+            raise ValueError(f"files[{i}] names {entry['file'][:80]!r}, not {want!r}"
                              " (shard files are the checkpoint directory's own)")
     for alias, owner in m["tied"].items():
         if owner not in names or alias in names:

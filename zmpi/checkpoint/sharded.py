@@ -6,7 +6,8 @@ the engine hands each call (zmpi.engine.state), never on the engine.
 
 Save (every rank): each rank writes its owned shard of the four model states to its own file
 in a staging directory (with hybrid sharding one replica of each shard writes: a checkpoint
-has as many shards as a shard group has ranks); the ranks agree that every write succeeded;
+has as many shards as a shard group has ranks; under tensor parallelism, as many per tensor
+rank, each of its local slices); the ranks agree that every write succeeded;
 rank 0 writes the manifest, renames the staging directory to the tag, replaces `latest` and
 prunes (`keep_last`, the run's own checkpoints only).
 With `async_` the shard is copied to host buffers and written by a background thread while
@@ -16,7 +17,8 @@ a save is in flight), the next save or load, or `close`.
 
 Load (every rank): each rank reads the manifest, checks that it describes the engine's model,
 and reads the elements of its own owned shard in the engine's layout, by parameter name, from
-whichever saved shards hold them, so any saved world size and strategy loads into any other.
+whichever saved shards hold them, so any saved world size, strategy and tensor-parallel size
+loads into any other.
 The ranks agree that every read succeeded before any engine state is touched: a failed load
 raises the same CheckpointError on every rank and leaves the engine as it was. Then each state
 is written into the strategy's buffers (an allgather where the strategy replicates it).
@@ -50,6 +52,7 @@ from zmpi.checkpoint.store import (
     write_atomic,
     write_shard,
 )
+from zmpi.checkpoint.tensor import read_resliced
 
 
 def agree(comm, what: str, fn, *args):
@@ -121,9 +124,11 @@ class Loaded:
     run_id: str  # the run that saved it, which the loading engine continues
 
 
-def check_same_model(manifest: dict, layout, where) -> None:
-    """CheckpointError ("mismatch") unless the checkpoint has the same parameters and shapes."""
-    saved, ours = manifest["layout_obj"].shapes(), layout.shapes()
+def check_same_model(manifest: dict, layout, splits, where) -> None:
+    """CheckpointError ("mismatch") unless the checkpoint has the same parameters and whole
+    shapes (`layout` split over the tensor ranks as `splits` says: a TensorSplits)."""
+    saved = manifest["splits_obj"].whole_shapes(manifest["layout_obj"])
+    ours = splits.whole_shapes(layout)
     if saved == ours:
         return
     diffs = [f"{n}: checkpoint {saved.get(n, 'absent')}, model {ours.get(n, 'absent')}"
@@ -132,11 +137,17 @@ def check_same_model(manifest: dict, layout, where) -> None:
                           f"({len(diffs)} parameters differ; {'; '.join(diffs[:3])})")
 
 
-def read_owned(reader: ShardReader, state: str, layout, rank: int, dtype) -> np.ndarray:
-    """`state` in `layout`'s owned shard of `rank` (S,), padding zero, read by ranges."""
+def read_owned(reader: ShardReader, state: str, layout, rank: int, dtype, splits,
+               tp_rank: int) -> np.ndarray:
+    """`state` in `layout`'s owned shard of `rank` (S,), padding zero, read by ranges: the
+    local slices of tensor rank `tp_rank` (split as `splits` says) from however the
+    checkpoint's were split (zmpi.checkpoint.tensor)."""
     out = np.zeros(layout.shard_numel, dtype)
+    saved, saved_shapes = reader.manifest["splits_obj"], reader.manifest["layout_obj"].shapes()
+    shapes = layout.shapes()
     for name, start, at, n in layout.owned_pieces(rank):
-        reader.read(state, name, start, out[at : at + n])
+        read_resliced(reader, state, name, start, out[at : at + n], splits, tp_rank,
+                      shapes[name], saved, saved_shapes[name])
     return out
 
 
@@ -217,9 +228,10 @@ class Checkpointer:
                 shard = host
             states[name] = shard
         attrs = {"checkpoint_id": body["checkpoint_id"], "rank": strategy.rank,
-                 "world_size": layout.world_size, "tag": tag,
+                 "world_size": layout.world_size, "tp_rank": state.tp_rank, "tag": tag,
                  "state_crc": comm.bcast_object(state_crc(body))}  # of rank 0's: the manifest
-        path = staging / shard_name(strategy.rank, layout.world_size)
+        path = staging / shard_name(strategy.rank, layout.world_size, state.tp_rank,
+                                    state.splits.size)
         self.pending = PendingSave(held, tag, body, keep_last, buffers=buffers,
                                    write=lambda: write_shard(path, layout, strategy.rank, states,
                                                              attrs) if states else None)
@@ -289,11 +301,12 @@ class Checkpointer:
         def read(tag):
             ckpt = resolve_tag(directory, tag)
             manifest = read_manifest(ckpt)
-            check_same_model(manifest, layout, ckpt / MANIFEST)
+            check_same_model(manifest, layout, state.splits, ckpt / MANIFEST)
             same_dtype = manifest["dtype"] == state.dtype.name
             with ShardReader(ckpt, manifest, verify) as reader:
                 states = {s: read_owned(reader, s, layout, strategy.rank,
-                                        state.dtype if s == "params" else state.master_dtype)
+                                        state.dtype if s == "params" else state.master_dtype,
+                                        state.splits, state.tp_rank)
                           for s in STATES if s != "params" or same_dtype}
             return ckpt, manifest, states
 

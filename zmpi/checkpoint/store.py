@@ -6,6 +6,7 @@ MPI (zmpi.checkpoint.sharded runs it collectively; zmpi.checkpoint.tools runs it
     DIR/latest                           the newest complete tag (text), replaced last
     DIR/<tag>/manifest.json              written last: the checkpoint is complete iff present
     DIR/<tag>/rank00001-of-00004.h5      rank 1's shard file
+    DIR/<tag>/tp001-rank00001-of-00004.h5  ... of tensor rank 1, under tensor parallelism
     DIR/.<tag>.partial/                  a save in progress (renamed to <tag> when complete)
     DIR/.zmpi-lock                       held by the run writing here (ownership.py)
 
@@ -25,6 +26,10 @@ and a parameter that has no element in this shard has no dataset. bfloat16 (not 
 is stored as its uint16 bit pattern with `dtype = "bfloat16"`. The file's root attributes say
 which checkpoint (`checkpoint_id`), rank and world size it belongs to, and `state_crc` the
 manifest state it was saved with (`state_crc()`). Padding is not stored.
+
+Under tensor parallelism (tp = T > 1) every tensor rank writes its local slices' owned shards
+to files of its own, named by its tensor rank; the manifest lists the T x N files tensor rank
+by tensor rank, and records how the parameters are split (zmpi.checkpoint.tensor).
 
 The manifest (manifest.py) is written last and read first. Every file is written under a
 temporary name, flushed, fsync'ed and renamed (`write_atomic`).
@@ -55,8 +60,11 @@ class CheckpointError(Exception):
 
 
 # ---- names ----------------------------------------------------------------------------------
-def shard_name(rank: int, world_size: int) -> str:
-    return f"rank{rank:05d}-of-{world_size:05d}.h5"
+def shard_name(rank: int, world_size: int, tp_rank: int = 0, tp: int = 1) -> str:
+    """The shard file of data-parallel shard `rank` of `world_size` (and, under tensor
+    parallelism, of tensor rank `tp_rank` of `tp`)."""
+    name = f"rank{rank:05d}-of-{world_size:05d}.h5"
+    return name if tp == 1 else f"tp{tp_rank:03d}-{name}"
 
 
 def check_tag(tag: str) -> str:
@@ -268,12 +276,14 @@ class ShardReader:
     """Ranged reads of a checkpoint's states by parameter name, opening (and verifying: size,
     CRC-32, checkpoint id) only the shard files that hold the requested elements.
 
-    `read(state, name, start, out)` fills `out` (1-D) with elements [start, start + len(out))
-    of parameter `name`'s flattened `state`. Use as a context manager (closes the files)."""
+    `read(state, name, start, out, tp_rank=0)` fills `out` (1-D) with elements [start,
+    start + len(out)) of parameter `name`'s flattened `state` (in tensor rank `tp_rank`'s
+    local slice under tensor parallelism). Use as a context manager (closes the files)."""
 
     def __init__(self, ckpt: Path, manifest: dict, verify: bool = True):
         self.ckpt, self.manifest, self.verify = Path(ckpt), manifest, verify
         layout = manifest["layout_obj"]
+        self.world_size = layout.world_size
         self.pieces = {}  # name -> [(source rank, start, length)]
         for r in range(layout.world_size):
             for name, start, _, n in layout.owned_pieces(r):
@@ -291,18 +301,20 @@ class ShardReader:
             f.close()
         self._files.clear()
 
-    def file(self, rank: int):
-        if rank not in self._files:
-            self._files[rank] = open_shard(self.ckpt, self.manifest, rank, self.verify)
-        return self._files[rank]
+    def file(self, index: int):
+        """The shard file at `index` of the manifest's list (tp_rank x N + rank)."""
+        if index not in self._files:
+            self._files[index] = open_shard(self.ckpt, self.manifest, index, self.verify)
+        return self._files[index]
 
-    def read(self, state: str, name: str, start: int, out: np.ndarray) -> None:
+    def read(self, state: str, name: str, start: int, out: np.ndarray,
+             tp_rank: int = 0) -> None:
         stop, filled = start + len(out), 0
         for r, lo, n in self.pieces[name]:
             a, b = max(start, lo), min(stop, lo + n)
             if a >= b:
                 continue
-            f = self.file(r)
+            f = self.file(tp_rank * self.world_size + r)
             try:
                 ds = f[state][name]
                 ds.read_direct(_disk_view(out), np.s_[a - lo : b - lo],
@@ -316,12 +328,15 @@ class ShardReader:
                                   f"{len(out)} elements [{start}:{stop}] of {state}/{name}")
 
 
-def open_shard(ckpt: Path, manifest: dict, rank: int, verify: bool = True):
-    """Open rank's shard file read-only after checking it against the manifest: it exists,
-    has the recorded size and (if `verify`) CRC-32, and belongs to this checkpoint."""
+def open_shard(ckpt: Path, manifest: dict, index: int, verify: bool = True):
+    """Open the shard file at `index` of the manifest's list (tp_rank x N + rank) read-only
+    after checking it against the manifest: it exists, has the recorded size and (if
+    `verify`) CRC-32, and belongs to this checkpoint."""
     import h5py
 
-    entry = manifest["files"][rank]
+    world_size = manifest["layout_obj"].world_size
+    tp_rank, rank = divmod(index, world_size)
+    entry = manifest["files"][index]
     path = Path(ckpt) / entry["file"]
     if not path.is_file():
         raise CheckpointError(f"{path}: missing: shard file of rank {rank} is not there")
@@ -338,7 +353,7 @@ def open_shard(ckpt: Path, manifest: dict, rank: int, verify: bool = True):
         raise CheckpointError(f"{path}: corrupt: not a readable HDF5 file ({e})") from None
     attrs = f.attrs
     if (attrs.get("checkpoint_id") != manifest["checkpoint_id"] or attrs.get("rank") != rank
-            or attrs.get("world_size") != len(manifest["files"])):
+            or attrs.get("world_size") != world_size or attrs.get("tp_rank", 0) != tp_rank):
         f.close()
         raise CheckpointError(f"{path}: mismatch: this shard belongs to another checkpoint")
     if "state_crc" in attrs and attrs["state_crc"] != manifest["state_crc"]:

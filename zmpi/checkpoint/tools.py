@@ -6,8 +6,9 @@
     consolidate("ckpt", "model.npz", npz=True)      # the same as a NumPy .npz
 
 Consolidation reads one parameter at a time (never the whole model) from whichever shards
-hold it. Tied weights are stored once; the alias is an HDF5 soft link to the owner (in .npz:
-absent) and the root attribute / `__tied__` entry `tied` maps alias -> owner as JSON.
+hold it, putting a tensor-parallel checkpoint's slices together (zmpi.checkpoint.tensor).
+Tied weights are stored once; the alias is an HDF5 soft link to the owner (in .npz: absent)
+and the root attribute / `__tied__` entry `tied` maps alias -> owner as JSON.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from zmpi.checkpoint.store import (
     open_shard,
     resolve_tag,
 )
+from zmpi.checkpoint.tensor import TensorSplits, read_resliced
 
 
 def inspect(directory, tag=None) -> str:
@@ -44,8 +46,11 @@ def inspect(directory, tag=None) -> str:
         f"{', decoupled' if opt['decoupled'] else ''})",
         f"  {m['num_params']:,} parameters in {len(m['layout']['units'])} units, "
         f"{len(m['layout_obj'].shapes())} tensors; tied: {m['tied'] or 'none'}",
-        f"  world size {m['world_size']}, strategy {m['strategy']}, params {m['dtype']}, "
-        f"master and Adam {m['master_dtype']}",
+        f"  world size {m['world_size']}"
+        + (f" x tensor-parallel {m['splits_obj'].size} ({len(m['splits_obj'].splits)} split "
+           "tensors)" if m["splits_obj"].size > 1 else "")
+        + f", strategy {m['strategy']}, params {m['dtype']}, master and Adam "
+        f"{m['master_dtype']}",
         f"  loss scaler: {m['loss_scaler'] or 'off'}; delayed update pending: "
         f"{m['unpublished_update']}",
         f"  client state: {json.dumps(m['client_state'])}",
@@ -67,9 +72,10 @@ def verify(directory, tag=None) -> list[str]:
         return [str(e)]
     problems = []
     layout = manifest["layout_obj"]
-    for rank in range(layout.world_size):
+    for index in range(len(manifest["files"])):  # tensor rank x N + rank
+        rank = index % layout.world_size
         try:
-            f = open_shard(ckpt, manifest, rank)
+            f = open_shard(ckpt, manifest, index)
         except CheckpointError as e:
             problems.append(str(e))
             continue
@@ -101,11 +107,14 @@ def consolidate(directory, out, tag=None, npz=False) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     dtype = np.dtype(manifest["master_dtype"])
     tied = manifest["tied"]
+    saved, local = manifest["splits_obj"], manifest["layout_obj"].shapes()
+    whole = TensorSplits()  # one rank holding every parameter whole
     with ShardReader(ckpt, manifest) as reader:
         def tensors():
-            for name, shape in manifest["layout_obj"].shapes().items():
+            for name, shape in saved.whole_shapes(manifest["layout_obj"]).items():
                 flat = np.empty(math.prod(shape), dtype)
-                reader.read("master", name, 0, flat)
+                read_resliced(reader, "master", name, 0, flat, whole, 0, shape, saved,
+                              local[name])
                 yield name, flat.reshape(shape)
 
         if npz:

@@ -52,9 +52,6 @@ def train(args) -> None:
         engine = Engine(model, config, comm, mesh=mesh)
     except (ConfigError, ValueError) as e:  # alike on every rank: one line from rank 0
         _exit_bad_input(f"{where}: {e}")
-    if mesh.tp > 1 and (args.save_every or args.resume is not None):
-        _exit_bad_input("--save-every and --resume: checkpoints of a tensor-parallel run "
-                        f"(tp = {mesh.tp}) are not supported yet; train with tp = 1 to save")
     for note in notes:
         log.info(note)
     cfg = engine.config

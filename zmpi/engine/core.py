@@ -33,6 +33,7 @@ import numpy as np
 
 from zmpi import backend
 from zmpi.checkpoint.sharded import Checkpointer
+from zmpi.checkpoint.tensor import TensorSplits
 from zmpi.config import Config
 from zmpi.engine.checks import (
     as_one_unit,
@@ -163,6 +164,7 @@ class Engine:
         # where the tensor-replicated parameters sit in the optimizer's gradients (clipping)
         self.tp_replicated = replicated_ranges(self.layout, unit_params,
                                                self.strategy) if self.mesh.tp > 1 else []
+        self.tensor_splits = TensorSplits.of_model(unit_params, self.mesh.tp_comm)  # checkpoints
         self._unit_index = {id(unit): u for u, unit in enumerate(units)}
         model.hooks = _EngineHooks(self)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import time
 
-from zmpi.checkpoint import CheckpointError
 from zmpi.runinfo import git_revision
 
 
@@ -19,14 +18,13 @@ class TrainState:
     only while that call runs)."""
 
     def __init__(self, engine):
-        if engine.mesh.tp > 1:  # every tensor rank's slices share the parameters' names
-            raise CheckpointError("checkpoints of a tensor-parallel run (tp > 1) are not "
-                                  "supported yet: save and load at tp = 1")
         self._engine = engine
         self.comm, self.mesh, self.layout = engine.comm, engine.mesh, engine.layout
         self.strategy, self.memory = engine.strategy, engine.memory
         self.dtype, self.master_dtype = engine.dtype, engine.master_dtype
         self.global_steps = engine.global_steps
+        # how the parameters are split over the tensor ranks (zmpi.checkpoint.tensor)
+        self.splits, self.tp_rank = engine.tensor_splits, engine.mesh.tp_rank
 
     def settle(self) -> None:
         """Before a snapshot: a delayed update in flight finishes (its publication stays
@@ -52,6 +50,8 @@ class TrainState:
             "client_state": client_state or {}, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "git_revision": git_revision() if engine.comm.rank == 0 else None,
         }
+        if self.splits.size > 1:
+            body["tensor"] = self.splits.to_dict()
         json.dumps(body["client_state"])  # TypeError now, not when the manifest is written
         return body
 
