@@ -28,7 +28,12 @@ from zmpi.nn import (
     normal_parameter,
 )
 from zmpi.nn import functional as F
-from zmpi.parallel.tensor.plan import parallelize
+from zmpi.parallel.tensor.plan import mark_sequence_parallel, parallelize
+from zmpi.parallel.tensor.regions import (
+    GatherFromSequenceRegion,
+    ReduceScatterToSequenceRegion,
+    sequence_shard,
+)
 from zmpi.parallel.tensor.vocab import (
     VocabParallelCrossEntropy,
     vocab_head_backward,
@@ -65,14 +70,20 @@ class TokenPositionEmbedding(Module):
 
     wte (V, C) token embedding (also the LM head's output projection), wpe (seq_len, C). With
     `tp` (a tensor-parallel Comm), wte is this rank's rows of the padded table and the lookup
-    sums over tp (zmpi.parallel.tensor.vocab); wpe stays whole.
+    sums over tp (zmpi.parallel.tensor.vocab); wpe stays whole. With sequence_parallel the sum
+    is a reduce-scatter to this rank's sequence shard, x (B, T/tp, C), to which the rank adds
+    its own positions' wpe rows (wpe is marked `sequence_parallel`: its gradient is partial).
     """
 
-    def __init__(self, vocab_size, seq_len, d_model, rng, dtype, tp=None):
+    def __init__(self, vocab_size, seq_len, d_model, rng, dtype, tp=None,
+                 sequence_parallel=False):
         self.tp, self.vocab_size = tp, vocab_size
         self.wte = normal_parameter(rng, (vocab_size, d_model), 0.02, dtype) if tp is None \
             else vocab_parameter(vocab_size, d_model, tp, rng, dtype)
         self.wpe = normal_parameter(rng, (seq_len, d_model), 0.02, dtype)
+        self.scatter = ReduceScatterToSequenceRegion(tp) if sequence_parallel else None
+        if sequence_parallel:
+            mark_sequence_parallel(self.wpe)
 
     def forward(self, idx):
         wte = live(self.wte)
@@ -81,20 +92,29 @@ class TokenPositionEmbedding(Module):
         B, T = idx.shape
         if T > self.wpe.shape[0]:
             raise ValueError(f"sequence length {T} > seq_len {self.wpe.shape[0]}")
+        positions = xp.arange(T)
+        if self.scatter is not None:  # this rank's positions; refused before any collective
+            n = sequence_shard(T, self.tp)
+            positions = positions[self.tp.rank * n:(self.tp.rank + 1) * n]
         tok, tok_cache = embedding_lookup(self.wte, idx) if self.tp is None else \
-            vocab_lookup(self.wte, idx, self.tp, self.vocab_size)  # (B, T, C)
-        # positions 0..T-1 are in range (T <= seq_len above): no check, no device sync
-        pos, pos_cache = embedding_lookup(self.wpe, xp.arange(T), check=False)  # (T, C)
+            vocab_lookup(self.wte, idx, self.tp, self.vocab_size,
+                         reduce=self.scatter is None)  # (B, T, C)
+        if self.scatter is not None:
+            tok = self.scatter.forward(tok)  # the sum over tp, this rank's (B, T/tp, C)
+        # positions are in range (T <= seq_len above): no check, no device sync
+        pos, pos_cache = embedding_lookup(self.wpe, positions, check=False)  # (T or T/tp, C)
         self._save(tok_cache, pos_cache)
         return tok + pos
 
     def backward(self, dx):
         tok_cache, pos_cache = self._pop()
+        accumulate_grad_(self.wpe, F.embedding_backward(dx.sum(axis=0), pos_cache))
+        if self.scatter is not None:
+            dx = self.scatter.backward(dx)  # (B, T, C): every rank's positions
         if self.tp is None:
             accumulate_grad_(self.wte, F.embedding_backward(dx, tok_cache))
         else:
             vocab_lookup_backward(self.wte, dx, tok_cache)
-        accumulate_grad_(self.wpe, F.embedding_backward(dx.sum(axis=0), pos_cache))
         return None
 
 
@@ -104,12 +124,17 @@ class LMHead(Module):
     Owns ln_f; borrows wte from the embedding unit (`shared_units = (embedding,)`). Under
     tensor parallelism the logits are this rank's Vp/T columns (never gathered: the loss is
     zmpi.parallel.tensor.vocab's), padding rows get no gradient, and backward sums the input
-    gradient over tp.
+    gradient over tp. With sequence_parallel, x is this rank's sequence shard (B, T/tp, C):
+    ln_f runs on it (and is marked `sequence_parallel`), then the sequence is gathered before
+    the logits (GatherFromSequenceRegion), whose backward reduce-scatters the input gradient.
     """
 
-    def __init__(self, embedding, d_model, dtype):
+    def __init__(self, embedding, d_model, dtype, sequence_parallel=False):
         self.shared_units = (embedding,)
         self.ln_f = LayerNorm(d_model, dtype=dtype)
+        self.gather = GatherFromSequenceRegion(embedding.tp) if sequence_parallel else None
+        if sequence_parallel:
+            mark_sequence_parallel(self.ln_f)
 
     @property
     def wte(self):
@@ -117,7 +142,9 @@ class LMHead(Module):
         return self.shared_units[0].wte
 
     def forward(self, x):
-        h = self.ln_f.forward(x)  # (B, T, C)
+        h = self.ln_f.forward(x)  # (B, T, C); sequence parallel: (B, T/tp, C)
+        if self.gather is not None:
+            h = self.gather.forward(h)  # (B, T, C)
         logits, (h, _) = F.linear_forward(h, compute_data(self.wte).T)  # (B, T, V)
         self._save(h)
         return logits
@@ -126,8 +153,11 @@ class LMHead(Module):
         h = self._pop()
         embedding = self.shared_units[0]
         if embedding.tp is not None:  # this rank's vocabulary rows; dh summed over tp
-            return self.ln_f.backward(vocab_head_backward(self.wte, h, dlogits, embedding.tp,
-                                                          embedding.vocab_size))
+            dh = vocab_head_backward(self.wte, h, dlogits, embedding.tp, embedding.vocab_size,
+                                     reduce=self.gather is None)
+            if self.gather is not None:  # the sum over tp, this rank's sequence shard
+                dh = self.gather.backward(dh)
+            return self.ln_f.backward(dh)
         WT = compute_data(self.wte).T  # (C, V)
         dh, dWT, _ = F.linear_backward(dlogits.astype(WT.dtype, copy=False), (h, WT))
         accumulate_grad_(self.wte, dWT.T)
@@ -147,24 +177,38 @@ class GPT(UnitModel):
     to a multiple of T, and the loss is the vocabulary-parallel cross-entropy, so the (B, T, V)
     logits are never gathered; the LayerNorms and the position embedding are replicated. The
     slices of the T ranks put together are the model the same seed builds without `tp`.
+
+    sequence_parallel (with tp of 2 ranks or more; without, it changes nothing): sequence
+    parallelism (Korthikanti et al. 2022). Between the tensor-parallel regions each rank holds
+    its sequence shard (B, T/tp, C): the embedding's vocabulary-parallel sum becomes a
+    reduce-scatter, the LayerNorms and residual adds run on the shard, each attention and MLP
+    gathers the sequence at its input and reduce-scatters at its output, and the LM head
+    gathers it before the logits. The batch's T must be a multiple of tp.size (`check_batch`
+    and the embedding raise a ValueError). The replicated parameters whose gradients each rank
+    computes from its shard (LayerNorms, wpe) are marked `sequence_parallel`; the engine sums
+    their gradients over the tensor ranks.
     """
 
-    def __init__(self, config, seed=0, dtype=numpy.float32, tp=None):
+    def __init__(self, config, seed=0, dtype=numpy.float32, tp=None, sequence_parallel=False):
         self.config = c = config
         self.tp = tp if tp is not None and tp.size > 1 else None
+        if not isinstance(sequence_parallel, bool):
+            raise TypeError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
+        self.sequence_parallel = sp = sequence_parallel and self.tp is not None
         if self.tp is not None and c.n_head % tp.size:
             raise ValueError(f"n_head={c.n_head} is not divisible by the tensor-parallel size "
                              f"{tp.size}: every rank must hold an equal share of the heads")
         rng = numpy.random.default_rng(seed)
         proj_std = 0.02 / math.sqrt(2 * c.n_layer)
         embedding = TokenPositionEmbedding(c.vocab_size, c.seq_len, c.d_model, rng, dtype,
-                                           self.tp)
+                                           self.tp, sp)
         # each block is split as soon as it is built: no rank holds the whole model
         blocks = [parallelize(Block(c.d_model, c.n_head, rng=rng, dtype=dtype,
-                                    proj_std=proj_std), self.tp)
+                                    proj_std=proj_std), self.tp, sp)
                   for _ in range(c.n_layer)]
         loss = None if self.tp is None else VocabParallelCrossEntropy(self.tp, c.vocab_size)
-        super().__init__([embedding, *blocks, LMHead(embedding, c.d_model, dtype)], loss=loss)
+        super().__init__([embedding, *blocks, LMHead(embedding, c.d_model, dtype, sp)],
+                         loss=loss)
 
     def check_batch(self, inputs, targets) -> None:
         """(B, T) integer token ids in [0, vocab_size), T <= seq_len, targets shaped as inputs
@@ -176,6 +220,8 @@ class GPT(UnitModel):
                                  f"shape {getattr(a, 'shape', type(a).__name__)}")
         if inputs.shape != targets.shape:
             raise ValueError(f"inputs {inputs.shape} and targets {targets.shape} differ")
+        if self.sequence_parallel:
+            sequence_shard(inputs.shape[1], self.tp)
         F.check_indices(inputs, c.vocab_size, "inputs (token ids)")
         F.check_indices(targets, c.vocab_size, "targets (token ids)",
                         getattr(self.loss_fn, "ignore_index", None))
@@ -193,7 +239,8 @@ class GPT(UnitModel):
         rng = numpy.random.default_rng(rng)
         idx = numpy.asarray(_to_host(idx))
         for _ in range(max_new_tokens):
-            logits = self._gathered(self.forward(idx[:, -self.config.seq_len:])[:, -1, :])
+            window, last = self._window(idx)
+            logits = self._gathered(self.forward(window)[:, last, :])
             z = logits.astype(numpy.float64) / temperature
             p = numpy.exp(z - z.max(axis=-1, keepdims=True))
             cdf = numpy.cumsum(p / p.sum(axis=-1, keepdims=True), axis=-1)  # (B, V)
@@ -202,6 +249,19 @@ class GPT(UnitModel):
             idx = numpy.concatenate([idx, nxt[:, None].astype(idx.dtype)], axis=1)
         self.clear_cache()
         return idx
+
+    def _window(self, idx):
+        """(the model's input for the token after `idx`, the position of idx's last token in
+        it): the last seq_len tokens. Under sequence parallelism at most seq_len rounded down
+        to a multiple of tp.size (at least tp.size), padded on the right to such a multiple;
+        the padding changes no earlier position (causal attention)."""
+        window = idx[:, -self.config.seq_len:]
+        if not self.sequence_parallel:
+            return window, -1
+        T = self.tp.size
+        window = idx[:, -max(self.config.seq_len // T * T, T):]
+        pad = numpy.zeros((len(window), -window.shape[1] % T), window.dtype)
+        return numpy.concatenate([window, pad], axis=1), window.shape[1] - 1
 
     def _gathered(self, logits):
         """(B, V) host logits from this rank's (B, V) or, under tensor parallelism, its

@@ -200,6 +200,6 @@ def test_docs_example_runs():
     """docs/tensor-parallel.md's examples, as written, at one rank."""
     text = (REPO_ROOT / "docs" / "tensor-parallel.md").read_text()
     blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
-    assert len(blocks) == 2  # the layers, then the GPT under the engine
+    assert len(blocks) == 3  # the layers, the GPT under the engine, sequence parallelism
     for code in blocks:
         exec(compile(code, "docs/tensor-parallel.md", "exec"), {})

@@ -55,6 +55,10 @@ def main(argv=None) -> None:
     t.add_argument("--tp", type=int, metavar="T", default=None,
                    help="tensor-parallel degree of the process mesh (tensor_parallel."
                    "autotp_size): each GPT block split over T ranks by heads and features")
+    t.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="with --tp T > 1: sequence parallelism (tensor_parallel."
+                   "sequence_parallel): LayerNorms and residual adds on a 1/T shard of each "
+                   "sequence; --seq-len a multiple of T. No effect at T = 1")
     t.add_argument("--pp", type=int, metavar="P", default=None,
                    help="pipeline-parallel degree of the process mesh (pipeline.stages; only 1 "
                    "until pipeline parallelism lands)")

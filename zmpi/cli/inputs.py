@@ -162,14 +162,16 @@ def _schedule_from_flags(cfg: dict, args, notes: list) -> None:
 
 
 def _data_parallel_size(cfg: dict, args, world_size: int, notes: list) -> int:
-    """--tp and --pp into `cfg` (tensor_parallel.autotp_size, pipeline.stages); returns the
-    data-parallel size, world_size / (tp x pp), over which the global batch splits."""
+    """--tp, --sequence-parallel and --pp into `cfg` (tensor_parallel.autotp_size,
+    tensor_parallel.sequence_parallel, pipeline.stages); returns the data-parallel size,
+    world_size / (tp x pp), over which the global batch splits."""
     from zmpi.config import Config
     from zmpi.parallel.mesh import mesh_sizes
 
-    for flag, path in (("tp", "tensor_parallel.autotp_size"), ("pp", "pipeline.stages")):
+    for flag, path in (("tp", "tensor_parallel.autotp_size"), ("pp", "pipeline.stages"),
+                       ("sequence_parallel", "tensor_parallel.sequence_parallel")):
         if getattr(args, flag, None) is not None:
-            _set(cfg, path, getattr(args, flag), f"--{flag}", notes)
+            _set(cfg, path, getattr(args, flag), f"--{flag.replace('_', '-')}", notes)
     sizes = Config.from_dict({k: cfg[k] for k in ("tensor_parallel", "pipeline") if k in cfg})
     try:
         dp, _, _ = mesh_sizes(world_size, sizes.tensor_parallel.autotp_size,
@@ -283,6 +285,11 @@ def _checked_inputs(args, world_size: int):
     config = build_config(args, world_size, notes)
     resolved = Config.from_dict(config)
     resolved.check_parallelism()
+    tp = resolved.tensor_parallel
+    if tp.sequence_parallel and tp.autotp_size > 1 and args.seq_len % tp.autotp_size:
+        raise InputError(f"--seq-len {args.seq_len} is not divisible by the tensor-parallel "
+                         f"size {tp.autotp_size}: sequence parallelism gives every tensor rank "
+                         "an equal share of the positions")
     dp = world_size // (resolved.tensor_parallel.autotp_size * resolved.pipeline.stages)
     resolved = resolved.resolve_batch(dp)  # what the engine checks
     try:  # "package.module:Class" imports (runs) that module here, as the engine would

@@ -48,7 +48,8 @@ def train(args) -> None:
         # the mesh first: a tensor-parallel GPT is split over its tp group as it is built
         mesh = Mesh(comm, tp=_get(config, "tensor_parallel.autotp_size") or 1,
                     pp=_get(config, "pipeline.stages") or 1)
-        model = GPT(model_cfg, seed=args.seed, tp=mesh.tp_comm)
+        model = GPT(model_cfg, seed=args.seed, tp=mesh.tp_comm,
+                    sequence_parallel=_get(config, "tensor_parallel.sequence_parallel") is True)
         engine = Engine(model, config, comm, mesh=mesh)
     except (ConfigError, ValueError) as e:  # alike on every rank: one line from rank 0
         _exit_bad_input(f"{where}: {e}")

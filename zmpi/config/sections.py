@@ -158,12 +158,22 @@ class DebugConfig(_Section):
 @dataclass(frozen=True)
 class TensorParallelConfig(_Section):
     """`tensor_parallel` (DeepSpeed's AutoTP section): `autotp_size` T, the tensor-parallel
-    degree of the process mesh (zmpi.parallel.mesh)."""
+    degree of the process mesh (zmpi.parallel.mesh); zmpi's `sequence_parallel` (true/false),
+    sequence parallelism over the tensor ranks (docs/tensor-parallel.md). At T = 1 it changes
+    nothing (as in Megatron-LM), and `notes()` says so."""
 
     autotp_size: int = 1
+    sequence_parallel: bool = False
 
     def _validate(self):
         self._at_least(1, "autotp_size")
+
+    def notes(self) -> list[str]:
+        out = super().notes()
+        if self.sequence_parallel and self.autotp_size == 1:
+            out.append("sequence_parallel: no effect at autotp_size 1 (there is no tensor "
+                       "group to split the sequence over)")
+        return out
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,10 @@ def as_one_unit(model, comm) -> UnitModel:
 
 
 def check_mesh(mesh, config, model) -> None:
-    """ConfigError unless the mesh is the config's (tp, pp) over the engine's world, and a
-    model trained at tp > 1 was split over this mesh's tensor group (zmpi.parallel.tensor)."""
+    """ConfigError unless the mesh is the config's (tp, pp) over the engine's world, a model
+    trained at tp > 1 was split over this mesh's tensor group (zmpi.parallel.tensor), and with
+    the config's sequence parallelism (`tensor_parallel.sequence_parallel`, which changes
+    nothing at tp = 1): the model's `sequence_parallel` attribute, False if it has none."""
     from zmpi.config import ConfigError
 
     tp, pp = config.tensor_parallel.autotp_size, config.pipeline.stages
@@ -55,6 +57,14 @@ def check_mesh(mesh, config, model) -> None:
                           "this engine's tensor-parallel group; build the mesh first and the "
                           "model on its tp_comm: mesh = Mesh(comm, tp=T); model = GPT(config, "
                           "tp=mesh.tp_comm); Engine(model, config, comm, mesh=mesh)")
+    want = config.tensor_parallel.sequence_parallel and mesh.tp > 1
+    built = bool(getattr(model, "sequence_parallel", False))
+    if built != want:
+        raise ConfigError("tensor_parallel.sequence_parallel", (
+            f"the config turns sequence parallelism on (tp {mesh.tp}) but the model was built "
+            "without it" if want else "the config leaves sequence parallelism off but the "
+            "model was built with it") + f"; build it as GPT(config, tp=mesh.tp_comm, "
+            f"sequence_parallel={want})")
 
 
 def check_units(units, unit_params) -> None:

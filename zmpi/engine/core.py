@@ -47,7 +47,7 @@ from zmpi.engine.delayed import DelayedUpdate
 from zmpi.engine.profile import PhaseProfile
 from zmpi.engine.state import TrainState
 from zmpi.engine.step import reduce_and_update
-from zmpi.engine.tensor import gather_tensor_slices, replicated_ranges
+from zmpi.engine.tensor import gather_tensor_slices, replicated_ranges, sequence_ranges
 from zmpi.engine.traffic import by_dimension, by_group, groups, sent_by_group
 from zmpi.memory import MemoryLedger
 from zmpi.nn.module import UnitHooks, UnitModel, activations_counted_in
@@ -164,6 +164,9 @@ class Engine:
         # where the tensor-replicated parameters sit in the optimizer's gradients (clipping)
         self.tp_replicated = replicated_ranges(self.layout, unit_params,
                                                self.strategy) if self.mesh.tp > 1 else []
+        # those of them whose gradients are partial under sequence parallelism (summed over tp)
+        self.tp_sequence = sequence_ranges(self.layout, unit_params,
+                                           self.strategy) if self.mesh.tp > 1 else []
         self.tensor_splits = TensorSplits.of_model(unit_params, self.mesh.tp_comm)  # checkpoints
         self._unit_index = {id(unit): u for u, unit in enumerate(units)}
         model.hooks = _EngineHooks(self)

@@ -14,7 +14,7 @@ import math
 import time
 
 from zmpi.engine.checks import check_grads_contract, first_nonfinite_unit
-from zmpi.engine.tensor import tensor_norm_sq
+from zmpi.engine.tensor import sum_sequence_parallel_grads, tensor_norm_sq
 
 
 def reduce_and_update(engine) -> None:
@@ -28,6 +28,7 @@ def reduce_and_update(engine) -> None:
     # grads * grad_scale (the global-batch mean) * clip_coef, converted chunk by chunk.
     grads = strategy.optimizer_grads()
     check_grads_contract(strategy, grads, engine.dtype)
+    sum_sequence_parallel_grads(engine, grads)  # sequence parallelism: over the tensor ranks
     grad_scale = 1.0 / (engine.scaler.scale * engine.mesh.dp * engine.accumulation)
     finite, sumsq = engine.optimizer.grad_stats(grads, grad_scale, engine.master_dtype)
     engine.flush()  # the previous step's delayed update lands (its compute overlapped ours)

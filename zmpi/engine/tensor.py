@@ -8,6 +8,10 @@ model; what needs the split is:
 
     replicated_ranges(layout, unit_params, strategy)  where the replicated parameters sit in
                                                      the optimizer's gradient buffer
+    sequence_ranges(layout, unit_params, strategy)    where those marked `sequence_parallel`
+                                                     sit (gradients partial per tensor rank)
+    sum_sequence_parallel_grads(engine, grads)       sum those over the tensor ranks, once a
+                                                     step, after the data-parallel reduction
     tensor_norm_sq(engine, sumsq, grads, grad_scale) the global gradient norm squared: split
                                                      parameters summed over the tensor ranks,
                                                      replicated ones counted once
@@ -20,9 +24,10 @@ import numpy as np
 from zmpi.backend import array_module
 
 
-def replicated_ranges(layout, unit_params, strategy) -> list[slice]:
+def replicated_ranges(layout, unit_params, strategy, marked=None) -> list[slice]:
     """Slices of the optimizer's gradient buffer (this rank's shard when the strategy shards
-    the optimizer, else the full layout) that hold tensor-replicated parameters."""
+    the optimizer, else the full layout) that hold tensor-replicated parameters; with
+    `marked` (an attribute name), only those of them whose `marked` attribute is true."""
     params = {name: p for unit in unit_params for name, p in unit.items()}
     if strategy.shard_optimizer:
         pieces = ((name, at, n) for name, _, at, n in layout.owned_pieces(strategy.rank))
@@ -30,7 +35,33 @@ def replicated_ranges(layout, unit_params, strategy) -> list[slice]:
         pieces = ((slot.name, layout.full_offsets[u] + slot.offset, slot.numel)
                   for u, unit in enumerate(layout.units) for slot in unit.slots)
     return [slice(at, at + n) for name, at, n in pieces
-            if getattr(params[name], "tp_split", None) is None]
+            if getattr(params[name], "tp_split", None) is None
+            and (marked is None or getattr(params[name], marked, False))]
+
+
+def sequence_ranges(layout, unit_params, strategy) -> list[slice]:
+    """The `replicated_ranges` of the parameters marked `sequence_parallel` (sequence
+    parallelism: LayerNorms, the position embedding), whose gradient each tensor rank computes
+    from its own sequence shard only."""
+    return replicated_ranges(layout, unit_params, strategy, marked="sequence_parallel")
+
+
+def sum_sequence_parallel_grads(engine, grads) -> None:
+    """Sum, in place, the gradients of the `sequence_parallel` parameters (`engine.tp_sequence`
+    slices of `grads`, the optimizer's gradients after the data-parallel reduction) over the
+    tensor ranks: one `tp_comm.allreduce` of their concatenation, in the storage dtype, so the
+    overflow check, the norm and Adam see whole, identical gradients on every tensor rank. The
+    slices are the same on every tensor rank (their layouts are). Nothing without them."""
+    if not engine.tp_sequence:
+        return
+    xp = array_module(grads)
+    buf = xp.concatenate([grads[s] for s in engine.tp_sequence])
+    engine.mesh.tp_comm.allreduce(buf)
+    at = 0
+    for s in engine.tp_sequence:
+        n = s.stop - s.start
+        grads[s] = buf[at:at + n]
+        at += n
 
 
 def tensor_norm_sq(engine, sumsq: float, grads, grad_scale: float) -> float:

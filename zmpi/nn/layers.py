@@ -199,8 +199,12 @@ class MLP(Module):
 class Block(Module):
     """Pre-LN transformer block (GPT-2): x = x + attn(ln1(x)); x = x + mlp(ln2(x)).
 
-    x (B, T, C) -> (B, T, C).
+    x (B, T, C) -> (B, T, C). Under sequence parallelism (zmpi.parallel.tensor.plan) x is this
+    rank's sequence shard (B, T/tp, C): the LayerNorms and residual adds work on it, and the
+    attention and MLP gather the sequence at their input and reduce-scatter it at their output.
     """
+
+    tp_plan = {"ln1": "sequence", "ln2": "sequence"}  # zmpi.parallel.tensor.plan
 
     def __init__(self, d_model, n_head, rng=None, dtype=numpy.float32, std=0.02, proj_std=None):
         rng = numpy.random.default_rng(rng)

@@ -13,6 +13,14 @@ of T ranks, rank r holds:
 So Column -> elementwise -> Row (Megatron's MLP: fc, GELU, proj) needs one allreduce forward
 (g) and one backward (f), each of the activations' size (B, T, C).
 
+sequence_parallel=True (Korthikanti et al. 2022; regions.py): the input and output outside
+the pair are this rank's sequence shard (B, S/T, C) of a sequence of S positions, instead of
+replicated. The column layer's f becomes GatherFromSequenceRegion (allgather forward,
+reduce-scatter backward) and the row layer's g ReduceScatterToSequenceRegion (reduce-scatter
+forward, allgather backward). The row layer adds its bias to its shard and computes the bias
+gradient from the gathered dy, so that gradient is whole, and the same, on every rank, as
+without sequence parallelism. Each rank sends the same bytes as with f and g.
+
 Initialisation: the full (in, out) weight is drawn from `rng` exactly as Linear draws it (and
 the generator advances the same way), then this rank keeps its slice; one layer's full matrix
 is held for a moment, never the whole model. Every rank of `tp` must pass the same seed (or
@@ -33,7 +41,12 @@ from zmpi.nn import functional as F
 from zmpi.nn.base import Module
 from zmpi.nn.layers import Linear
 from zmpi.nn.parameter import Parameter, accumulate_grad_, compute_data
-from zmpi.parallel.tensor.regions import CopyToTensorRegion, ReduceFromTensorRegion
+from zmpi.parallel.tensor.regions import (
+    CopyToTensorRegion,
+    GatherFromSequenceRegion,
+    ReduceFromTensorRegion,
+    ReduceScatterToSequenceRegion,
+)
 
 
 def split_size(features: int, tp, what: str) -> int:
@@ -81,28 +94,33 @@ class ColumnParallelLinear(Linear):
     copy_input: put f (CopyToTensorRegion) at the input, so backward returns the full input
     gradient, summed over tp. Pass False where the caller already has f at the input (several
     column layers reading one x under a single f); backward then returns this rank's part.
+    sequence_parallel: x is this rank's sequence shard (B, T/tp, in_features), gathered by
+    GatherFromSequenceRegion in f's place; backward returns the shard's gradient.
     """
 
     def __init__(self, in_features, out_features, tp, bias=True, rng=None,
-                 dtype=numpy.float32, std=None, copy_input=True):
+                 dtype=numpy.float32, std=None, copy_input=True, sequence_parallel=False):
         rng = numpy.random.default_rng(rng)
         full = _full_weight(rng, in_features, out_features, std)
         self._build(full, numpy.zeros(out_features) if bias else None, tp,
-                    contiguous(out_features, tp, "out_features"), dtype, copy_input)
+                    contiguous(out_features, tp, "out_features"), dtype, copy_input,
+                    sequence_parallel)
 
     @classmethod
-    def from_full(cls, weight, bias, tp, columns, dtype, copy_input=True):
+    def from_full(cls, weight, bias, tp, columns, dtype, copy_input=True,
+                  sequence_parallel=False):
         """The column-parallel layer holding `columns` (indices) of the full `weight` (in, out)
         and `bias` (out,) or None: what a tensor-parallel plan makes of a built Linear."""
         layer = cls.__new__(cls)
-        layer._build(weight, bias, tp, columns, dtype, copy_input)
+        layer._build(weight, bias, tp, columns, dtype, copy_input, sequence_parallel)
         return layer
 
-    def _build(self, weight, bias, tp, columns, dtype, copy_input):
+    def _build(self, weight, bias, tp, columns, dtype, copy_input, sequence_parallel):
         self.in_features, self.out_features = weight.shape
         self.weight = split_parameter(weight, columns, 1, dtype)
         self.bias = None if bias is None else split_parameter(bias, columns, 0, dtype)
-        self.f = CopyToTensorRegion(tp, inplace=True) if copy_input else None
+        self.f = None if not copy_input else GatherFromSequenceRegion(tp) \
+            if sequence_parallel else CopyToTensorRegion(tp, inplace=True)
 
     def forward(self, x):  # Linear's, on this rank's columns, after f
         return super().forward(self.f.forward(x) if self.f is not None else x)
@@ -119,28 +137,32 @@ class RowParallelLinear(Module):
 
     weight (in_features / T, out_features), tp_split 0; bias (out_features,), replicated
     (tp_split None): added after the allreduce, so it is counted once.
+    sequence_parallel: g is ReduceScatterToSequenceRegion, so y is this rank's sequence shard
+    (B, T/tp, out_features), and backward takes the shard's dy. The bias gradient is summed
+    over the gathered dy: whole, and the same, on every rank.
     """
 
     def __init__(self, in_features, out_features, tp, bias=True, rng=None,
-                 dtype=numpy.float32, std=None):
+                 dtype=numpy.float32, std=None, sequence_parallel=False):
         rng = numpy.random.default_rng(rng)
         full = _full_weight(rng, in_features, out_features, std)
         self._build(full, numpy.zeros(out_features) if bias else None, tp,
-                    contiguous(in_features, tp, "in_features"), dtype)
+                    contiguous(in_features, tp, "in_features"), dtype, sequence_parallel)
 
     @classmethod
-    def from_full(cls, weight, bias, tp, rows, dtype):
+    def from_full(cls, weight, bias, tp, rows, dtype, sequence_parallel=False):
         """The row-parallel layer holding `rows` (indices) of the full `weight` (in, out) and
         the whole `bias` (out,) or None."""
         layer = cls.__new__(cls)
-        layer._build(weight, bias, tp, rows, dtype)
+        layer._build(weight, bias, tp, rows, dtype, sequence_parallel)
         return layer
 
-    def _build(self, weight, bias, tp, rows, dtype):
+    def _build(self, weight, bias, tp, rows, dtype, sequence_parallel):
         self.in_features, self.out_features = weight.shape
         self.weight = split_parameter(weight, rows, 0, dtype)
         self.bias = None if bias is None else replicated_parameter(bias, dtype)
-        self.g = ReduceFromTensorRegion(tp, inplace=True)
+        self.g = ReduceScatterToSequenceRegion(tp) if sequence_parallel else \
+            ReduceFromTensorRegion(tp, inplace=True)
 
     def forward(self, x):
         W = compute_data(self.weight)  # (Cin / T, Cout)
@@ -149,7 +171,7 @@ class RowParallelLinear(Module):
                              f"axis {W.shape[0]} (in_features {self.in_features} / tensor-"
                              f"parallel size), got shape {tuple(x.shape)}")
         partial, (x, _) = F.linear_forward(x.astype(W.dtype, copy=False), W, None)
-        y = self.g.forward(partial)  # sum over tp: allreduce
+        y = self.g.forward(partial)  # sum over tp: allreduce (sequence parallel: its shard)
         if self.bias is not None:
             y += compute_data(self.bias)
         self._save(x)
@@ -158,7 +180,7 @@ class RowParallelLinear(Module):
     def backward(self, dy):
         x = self._pop()
         W = compute_data(self.weight)
-        dy = self.g.backward(dy).astype(W.dtype, copy=False)
+        dy = self.g.backward(dy).astype(W.dtype, copy=False)  # (sequence parallel: gathered)
         dx, dW, db = F.linear_backward(dy, (x, W))
         accumulate_grad_(self.weight, dW)
         if self.bias is not None:

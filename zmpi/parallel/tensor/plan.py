@@ -8,6 +8,7 @@ A layer class names its plan as plain data, so zmpi.nn needs nothing of this pac
         tp_plan = {"qkv": "colwise_heads", "proj": "rowwise"}
 
     parallelize(unit, tp)     # every module in `unit` whose class names a plan, in place
+    parallelize(unit, tp, sequence_parallel=True)   # the same, with sequence parallelism
 
 `parallelize` runs on one unit right after it is built (GPT does it unit by unit), so a rank
 holds one unit's full weights for a moment and never the whole model. The styles:
@@ -17,15 +18,21 @@ holds one unit's full weights for a moment and never the whole model. The styles
     colwise_heads  the fused [q | k | v] Linear of attention -> ColumnParallelLinear holding
                    this rank's heads of each of q, k and v (so the local qkv is again
                    [q | k | v] for n_head / T heads); the module's `n_head` becomes n_head / T
+    sequence       a replicated module (a LayerNorm) that runs on the sequence shard under
+                   sequence parallelism: its Parameters are marked `sequence_parallel = True`
+                   (`mark_sequence_parallel`); without sequence parallelism, nothing
 
-With tp.size == 1 nothing changes. A size T that does not divide a layer (features, heads) is
-a ValueError naming it.
+With sequence_parallel=True the column layers gather the sequence at their input and the row
+layers reduce-scatter it at their output (linear.py, regions.py), so the activations between
+the tensor-parallel regions are each rank's sequence shard (B, S/T, C). With tp.size == 1
+nothing changes. A size T that does not divide a layer (features, heads) is a ValueError
+naming it.
 """
 from __future__ import annotations
 
 import numpy
 
-from zmpi.nn.layers import Linear
+from zmpi.nn.layers import LayerNorm, Linear
 from zmpi.parallel.tensor.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -40,21 +47,40 @@ def _host(p):
     return None if p is None else numpy.asarray(p.data, dtype=numpy.float64)
 
 
-def _colwise(module, name, tp):
+def mark_sequence_parallel(*modules) -> None:
+    """Mark every Parameter of `modules` (Modules or Parameters) `sequence_parallel = True`
+    (Megatron's name): a parameter every tensor rank holds whole, whose gradient each rank
+    computes from its own sequence shard only, so the engine sums it over the tensor ranks
+    (zmpi/engine/tensor.py) before the optimizer reads it."""
+    for m in modules:
+        for p in [m] if not hasattr(m, "parameters") else m.parameters():
+            p.sequence_parallel = True
+
+
+def _colwise(module, name, tp, sequence_parallel):
     layer = getattr(module, name)
     return ColumnParallelLinear.from_full(
         _host(layer.weight), _host(layer.bias), tp,
-        contiguous(layer.weight.shape[1], tp, f"{name} out_features"), layer.weight.dtype)
+        contiguous(layer.weight.shape[1], tp, f"{name} out_features"), layer.weight.dtype,
+        sequence_parallel=sequence_parallel)
 
 
-def _rowwise(module, name, tp):
+def _rowwise(module, name, tp, sequence_parallel):
     layer = getattr(module, name)
     return RowParallelLinear.from_full(
         _host(layer.weight), _host(layer.bias), tp,
-        contiguous(layer.weight.shape[0], tp, f"{name} in_features"), layer.weight.dtype)
+        contiguous(layer.weight.shape[0], tp, f"{name} in_features"), layer.weight.dtype,
+        sequence_parallel=sequence_parallel)
 
 
-def _colwise_heads(module, name, tp):
+def _sequence(module, name, tp, sequence_parallel):
+    layer = getattr(module, name)
+    if sequence_parallel:
+        mark_sequence_parallel(layer)
+    return layer
+
+
+def _colwise_heads(module, name, tp, sequence_parallel):
     layer = getattr(module, name)
     C = layer.weight.shape[1] // 3
     heads = split_size(module.n_head, tp, "n_head")
@@ -63,25 +89,29 @@ def _colwise_heads(module, name, tp):
     columns = numpy.concatenate([part * C + mine for part in range(3)])
     module.n_head = heads
     return ColumnParallelLinear.from_full(_host(layer.weight), _host(layer.bias), tp, columns,
-                                          layer.weight.dtype)
+                                          layer.weight.dtype, sequence_parallel=sequence_parallel)
 
 
-STYLES = {"colwise": _colwise, "rowwise": _rowwise, "colwise_heads": _colwise_heads}
+STYLES = {"colwise": _colwise, "rowwise": _rowwise, "colwise_heads": _colwise_heads,
+          "sequence": _sequence}
 
 
-def parallelize(unit, tp):
+def parallelize(unit, tp, sequence_parallel: bool = False):
     """Apply every plan in `unit` (its own and its submodules') over the Comm `tp`, in place;
-    returns `unit`. Each planned attribute must be a zmpi.nn.Linear built on the host."""
+    returns `unit`. Each attribute planned to be split must be a zmpi.nn.Linear built on the
+    host, each one planned "sequence" a zmpi.nn.LayerNorm."""
     if tp is None or tp.size == 1:
         return unit
     for module in list(unit.modules()):
         for name, style in getattr(type(module), "tp_plan", {}).items():
             layer = getattr(module, name)
-            if type(layer) is not Linear:  # (a ColumnParallelLinear is split already)
-                raise TypeError(f"{type(module).__name__}.{name}: a tensor-parallel plan splits "
-                                f"a zmpi.nn.Linear, not {type(layer).__name__}")
+            kind = LayerNorm if style == "sequence" else Linear
+            if type(layer) is not kind:  # (a ColumnParallelLinear is split already)
+                raise TypeError(f"{type(module).__name__}.{name}: a tensor-parallel plan "
+                                f"{'marks' if kind is LayerNorm else 'splits'} a zmpi.nn."
+                                f"{kind.__name__}, not {type(layer).__name__}")
             if style not in STYLES:
                 raise ValueError(f"{type(module).__name__}.tp_plan: unknown style {style!r}; "
                                  f"styles: {', '.join(STYLES)}")
-            setattr(module, name, STYLES[style](module, name, tp))
+            setattr(module, name, STYLES[style](module, name, tp, sequence_parallel))
     return unit

@@ -74,10 +74,11 @@ def vocab_parameter(vocab_size, d_model, tp, rng=None, dtype=numpy.float32, std=
     return p
 
 
-def vocab_lookup(weight, idx, tp, vocab_size, check=True):
+def vocab_lookup(weight, idx, tp, vocab_size, check=True, reduce=True):
     """(W[idx] over every rank's rows: (..., C) on every rank in the compute dtype, the cache
     for vocab_lookup_backward). A local lookup (ids held elsewhere give zero rows), then one
-    allreduce(sum) over tp."""
+    allreduce(sum) over tp. reduce=False: this rank's rows only (the caller sums them, e.g.
+    by a reduce-scatter along the sequence under sequence parallelism)."""
     W = live(weight)  # (Vp/tp, C)
     xp = array_module(W)
     idx = xp.asarray(idx)
@@ -87,7 +88,7 @@ def vocab_lookup(weight, idx, tp, vocab_size, check=True):
     local, held = _local_ids(idx, start, rows, xp)
     y = W[xp.minimum(local, rows - 1)].astype(compute_dtype(W), copy=False)
     y *= held[..., None]  # ids held elsewhere: zero rows
-    return _allreduce(tp, y), (local, rows)
+    return _allreduce(tp, y) if reduce else y, (local, rows)
 
 
 def vocab_lookup_backward(weight, dy, cache) -> None:
@@ -158,17 +159,18 @@ class VocabParallelLMHead(Module):
         return vocab_head_backward(emb.weight, self._pop(), dlogits, emb.tp, emb.vocab_size)
 
 
-def vocab_head_backward(weight, h, dlogits, tp, vocab_size):
+def vocab_head_backward(weight, h, dlogits, tp, vocab_size, reduce=True):
     """Backward of logits_local = h @ weight.T with `weight` this rank's rows of a padded
     (V, C) table: accumulates into weight.grad (padding rows get none) and returns dh, summed
-    over tp (each rank's is a partial sum over its vocabulary rows)."""
+    over tp (each rank's is a partial sum over its vocabulary rows); reduce=False: this rank's
+    partial dh (the caller sums it, e.g. by a reduce-scatter along the sequence)."""
     WT = compute_data(weight).T  # (C, Vp/tp)
     dh, dWT, _ = F.linear_backward(dlogits.astype(WT.dtype, copy=False), (h, WT))
     _, start, rows = vocab_shard(vocab_size, tp.size, tp.rank)
     dW = dWT.T
     dW[_real_rows(vocab_size, start, rows):] = 0  # padding rows never receive a gradient
     accumulate_grad_(weight, dW)
-    return _allreduce(tp, dh)
+    return _allreduce(tp, dh) if reduce else dh
 
 
 class VocabParallelCrossEntropy(Loss):
