@@ -26,7 +26,9 @@ import numpy as np
 from _report import report
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: gradcheck
-from gradcheck import EPS, RTOL, _close, directional_check  # noqa: E402
+from gradcheck import directional_check  # noqa: E402
+from tensor_checks import Serial, collective_directional_check  # noqa: E402
+from tp_checks import errors  # noqa: E402
 
 from zmpi.comm import MPI, Comm  # noqa: E402
 from zmpi.data import SyntheticSource  # noqa: E402
@@ -104,8 +106,9 @@ def operators(tp):
     return out
 
 
-class MLP:
-    """Column -> GELU -> Row (sequence parallel) or Linear -> GELU -> Linear (serial)."""
+class MLP(Serial):
+    """Column -> GELU -> Row (sequence parallel) or Linear -> GELU -> Linear (serial); forward
+    and backward run `self.layers` as tensor_checks.Serial does."""
 
     def __init__(self, tp=None, hidden=16):
         rng = np.random.default_rng(5)
@@ -121,16 +124,6 @@ class MLP:
         self.layers[0].bias.data[...] = np.random.default_rng(7).standard_normal(hidden)[
             self.layers[0].weight.tp_index if tp is not None else slice(None)]
         self.layers[2].bias.data[...] = np.random.default_rng(8).standard_normal(C)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer.forward(x)
-        return x
-
-    def backward(self, dy):
-        for layer in reversed(self.layers):
-            dy = layer.backward(dy)
-        return dy
 
 
 def sequence_parallel_mlp(tp, gradcheck):
@@ -159,20 +152,9 @@ def sequence_parallel_mlp(tp, gradcheck):
     def f():  # the same on every rank
         return tp.allreduce_scalar(float((par.forward(xr) * wr).sum()))
 
-    rng = np.random.default_rng(100 + tp.rank)  # each rank its own directions
     for name, p in (("x", xr), ("fc.weight", fc.weight.data), ("fc.bias", fc.bias.data),
-                    ("proj.weight", proj.weight.data)):
-        grad = dxr if name == "x" else grads[name]
-        p0 = p.copy()
-        for _ in range(3):
-            d = rng.standard_normal(p.shape)
-            p[...] = p0 + EPS * d
-            fp = f()
-            p[...] = p0 - EPS * d
-            fm = f()
-            p[...] = p0
-            num, ana = (fp - fm) / (2 * EPS), tp.allreduce_scalar(float((grad * d).sum()))
-            assert _close(num, ana, RTOL, 1e-9), (name, num, ana)
+                    ("proj.weight", proj.weight.data)):  # each rank its own slice and directions
+        collective_directional_check(f, p, dxr if name == "x" else grads[name], tp)
     # the replicated bias: every rank perturbs its copy along the same direction; its gradient
     # is whole on every rank (from the gathered dy)
     directional_check(f, proj.bias.data, proj.bias.grad.copy(), np.random.default_rng(9),
@@ -205,17 +187,6 @@ def trained(model, cfg, comm, data, mesh=None):
     out["params"] = engine.gather_parameters()
     engine.close()
     return out
-
-
-def errors(got, want, init):
-    """(the largest error of a tensor relative to its move, model-wide error / move)."""
-    worst = err2 = move2 = 0.0
-    for name, w in want.items():
-        diff = got[name].astype(np.float64) - w
-        move = w - init[name]
-        worst = max(worst, np.abs(diff).max() / max(np.abs(move).max(), 1e-30))
-        err2, move2 = err2 + (diff * diff).sum(), move2 + (move * move).sum()
-    return float(worst), float(np.sqrt(err2 / move2))
 
 
 def training(comm, tp):
