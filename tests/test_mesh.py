@@ -1,11 +1,10 @@
 """The process mesh (zmpi.parallel.mesh): data x pipeline x tensor in DeepSpeed's
 PipeModelDataParallelTopology order (tensor fastest, then data, then pipeline), checked
 against tables written out by hand; each group's collectives count in its own dimension;
-the engine's mesh at tp = pp = 1 is the world; pp > 1 is refused until it lands."""
+the engine's mesh at tp = pp = 1 is the world (pipelines: tests/test_pipeline.py)."""
 import pytest
-from mpi_util import CLI, RANKS_DIR, launch_mpi, run_mpi
+from mpi_util import RANKS_DIR, run_mpi
 
-from zmpi.config import Config, ConfigError
 from zmpi.parallel.mesh import Coordinates, mesh_sizes
 
 # 4 ranks: (tp, pp) -> per world rank (dp_rank, pp_rank, tp_rank), groups as world ranks
@@ -91,20 +90,3 @@ def test_eight_ranks_by_hand():
 def test_a_mesh_that_does_not_divide_is_a_clear_error(size, tp, pp, words):
     with pytest.raises(ValueError, match=words):
         mesh_sizes(size, tp, pp)
-
-
-def test_pipeline_stages_are_refused_until_they_land():
-    with pytest.raises(ConfigError, match="pipeline.stages: 2: zmpi has no pipeline parallelism"):
-        Config.from_dict({"pipeline": {"stages": 2}}).check_parallelism()
-    Config.from_dict({"tensor_parallel": {"autotp_size": 2}}).check_parallelism()  # the engine
-    # checks a tp > 1 model (tests/test_tensor_engine.py)
-
-
-@pytest.mark.mpi
-def test_train_pp_flag_is_one_line_naming_the_missing_feature(tmp_path):
-    result = launch_mpi(CLI, 2, timeout=60, args=[
-        "train", "--pp", "2", "--steps", "1", "--out", tmp_path])
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.describe()
-    assert result.stderr.strip().splitlines() == [
-        "zmpi train: config from the flags: pipeline.stages: 2: zmpi has no pipeline "
-        "parallelism yet (the process mesh exists, its stages do not); use 1"]

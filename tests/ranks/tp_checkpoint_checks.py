@@ -1,5 +1,6 @@
-"""Rank side of tests/test_tensor_checkpoint.py: checkpoints of tensor-parallel runs, saved at
-one (dp, tp, stage) and loaded at another, on 4 ranks (and a 2-rank group of them).
+"""Rank side of tests/test_tensor_checkpoint.py: checkpoints of tensor- and pipeline-parallel
+runs, saved at one (dp, pp, tp, stage) and loaded at another, on 4 ranks (and a 2-rank group
+of them).
 
     mpiexec -n 4 python tests/ranks/tp_checkpoint_checks.py WORK_DIR
 
@@ -30,27 +31,34 @@ CFG = GPTConfig(vocab_size=13, seq_len=8, n_layer=2, n_head=4, d_model=16)
 BATCH, SAVE_AT, UNTIL = 8, 3, 6
 PRECISION = {"fp64": (np.float64, {}), "fp32": (np.float32, {}),
              "fp16": (np.float32, {"fp16": {"enabled": True, "initial_scale_power": 8}})}
-# case: (saving (tp, zero), loading (ranks, tp, zero), precision)
+# case: (saving ((tp, pp), zero), loading (ranks, (tp, pp), zero), precision)
 CASES = {
-    "tp2s3_to_tp4s1": ((2, {"stage": 3}), (4, 4, {"stage": 1}), "fp64"),
-    "tp2s3_to_tp1s0": ((2, {"stage": 3}), (4, 1, {"stage": 0}), "fp64"),
-    "tp2s3_to_2ranks_tp2s2": ((2, {"stage": 3}), (2, 2, {"stage": 2}), "fp64"),
-    "tp1s2_to_tp2hybrid": ((1, {"stage": 2}), (4, 2, {"strategy": "hybrid",
-                                                        "shard_group_size": 1}), "fp64"),
-    "tp4s0_to_tp2s3off": ((4, {"stage": 0}), (4, 2, {"stage": 3, "offload_optimizer": {
+    "tp2s3_to_tp4s1": (((2, 1), {"stage": 3}), (4, (4, 1), {"stage": 1}), "fp64"),
+    "tp2s3_to_tp1s0": (((2, 1), {"stage": 3}), (4, (1, 1), {"stage": 0}), "fp64"),
+    "tp2s3_to_2ranks_tp2s2": (((2, 1), {"stage": 3}), (2, (2, 1), {"stage": 2}), "fp64"),
+    "tp1s2_to_tp2hybrid": (((1, 1), {"stage": 2}), (4, (2, 1), {"strategy": "hybrid",
+                                                                  "shard_group_size": 1}),
+                           "fp64"),
+    "tp4s0_to_tp2s3off": (((4, 1), {"stage": 0}), (4, (2, 1), {"stage": 3, "offload_optimizer": {
         "device": "cpu"}}), "fp64"),
-    "tp2s2_same_fp32": ((2, {"stage": 2}), (4, 2, {"stage": 2}), "fp32"),
-    "tp2s1_to_tp4s3_fp16": ((2, {"stage": 1}), (4, 4, {"stage": 3}), "fp16"),
+    "tp2s2_same_fp32": (((2, 1), {"stage": 2}), (4, (2, 1), {"stage": 2}), "fp32"),
+    "tp2s1_to_tp4s3_fp16": (((2, 1), {"stage": 1}), (4, (4, 1), {"stage": 3}), "fp16"),
+    # pipeline stages: each writes its units; the last stage's copy of wte is not saved
+    "pp2s1_to_pp1s3": (((1, 2), {"stage": 1}), (4, (1, 1), {"stage": 3}), "fp64"),
+    "pp4s0_to_pp2tp2s1": (((1, 4), {"stage": 0}), (4, (2, 2), {"stage": 1}), "fp64"),
+    "pp2tp2s1_to_pp4s2": (((2, 2), {"stage": 1}), (4, (1, 4), {"stage": 2}), "fp64"),
+    "tp2s0_to_2ranks_pp2s3": (((2, 1), {"stage": 0}), (2, (1, 2), {"stage": 3}), "fp64"),
+    "pp2s2_same_fp32": (((1, 2), {"stage": 2}), (4, (1, 2), {"stage": 2}), "fp32"),
 }
 
 
-def build(comm, tp, zero, precision, vocab=CFG.vocab_size):
+def build(comm, tp, zero, precision, vocab=CFG.vocab_size, pp=1):
     dtype, mixed = PRECISION[precision]
-    mesh = Mesh(comm, tp=tp)
+    mesh = Mesh(comm, tp=tp, pp=pp)
     config = {**mixed, "train_micro_batch_size_per_gpu": BATCH // mesh.dp,
               "gradient_clipping": 0.05,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-              "tensor_parallel": {"autotp_size": tp},
+              "tensor_parallel": {"autotp_size": tp}, "pipeline": {"stages": pp},
               "zero_optimization": {**zero, "reduce_bucket_size": 2000}}
     cfg = GPTConfig(vocab, CFG.seq_len, CFG.n_layer, CFG.n_head, CFG.d_model)
     engine = Engine(GPT(cfg, seed=0, dtype=dtype, tp=mesh.tp_comm), config, comm, mesh=mesh)
@@ -72,9 +80,9 @@ def main():
     work = Path(sys.argv[1])
     out = {"cases": {}}
     pair = world.split(0 if world.rank < 2 else 1)  # a 2-rank job inside the 4-rank one
-    for case, ((tp, zero), (ranks, tp2, zero2), precision) in CASES.items():
+    for case, (((tp, pp), zero), (ranks, (tp2, pp2), zero2), precision) in CASES.items():
         ckpt = work / case
-        engine, rows = build(world, tp, zero, precision)
+        engine, rows = build(world, tp, zero, precision, pp=pp)
         init = engine.gather_parameters()
         train(engine, rows, range(SAVE_AT))
         engine.save_checkpoint(ckpt)
@@ -87,7 +95,7 @@ def main():
         result = {}
         if ranks == world.size or world.rank < ranks:
             comm = world if ranks == world.size else pair
-            engine, rows = build(comm, tp2, zero2, precision)
+            engine, rows = build(comm, tp2, zero2, precision, pp=pp2)
             loaded = engine.load_checkpoint(ckpt)
             result["loaded_step"] = loaded.global_steps
             result["after_load"] = largest_difference(engine.gather_parameters(), at_save)

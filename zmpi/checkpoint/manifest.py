@@ -3,8 +3,9 @@
     write_manifest(ckpt / MANIFEST, body)       # body + format, version and a checksum
     manifest = read_manifest(ckpt)              # every field checked; CheckpointError if not
 
-The manifest is JSON: the format version, the flat layout (`ModelLayout.to_dict`), the mesh
-and, under tensor parallelism, how the parameters are split (`tensor`), the engine state
+The manifest is JSON: the format version, the flat layout (`ModelLayout.to_dict`; of the
+whole model), the mesh and, under tensor parallelism, how the parameters are split
+(`tensor`), under pipeline parallelism which units each stage saved (`pipeline`), the engine state
 (steps, optimizer, loss scaler, config, the caller's client state), the run that wrote it
 (`run_id`, ownership.py) and, per shard file, its size and CRC-32, with a CRC-32 of its own
 body. That checksum catches accidents only: it can be recomputed after an edit. So
@@ -117,13 +118,13 @@ FIELDS = {  # manifest key -> (test, what it must be)
     "master_dtype": _one_of("float32", "float64"), "unpublished_update": _of(bool),
     "last_lr": _num(0), "config": _of(dict), "scheduler": _of(dict), "client_state": _of(dict),
     "tied": _of(dict), "optimizer": _of(dict), "loss_scaler": _of(dict, _NONE),
-    "layout": _of(dict), "files": _of(list), "tensor": _of(dict),
+    "layout": _of(dict), "files": _of(list), "tensor": _of(dict), "pipeline": _of(dict),
     "mesh": (lambda m: type(m) is dict and set(m) == {"dp", "pp", "tp"}
              and all(type(v) is int and v >= 1 for v in m.values()), "{dp, pp, tp} sizes"),
 }
 # run_id and mesh are absent from checkpoints written before zmpi recorded them, tensor from
 # every checkpoint saved without tensor parallelism (zmpi.checkpoint.tensor);
-OPTIONAL = {"run_id", "mesh", "tensor"}
+OPTIONAL = {"run_id", "mesh", "tensor", "pipeline"}
 LEGACY_RUN = "legacy"  # such checkpoints are read as one run of this id
 OPTIMIZER = {"step_count": _int(0), "lr": _num(0), "eps": _num(0, open_lo=True),
              "weight_decay": _num(0), "decoupled": _of(bool),
@@ -158,14 +159,17 @@ def check_fields(m: dict) -> None:
     tp = TensorSplits.from_dict(m.get("tensor")).size
     if m.get("mesh", {"tp": 1})["tp"] != tp:
         raise ValueError(f"mesh has tp {m['mesh']['tp']}, the tensor splits are over {tp}")
-    if len(m["files"]) != n * tp:
+    pp = _check_pipeline(m.get("pipeline"), len(m["layout"]["units"]))
+    if m.get("mesh", {"pp": 1})["pp"] != pp:
+        raise ValueError(f"mesh has pp {m['mesh']['pp']}, the pipeline has {pp} stages")
+    if len(m["files"]) != n * tp * pp:
         raise ValueError(f"files lists {len(m['files'])} shards for world_size {n}"
-                         + (f" x tp {tp}" if tp > 1 else ""))
+                         + (f" x tp {tp}" if tp > 1 else "") + (f" x pp {pp}" if pp > 1 else ""))
     for i, entry in enumerate(m["files"]):
         if type(entry) is not dict:
             raise ValueError(f"files[{i}] is not an object")
         _check(entry, FILE, f"files[{i}].")
-        want = shard_name(i % n, n, i // n, tp)
+        want = shard_name(i % n, n, i // n % tp, tp, i // (n * tp), pp)
         if entry["file"] != want:
             raise ValueError(f"files[{i}] names {entry['file'][:80]!r}, not {want!r}"
                              " (shard files are the checkpoint directory's own)")
@@ -173,6 +177,21 @@ def check_fields(m: dict) -> None:
         if owner not in names or alias in names:
             raise ValueError(f"tied maps {alias[:60]!r} to {str(owner)[:60]!r}, not an alias to "
                              "a parameter of the layout")
+
+
+def _check_pipeline(pipeline, units: int) -> int:
+    """The number of stages of a manifest's "pipeline" entry ({"stages": P, "bounds": the
+    split points of the layout's `units`}; 1 without one); ValueError if it is not that."""
+    if pipeline is None:
+        return 1
+    stages, bounds = pipeline.get("stages"), pipeline.get("bounds")
+    if (type(stages) is not int or stages < 2 or type(bounds) is not list
+            or len(bounds) != stages + 1 or not all(type(b) is int for b in bounds)
+            or bounds[0] != 0 or bounds[-1] != units
+            or any(a >= b for a, b in zip(bounds, bounds[1:], strict=False))):
+        raise ValueError(f"pipeline is {json.dumps(pipeline)[:80]}, not {{stages: P >= 2, "
+                         f"bounds: P + 1 increasing split points of the {units} units}}")
+    return stages
 
 
 def _check_layout(layout: dict, world_size: int, num_params: int) -> set:

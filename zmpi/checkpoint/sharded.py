@@ -228,13 +228,15 @@ class Checkpointer:
                 shard = host
             states[name] = shard
         attrs = {"checkpoint_id": body["checkpoint_id"], "rank": strategy.rank,
-                 "world_size": layout.world_size, "tp_rank": state.tp_rank, "tag": tag,
+                 "world_size": layout.world_size, "tp_rank": state.tp_rank,
+                 "pp_stage": state.stage, "tag": tag,
                  "state_crc": comm.bcast_object(state_crc(body))}  # of rank 0's: the manifest
         path = staging / shard_name(strategy.rank, layout.world_size, state.tp_rank,
-                                    state.splits.size)
+                                    state.splits.size, state.stage, state.stages)
         self.pending = PendingSave(held, tag, body, keep_last, buffers=buffers,
                                    write=lambda: write_shard(path, layout, strategy.rank, states,
-                                                             attrs) if states else None)
+                                                             attrs, state.held)
+                                   if states else None)
         if async_:
             self.pending.start()
         else:
@@ -301,7 +303,8 @@ class Checkpointer:
         def read(tag):
             ckpt = resolve_tag(directory, tag)
             manifest = read_manifest(ckpt)
-            check_same_model(manifest, layout, state.splits, ckpt / MANIFEST)
+            check_same_model(manifest, state.saved_layout, state.saved_splits,
+                             ckpt / MANIFEST)
             same_dtype = manifest["dtype"] == state.dtype.name
             with ShardReader(ckpt, manifest, verify) as reader:
                 states = {s: read_owned(reader, s, layout, strategy.rank,

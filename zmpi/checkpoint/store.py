@@ -60,11 +60,40 @@ class CheckpointError(Exception):
 
 
 # ---- names ----------------------------------------------------------------------------------
-def shard_name(rank: int, world_size: int, tp_rank: int = 0, tp: int = 1) -> str:
+def shard_name(rank: int, world_size: int, tp_rank: int = 0, tp: int = 1, stage: int = 0,
+               stages: int = 1) -> str:
     """The shard file of data-parallel shard `rank` of `world_size` (and, under tensor
-    parallelism, of tensor rank `tp_rank` of `tp`)."""
+    parallelism, of tensor rank `tp_rank` of `tp`; under pipeline parallelism, of pipeline
+    stage `stage` of `stages`)."""
     name = f"rank{rank:05d}-of-{world_size:05d}.h5"
-    return name if tp == 1 else f"tp{tp_rank:03d}-{name}"
+    name = name if tp == 1 else f"tp{tp_rank:03d}-{name}"
+    return name if stages == 1 else f"pp{stage:03d}-{name}"
+
+
+def pipeline_bounds(manifest: dict) -> list[int]:
+    """The split points of the layout's units over the pipeline stages that saved them:
+    stage s held units bounds[s]:bounds[s + 1] ([0, units] without pipelining)."""
+    return manifest.get("pipeline", {}).get("bounds") or \
+        [0, len(manifest["layout_obj"].units)]
+
+
+def file_coords(manifest: dict, index: int) -> tuple[int, int, int]:
+    """(pipeline stage, tensor rank, data-parallel shard) of the manifest's file `index`: the
+    files are listed stage-major, then by tensor rank, then by shard."""
+    n = manifest["layout_obj"].world_size
+    tp = max(manifest["splits_obj"].size, 1)
+    return index // (n * tp), index // n % tp, index % n
+
+
+def file_pieces(manifest: dict, index: int):
+    """The parameter pieces file `index` holds: (name, start, at, length) of its shard's
+    owned pieces (ModelLayout.owned_pieces) in the units of its stage."""
+    layout = manifest["layout_obj"]
+    stage, _, rank = file_coords(manifest, index)
+    bounds = pipeline_bounds(manifest)
+    names = {slot.name for unit in layout.units[bounds[stage]:bounds[stage + 1]]
+             for slot in unit.slots}
+    return [piece for piece in layout.owned_pieces(rank) if piece[0] in names]
 
 
 def check_tag(tag: str) -> str:
@@ -236,14 +265,16 @@ class _GuardedFile(io.RawIOBase):
         self.f.close()
 
 
-def write_shard(path: Path, layout: ModelLayout, rank: int, states: dict, attrs: dict) -> dict:
+def write_shard(path: Path, layout: ModelLayout, rank: int, states: dict, attrs: dict,
+                skip=frozenset()) -> dict:
     """Write rank's owned shard of each state in `states` (name -> host array (S,)) to an HDF5
-    file at `path` atomically; returns {"file", "bytes", "crc32"} for the manifest. A failed
-    write (a full disk, a file too large) raises CheckpointError and leaves no file."""
+    file at `path` atomically, but the parameters named in `skip` (a pipeline stage's held
+    copies); returns {"file", "bytes", "crc32"} for the manifest. A failed write (a full
+    disk, a file too large) raises CheckpointError and leaves no file."""
     import h5py
 
     tmp = path.with_name(path.name + ".tmp")
-    pieces = list(layout.owned_pieces(rank))
+    pieces = [piece for piece in layout.owned_pieces(rank) if piece[0] not in skip]
     shapes = layout.shapes()
     sink = _GuardedFile(tmp)
     try:
@@ -283,7 +314,10 @@ class ShardReader:
     def __init__(self, ckpt: Path, manifest: dict, verify: bool = True):
         self.ckpt, self.manifest, self.verify = Path(ckpt), manifest, verify
         layout = manifest["layout_obj"]
-        self.world_size = layout.world_size
+        self.world_size, self.tp = layout.world_size, max(manifest["splits_obj"].size, 1)
+        bounds = pipeline_bounds(manifest)
+        self.stage = {slot.name: s for s in range(len(bounds) - 1)
+                      for unit in layout.units[bounds[s]:bounds[s + 1]] for slot in unit.slots}
         self.pieces = {}  # name -> [(source rank, start, length)]
         for r in range(layout.world_size):
             for name, start, _, n in layout.owned_pieces(r):
@@ -302,7 +336,7 @@ class ShardReader:
         self._files.clear()
 
     def file(self, index: int):
-        """The shard file at `index` of the manifest's list (tp_rank x N + rank)."""
+        """The shard file at `index` of the manifest's list (`file_coords`)."""
         if index not in self._files:
             self._files[index] = open_shard(self.ckpt, self.manifest, index, self.verify)
         return self._files[index]
@@ -314,7 +348,7 @@ class ShardReader:
             a, b = max(start, lo), min(stop, lo + n)
             if a >= b:
                 continue
-            f = self.file(tp_rank * self.world_size + r)
+            f = self.file((self.stage[name] * self.tp + tp_rank) * self.world_size + r)
             try:
                 ds = f[state][name]
                 ds.read_direct(_disk_view(out), np.s_[a - lo : b - lo],
@@ -329,13 +363,13 @@ class ShardReader:
 
 
 def open_shard(ckpt: Path, manifest: dict, index: int, verify: bool = True):
-    """Open the shard file at `index` of the manifest's list (tp_rank x N + rank) read-only
-    after checking it against the manifest: it exists, has the recorded size and (if
-    `verify`) CRC-32, and belongs to this checkpoint."""
+    """Open the shard file at `index` of the manifest's list (`file_coords`) read-only after
+    checking it against the manifest: it exists, has the recorded size and (if `verify`)
+    CRC-32, and belongs to this checkpoint."""
     import h5py
 
     world_size = manifest["layout_obj"].world_size
-    tp_rank, rank = divmod(index, world_size)
+    stage, tp_rank, rank = file_coords(manifest, index)
     entry = manifest["files"][index]
     path = Path(ckpt) / entry["file"]
     if not path.is_file():
@@ -353,7 +387,8 @@ def open_shard(ckpt: Path, manifest: dict, index: int, verify: bool = True):
         raise CheckpointError(f"{path}: corrupt: not a readable HDF5 file ({e})") from None
     attrs = f.attrs
     if (attrs.get("checkpoint_id") != manifest["checkpoint_id"] or attrs.get("rank") != rank
-            or attrs.get("world_size") != world_size or attrs.get("tp_rank", 0) != tp_rank):
+            or attrs.get("world_size") != world_size or attrs.get("tp_rank", 0) != tp_rank
+            or attrs.get("pp_stage", 0) != stage):
         f.close()
         raise CheckpointError(f"{path}: mismatch: this shard belongs to another checkpoint")
     if "state_crc" in attrs and attrs["state_crc"] != manifest["state_crc"]:

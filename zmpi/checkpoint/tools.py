@@ -26,6 +26,7 @@ from zmpi.checkpoint.store import (
     STATES,
     CheckpointError,
     ShardReader,
+    file_pieces,
     open_shard,
     resolve_tag,
 )
@@ -49,6 +50,8 @@ def inspect(directory, tag=None) -> str:
         f"  world size {m['world_size']}"
         + (f" x tensor-parallel {m['splits_obj'].size} ({len(m['splits_obj'].splits)} split "
            "tensors)" if m["splits_obj"].size > 1 else "")
+        + (f" x pipeline {m['pipeline']['stages']} (stages split the units at "
+           f"{m['pipeline']['bounds']})" if "pipeline" in m else "")
         + f", strategy {m['strategy']}, params {m['dtype']}, master and Adam "
         f"{m['master_dtype']}",
         f"  loss scaler: {m['loss_scaler'] or 'off'}; delayed update pending: "
@@ -71,9 +74,7 @@ def verify(directory, tag=None) -> list[str]:
     except CheckpointError as e:
         return [str(e)]
     problems = []
-    layout = manifest["layout_obj"]
-    for index in range(len(manifest["files"])):  # tensor rank x N + rank
-        rank = index % layout.world_size
+    for index in range(len(manifest["files"])):
         try:
             f = open_shard(ckpt, manifest, index)
         except CheckpointError as e:
@@ -81,7 +82,7 @@ def verify(directory, tag=None) -> list[str]:
             continue
         with f:
             for state in STATES:
-                for name, start, _, n in layout.owned_pieces(rank):
+                for name, start, _, n in file_pieces(manifest, index):
                     try:
                         ds = f[state][name]
                         ok = ds.shape == (n,) and ds.attrs["start"] == start

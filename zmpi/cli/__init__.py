@@ -60,8 +60,9 @@ def main(argv=None) -> None:
                    "sequence_parallel): LayerNorms and residual adds on a 1/T shard of each "
                    "sequence; --seq-len a multiple of T. No effect at T = 1")
     t.add_argument("--pp", type=int, metavar="P", default=None,
-                   help="pipeline-parallel degree of the process mesh (pipeline.stages; only 1 "
-                   "until pipeline parallelism lands)")
+                   help="pipeline-parallel degree of the process mesh (pipeline.stages): the "
+                   "GPT's units cut into P stages, micro-batches (--grad-accum) pipelined by "
+                   "the config's pipeline.schedule (default 1f1b)")
     t.add_argument("--shard-group-size", type=int, metavar="G", default=None,
                    help="hybrid strategies: shard over groups of G ranks (default: a node)")
     t.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,

@@ -284,7 +284,6 @@ def _checked_inputs(args, world_size: int):
     notes = []
     config = build_config(args, world_size, notes)
     resolved = Config.from_dict(config)
-    resolved.check_parallelism()
     tp = resolved.tensor_parallel
     if tp.sequence_parallel and tp.autotp_size > 1 and args.seq_len % tp.autotp_size:
         raise InputError(f"--seq-len {args.seq_len} is not divisible by the tensor-parallel "

@@ -120,11 +120,15 @@ def train(args) -> None:
              f"{mean_tps:,.0f} tokens/s over {elapsed:.1f} s")
     log.info(memory_table(engine, comm))
 
-    prompt = (tokenizer.encode("ROMEO:\n") if tokenizer else val_tokens[:8].astype(np.int64))
-    ids = engine.model.generate(prompt[None, :], args.sample_tokens, temperature=0.8,
-                                rng=args.seed)[0]
-    sample = tokenizer.decode(ids) if tokenizer else " ".join(map(str, ids.tolist()))
-    log.info("--- sample ---\n" + sample)
+    if mesh.pp == 1:  # sampling runs the whole model on every rank
+        prompt = (tokenizer.encode("ROMEO:\n") if tokenizer else val_tokens[:8].astype(np.int64))
+        ids = engine.model.generate(prompt[None, :], args.sample_tokens, temperature=0.8,
+                                    rng=args.seed)[0]
+        sample = tokenizer.decode(ids) if tokenizer else " ".join(map(str, ids.tolist()))
+        log.info("--- sample ---\n" + sample)
+    else:
+        sample = f"(no sample: each of the {mesh.pp} pipeline stages holds part of the model)"
+        log.info(sample)
     if comm.rank == 0:
         (out / "sample.txt").write_text(sample)
     record.close(status="finished", val_loss=float(val_loss), tokens_per_s=mean_tps,

@@ -111,15 +111,6 @@ class Config(_Section):
     def strategy_name(self) -> str:
         return self.zero_optimization.strategy_name
 
-    def check_parallelism(self) -> None:
-        """ConfigError for a mesh dimension zmpi cannot train yet: the mesh exists (the pp size
-        selects it), pipeline parallelism does not. (A tp > 1 model is checked by the engine,
-        which sees the model.)"""
-        size = self.pipeline.stages
-        _check(size == 1, "pipeline.stages", f"{size}: zmpi has no pipeline parallelism yet "
-                                              "(the process mesh exists, its stages do not); "
-                                              "use 1")
-
     def resolve_batch(self, world_size: int) -> Config:
         """Fill in train_batch_size (or check it) for `world_size` ranks; raise ConfigError if
         train_batch_size != micro * grad_accum * world_size."""

@@ -179,9 +179,35 @@ class TensorParallelConfig(_Section):
 @dataclass(frozen=True)
 class PipelineConfig(_Section):
     """`pipeline` (DeepSpeed's pipeline section): `stages` P, the pipeline-parallel degree of
-    the process mesh."""
+    the process mesh; `partition`, how the model's units are split over the stages (DeepSpeed's
+    partition_method: "parameters", "uniform" or "type:REGEX"); `schedule`, "1f1b" (default)
+    or "gpipe" (docs/pipeline.md); `activation_checkpoint_interval`, only 0 until activation
+    recompute exists. Micro-batches are gradient_accumulation_steps."""
+
+    _ALWAYS = {
+        "pipe_partitioned": (False, "sends each stage's activations whole from every tensor "
+                                    "rank"),
+        "grad_partitioned": (False, "sends each stage's activation gradients whole from every "
+                                    "tensor rank"),
+        "seed_layers": (False, "initialises every unit from the model's one seed"),
+    }
 
     stages: int = 1
+    partition: str = "parameters"
+    schedule: str = "1f1b"
+    activation_checkpoint_interval: int = 0
 
     def _validate(self):
         self._at_least(1, "stages")
+        _check(self.activation_checkpoint_interval == 0, "activation_checkpoint_interval",
+               f"{self.activation_checkpoint_interval}: zmpi does not recompute activations "
+               "yet (ZeRO-R activation checkpointing); use 0")
+        from zmpi.parallel.pipeline.partition import check_method
+        from zmpi.parallel.pipeline.schedule import SCHEDULES
+
+        _check(self.schedule in SCHEDULES, "schedule", f"{self.schedule!r}: use one of "
+               f"{', '.join(SCHEDULES)} (the interleaved schedule is not built)")
+        try:
+            check_method(self.partition)
+        except ValueError as e:
+            raise ConfigError("partition", str(e)) from None

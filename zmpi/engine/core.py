@@ -44,6 +44,7 @@ from zmpi.engine.checks import (
     storage_dtype,
 )
 from zmpi.engine.delayed import DelayedUpdate
+from zmpi.engine.pipeline import PipelineRun
 from zmpi.engine.profile import PhaseProfile
 from zmpi.engine.state import TrainState
 from zmpi.engine.step import reduce_and_update
@@ -55,6 +56,7 @@ from zmpi.optim import lr_schedules
 from zmpi.optim.adam import Adam, HostAdam, host_threads
 from zmpi.optim.loss_scaler import LossScaler
 from zmpi.parallel.mesh import Mesh
+from zmpi.parallel.pipeline.stage import PipelineStage
 from zmpi.zero import StrategyContext, get_strategy
 from zmpi.zero.flat import ModelLayout, UnitLayout
 
@@ -115,7 +117,6 @@ class Engine:
             warnings.warn(f"{comm.local_size} ranks share {backend.device_count()} GPUs on this "
                           "node: run one rank per GPU", stacklevel=2)
         config = as_config(config)
-        config.check_parallelism()
         # data x pipeline x tensor; the ZeRO strategies see only the data-parallel group
         self.mesh = mesh if mesh is not None else Mesh(
             comm, tp=config.tensor_parallel.autotp_size, pp=config.pipeline.stages)
@@ -133,6 +134,9 @@ class Engine:
 
         if not isinstance(model, UnitModel):
             model = as_one_unit(model, comm)
+        if self.mesh.pp > 1:  # this rank keeps and trains its stage's units
+            model = PipelineStage(model, self.mesh.pp_rank, self.mesh.pp,
+                                  self.config.pipeline.partition)
         self.model = model
         units = list(model.units)
         names = {id(p): name for name, p in model.named_parameters()}  # model-wide names
@@ -161,13 +165,16 @@ class Engine:
             master_dtype=self.master_dtype, xp=self.xp, config=self.config.zero_optimization,
             mesh=self.mesh))
         self.strategy.initialize(initial)
+        self.tensor_splits = TensorSplits.of_model(unit_params, self.mesh.tp_comm)  # checkpoints
+        # the schedule, and the weights tied across stages (engine/pipeline.py)
+        self.pipeline = PipelineRun(self, model, unit_params) if self.mesh.pp > 1 else None
+        held = self.pipeline.held_params if self.pipeline else frozenset()
         # where the tensor-replicated parameters sit in the optimizer's gradients (clipping)
-        self.tp_replicated = replicated_ranges(self.layout, unit_params,
-                                               self.strategy) if self.mesh.tp > 1 else []
+        self.tp_replicated = replicated_ranges(self.layout, unit_params, self.strategy,
+                                               held) if self.mesh.tp > 1 else []
         # those of them whose gradients are partial under sequence parallelism (summed over tp)
         self.tp_sequence = sequence_ranges(self.layout, unit_params,
                                            self.strategy) if self.mesh.tp > 1 else []
-        self.tensor_splits = TensorSplits.of_model(unit_params, self.mesh.tp_comm)  # checkpoints
         self._unit_index = {id(unit): u for u, unit in enumerate(units)}
         model.hooks = _EngineHooks(self)
 
@@ -249,7 +256,9 @@ class Engine:
     def _train_step(self, inputs, targets) -> float:
         total, normalizer = 0.0, self._normalizer(targets, self.accumulation)
         clock = self.phases.clock()
-        for i in range(self.accumulation):
+        if self.pipeline is not None:  # the stage's share of every micro-batch, scheduled
+            total = self.pipeline.train(self, inputs, targets, normalizer, clock)
+        for i in range(self.accumulation if self.pipeline is None else 0):
             rows_i = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
             self.strategy.sync_gradients = i == self.accumulation - 1
             total = total + self.model.forward_loss(self.xp.asarray(inputs[rows_i]),
@@ -263,8 +272,7 @@ class Engine:
         every = self.config.debug.check_replicas_every
         if every and self.global_steps % every == 0:
             self.check_replicas()
-        dp = self.mesh.dp_comm
-        loss = dp.allreduce_scalar(float(total) / self.accumulation) / dp.size
+        loss = self._mean_over_replicas(float(total) / self.accumulation)
         if not math.isfinite(loss) and not self.config.fp16.enabled:
             raise FloatingPointError(f"the loss is {loss} at step {self.global_steps - 1} "
                                      f"({self.dtype.name})")
@@ -276,10 +284,21 @@ class Engine:
         an allreduce). A delayed update in flight lands first."""
         self.model.check_batch(inputs, targets)
         self.flush()
+        normalizer = self._normalizer(targets, 1)
         with activations_counted_in(self.memory):
-            loss = self.model.loss(self.xp.asarray(inputs), self.xp.asarray(targets),
-                                   self._normalizer(targets, 1))
-            self.model.clear_cache()  # no backward follows
+            if self.pipeline is not None:
+                loss = self.pipeline.evaluate(self, inputs, targets, normalizer)
+            else:
+                loss = self.model.loss(self.xp.asarray(inputs), self.xp.asarray(targets),
+                                       normalizer)
+                self.model.clear_cache()  # no backward follows
+        return self._mean_over_replicas(loss)
+
+    def _mean_over_replicas(self, loss: float) -> float:
+        """The mean over the data-parallel replicas of a loss that the last pipeline stage
+        computed (the only stage at pp = 1; the others pass 0.0): the same on every rank."""
+        if self.pipeline is not None:
+            loss = self.mesh.pp_comm.allreduce_scalar(loss)
         return self.mesh.dp_comm.allreduce_scalar(loss) / self.mesh.dp
 
     def _normalizer(self, targets, micro_batches):
@@ -317,6 +336,8 @@ class Engine:
         for group in self.strategy.comms().values():  # the policy's own groups (hybrid)
             if group not in self.mesh.comms().values():
                 group.free()
+        if self.pipeline is not None:
+            self.pipeline.free()
         self.mesh.free()
 
     # ---- checkpoints ------------------------------------------------------------------------
@@ -394,15 +415,18 @@ class Engine:
         self.flush()
         full = backend.to_host(self.strategy.full_master())
         params = dict(self.model.named_parameters())
+        held = self.pipeline.held_params if self.pipeline else frozenset()
         out = {}
         for u, unit_layout in enumerate(self.layout.units):
             for name, view in unit_layout.views(full[self.layout.full_slice(u)]).items():
-                out[name] = gather_tensor_slices(view, params[name], self.mesh.tp_comm)
-        return out
+                value = gather_tensor_slices(view, params[name], self.mesh.tp_comm)
+                if id(params[name]) not in held:  # the owning stage gives a tied weight
+                    out[name] = value
+        return out if self.pipeline is None else self.pipeline.gather(out)
 
     def reset_counters(self) -> None:
         """Zero the counters of every Comm the engine sends on (world, mesh, strategy)."""
-        for comm in groups(self.comm, self.mesh, self.strategy):
+        for comm in groups(self.comm, self.mesh, self.strategy, self.pipeline):
             comm.reset_counters()
 
     def traffic(self) -> dict[str, dict]:
@@ -419,7 +443,7 @@ class Engine:
         """{"dp"|"pp"|"tp": {op: {calls, bytes, sent}}} since the last reset: each mesh
         dimension's collectives (the strategy's groups count in "dp", where they live), so
         each dimension's formula is checked against its own counters."""
-        return by_dimension(self.mesh, self.strategy)
+        return by_dimension(self.mesh, self.strategy, self.pipeline)
 
     @property
     def num_params(self) -> int:

@@ -25,6 +25,13 @@ class TrainState:
         self.global_steps = engine.global_steps
         # how the parameters are split over the tensor ranks (zmpi.checkpoint.tensor)
         self.splits, self.tp_rank = engine.tensor_splits, engine.mesh.tp_rank
+        # what the manifest describes: the whole model, every pipeline stage's units; this
+        # stage writes its own, not its held copies of other stages' (zmpi.parallel.pipeline)
+        pipe = engine.pipeline
+        self.saved_layout = pipe.whole_layout if pipe else engine.layout
+        self.saved_splits = pipe.whole_splits if pipe else engine.tensor_splits
+        self.stage, self.stages = engine.mesh.pp_rank, engine.mesh.pp
+        self.held = pipe.held_names if pipe else frozenset()
 
     def settle(self) -> None:
         """Before a snapshot: a delayed update in flight finishes (its publication stays
@@ -39,7 +46,7 @@ class TrainState:
             "world_size": engine.layout.world_size, "strategy": engine.strategy.name,
             "mesh": engine.mesh.describe(),
             "dtype": engine.dtype.name, "master_dtype": engine.master_dtype.name,
-            "num_params": engine.num_params, "layout": engine.layout.to_dict(),
+            "num_params": self.saved_layout.num_params, "layout": self.saved_layout.to_dict(),
             "tied": engine.model.tied_parameters(), "global_steps": engine.global_steps,
             "optimizer": {**opt.state_dict(), "lr": engine.config.optimizer.lr,
                           "betas": list(engine.config.optimizer.betas), "eps": opt.eps,
@@ -51,7 +58,9 @@ class TrainState:
             "git_revision": git_revision() if engine.comm.rank == 0 else None,
         }
         if self.splits.size > 1:
-            body["tensor"] = self.splits.to_dict()
+            body["tensor"] = self.saved_splits.to_dict()
+        if self.stages > 1:
+            body["pipeline"] = {"stages": self.stages, "bounds": engine.model.bounds}
         json.dumps(body["client_state"])  # TypeError now, not when the manifest is written
         return body
 

@@ -29,6 +29,8 @@ def reduce_and_update(engine) -> None:
     grads = strategy.optimizer_grads()
     check_grads_contract(strategy, grads, engine.dtype)
     sum_sequence_parallel_grads(engine, grads)  # sequence parallelism: over the tensor ranks
+    if engine.pipeline is not None:
+        engine.pipeline.sum_tied_grads(grads)  # a weight two stages hold: over those stages
     grad_scale = 1.0 / (engine.scaler.scale * engine.mesh.dp * engine.accumulation)
     finite, sumsq = engine.optimizer.grad_stats(grads, grad_scale, engine.master_dtype)
     engine.flush()  # the previous step's delayed update lands (its compute overlapped ours)
@@ -73,16 +75,20 @@ def apply_schedule(engine) -> None:
 
 
 def clip_coef(engine, sumsq: float, grads, grad_scale: float) -> float:
-    """Factor that brings the global L2 norm over all ranks' shards to gradient_clipping
-    (1.0 when it is below, or clipping is off). `sumsq`: this rank's sum of squared scaled
-    gradients (`grads` * `grad_scale`)."""
+    """Factor that brings the global L2 norm over all ranks' shards (all stages, all tensor
+    slices) to gradient_clipping (1.0 when it is below, or clipping is off). `sumsq`: this
+    rank's sum of squared scaled gradients (`grads` * `grad_scale`)."""
     max_norm = engine.config.gradient_clipping
     if max_norm <= 0:
         return 1.0
+    if engine.pipeline is not None:  # a tied weight counts once, at its owner's stage
+        sumsq -= engine.pipeline.held_sumsq(grads, grad_scale, engine.master_dtype)
     if engine.mesh.tp > 1:  # split parameters over the tensor ranks, replicated ones once
         sumsq = tensor_norm_sq(engine, sumsq, grads, grad_scale)
-    elif engine.strategy.shard_optimizer:  # each shard group holds the whole model once
+    elif engine.strategy.shard_optimizer:  # each shard group holds the stage's model once
         sumsq = engine.strategy.comm.allreduce_scalar(sumsq)
+    if engine.pipeline is not None:  # every stage's share
+        sumsq = engine.mesh.pp_comm.allreduce_scalar(sumsq)
     coef = max_norm / (math.sqrt(sumsq) + 1e-6)  # as torch.nn.utils.clip_grad_norm_
     return min(coef, 1.0)
 

@@ -6,10 +6,11 @@ every tensor rank holds it whole (LayerNorms, row-parallel biases, the embedding
 partitions each rank's local parameters over the data-parallel group as if they were a whole
 model; what needs the split is:
 
-    replicated_ranges(layout, unit_params, strategy)  where the replicated parameters sit in
-                                                     the optimizer's gradient buffer
-    sequence_ranges(layout, unit_params, strategy)    where those marked `sequence_parallel`
-                                                     sit (gradients partial per tensor rank)
+    param_ranges(layout, unit_params, strategy, keep) where the parameters `keep` selects
+                                                     sit in the optimizer's gradient buffer
+    replicated_ranges(layout, unit_params, strategy)  ... the replicated parameters
+    sequence_ranges(layout, unit_params, strategy)    ... those marked `sequence_parallel`
+                                                     (gradients partial per tensor rank)
     sum_sequence_parallel_grads(engine, grads)       sum those over the tensor ranks, once a
                                                      step, after the data-parallel reduction
     tensor_norm_sq(engine, sumsq, grads, grad_scale) the global gradient norm squared: split
@@ -24,26 +25,33 @@ import numpy as np
 from zmpi.backend import array_module
 
 
-def replicated_ranges(layout, unit_params, strategy, marked=None) -> list[slice]:
+def param_ranges(layout, unit_params, strategy, keep) -> list[slice]:
     """Slices of the optimizer's gradient buffer (this rank's shard when the strategy shards
-    the optimizer, else the full layout) that hold tensor-replicated parameters; with
-    `marked` (an attribute name), only those of them whose `marked` attribute is true."""
+    the optimizer, else the full layout) that hold the parameters `keep(parameter)` selects,
+    in layout order."""
     params = {name: p for unit in unit_params for name, p in unit.items()}
     if strategy.shard_optimizer:
         pieces = ((name, at, n) for name, _, at, n in layout.owned_pieces(strategy.rank))
     else:
         pieces = ((slot.name, layout.full_offsets[u] + slot.offset, slot.numel)
                   for u, unit in enumerate(layout.units) for slot in unit.slots)
-    return [slice(at, at + n) for name, at, n in pieces
-            if getattr(params[name], "tp_split", None) is None
-            and (marked is None or getattr(params[name], marked, False))]
+    return [slice(at, at + n) for name, at, n in pieces if keep(params[name])]
+
+
+def replicated_ranges(layout, unit_params, strategy, skip=frozenset()) -> list[slice]:
+    """The `param_ranges` of the tensor-replicated parameters, but those whose id is in
+    `skip` (a pipeline stage's held copies, counted by their owner)."""
+    return param_ranges(layout, unit_params, strategy, lambda p: id(p) not in skip
+                        and getattr(p, "tp_split", None) is None)
 
 
 def sequence_ranges(layout, unit_params, strategy) -> list[slice]:
-    """The `replicated_ranges` of the parameters marked `sequence_parallel` (sequence
-    parallelism: LayerNorms, the position embedding), whose gradient each tensor rank computes
-    from its own sequence shard only."""
-    return replicated_ranges(layout, unit_params, strategy, marked="sequence_parallel")
+    """The `param_ranges` of the parameters marked `sequence_parallel` (sequence parallelism:
+    LayerNorms, the position embedding), whose gradient each tensor rank computes from its
+    own sequence shard only."""
+    return param_ranges(layout, unit_params, strategy,
+                        lambda p: getattr(p, "tp_split", None) is None
+                        and getattr(p, "sequence_parallel", False))
 
 
 def sum_sequence_parallel_grads(engine, grads) -> None:
@@ -52,13 +60,20 @@ def sum_sequence_parallel_grads(engine, grads) -> None:
     tensor ranks: one `tp_comm.allreduce` of their concatenation, in the storage dtype, so the
     overflow check, the norm and Adam see whole, identical gradients on every tensor rank. The
     slices are the same on every tensor rank (their layouts are). Nothing without them."""
-    if not engine.tp_sequence:
+    allreduce_ranges(grads, engine.tp_sequence, engine.mesh.tp_comm)
+
+
+def allreduce_ranges(grads, ranges: list[slice], comm) -> None:
+    """Sum `grads[s]` for every slice s in `ranges` over `comm`, in place: one allreduce of
+    their concatenation (the ranges have the same sizes, in the same order, on every rank of
+    `comm`). Nothing for no ranges."""
+    if not ranges:
         return
     xp = array_module(grads)
-    buf = xp.concatenate([grads[s] for s in engine.tp_sequence])
-    engine.mesh.tp_comm.allreduce(buf)
+    buf = xp.concatenate([grads[s] for s in ranges])
+    comm.allreduce(buf)
     at = 0
-    for s in engine.tp_sequence:
+    for s in ranges:
         n = s.stop - s.start
         grads[s] = buf[at:at + n]
         at += n

@@ -4,17 +4,20 @@
                                 hybrid strategies' "shard" and "replica"
     sent_by_group(strategy)     {group kind: bytes sent in array collectives (ring model)}:
                                 what the strategy's expected_traffic() declares
-    by_dimension(mesh, strategy)   {"dp"|"pp"|"tp": {op: counts}}: each mesh dimension's
-                                collectives (the strategy's groups live inside dp)
+    by_dimension(mesh, strategy, pipeline)   {"dp"|"pp"|"tp": {op: counts}}: each mesh
+                                dimension's collectives (the strategy's groups live inside
+                                dp, the tied-weight groups inside pp)
 """
 from __future__ import annotations
 
 from zmpi.memory import ARRAY_OPS
 
 
-def groups(comm, mesh, strategy) -> list:
-    """Every distinct Comm the engine sends on: the world, the mesh's, the strategy's."""
-    every = (comm, *mesh.comms().values(), *strategy.comms().values())
+def groups(comm, mesh, strategy, pipeline=None) -> list:
+    """Every distinct Comm the engine sends on: the world, the mesh's, the strategy's, the
+    pipeline's tied-weight groups."""
+    every = (comm, *mesh.comms().values(), *strategy.comms().values(),
+             *(pipeline.comms() if pipeline else ()))
     return list({id(c): c for c in every}.values())
 
 
@@ -27,11 +30,11 @@ def sent_by_group(strategy) -> dict[str, int]:
             for kind, comm in strategy.comms().items()}
 
 
-def by_dimension(mesh, strategy) -> dict[str, dict]:
+def by_dimension(mesh, strategy, pipeline=None) -> dict[str, dict]:
     dims = mesh.comms()
     members = {"dp": [dims["dp"], *(c for c in strategy.comms().values()
                                     if c not in dims.values())],
-               "pp": [dims["pp"]], "tp": [dims["tp"]]}
+               "pp": [dims["pp"], *(pipeline.comms() if pipeline else ())], "tp": [dims["tp"]]}
     out = {}
     for dim, comms in members.items():
         out[dim] = {}

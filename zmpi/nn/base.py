@@ -111,6 +111,24 @@ class Module:
         ACTIVATIONS.drop(cache)
         return cache if len(cache) != 1 else cache[0]
 
+    def take_caches(self) -> list:
+        """Detach what this module and its children saved for backward, and return it for
+        `restore_caches`: a pipeline stage runs several micro-batches' forwards before their
+        backwards. The arrays stay counted as activations until their backward pops them."""
+        taken = [(m, m._cache) for m in self.modules() if m._cache is not None]
+        for m, _ in taken:
+            m._cache = None
+        return taken
+
+    @staticmethod
+    def restore_caches(taken: list) -> None:
+        """Put back what `take_caches` detached, so the next backward uses it."""
+        for m, cache in taken:
+            if m._cache is not None:
+                raise RuntimeError(f"{type(m).__name__} already holds another micro-batch's "
+                                   "cache: run its backward first")
+            m._cache = cache
+
     def clear_cache(self):
         """Drop every saved activation in this module and its children (e.g. after inference)."""
         for m in self.modules():

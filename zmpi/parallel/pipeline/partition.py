@@ -21,23 +21,36 @@ from __future__ import annotations
 import re
 
 
+def check_method(method) -> None:
+    """ValueError unless `method` is "parameters", "uniform" or "type:REGEX" (a valid
+    regular expression)."""
+    if method in ("parameters", "uniform"):
+        return
+    if isinstance(method, str) and method.startswith("type:"):
+        try:
+            re.compile(method[5:])
+        except re.error as e:
+            raise ValueError(f"partition method {method!r}: {e}") from None
+        return
+    raise ValueError(f"unknown partition method {method!r}: use 'parameters', 'uniform' or "
+                     "'type:REGEX'")
+
+
 def unit_weights(units, method: str = "parameters") -> list[int]:
     """Each unit's weight under `method` (see the module docstring). ValueError for an
     unknown method or a type pattern that matches no unit."""
+    check_method(method)
     if method == "parameters":
         return [sum(int(p.data.size) for _, p in unit.named_parameters()) for unit in units]
     if method == "uniform":
         return [1] * len(units)
-    if method.startswith("type:"):
-        pattern = re.compile(method[5:], re.IGNORECASE)
-        weights = [int(bool(pattern.search(type(unit).__name__))) for unit in units]
-        if not any(weights):
-            names = sorted({type(u).__name__ for u in units})
-            raise ValueError(f"partition method {method!r} matches none of the units "
-                             f"({', '.join(names)})")
-        return weights
-    raise ValueError(f"unknown partition method {method!r}: use 'parameters', 'uniform' or "
-                     "'type:REGEX'")
+    pattern = re.compile(method[5:], re.IGNORECASE)  # "type:REGEX"
+    weights = [int(bool(pattern.search(type(unit).__name__))) for unit in units]
+    if not any(weights):
+        names = sorted({type(u).__name__ for u in units})
+        raise ValueError(f"partition method {method!r} matches none of the units "
+                         f"({', '.join(names)})")
+    return weights
 
 
 def partition(weights: list[int], stages: int) -> list[int]:
