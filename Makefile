@@ -16,7 +16,7 @@ export MKL_NUM_THREADS=1
 export ZMPI_BACKEND ?= numpy
 
 .PHONY: install test test-gpu demo lint clean tables bench bench-install bench-adam \
-	bench-offload bench-checkpoint bench-debug bench-tensor reproduce report
+	bench-offload bench-checkpoint bench-debug bench-tensor bench-pipeline reproduce report
 
 install: $(STAMP)
 
@@ -66,6 +66,7 @@ reproduce: bench-install
 	  $(MPIEXEC) -n $$n $(PY) experiments/bench_vs_torch.py --out results/vs_torch_n$$n || exit 1; \
 	done
 	$(MAKE) bench-tensor
+	$(MAKE) bench-pipeline
 	$(MAKE) report
 
 report: $(STAMP)
@@ -78,6 +79,10 @@ bench-debug: $(STAMP)
 bench-tensor: $(STAMP)
 	$(MPIEXEC) -n 4 $(PY) experiments/bench_tensor.py --n-layer 4 --d-model 512 --n-head 8 \
 	  --seq-len 128 --batch 8 --out results/tensor_n4
+
+# Pipeline bubble against (p - 1) / (m + p - 1), and every dp x pp x tp layout of 4 ranks.
+bench-pipeline: $(STAMP)
+	$(MPIEXEC) -n 4 $(PY) experiments/bench_pipeline.py --out results/pipeline_n4
 
 bench-checkpoint: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_checkpoint.py --out results/checkpoint_n$(NP)

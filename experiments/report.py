@@ -354,6 +354,40 @@ class Report:
                  "machine the ranks share 2 cores, so the step times compare layouts on one "
                  "machine, not the network a cluster would add.", "")
 
+    # ---- 7. pipeline parallelism
+    def pipeline(self) -> None:
+        self.add("## 7. Pipeline parallelism and 3D layouts (GPipe, 1F1B)", "",
+                 "A pipeline of p stages idles (p - 1) / (m + p - 1) of a step with m "
+                 "micro-batches, under GPipe and 1F1B alike (1F1B holds fewer activations). "
+                 "Measured with units that sleep (compute that does not share this machine's "
+                 "cores), from the ops each stage's runner recorded:", "")
+        folder = next(iter(sorted(self.results.glob("pipeline_n*"))), None)
+        bubble = self.rows(folder, "bubble") if folder else None
+        rows = self.rows(folder) if folder else None
+        if not bubble or not rows:
+            return self.missing("pipeline parallelism", "make bench-pipeline")
+        self.add((folder / "bubble.md").read_text().rstrip(), "")
+        series = []
+        for color, schedule in enumerate(sorted({r["schedule"] for r in bubble})):
+            mine = [r for r in bubble if r["schedule"] == schedule]
+            series.append((f"{schedule} measured", [int(r["m"]) for r in mine],
+                           [float(r["measured"]) for r in mine], "points", color))
+        ms = sorted({int(r["m"]) for r in bubble})
+        formula = {int(r["m"]): float(r["formula"]) for r in bubble}
+        series.append(("(p - 1) / (m + p - 1)", ms, [formula[m] for m in ms], "line", 2))
+        figure(self.figures / "pipeline_bubble.png", f"Pipeline bubble, p = {bubble[0]['p']}",
+               "micro-batches m", "idle fraction of the step", series, logx=True)
+        self.image("pipeline_bubble.png", "pipeline bubble against micro-batches")
+        self.image("pipeline_timeline.png", "measured GPipe and 1F1B timelines")
+        self.add("Every dp x pp x tp layout of the same ranks, one GPT and batch:", "",
+                 (folder / "table.md").read_text().rstrip(), "",
+                 "The loss is the same under every layout (the same model). Pipeline stages "
+                 "send only activations and their gradients (and the tied embedding's gradient "
+                 "between the first and last stage), far less than the tensor layouts' "
+                 "allreduces; their cost here is the bubble and the activations the first "
+                 "stages hold (1F1B: p - s micro-batches). On this machine the ranks share 2 "
+                 "cores, so the step times compare layouts, not a cluster's network.", "")
+
     def write(self) -> None:
         sources = sorted({revision(p) for p in self.used})
         head = ["# Reproducing the ZeRO papers' tables", "",
@@ -371,7 +405,7 @@ def main():
     args = parser.parse_args()
     report = Report(Path(args.results), Path(args.out))
     for section in (report.memory, report.lab, report.communication, report.largest,
-                    report.throughput, report.tensor):
+                    report.throughput, report.tensor, report.pipeline):
         section()
     report.write()
     print(f"wrote {args.out} and {report.figures}/")
