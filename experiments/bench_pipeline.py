@@ -1,7 +1,7 @@
 """Pipeline parallelism measured: the bubble of GPipe and 1F1B against (p - 1) / (m + p - 1),
 and every (dp, pp, tp) layout of the ranks on one GPT.
 
-    mpiexec -n 4 python experiments/bench_pipeline.py --out results/pipeline_n4   # make bench-pipeline
+    mpiexec -n 4 python experiments/bench_pipeline.py --out results/pipeline_n4  # bench-pipeline
 
 Bubble: a model of 2 units per stage that sleep (forward F ms, backward 2F ms per micro-batch:
 compute that does not share the cores), cut into p = world-size stages and trained with each
@@ -21,8 +21,8 @@ import sys
 import time
 
 import numpy as np
-from results import write_results
 
+from results import write_results
 from zmpi.comm import Comm
 from zmpi.data import BatchSampler, CharTokenizer, load_text, train_val_split
 from zmpi.engine import Engine

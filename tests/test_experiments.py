@@ -25,6 +25,10 @@ def results(tmp_path_factory):
          "--out", out / "largest_n2")
     _run("bench_tensor.py", 4, "--n-layer", "1", "--d-model", "32", "--n-head", "4",
          "--seq-len", "16", "--batch", "4", "--steps", "2", "--out", out / "tensor_n4")
+    _run("bench_pipeline.py", 2, "--unit-ms", "1", "--bubble-steps", "1", "--n-layer", "1",
+         "--d-model", "32", "--n-head", "4", "--seq-len", "16", "--batch", "8",
+         "--micro-batches", "2", "--steps", "1", "--out", out / "pipeline_n2", "--figures",
+         out / "figures")
     return out
 
 
@@ -53,6 +57,18 @@ def test_tensor_bench_counts_match_the_formulas(results):
             counted, formula = cell.split(" (")
             assert counted == formula.rstrip(")")
     assert len({r[7] for r in rows}) == 1  # the same loss under every layout
+
+
+@pytest.mark.mpi
+def test_pipeline_bench_measures_every_schedule_and_layout(results):
+    bubble = _md_rows(results / "pipeline_n2" / "bubble.md", "| ")[1:]
+    assert [(r[0], r[1]) for r in bubble] == [(s, m) for s in ("gpipe", "1f1b")
+                                              for m in ("4", "8", "16")]
+    assert all(0 < float(r[2]) < 1 and r[3] == f"{1 / (int(r[1]) + 1):.3f}" for r in bubble)
+    rows = _md_rows(results / "pipeline_n2" / "table.md", "| ")[1:]
+    assert [r[0] for r in rows] == ["2 x 1 x 1", "1 x 1 x 2", "1 x 2 x 1"]
+    assert len({r[-1] for r in rows}) == 1  # the same loss under every layout
+    assert float(rows[2][4]) > 0 and float(rows[0][4]) == 0  # pp traffic only with stages
 
 
 @pytest.mark.mpi
@@ -110,7 +126,7 @@ def test_report_collects_every_table_and_marks_what_is_missing(results, tmp_path
     subprocess.run([sys.executable, EXPERIMENTS / "report.py", "--results", results, "--out",
                     out], env={**ENV, "MPLBACKEND": "Agg"}, check=True, cwd=REPO_ROOT)
     text = out.read_text()
-    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6."):
+    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "## 7."):
         assert heading in text
     fig1 = _md_rows(out, "| 0 |") + _md_rows(out, "| 3 |")
     assert ["0", "120", "120.0"] in fig1 and ["3", "1.9", "1.9"] in fig1  # the paper's Fig. 1
@@ -120,6 +136,7 @@ def test_report_collects_every_table_and_marks_what_is_missing(results, tmp_path
         assert "| 0 | " in text.split("## 5.")[1]
     else:  # no bench run here: said, not invented
         assert "Not measured yet: throughput" in text
-    for png in ("memory_per_device", "comm_volume", "bandwidth", "largest_model"):
+    for png in ("memory_per_device", "comm_volume", "bandwidth", "largest_model",
+                "pipeline_bubble", "pipeline_timeline"):
         assert (results / "figures" / f"{png}.png").stat().st_size > 1000
         assert f"figures/{png}.png" in text

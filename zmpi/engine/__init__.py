@@ -12,8 +12,11 @@
     profile.py   PhaseProfile: time per phase and per unit, the critical rank
     traffic.py   what the collectives moved, per group and per mesh dimension
     tensor.py    what tensor parallelism changes: the clipping norm, gathering the slices
+    pipeline.py  what pipeline parallelism changes: the schedule, tied weights across stages
+    hooks.py     EngineHooks (a model's way to its engine), as_config
 """
-from zmpi.engine.core import Engine, as_config
+from zmpi.engine.core import Engine
+from zmpi.engine.hooks import as_config
 from zmpi.engine.profile import PhaseProfile
 
 __all__ = ["Engine", "PhaseProfile", "as_config"]

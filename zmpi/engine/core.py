@@ -12,13 +12,16 @@ model's units with the strategy's hooks, and does what is the same for every sta
 scaling, the overflow check, averaging over the global batch, global-norm gradient clipping
 across shards, and Adam on the rank's master shard (step.py). The strategy decides what is
 kept and which collectives run (zero/strategy.py), over the mesh's data-parallel group.
+With pipeline stages (pipeline.stages > 1) the engine keeps this rank's stage of the model and
+runs the configured schedule over the micro-batches (pipeline.py); with tensor parallelism
+the model is split as it is built (tensor.py).
 
 ZeRO-Offload puts the master shard, Adam's moments and the reduced gradient shard on the host,
 where `HostAdam` updates them; with `delay_update` (DPU, delayed.py) that update runs while
 the next step computes. `flush()` lands an update in flight.
 
 `save_checkpoint` / `load_checkpoint` write and read the whole training state as sharded HDF5
-(zmpi/checkpoint): loadable at any world size and by any strategy, offload on or off.
+(zmpi/checkpoint): loadable at any world size, mesh and strategy, offload on or off.
 """
 from __future__ import annotations
 
@@ -26,15 +29,12 @@ import json
 import math
 import uuid
 import warnings
-import weakref
-from pathlib import Path
 
 import numpy as np
 
 from zmpi import backend
 from zmpi.checkpoint.sharded import Checkpointer
 from zmpi.checkpoint.tensor import TensorSplits
-from zmpi.config import Config
 from zmpi.engine.checks import (
     as_one_unit,
     check_mesh,
@@ -44,6 +44,7 @@ from zmpi.engine.checks import (
     storage_dtype,
 )
 from zmpi.engine.delayed import DelayedUpdate
+from zmpi.engine.hooks import EngineHooks, as_config
 from zmpi.engine.pipeline import PipelineRun
 from zmpi.engine.profile import PhaseProfile
 from zmpi.engine.state import TrainState
@@ -51,7 +52,7 @@ from zmpi.engine.step import reduce_and_update
 from zmpi.engine.tensor import gather_tensor_slices, replicated_ranges, sequence_ranges
 from zmpi.engine.traffic import by_dimension, by_group, groups, sent_by_group
 from zmpi.memory import MemoryLedger
-from zmpi.nn.module import UnitHooks, UnitModel, activations_counted_in
+from zmpi.nn.module import UnitModel, activations_counted_in
 from zmpi.optim import lr_schedules
 from zmpi.optim.adam import Adam, HostAdam, host_threads
 from zmpi.optim.loss_scaler import LossScaler
@@ -59,44 +60,6 @@ from zmpi.parallel.mesh import Mesh
 from zmpi.parallel.pipeline.stage import PipelineStage
 from zmpi.zero import StrategyContext, get_strategy
 from zmpi.zero.flat import ModelLayout, UnitLayout
-
-
-class _EngineHooks(UnitHooks):
-    """The model's way to its engine's hooks: a weak reference, so that an engine and its model
-    form no cycle and dropping the engine frees its buffers at once."""
-
-    def __init__(self, engine):
-        self._engine = weakref.ref(engine)
-
-    def _live(self):
-        engine = self._engine()
-        if engine is None:
-            raise RuntimeError("the Engine this model was given to is gone; its parameters "
-                               "lived in that engine's buffers: build a new model")
-        return engine
-
-    def before_forward(self, unit):
-        self._live().before_forward(unit)
-
-    def after_forward(self, unit):
-        self._live().after_forward(unit)
-
-    def before_backward(self, unit):
-        self._live().before_backward(unit)
-
-    def after_backward(self, unit):
-        self._live().after_backward(unit)
-
-
-def as_config(config) -> Config:
-    """A Config from a Config, a DeepSpeed-style dict, a JSON path, or None (defaults)."""
-    if config is None:
-        return Config()
-    if isinstance(config, Config):
-        return config
-    if isinstance(config, dict):
-        return Config.from_dict(config)
-    return Config.from_json(Path(config).read_text())
 
 
 class Engine:
@@ -176,7 +139,7 @@ class Engine:
         self.tp_sequence = sequence_ranges(self.layout, unit_params,
                                            self.strategy) if self.mesh.tp > 1 else []
         self._unit_index = {id(unit): u for u, unit in enumerate(units)}
-        model.hooks = _EngineHooks(self)
+        model.hooks = EngineHooks(self)
 
         opt = self.config.optimizer
         hyper = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
