@@ -75,10 +75,11 @@ report: $(STAMP)
 bench-debug: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_debug.py --out results/debug_n$(NP)
 
-# Tensor against data parallelism: every dp x tp layout of 4 ranks, the same GPT and batch.
+# Tensor against data parallelism: every dp x tp layout of 4 ranks (and sequence parallelism),
+# the same GPT (~110M parameters) and batch.
 bench-tensor: $(STAMP)
-	$(MPIEXEC) -n 4 $(PY) experiments/bench_tensor.py --n-layer 4 --d-model 512 --n-head 8 \
-	  --seq-len 128 --batch 8 --out results/tensor_n4
+	$(MPIEXEC) -n 4 $(PY) experiments/bench_tensor.py --n-layer 8 --d-model 1024 --n-head 16 \
+	  --seq-len 128 --batch 8 --steps 5 --out results/tensor_n4
 
 # Pipeline bubble against (p - 1) / (m + p - 1), and every dp x pp x tp layout of 4 ranks.
 bench-pipeline: $(STAMP)

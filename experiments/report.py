@@ -340,8 +340,9 @@ class Report:
         self.add("## 6. Tensor parallelism against data parallelism (Megatron-LM)", "",
                  "Megatron-LM trains a model split over T ranks at the cost of 4 allreduces of "
                  "B x T x C activations per layer and step, which is why it keeps a tensor group "
-                 "inside one node. Every dp x tp layout of the same ranks, the same GPT and "
-                 "batch, with the traffic of each mesh dimension counted:", "")
+                 "inside one node. Every dp x tp layout of the same ranks (SP: with sequence "
+                 "parallelism), the same GPT and batch, with the traffic of each mesh dimension "
+                 "counted:", "")
         folder = next(iter(sorted(self.results.glob("tensor_n*"))), None)
         rows = self.rows(folder) if folder else None
         if not rows:

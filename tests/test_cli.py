@@ -274,3 +274,13 @@ def test_estimate_from_a_shape_per_stage_precision_offload_and_json():
     assert "stage 3" in run("--params", "1e9", "--world-size", "4", "--offload-param")
     table = run("--n-layer", "48", "--d-model", "1600", "--world-size", "64")
     assert "Psi = 1.558e+09" in table  # GPT-2 XL's shape, tied head
+    text = run("--n-layer", "2", "--d-model", "16", "--seq-len", "8", "--world-size", "2",
+               "--tp", "2", "--micro-batch", "4", "--sequence-parallel")
+    # (4 L + 2) B T C = 10 x 4 x 8 x 16 each way, 3 B T allreduced
+    assert "5120 elements reduce-scattered and as many allgathered" in text
+    assert "96 allreduced" in text
+    refused = subprocess.run([sys.executable, "-m", "zmpi.cli", "estimate", "--n-layer", "2",
+                              "--world-size", "2", "--sequence-parallel"],
+                             capture_output=True, text=True, cwd=REPO_ROOT)
+    assert refused.returncode != 0
+    assert "--sequence-parallel needs --tp above 1 and --micro-batch" in refused.stderr

@@ -121,6 +121,38 @@ def test_tensor_traffic_is_reduce_scatter_and_allgather(two, four):
 
 
 @pytest.mark.mpi
+def test_zmpi_estimate_sequence_parallel_predicts_the_counted_traffic(two, four):
+    """`zmpi estimate --tp T --micro-batch B --sequence-parallel --json`: its elements per
+    collective x itemsize x steps are the counted bytes (the allreduce's, less the
+    sequence-parallel gradients' sum)."""
+    import subprocess
+    import sys
+
+    from mpi_util import REPO_ROOT
+
+    seen = set()
+    for _, t, got in per_tp(two, four):
+        for name, run in got["runs"].items():
+            key = (t, run["dp"], run["itemsize"])
+            if key in seen:
+                continue
+            seen.add(key)
+            out = subprocess.run(
+                [sys.executable, "-m", "zmpi.cli", "estimate", "--n-layer", str(N_LAYER),
+                 "--d-model", str(C), "--vocab-size", "13", "--seq-len", str(T),
+                 "--world-size", str(run["dp"] * t), "--tp", str(t), "--micro-batch",
+                 str(BATCH // run["dp"]), "--sequence-parallel", "--json"],
+                capture_output=True, text=True, check=True, cwd=REPO_ROOT).stdout
+            ops = json.loads(out)["tensor_traffic_ops"]
+            tr, scale = run["traffic"], run["itemsize"] * STEPS
+            assert ops["reduce_scatter"] * scale == tr["reduce_scatter"]["bytes"], name
+            assert ops["allgather"] * scale == tr["allgather"]["bytes"], name
+            assert ops["allreduce"] * scale == tr["allreduce"]["bytes"] - run[
+                "sequence_elements"] * run["storage_itemsize"] * STEPS, name
+    assert seen
+
+
+@pytest.mark.mpi
 def test_activation_memory_of_the_sequence_sharded_layers_drops_by_tp(two, four):
     for _, t, got in per_tp(two, four):
         mem = got["memory"]

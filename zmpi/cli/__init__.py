@@ -140,6 +140,9 @@ def main(argv=None) -> None:
     e.add_argument("--micro-batch", type=int, default=None, metavar="B",
                    help="with --tp and a GPT shape: sequences per rank per micro-step, for the "
                    "tensor-parallel traffic per step")
+    e.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp and --micro-batch: the traffic of sequence parallelism "
+                   "(reduce-scatters and allgathers in place of the blocks' allreduces)")
     e.add_argument("--stage", type=int, choices=range(4), default=None,
                    help="one ZeRO stage (default: all four)")
     e.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16",

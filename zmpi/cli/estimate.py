@@ -1,6 +1,7 @@
 """`zmpi estimate`: model-state memory and traffic per rank from the ZeRO formulas
 (zmpi.memory.estimate_rows), for a parameter count or a GPT shape; with --tp, over the
-data-parallel ranks of each tensor rank's share, plus Megatron's tensor-parallel traffic."""
+data-parallel ranks of each tensor rank's share, plus Megatron's tensor-parallel traffic (with
+--sequence-parallel, Korthikanti et al.'s reduce-scatters and allgathers)."""
 from __future__ import annotations
 
 import json
@@ -29,13 +30,18 @@ def estimate(args) -> None:
     k = args.optimizer_bytes or 12
     stages = range(4) if args.stage is None else [args.stage]
     rows = estimate_rows(psi, dp, stages, pb, k, args.offload_optimizer, args.offload_param)
+    if args.sequence_parallel and (tp == 1 or args.micro_batch is None):
+        raise SystemExit("zmpi estimate: --sequence-parallel needs --tp above 1 and "
+                         "--micro-batch")
     tensor = tensor_traffic(args) if tp > 1 and args.micro_batch else None
+    ops = tensor_ops(args) if tensor is not None else None
     if args.json:
         print(json.dumps({"params": psi, "world_size": args.world_size, "tp": tp, "dp": dp,
                           "param_bytes": pb, "optimizer_bytes": k,
                           "offload_optimizer": args.offload_optimizer,
                           "offload_param": args.offload_param, "stages": rows,
-                          "tensor_traffic_elements": tensor}, indent=2))
+                          "tensor_traffic_elements": tensor, "tensor_traffic_ops": ops},
+                         indent=2))
         return
     offload = args.offload_optimizer or args.offload_param
     print(f"Psi = {psi:.4g} parameters" + (f" per tensor rank (tp = {tp})" if tp > 1 else "")
@@ -43,9 +49,14 @@ def estimate(args) -> None:
           f"grads, K = {k}" + (f"; offload: optimizer {'on' if args.offload_optimizer else 'off'}"
                                f", params {'on' if args.offload_param else 'off'}"
                                if offload else ""))
-    if tensor is not None:
+    if tensor is not None and not args.sequence_parallel:
         print(f"tensor-parallel traffic per step and micro-batch: {tensor:.4g} elements "
               f"allreduced ((4 L + 2) B T C + 3 B T), each rank sending 2 (T-1)/T of them")
+    elif tensor is not None:
+        print(f"tensor-parallel traffic per step and micro-batch, sequence parallel: "
+              f"{ops['reduce_scatter']:.4g} elements reduce-scattered and as many allgathered "
+              f"((4 L + 2) B T C each, every rank sending (T-1)/T of them), "
+              f"{ops['allreduce']:.4g} allreduced (3 B T, the cross-entropy)")
     if not offload:
         print(f"{'stage':>5} {'GB per rank':>12} {'traffic per step (elements)':>28}")
         for r in rows:
@@ -67,3 +78,16 @@ def tensor_traffic(args) -> int:
     cross-entropy (max, sum of exponentials, target logit)."""
     positions = args.micro_batch * args.seq_len
     return (4 * args.n_layer + 2) * positions * args.d_model + 3 * positions
+
+
+def tensor_ops(args) -> dict[str, int]:
+    """`tensor_traffic` by collective, {op: elements of the calls' buffers} as the counters
+    count them: without sequence parallelism all of it allreduced; with it the blocks',
+    embedding's and LM head's (4 L + 2) B T C reduce-scattered and as many allgathered (the
+    same bytes sent per rank), the cross-entropy's 3 B T allreduced. (The sequence-parallel
+    parameters' gradient sum, once a step, is not activations and not counted here.)"""
+    positions = args.micro_batch * args.seq_len
+    blocks = (4 * args.n_layer + 2) * positions * args.d_model
+    if not args.sequence_parallel:
+        return {"allreduce": blocks + 3 * positions}
+    return {"allreduce": 3 * positions, "reduce_scatter": blocks, "allgather": blocks}
