@@ -53,7 +53,7 @@ def _args(**kw):
             "seed": None, "strategy": None, "offload_optimizer": False, "offload_param": False,
             "delay_update": None, "shard_group_size": None, "lr_schedule": None,
             "warmup_steps": None, "steps": 100, "profile": False, "data": None,
-            "vocab_size": None}
+            "vocab_size": None, "recompute": None}
     return argparse.Namespace(**{**base, **kw})
 
 

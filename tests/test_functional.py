@@ -103,7 +103,7 @@ def attention_reference(qkv, n_head):
 @pytest.mark.parametrize("block", [F.ATTENTION_BLOCK, 2, 1])  # one block; 2, 2, 1 rows; rows
 def test_attention_matches_reference_and_is_causal(rng, block):
     qkv = rng.standard_normal((2, 5, 3 * 8))  # (B, T, 3C), nh = 2
-    y, (_, _, _, probs) = F.attention_forward(qkv, 2, block)
+    y, (_, _, _, probs, _) = F.attention_forward(qkv, 2, block)
     np.testing.assert_allclose(y, attention_reference(qkv, 2), rtol=1e-12, atol=1e-12)
     att = np.concatenate([np.pad(p, [(0, 0)] * 3 + [(0, 5 - p.shape[-1])]) for p in probs], 2)
     assert att.shape == (2, 2, 5, 5) and np.all(np.triu(att[0, 0], 1) == 0)

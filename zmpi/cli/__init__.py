@@ -63,6 +63,10 @@ def main(argv=None) -> None:
                    help="pipeline-parallel degree of the process mesh (pipeline.stages): the "
                    "GPT's units cut into P stages, micro-batches (--grad-accum) pipelined by "
                    "the config's pipeline.schedule (default 1f1b)")
+    t.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
+                   help="activation recompute (activation_checkpointing.recompute): selective "
+                   "drops the attention probabilities, full keeps only each unit's input; the "
+                   "same gradients, less activation memory, more compute (default none)")
     t.add_argument("--shard-group-size", type=int, metavar="G", default=None,
                    help="hybrid strategies: shard over groups of G ranks (default: a node)")
     t.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,

@@ -252,6 +252,8 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
              "--shard-group-size", notes)
     if args.seed is not None:
         _set(cfg, "seed", args.seed, "--seed", notes)
+    if args.recompute is not None:
+        _set(cfg, "activation_checkpointing.recompute", args.recompute, "--recompute", notes)
     cfg.setdefault("seed", 0)
     return cfg
 

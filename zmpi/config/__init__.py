@@ -41,6 +41,8 @@ scheduler, fp16/bf16, tensor_parallel, pipeline, debug, memory_budget), `zero`
 from .base import AUTO, ConfigError
 from .core import Config
 from .sections import (
+    RECOMPUTE,
+    ActivationCheckpointingConfig,
     BF16Config,
     DebugConfig,
     FP16Config,
@@ -54,5 +56,5 @@ from .zero import OffloadConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = ["ConfigError", "AUTO", "OptimizerConfig", "SchedulerConfig", "FP16Config",
            "BF16Config", "OffloadConfig", "OffloadParamConfig", "ZeroConfig",
-           "TensorParallelConfig", "PipelineConfig", "DebugConfig", "MemoryBudgetConfig",
-           "Config"]
+           "TensorParallelConfig", "PipelineConfig", "ActivationCheckpointingConfig",
+           "RECOMPUTE", "DebugConfig", "MemoryBudgetConfig", "Config"]

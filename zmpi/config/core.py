@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from .base import AUTO, ConfigError, _check, _Section
 from .sections import (
+    ActivationCheckpointingConfig,
     BF16Config,
     DebugConfig,
     FP16Config,
@@ -43,8 +44,6 @@ class Config(_Section):
         "wall_clock_breakdown": "zmpi train reports tokens/s and the DPU timing",
         "memory_breakdown": "the MemoryLedger always counts (engine.memory.report())",
         "zero_allow_untested_optimizer": "zmpi runs its own Adam(W) only",
-        "activation_checkpointing": "zmpi does not checkpoint activations: activation memory "
-                                    "is not reduced",
         "flops_profiler": "no FLOP profiler", "tensorboard": "no monitor backends",
         "wandb": "no monitor backends", "csv_monitor": "zmpi train writes metrics.csv",
         "comms_logger": "Comm counts every collective (engine.traffic())",
@@ -66,6 +65,8 @@ class Config(_Section):
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     memory_budget: MemoryBudgetConfig = field(default_factory=MemoryBudgetConfig)
     seed: int = 0

@@ -1,5 +1,6 @@
 """The smaller DeepSpeed sections of zmpi.config: `optimizer`, `scheduler`, `fp16`, `bf16`,
-`tensor_parallel`, `pipeline`, and zmpi's own `debug` and `memory_budget`.
+`tensor_parallel`, `pipeline`, `activation_checkpointing`, and zmpi's own `debug` and
+`memory_budget`.
 
 `zero_optimization` and its offload subsections are in zmpi.config.zero; the top-level
 `Config` is in zmpi.config.core. This module imports no MPI.
@@ -12,7 +13,8 @@ from dataclasses import dataclass, field, fields
 from .base import AUTO, ConfigError, _check, _Section
 
 __all__ = ["OptimizerConfig", "SchedulerConfig", "FP16Config", "BF16Config",
-           "TensorParallelConfig", "PipelineConfig", "DebugConfig", "MemoryBudgetConfig"]
+           "TensorParallelConfig", "PipelineConfig", "ActivationCheckpointingConfig",
+           "DebugConfig", "MemoryBudgetConfig", "RECOMPUTE"]
 
 
 _OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW"}
@@ -176,6 +178,35 @@ class TensorParallelConfig(_Section):
         return out
 
 
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig(_Section):
+    """`activation_checkpointing` (DeepSpeed's section, and Megatron-LM's recompute
+    granularities as zmpi's `recompute`): "none" (default) keeps every activation until its
+    backward; "selective" recomputes only the attention core (the probabilities); "full"
+    keeps each unit's input only and runs its forward again before its backward
+    (docs/recompute.md). The other keys are DeepSpeed's; only their defaults are built."""
+
+    _ALWAYS = {
+        "partition_activations": (False, "keeps each saved input whole on every tensor rank"),
+        "cpu_checkpointing": (False, "keeps the saved inputs where they were computed"),
+        "contiguous_memory_optimization": (False, "allocates the saved inputs one by one"),
+        "number_checkpoints": (None, "allocates the saved inputs one by one"),
+        "synchronize_checkpoint_boundary": (False, "adds no device synchronisation around "
+                                                   "a recompute"),
+        "profile": (False, "times recomputes as part of each unit's backward "
+                           "(engine.phases)"),
+    }
+
+    recompute: str = "none"
+
+    def _validate(self):
+        _check(self.recompute in RECOMPUTE, "recompute",
+               f"{self.recompute!r}: use one of {', '.join(RECOMPUTE)}")
+
+
 @dataclass(frozen=True)
 class PipelineConfig(_Section):
     """`pipeline` (DeepSpeed's pipeline section): `stages` P, the pipeline-parallel degree of
@@ -200,8 +231,9 @@ class PipelineConfig(_Section):
     def _validate(self):
         self._at_least(1, "stages")
         _check(self.activation_checkpoint_interval == 0, "activation_checkpoint_interval",
-               f"{self.activation_checkpoint_interval}: zmpi does not recompute activations "
-               "yet (ZeRO-R activation checkpointing); use 0")
+               f"{self.activation_checkpoint_interval}: zmpi does not recompute groups of "
+               "units; use 0, and activation_checkpointing.recompute \"full\" to recompute "
+               "every unit (an interval of 1)")
         from zmpi.parallel.pipeline.partition import check_method
         from zmpi.parallel.pipeline.schedule import SCHEDULES
 

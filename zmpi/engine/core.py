@@ -100,6 +100,7 @@ class Engine:
         if self.mesh.pp > 1:  # this rank keeps and trains its stage's units
             model = PipelineStage(model, self.mesh.pp_rank, self.mesh.pp,
                                   self.config.pipeline.partition)
+        model.set_recompute(self.config.activation_checkpointing.recompute)
         self.model = model
         units = list(model.units)
         names = {id(p): name for name, p in model.named_parameters()}  # model-wide names

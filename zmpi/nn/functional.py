@@ -222,14 +222,16 @@ def _softmax_(a):
 ATTENTION_BLOCK = 64
 
 
-def attention_forward(qkv, n_head, block=ATTENTION_BLOCK):
+def attention_forward(qkv, n_head, block=ATTENTION_BLOCK, keep_probs=True):
     """Multi-head causal attention core: y = softmax(q k^T / sqrt(hd) + mask) v, heads merged,
     computed `block` query rows at a time against the keys they may see.
 
-    qkv (B, T, 3C) holding [q | k | v] -> y (B, T, C).  cache = (q, k, v, probs), with
+    qkv (B, T, 3C) holding [q | k | v] -> y (B, T, C).  cache = (q, k, v, probs, block), with
     q, k, v (B, nh, T, hd) and probs a tuple of each block's attention probabilities
     (B, nh, rows, keys up to the block's last row), float32 at least (the softmax never runs
-    in float16).
+    in float16). keep_probs=False (selective recompute, Korthikanti et al. 2022): probs is
+    None and attention_backward recomputes each block's probabilities from q and k by the
+    same operations, so the gradients are bit for bit the same without the O(T^2) cache.
     """
     xp = array_module(qkv)
     B, T, C3 = qkv.shape
@@ -238,11 +240,24 @@ def attention_forward(qkv, n_head, block=ATTENTION_BLOCK):
     qkv = qkv.reshape(B, T, 3, n_head, hd).transpose(2, 0, 3, 1, 4)  # (3, B, nh, T, hd)
     q, k, v = qkv[0], qkv[1], qkv[2]
     y = xp.empty((B, n_head, T, hd), dtype=v.dtype)
+    probs = []
+    for start, stop, att in _attention_blocks(q, k, block):
+        y[:, :, start:stop] = xp.matmul(att.astype(v.dtype, copy=False), v[:, :, :stop])
+        if keep_probs:
+            probs.append(att)
+    y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C)
+    return y, (q, k, v, tuple(probs) if keep_probs else None, block)
+
+
+def _attention_blocks(q, k, block):
+    """(start, stop, probabilities (B, nh, stop - start, stop)) of each block of `block` query
+    rows: softmax(q k^T / sqrt(hd)) with the future masked, in float32 at least."""
+    xp = array_module(q)
+    T, hd = q.shape[-2], q.shape[-1]
     # -inf above the diagonal of a diagonal block; every row keeps its diagonal, so the row
     # max stays finite
     rows = min(block, T)
     future = xp.where(xp.triu(xp.ones((rows, rows), dtype=bool), k=1), -xp.inf, 0.0)
-    probs = []
     for start in range(0, T, block):
         stop = min(start + block, T)
         att = xp.matmul(q[:, :, start:stop], k[:, :, :stop].swapaxes(-1, -2))  # (B, nh, r, s)
@@ -250,23 +265,23 @@ def attention_forward(qkv, n_head, block=ATTENTION_BLOCK):
         att *= 1.0 / math.sqrt(hd)
         att[..., start:] += future[:stop - start, :stop - start].astype(att.dtype)
         _softmax_(att)
-        y[:, :, start:stop] = xp.matmul(att.astype(v.dtype, copy=False), v[:, :, :stop])
-        probs.append(att)
-    y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C)
-    return y, (q, k, v, tuple(probs))
+        yield start, stop, att
 
 
 def attention_backward(dy, cache):
-    """dy (B, T, C) -> dqkv (B, T, 3C), block by block as attention_forward."""
+    """dy (B, T, C) -> dqkv (B, T, 3C), block by block as attention_forward (recomputing each
+    block's probabilities when the forward kept none)."""
     xp = array_module(dy)
-    q, k, v, probs = cache
+    q, k, v, probs, block = cache
     B, nh, T, hd = q.shape
     dy = dy.reshape(B, T, nh, hd).transpose(0, 2, 1, 3)  # (B, nh, T, hd)
     dqkv = xp.zeros((3, B, nh, T, hd), dtype=q.dtype)
     dq, dk, dv = dqkv[0], dqkv[1], dqkv[2]
-    start = 0
-    for att in probs:  # (B, nh, r, s): rows [start, start + r) against keys [0, s)
-        stop, keys = start + att.shape[-2], att.shape[-1]
+    blocks = _attention_blocks(q, k, block) if probs is None else (
+        (start, start + att.shape[-2], att)
+        for start, att in zip(range(0, T, block), probs, strict=True))
+    for start, stop, att in blocks:  # (B, nh, r, s): rows [start, stop) against keys [0, s)
+        keys = att.shape[-1]
         dy_b = dy[:, :, start:stop]  # (B, nh, r, hd)
         datt = xp.matmul(dy_b, v[:, :, :keys].swapaxes(-1, -2)).astype(att.dtype, copy=False)
         # att^T dy as (dy^T att)^T: the transposed operand is the small (hd, r) one (CuPy's
@@ -281,7 +296,6 @@ def attention_backward(dy, cache):
         dpre = datt.astype(q.dtype, copy=False)  # back to the matmul dtype
         dq[:, :, start:stop] = xp.matmul(dpre, k[:, :, :keys])
         dk[:, :, :keys] += xp.matmul(q[:, :, start:stop].swapaxes(-1, -2), dpre).swapaxes(-1, -2)
-        start = stop
     return dqkv.transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * nh * hd)
 
 

@@ -139,6 +139,9 @@ class CausalSelfAttention(Module):
     """
 
     tp_plan = {"qkv": "colwise_heads", "proj": "rowwise"}
+    # selective recompute: keep q, k, v but not the (B, nh, T, T) attention probabilities,
+    # which backward recomputes (bit for bit); set by UnitModel.set_recompute
+    recompute_core = False
 
     def __init__(self, d_model, n_head, rng=None, dtype=numpy.float32, std=0.02, proj_std=None):
         if d_model % n_head:
@@ -150,7 +153,8 @@ class CausalSelfAttention(Module):
                            std=std if proj_std is None else proj_std)
 
     def forward(self, x):
-        y, cache = F.attention_forward(self.qkv.forward(x), self.n_head)  # (B, T, C)
+        y, cache = F.attention_forward(self.qkv.forward(x), self.n_head,
+                                       keep_probs=not self.recompute_core)  # (B, T, C)
         self._save(cache)
         return self.proj.forward(y)
 

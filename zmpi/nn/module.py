@@ -38,17 +38,35 @@ class UnitModel(Module):
     hooks.
     """
 
+    recompute_units = False  # full activation recompute (set_recompute): see forward
+    computes_loss = True  # its last unit's output goes to the loss (not a pipeline stage's)
+
     def __init__(self, units, loss=None):
         self.units = list(units)
         self.hooks = UnitHooks()
         self.loss_fn = CrossEntropyLoss() if loss is None else loss
 
     def forward(self, x):
-        """Run the units in order; returns the last unit's output (logits)."""
-        for u in self.units:
+        """Run the units in order; returns the last unit's output (logits).
+
+        With `recompute_units` (full activation checkpointing), every unit keeps only its
+        input (but the last when its output goes to the loss: its backward follows at once):
+        what it saved for backward is dropped after its forward, and backward runs its forward
+        again from that input before its backward (the same operations in the same order: the
+        same gradients, bit for bit)."""
+        inputs = []
+        checkpointed = len(self.units) - self.computes_loss if self.recompute_units else 0
+        for i, u in enumerate(self.units):
             self.hooks.before_forward(u)
+            checkpoint = i < checkpointed
+            if checkpoint:
+                inputs.append(x)
             x = u.forward(x)
+            if checkpoint:
+                u.clear_cache()
             self.hooks.after_forward(u)
+        if inputs:
+            self._save(*inputs)
         return x
 
     def backward(self, dy=None, *, scale=1.0):
@@ -58,8 +76,14 @@ class UnitModel(Module):
         """
         if dy is None:
             return self.backward_loss(scale)
-        for u in reversed(self.units):
+        checkpointed = len(self.units) - self.computes_loss if self.recompute_units else 0
+        inputs = self._pop() if checkpointed else ()
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        for i in reversed(range(len(self.units))):
+            u = self.units[i]
             self.hooks.before_backward(u)
+            if i < len(inputs):
+                u.forward(inputs[i])  # recompute what the forward dropped
             dy = u.backward(dy)
             self.hooks.after_backward(u)
         return dy
@@ -83,6 +107,19 @@ class UnitModel(Module):
         Accumulates every parameter gradient (scaled by `scale`); returns the input gradient.
         RuntimeError without a preceding `loss`."""
         return self.backward(self.loss_fn.backward(scale))
+
+    def set_recompute(self, policy: str) -> None:
+        """Activation recompute (Korthikanti et al. 2022's granularities): "none"; "selective"
+        (every module with a `recompute_core` attribute, the attention layers, drops its
+        O(T^2) attention probabilities and recomputes them in backward); "full" (every unit
+        but the last keeps only its input, see `forward`). Gradients are bit for bit those
+        of "none"."""
+        if policy not in ("none", "selective", "full"):
+            raise ValueError(f"recompute {policy!r}: use 'none', 'selective' or 'full'")
+        self.recompute_units = policy == "full"
+        for m in self.modules():
+            if hasattr(m, "recompute_core"):
+                m.recompute_core = policy == "selective"
 
     def check_batch(self, inputs, targets) -> None:
         """Raise a clear error (TypeError, ValueError, IndexError) naming `inputs` or

@@ -82,6 +82,7 @@ class PipelineStage(UnitModel):
         self.bounds = partition(unit_weights(units, method), stages)
         self.stage, self.stages = stage, stages
         self.is_first, self.is_last = stage == 0, stage == stages - 1
+        self.computes_loss = self.is_last  # full recompute keeps no unit of an earlier stage
         index = {id(u): i for i, u in enumerate(units)}
         stage_of = [s for s in range(stages) for _ in range(self.bounds[s], self.bounds[s + 1])]
         readers = {}  # unit read across stages -> the stages holding it or a copy
