@@ -70,30 +70,29 @@ def shard_name(rank: int, world_size: int, tp_rank: int = 0, tp: int = 1, stage:
     return name if stages == 1 else f"pp{stage:03d}-{name}"
 
 
-def pipeline_bounds(manifest: dict) -> list[int]:
-    """The split points of the layout's units over the pipeline stages that saved them:
-    stage s held units bounds[s]:bounds[s + 1] ([0, units] without pipelining)."""
-    return manifest.get("pipeline", {}).get("bounds") or \
-        [0, len(manifest["layout_obj"].units)]
+def saving_stage(manifest: dict) -> dict[str, int]:
+    """{parameter name: the pipeline stage that saved it} (all 0 without pipelining): stage s
+    saved the layout's units bounds[s]:bounds[s + 1] of the manifest's "pipeline" entry."""
+    layout = manifest["layout_obj"]
+    bounds = manifest.get("pipeline", {}).get("bounds") or [0, len(layout.units)]
+    return {slot.name: s for s in range(len(bounds) - 1)
+            for unit in layout.units[bounds[s]:bounds[s + 1]] for slot in unit.slots}
 
 
 def file_coords(manifest: dict, index: int) -> tuple[int, int, int]:
     """(pipeline stage, tensor rank, data-parallel shard) of the manifest's file `index`: the
     files are listed stage-major, then by tensor rank, then by shard."""
-    n = manifest["layout_obj"].world_size
-    tp = max(manifest["splits_obj"].size, 1)
+    n, tp = manifest["layout_obj"].world_size, manifest["splits_obj"].size
     return index // (n * tp), index // n % tp, index % n
 
 
 def file_pieces(manifest: dict, index: int):
     """The parameter pieces file `index` holds: (name, start, at, length) of its shard's
     owned pieces (ModelLayout.owned_pieces) in the units of its stage."""
-    layout = manifest["layout_obj"]
     stage, _, rank = file_coords(manifest, index)
-    bounds = pipeline_bounds(manifest)
-    names = {slot.name for unit in layout.units[bounds[stage]:bounds[stage + 1]]
-             for slot in unit.slots}
-    return [piece for piece in layout.owned_pieces(rank) if piece[0] in names]
+    saved_by = saving_stage(manifest)
+    return [piece for piece in manifest["layout_obj"].owned_pieces(rank)
+            if saved_by[piece[0]] == stage]
 
 
 def check_tag(tag: str) -> str:
@@ -314,10 +313,8 @@ class ShardReader:
     def __init__(self, ckpt: Path, manifest: dict, verify: bool = True):
         self.ckpt, self.manifest, self.verify = Path(ckpt), manifest, verify
         layout = manifest["layout_obj"]
-        self.world_size, self.tp = layout.world_size, max(manifest["splits_obj"].size, 1)
-        bounds = pipeline_bounds(manifest)
-        self.stage = {slot.name: s for s in range(len(bounds) - 1)
-                      for unit in layout.units[bounds[s]:bounds[s + 1]] for slot in unit.slots}
+        self.world_size, self.tp = layout.world_size, manifest["splits_obj"].size
+        self.stage = saving_stage(manifest)
         self.pieces = {}  # name -> [(source rank, start, length)]
         for r in range(layout.world_size):
             for name, start, _, n in layout.owned_pieces(r):

@@ -31,6 +31,7 @@ from zmpi.cli.inputs import (
     _rank,
     check_train_args,
 )
+from zmpi.config import RECOMPUTE
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,7 +64,7 @@ def main(argv=None) -> None:
                    help="pipeline-parallel degree of the process mesh (pipeline.stages): the "
                    "GPT's units cut into P stages, micro-batches (--grad-accum) pipelined by "
                    "the config's pipeline.schedule (default 1f1b)")
-    t.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
+    t.add_argument("--recompute", choices=RECOMPUTE, default=None,
                    help="activation recompute (activation_checkpointing.recompute): selective "
                    "drops the attention probabilities, full keeps only each unit's input; the "
                    "same gradients, less activation memory, more compute (default none)")

@@ -222,14 +222,16 @@ class Engine:
         clock = self.phases.clock()
         if self.pipeline is not None:  # the stage's share of every micro-batch, scheduled
             total = self.pipeline.train(self, inputs, targets, normalizer, clock)
-        for i in range(self.accumulation if self.pipeline is None else 0):
-            rows_i = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
-            self.strategy.sync_gradients = i == self.accumulation - 1
-            total = total + self.model.forward_loss(self.xp.asarray(inputs[rows_i]),
-                                                    self.xp.asarray(targets[rows_i]), normalizer)
-            clock.lap("forward")
-            self.model.backward_loss(scale=self.scaler.scale)
-            clock.lap("backward")
+        else:
+            for i in range(self.accumulation):
+                rows_i = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
+                self.strategy.sync_gradients = i == self.accumulation - 1
+                total = total + self.model.forward_loss(self.xp.asarray(inputs[rows_i]),
+                                                        self.xp.asarray(targets[rows_i]),
+                                                        normalizer)
+                clock.lap("forward")
+                self.model.backward_loss(scale=self.scaler.scale)
+                clock.lap("backward")
         optimizer_before = self.update_timing["optimizer_s"]
         self._step()
         clock.lap("step", optimizer=self.update_timing["optimizer_s"] - optimizer_before)

@@ -19,7 +19,7 @@ stage the targets; the loss (summed on the last stage) is summed over pp to reac
 from __future__ import annotations
 
 from zmpi.checkpoint.tensor import TensorSplits
-from zmpi.engine.tensor import allreduce_ranges, param_ranges
+from zmpi.engine.tensor import allreduce_ranges, param_ranges, ranges_sumsq
 from zmpi.parallel.pipeline.executor import StageRunner
 from zmpi.zero.flat import ModelLayout
 
@@ -58,13 +58,13 @@ class PipelineRun:
         units = engine.layout.to_dict()["units"]
         mine = [(g, units[u]) for u, g in enumerate(self.stage.unit_ids)
                 if u not in self.stage.held]
-        every = sorted(pair for part in self.mesh.pp_comm.allgather_object(mine)
-                       for pair in part)
+        every, splits = [], {}
+        for part, part_splits in self.mesh.pp_comm.allgather_object(
+                (mine, engine.tensor_splits.to_dict()["splits"])):
+            every += part
+            splits.update(part_splits)
         layout = ModelLayout.from_dict({"world_size": engine.layout.world_size,
-                                        "units": [unit for _, unit in every]})
-        splits = {}
-        for part in self.mesh.pp_comm.allgather_object(engine.tensor_splits.to_dict()):
-            splits.update(part["splits"])
+                                        "units": [unit for _, unit in sorted(every)]})
         return layout, TensorSplits.from_dict({"size": engine.tensor_splits.size,
                                                "splits": splits})
 
@@ -77,17 +77,14 @@ class PipelineRun:
                           xp.asarray(targets[i * mb:(i + 1) * mb]) if stage.is_last else None)
                          for i in range(engine.accumulation)]
 
-        phase, last = {"F": "forward", "B": "backward"}, []
-
         def before_op(op, i):
-            if last:
-                clock.lap(phase[last.pop()])  # the previous op, its waits included
-            last.append(op)
             engine.strategy.sync_gradients = i == engine.accumulation - 1
 
-        total = self.runner.train(micro_batches, normalizer, engine.scaler.scale, before_op)
-        clock.lap(phase[last.pop()])
-        return total
+        def after_op(op, i):  # the op's time, its wait for its input included
+            clock.lap("forward" if op == "F" else "backward")
+
+        return self.runner.train(micro_batches, normalizer, engine.scaler.scale, before_op,
+                                 after_op)
 
     def evaluate(self, engine, inputs, targets, normalizer) -> float:
         stage, xp = self.stage, engine.xp
@@ -103,8 +100,7 @@ class PipelineRun:
 
     def held_sumsq(self, grads, grad_scale: float, dtype) -> float:
         """Sum of squares of the held copies' (scaled) gradients in this rank's `grads`."""
-        return sum(float((grads[s].astype(dtype) ** 2).sum())
-                   for s in self.held_ranges) * grad_scale**2
+        return ranges_sumsq(grads, self.held_ranges, dtype) * grad_scale**2
 
     def gather(self, params: dict) -> dict:
         """{name: value} of every stage, from this stage's `params` (without its held

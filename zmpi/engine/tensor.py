@@ -79,13 +79,17 @@ def allreduce_ranges(grads, ranges: list[slice], comm) -> None:
         at += n
 
 
+def ranges_sumsq(grads, ranges: list[slice], dtype) -> float:
+    """Sum of squares of `grads[s]` over the slices in `ranges`, computed in `dtype`."""
+    xp = array_module(grads)
+    return sum(float((xp.asarray(grads[s], dtype=dtype) ** 2).sum()) for s in ranges)
+
+
 def tensor_norm_sq(engine, sumsq: float, grads, grad_scale: float) -> float:
     """The model-wide sum of squared (scaled) gradients from this rank's `sumsq` (over its
     optimizer gradients): summed over the data-parallel shards, then split parameters add up
     over the tensor ranks and replicated ones (identical on every tensor rank) count once."""
-    xp = array_module(grads)
-    replicated = sum(float((xp.asarray(grads[s], dtype=engine.master_dtype) ** 2).sum())
-                     for s in engine.tp_replicated) * grad_scale**2
+    replicated = ranges_sumsq(grads, engine.tp_replicated, engine.master_dtype) * grad_scale**2
     if engine.strategy.shard_optimizer:  # each shard group holds the local model once
         sumsq = engine.strategy.comm.allreduce_scalar(sumsq)
         replicated = engine.strategy.comm.allreduce_scalar(replicated)

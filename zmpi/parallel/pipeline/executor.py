@@ -4,8 +4,8 @@ stages through the mesh's pipeline Comm (non-blocking sends, counted and watched
 message).
 
     run = StageRunner(stage, mesh.pp_comm, "1f1b")
-    loss_sum = run.train(micro_batches, normalizer, scale, before_op)   # 0.0 but on the last
-    loss = run.evaluate(inputs, targets, normalizer)                      # likewise
+    loss_sum = run.train(micro_batches, normalizer, scale)   # 0.0 but on the last stage
+    loss = run.evaluate(inputs, targets, normalizer)         # likewise
 
 Stage s receives micro-batch i's input from stage s - 1 (stage 0 takes it from the batch),
 runs its units forward, and sends the output to stage s + 1 (the last stage computes the
@@ -70,12 +70,12 @@ class StageRunner:
         self.spans: list[tuple[str, int, float, float]] = []
         self._sends = []  # (request, buffer) until the step ends
 
-    def train(self, micro_batches, normalizer, scale, before_op=None):
+    def train(self, micro_batches, normalizer, scale, before_op=None, after_op=None):
         """Forward and backward of every micro-batch in `micro_batches` (a list of (inputs,
         targets) device arrays) in the schedule's order. `scale`: the loss scale (dloss);
-        `before_op(op, i)` is called before each op (the engine sets the strategy's
-        sync_gradients and keeps its phase clock). Returns the sum of the micro-batches'
-        losses (a 0-d array) on the last stage, 0.0 elsewhere."""
+        `before_op(op, i)` and `after_op(op, i)` are called around each op (the engine sets
+        the strategy's sync_gradients and keeps its phase clock). Returns the sum of the
+        micro-batches' losses (a 0-d array) on the last stage, 0.0 elsewhere."""
         stage, m = self.stage, len(micro_batches)
         total, in_flight, self.spans = 0.0, {}, []
         sent = {}  # micro-batch -> the activation sent forward (shape and dtype of its grad)
@@ -107,6 +107,8 @@ class StageRunner:
                     if not stage.is_first:
                         self._send(dx.astype(inbox.dtype, copy=False), self.prev, GRADIENT)
                 self.spans.append((op, i, start, time.perf_counter()))
+                if after_op is not None:
+                    after_op(op, i)
         except BaseException:
             stage.clear_cache()  # drop what was set aside; the sends' buffers stay referenced
             for taken in in_flight.values():
