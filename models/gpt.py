@@ -65,6 +65,108 @@ def gpt_num_params(n_layer: int, d_model: int, vocab_size: int, seq_len: int,
         + 2 * d
 
 
+def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: int,
+                         seq_len: int, micro_batch: int, act_bytes: int = 4, tp: int = 1,
+                         sequence_parallel: bool = False, recompute: str = "none",
+                         partition: bool = False, cpu: bool = False, id_bytes: int = 8,
+                         block: int = F.ATTENTION_BLOCK) -> dict:
+    """The activations one rank of zmpi's GPT keeps for backward for one micro-batch of
+    `micro_batch` sequences of `seq_len` tokens: what the ledger counts as "activation", array
+    by array as the layers cache them (docs/activation-memory.md lists every one).
+
+    act_bytes: the activations' itemsize, the compute dtype's (4: fp32, and fp16 or bf16 on
+    the host; 2: fp16 on a GPU; 8: fp64); LayerNorm's statistics, GELU's tanh, the attention
+    probabilities and the loss's softmax are float32 at least. id_bytes: the token ids'
+    itemsize (int64). tp: the tensor-parallel degree (it must divide n_head, and seq_len with
+    sequence_parallel). recompute: "none", "selective" or "full"; partition and cpu (with
+    "full" only): each kept input split over the tp ranks (ceil(n / tp) elements each; not
+    with sequence_parallel) / kept on the host. block: the attention's query rows per block
+    (its probabilities are the lower-triangular blocks of the s x s matrix).
+
+    Returns bytes per rank, {
+      "layer": one transformer block's caches (with "full": only while it runs, in its forward
+               and again in its recompute); "A", "B": layer = s b h (A + B a s / h) with s
+               seq_len, b micro_batch, h d_model, a n_head (Korthikanti et al. 2022's form);
+      "embedding", "head", "loss": the embedding's, the final LayerNorm and LM head's, the
+               cross-entropy's caches;
+      "kept_per_layer", "kept": a block's kept input, and every kept input (the token ids
+               and n_layer block inputs), with "full" (else 0);
+      "device": the peak on the device, "host": the kept inputs with cpu (else 0),
+      "peak_at": when the device peak happens}.
+    Without "full" the peak is the end of the loss's forward: everything cached at once.
+    With "full" it is the kept inputs (on the device unless cpu) plus one unit's working set
+    at its largest: the last block's forward (its recompute in backward holds no more) or the
+    LM head and loss at the end of the forward. (The embedding's working set, ids and
+    positions, is always smaller than a block's.)
+    """
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute {recompute!r}: use 'none', 'selective' or 'full'")
+    if (partition or cpu) and recompute != "full":
+        raise ValueError("partition and cpu act on the inputs that full recompute keeps")
+    if d_model % n_head or n_head % tp:
+        raise ValueError(f"n_head={n_head} must divide d_model={d_model} and be a multiple of "
+                         f"tp={tp}")
+    shard = tp if sequence_parallel and tp > 1 else 1  # the sequence shard's divisor
+    if seq_len % shard:
+        raise ValueError(f"seq_len={seq_len} is not divisible by tp={tp} (sequence parallel)")
+    if partition and shard > 1:
+        raise ValueError("partition: with sequence parallelism the kept inputs are already "
+                         "each rank's share")
+    s, b, h, a = seq_len, micro_batch, d_model, n_head
+    p, f = act_bytes, max(4, act_bytes)
+    n = b * s  # positions
+    rows = sum((min(i + block, s) - i) * min(i + block, s) for i in range(0, s, block))
+    probs = 0 if recompute == "selective" else f * (a // tp) * b * rows
+    layernorm = f * (n // shard) * (h + 1)  # xhat (b, s, h) and rstd (b, s, 1), or the shard
+    # ln1, ln2; the inputs of qkv and fc, whole (gathered under sequence parallelism); this
+    # rank's q, k, v, proj input, GELU input, mlp.proj input (act_bytes) and GELU's tanh (f)
+    layer = 2 * layernorm + 2 * p * n * h + (12 * p + 4 * f) * n * (h // tp) + probs
+    embedding = id_bytes * n + 8 * s  # the ids (tp > 1: this rank's local ids), positions
+    head = layernorm + p * n * h  # ln_f, the LM head's (gathered) input
+    if tp == 1:  # the softmax (n, V) and the targets
+        loss = f * n * vocab_size + id_bytes * n
+    else:  # this rank's softmax columns, local target ids and the held mask
+        loss = f * n * -(-vocab_size // tp) + id_bytes * n + n
+    out = {"layer": layer, "A": (layer - probs) / (s * b * h), "B": probs / (a * s * s * b),
+           "embedding": embedding, "head": head, "loss": loss,
+           "kept_per_layer": 0, "kept": 0, "host": 0}
+    if recompute != "full":
+        out.update(device=embedding + n_layer * layer + head + loss,
+                   peak_at="the end of the loss's forward")
+        return out
+    split = tp if partition else 1
+
+    def kept(elements, itemsize):
+        return -(-elements // split) * itemsize
+
+    x = kept(n // shard * h, p)  # a block's input (b, s, h), or its sequence shard
+    out["kept_per_layer"], out["kept"] = x, kept(n, id_bytes) + n_layer * x
+    work = max(layer, head + loss)
+    out.update(device=work + (0 if cpu else out["kept"]), host=out["kept"] if cpu else 0,
+               peak_at="the last block's forward" if layer >= head + loss
+               else "the end of the loss's forward")
+    return out
+
+
+def korthikanti_activation_bytes(n_layer: int, d_model: int, n_head: int, seq_len: int,
+                                 micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
+                                 recompute: str = "none") -> dict:
+    """Korthikanti et al. 2022's activation memory per transformer layer (their Table 2;
+    16-bit activations, dropout masks of one byte), bytes per rank: {"A", "B", "layer",
+    "total"}, layer = s b h (A + B a s / h) and total = n_layer layers (the paper counts the
+    embedding and the output layer apart). A = 10 + 24 / t, or 34 / t with sequence
+    parallelism; B = 5 / t, 0 with selective recompute; full recompute keeps the layer's
+    input, A = 2 (2 / t with sequence parallelism: the input is the sequence shard), B = 0."""
+    sp = sequence_parallel and tp > 1
+    if recompute == "full":
+        A, B = (2 / tp if sp else 2), 0
+    else:
+        A, B = (34 / tp if sp else 10 + 24 / tp), (0 if recompute == "selective" else 5 / tp)
+    s, b, h = seq_len, micro_batch, d_model
+    layer = s * b * h * (A + B * n_head * s / h)
+    return {"A": A, "B": B, "layer": layer, "total": n_layer * layer}
+
+
 class TokenPositionEmbedding(Module):
     """Unit 0: x = wte[idx] + wpe[arange(T)].  idx (B, T) int -> x (B, T, C), compute dtype.
 

@@ -4,10 +4,13 @@ import json
 
 import numpy as np
 import pytest
+from mpi_util import RANKS_DIR, run_mpi
 
 from zmpi.memory import (
+    ACTIVATION,
     CATEGORIES,
     DEVICES,
+    GROUPS,
     MODEL_STATE,
     MemoryLedger,
     comm_volume_elements,
@@ -18,7 +21,26 @@ from zmpi.memory import (
 
 def test_constants():
     assert MODEL_STATE == CATEGORIES[:5] and DEVICES == ("device", "host")
-    assert set(CATEGORIES) - set(MODEL_STATE) == {"activation", "comm_buffer", "checkpoint"}
+    assert set(CATEGORIES) - set(MODEL_STATE) == {*ACTIVATION, "comm_buffer", "checkpoint"}
+    assert GROUPS == {"activation": ACTIVATION, "model_state": MODEL_STATE}
+
+
+def test_groups_stand_for_their_categories():
+    L = MemoryLedger()
+    kept = L.allocate(10, np.uint8, "saved_input", device="host")
+    L.allocate(20, np.uint8, "layer_cache")
+    L.allocate(40, np.uint8, "recompute")
+    L.allocate(80, np.uint8, "param")
+    assert L.current("activation") == 70 and L.current("activation", "device") == 60
+    assert L.current("model_state") == 80 == L.current(MODEL_STATE)
+    assert L.current(("activation", "param")) == 150
+    L.release(kept)
+    assert L.peak("activation") == 70 and L.current("activation") == 60
+    with pytest.raises(ValueError, match="unknown category 'activations'"):
+        L.current("activations")
+    with pytest.raises(ValueError, match="unknown category 'activation'"):
+        L.allocate(1, np.uint8, "activation")  # a group: register what kind of activation
+    assert L.snapshot()["current"]["device"]["activation"] == 60
 
 
 def test_register_release_current_peak_sequence():
@@ -28,7 +50,7 @@ def test_register_release_current_peak_sequence():
     g = L.allocate((10, 10), np.float32, "grad")                       # 400 B
     assert g.shape == (10, 10) and g.dtype == np.float32 and not g.any()
     m = L.allocate(50, np.float32, "master", device="host")            # 200 B host
-    a = L.allocate((1000,), np.float32, "activation")                  # 4000 B
+    a = L.allocate((1000,), np.float32, "layer_cache")                 # 4000 B
     assert L.current("param") == 200 and L.current("grad") == 400
     assert L.current(device="device") == 4600 and L.current(device="host") == 200
     assert L.current() == 4800 and L.current(("param", "grad")) == 600
@@ -40,7 +62,7 @@ def test_register_release_current_peak_sequence():
     assert L.peak(MODEL_STATE) == 800 and L.peak(MODEL_STATE, "device") == 600
     assert L.peak("activation", "host") == 0
     # A filtered peak is the peak of that filter's total, not a sum of per-category peaks.
-    a2 = L.allocate(500, np.float32, "activation")                     # 2000 B
+    a2 = L.allocate(500, np.float32, "layer_cache")                    # 2000 B
     g2 = L.allocate(500, np.float32, "grad")                           # 2000 B
     L.release(a2)
     assert L.peak(("grad", "activation")) == 4400                      # 400 + 4000 at the start
@@ -230,3 +252,23 @@ def test_activations_are_counted_while_they_live_once_per_buffer():
     assert len(caches) > 5  # many layers hold views of the same buffers: counted once each
     engine.train_step(x, x)
     assert engine.memory.peak("activation") >= held and engine.memory.current("activation") == 0
+
+
+@pytest.mark.mpi
+def test_communication_buffers_do_not_grow_with_the_model():
+    """ZeRO-R's constant-size buffers (CB): at 2, 4 and 8 layers of one width the buckets and
+    reduce-scatter parts (comm_buffer) and the unit gradients in flight (stages 2-3) peak at
+    the same bytes, with and without overlap_comm (the collectives in flight hold at most
+    Strategy.in_flight_limit, two buckets, beyond the newest one's buffers); only stage 1's
+    reduced gradient shard, one rank's 1/N of the gradients during the step, grows."""
+    runs = run_mpi(RANKS_DIR / "constant_buffer_checks.py", 2, timeout=240)[0]
+    for stage in range(4):
+        for overlap in (0, 1):
+            by_layers = [runs[f"L{layers}_stage{stage}_overlap{overlap}"] for layers in (2, 4, 8)]
+            assert by_layers[0]["params"] < by_layers[1]["params"] < by_layers[2]["params"]
+            beyond_shard = {r["comm_buffer"] - (r["shard"] if stage == 1 else 0)
+                            for r in by_layers}
+            in_flight = {r["grad_peak"] - r["grad_now"] for r in by_layers}
+            assert len(beyond_shard) == 1 and len(in_flight) == 1, (stage, overlap, by_layers)
+            assert beyond_shard == ({0} if stage < 2 else beyond_shard - {0})
+            assert in_flight == ({0} if stage < 2 else in_flight - {0})

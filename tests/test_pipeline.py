@@ -101,7 +101,7 @@ def test_the_pipeline_section_acts_or_is_refused():
                        ({"schedule": "zb"}, "use one of gpipe, 1f1b"),
                        ({"partition": "best"}, "unknown partition method 'best'"),
                        ({"partition": "type:("}, "partition method 'type:\\('"),
-                       ({"activation_checkpoint_interval": 2}, "does not recompute groups"),
+                       ({"activation_checkpoint_interval": -1}, "must be >= 0"),
                        ({"pipe_partitioned": True}, "sends each stage's activations whole"),
                        ({"stages": 0}, "must be >= 1"),
                        ({"micro_batches": 4}, "unknown key")]:

@@ -12,25 +12,34 @@ from mpi_util import CLI, RANKS_DIR, launch_mpi, run_mpi
 from zmpi.config import Config, ConfigError
 from zmpi.memory import MemoryLedger
 from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.nn.checkpointing import InputStore
 from zmpi.nn.functional import ATTENTION_BLOCK
 from zmpi.nn.module import activations_counted_in
 
 POLICIES = ("none", "selective", "full")
 
 
-def gradients_and_peak(cfg, policy, dtype, batch=2):
-    """Every parameter's gradient after one forward and backward of `policy`, and the ledger's
-    activation peak."""
+def run_once(cfg, policy, dtype=np.float32, batch=2, interval=0, store=None, steps=1):
+    """Every parameter's gradient after `steps` forwards and backwards under `policy` (with
+    `interval` and kept inputs in `store`), and the ledger that counted the activations."""
     model = GPT(cfg, seed=0, dtype=dtype)
-    model.set_recompute(policy)
+    model.set_recompute(policy, interval, store)
     rng = np.random.default_rng(1)
     idx = rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len))
     ledger = MemoryLedger()
     with activations_counted_in(ledger):
-        model.forward_loss(idx, np.roll(idx, -1, axis=1))
-        model.backward_loss()
+        for _ in range(steps):
+            model.zero_grad()
+            model.forward_loss(idx, np.roll(idx, -1, axis=1))
+            model.backward_loss()
+    return {n: p.grad.copy() for n, p in model.named_parameters()}, ledger
+
+
+def gradients_and_peak(cfg, policy, dtype, batch=2):
+    """run_once's gradients and the ledger's activation peak; nothing stays counted."""
+    grads, ledger = run_once(cfg, policy, dtype, batch)
     assert ledger.current("activation") == 0  # everything saved was consumed
-    return {n: p.grad.copy() for n, p in model.named_parameters()}, ledger.peak("activation")
+    return grads, ledger.peak("activation")
 
 
 @pytest.mark.parametrize("seq_len", (16, ATTENTION_BLOCK + 24), ids=("one_block", "blocks"))
@@ -67,17 +76,100 @@ def test_what_each_policy_saves(seq_len):
     assert full < none / 2
 
 
+class _OneRank:
+    """A tensor group of one rank (what InputStore's partition takes from a Comm)."""
+    rank, size = 0, 1
+
+    def allgather_inplace(self, buf):
+        return buf
+
+
+STORES = {"plain": {}, "host": {"to_host": True}, "contiguous": {"slots": 4},
+          "host_contiguous": {"to_host": True, "slots": 4},
+          "partition_of_one": {"partition": _OneRank()},
+          "synchronized_profiled": {"synchronize": True, "profile": True}}
+
+
+@pytest.mark.parametrize("interval", (0, 2, 3), ids=("every_unit", "pairs", "threes"))
+@pytest.mark.parametrize("where", STORES)
+def test_kept_inputs_give_the_same_gradients_and_are_counted(where, interval):
+    """DeepSpeed's options on the kept inputs (zmpi.nn.checkpointing.InputStore), with full
+    recompute of single units or groups: the gradients of no recompute bit for bit, over two
+    steps (slots reused); the kept inputs counted as "saved_input", on the host with to_host,
+    in one constant buffer with slots; what the recompute keeps as "recompute"."""
+    L, B, T, C = 3, 2, 16, 8
+    cfg = GPTConfig(vocab_size=11, seq_len=T, n_layer=L, n_head=2, d_model=C)
+    want, _ = run_once(cfg, "none", steps=2)
+    store = InputStore(**STORES[where])
+    got, ledger = run_once(cfg, "full", interval=interval, store=store, steps=2)
+    for name, w in want.items():
+        assert np.array_equal(got[name], w), name
+    every = interval or 1
+    kept = [B * T * 8] + [B * T * C * 4] * L  # token ids, then each block's input (fp32)
+    kept = kept[::every]  # one input per group of units
+    device = "host" if store.to_host else "device"
+    other = "device" if store.to_host else "host"
+    assert ledger.peak("saved_input", other) == 0
+    if store.slots is None:
+        assert ledger.peak("saved_input", device) == sum(kept)
+        assert ledger.current("activation") == 0
+    else:  # one buffer of 4 slots of the largest input; it grew once, from the token ids
+        assert ledger.current("saved_input", device) == 4 * B * T * C * 4
+        assert ledger.peak("saved_input", device) == 4 * (B * T * 8 + B * T * C * 4)
+        assert ledger.current("activation") == ledger.current("saved_input")
+    assert ledger.peak("recompute") > 0
+    assert set(store.recompute_seconds) == ({0, 1, 2, 3} if store.profile else set())
+
+
+def test_recompute_keeps_groups_of_units_for_their_recompute():
+    """A group of k units keeps one input and recomputes k units at once: fewer saved inputs,
+    a larger recompute working set."""
+    cfg = GPTConfig(vocab_size=11, seq_len=16, n_layer=4, n_head=2, d_model=8)
+    peaks = {k: run_once(cfg, "none" if k else "full", interval=k)[1] for k in (0, 2, 5)}
+    saved = {k: ledger.peak("saved_input") for k, ledger in peaks.items()}
+    recompute = {k: ledger.peak("recompute") for k, ledger in peaks.items()}
+    assert saved[0] > saved[2] > saved[5] == 2 * 16 * 8  # 5 units, 1 group: the token ids
+    assert recompute[0] < recompute[2] < recompute[5]
+
+
+def test_too_few_slots_is_a_clear_error():
+    cfg = GPTConfig(vocab_size=11, seq_len=8, n_layer=3, n_head=2, d_model=8)
+    with pytest.raises(RuntimeError, match="number_checkpoints is 3, but more inputs"):
+        run_once(cfg, "full", store=InputStore(slots=3))
+    run_once(cfg, "full", interval=2, store=InputStore(slots=2))  # 2 groups: 2 slots do
+
+
 @pytest.mark.mpi
 def test_recompute_through_the_engine_is_exact_everywhere():
-    reports = run_mpi(RANKS_DIR / "recompute_checks.py", 2, timeout=240)
-    runs = {k: v for k, v in reports[0].items() if k != "rank"}
+    reports = run_mpi(RANKS_DIR / "recompute_checks.py", 2, timeout=300)
+    runs = {k: v for k, v in reports[0].items() if k not in ("rank", "options")}
     assert len(runs) == 2 * (4 + 2 + 1 + 2)  # 2 policies x (dp2 x 4, tp2 x 2, sp x 1, pp2 x 2)
     for r in reports:
-        for name, run in ((k, v) for k, v in r.items() if k != "rank"):
+        for name, run in ((k, v) for k, v in r.items() if k not in ("rank", "options")):
             assert run["equal"] and run["largest"] == 0.0 and run["losses_equal"], (name, run)
             assert run["peak"] < run["peak_none"], (name, run)
             if name.endswith("full"):
                 assert run["peak"] < 0.55 * run["peak_none"], (name, run)
+        options = r["options"]
+        assert len(options) == 6
+        for name, run in options.items():
+            assert run["equal"] and run["largest"] == 0.0 and run["losses_equal"], (name, run)
+            assert run["peak"] < run["peak_none"], (name, run)
+        full, part = options["tp2_partition"]["peaks_full"], options["tp2_partition"]["peaks"]
+        # Each rank keeps half of every input: 3 blocks' 4 x 8 x 16 fp32 and the 4 x 8 token
+        # ids. Unpartitioned, the ids are a view of the whole batch's (both micro-batches).
+        assert part["saved_device"] == (3 * 4 * 8 * 16 * 4 + 4 * 8 * 8) // 2
+        assert full["saved_device"] == 3 * 4 * 8 * 16 * 4 + 2 * 4 * 8 * 8
+        cpu = options["dp2_cpu"]
+        # dp 2: micro-batches of 2 rows; on the host, copies of the 2 x 8 token ids
+        assert cpu["peaks"]["saved_host"] == 3 * 2 * 8 * 16 * 4 + 2 * 8 * 8
+        assert cpu["peaks_full"]["saved_device"] == 3 * 2 * 8 * 16 * 4 + 2 * 2 * 8 * 8
+        assert cpu["peaks"]["saved_device"] == 0 and cpu["peaks_full"]["saved_host"] == 0
+        everything = options["tp2_everything"]["peaks"]
+        assert everything["saved_device"] == 0 and everything["saved_host"] > 0
+        assert everything["timed_units"] == 4  # the embedding and 3 blocks, timed
+        grouped = options["dp2_interval2"]
+        assert grouped["peaks"]["recompute"] > grouped["peaks_full"]["recompute"]
 
 
 def test_the_config_section_acts_or_is_refused():
@@ -87,19 +179,42 @@ def test_the_config_section_acts_or_is_refused():
         assert c.activation_checkpointing.recompute == policy and c.notes() == []
     with pytest.raises(ConfigError, match="recompute: 'all': use one of none, selective, full"):
         Config.from_dict({"activation_checkpointing": {"recompute": "all"}})
-    for key, value in (("partition_activations", True), ("cpu_checkpointing", True),
-                       ("contiguous_memory_optimization", True), ("number_checkpoints", 4),
-                       ("synchronize_checkpoint_boundary", True), ("profile", True)):
-        default = None if key == "number_checkpoints" else False
-        Config.from_dict({"activation_checkpointing": {key: default}})  # DeepSpeed's default
-        with pytest.raises(ConfigError, match=rf"activation_checkpointing.{key}: zmpi always"):
-            Config.from_dict({"activation_checkpointing": {key: value}})
+    for key in ("partition_activations", "cpu_checkpointing", "synchronize_checkpoint_boundary",
+                "profile"):
+        for keys in ({"recompute": "full"}, {}):  # with full recompute, or an interval
+            c = Config.from_dict({"activation_checkpointing": {key: True, **keys},
+                                  "pipeline": {"activation_checkpoint_interval": 0 if keys else 2}})
+            assert getattr(c.activation_checkpointing, key) is True
+        with pytest.raises(ConfigError, match=rf"activation_checkpointing.{key}: acts on the "
+                                              "inputs full recompute keeps"):
+            Config.from_dict({"activation_checkpointing": {key: True, "recompute": "selective"}})
+    contiguous = {"contiguous_memory_optimization": True, "number_checkpoints": 4}
+    Config.from_dict({"activation_checkpointing": {"recompute": "full", **contiguous}})
+    for keys in ({"contiguous_memory_optimization": True}, {"number_checkpoints": 4}):
+        with pytest.raises(ConfigError, match="number_checkpoints: sizes the buffer"):
+            Config.from_dict({"activation_checkpointing": {"recompute": "full", **keys}})
+    with pytest.raises(ConfigError, match="number_checkpoints: must be >= 1"):
+        Config.from_dict({"activation_checkpointing": {"recompute": "full", **contiguous,
+                                                       "number_checkpoints": 0}})
+    with pytest.raises(ConfigError, match="partition_activations: with sequence_parallel"):
+        Config.from_dict({"activation_checkpointing": {"recompute": "full",
+                                                       "partition_activations": True},
+                          "tensor_parallel": {"autotp_size": 2, "sequence_parallel": True}})
+    with pytest.raises(ConfigError, match="activation_checkpoint_interval: 2 recomputes groups"):
+        Config.from_dict({"activation_checkpointing": {"recompute": "selective"},
+                          "pipeline": {"activation_checkpoint_interval": 2}})
+    with pytest.raises(ConfigError, match="activation_checkpoint_interval: must be >= 0"):
+        Config.from_dict({"pipeline": {"activation_checkpoint_interval": -1}})
 
 
-def test_set_recompute_refuses_an_unknown_policy():
+def test_set_recompute_refuses_what_it_cannot_do():
+    model = GPT(GPTConfig(vocab_size=11, seq_len=8, n_layer=1, n_head=2, d_model=8))
     with pytest.raises(ValueError, match="recompute 'some'"):
-        GPT(GPTConfig(vocab_size=11, seq_len=8, n_layer=1, n_head=2, d_model=8)) \
-            .set_recompute("some")
+        model.set_recompute("some")
+    with pytest.raises(ValueError, match="selective recompute .* takes no interval"):
+        model.set_recompute("selective", 2)
+    with pytest.raises(ValueError, match="interval must be an int >= 0"):
+        model.set_recompute("full", -1)
 
 
 @pytest.mark.mpi

@@ -22,13 +22,19 @@ import itertools
 
 import numpy
 
-__all__ = ["CATEGORIES", "MODEL_STATE", "DEVICES", "MemoryLedger", "OutOfMemory",
+__all__ = ["CATEGORIES", "MODEL_STATE", "ACTIVATION", "GROUPS", "DEVICES", "MemoryLedger",
+           "OutOfMemory",
            "model_state_breakdown", "model_state_bytes", "model_state_placement",
            "comm_volume_elements", "estimate_rows", "ring_bytes", "ARRAY_OPS"]
 
-CATEGORIES = ("param", "grad", "master", "adam_m", "adam_v", "activation", "comm_buffer",
-              "checkpoint")
+CATEGORIES = ("param", "grad", "master", "adam_m", "adam_v", "layer_cache", "saved_input",
+              "recompute", "comm_buffer", "checkpoint")
 MODEL_STATE = ("param", "grad", "master", "adam_m", "adam_v")
+# Activations, by what keeps them: the arrays layers save in forward for their backward; the
+# input a recomputed (checkpointed) unit keeps instead; what layers save while a unit's forward
+# runs again in backward.
+ACTIVATION = ("layer_cache", "saved_input", "recompute")
+GROUPS = {"activation": ACTIVATION, "model_state": MODEL_STATE}  # names current/peak accept
 DEVICES = ("device", "host")
 _MiB = 2**20
 
@@ -46,8 +52,9 @@ class MemoryLedger:
     """Bytes held per (category, device) on this rank, now and at peak.
 
     Peaks are exact for every filter `current`/`peak` accept: the ledger keeps a running total
-    for each (set of categories, device or None=both) pair, 2**8 * 3 of them, and updates the
-    ones containing the changed (category, device) on every register/release.
+    for each (set of categories, device or None=both) pair, (2**10 - 1) * 3 of them in one
+    array, and updates the ones containing the changed (category, device) on every
+    register/release (one vectorised update).
     """
 
     def __init__(self, device_pool=None, budget=None):
@@ -62,9 +69,12 @@ class MemoryLedger:
         self._entries: dict[int, tuple] = {}  # id(array) -> (array, name, category, device)
         subsets = [frozenset(s) for r in range(1, len(CATEGORIES) + 1)
                    for s in itertools.combinations(CATEGORIES, r)]
-        self._total = {(s, d): 0 for s in subsets for d in (*DEVICES, None)}
-        self._peak = dict(self._total)
-        self._keys_for = {(c, d): [k for k in self._total if c in k[0] and k[1] in (d, None)]
+        keys = [(s, d) for s in subsets for d in (*DEVICES, None)]
+        self._index = {k: i for i, k in enumerate(keys)}
+        self._total = numpy.zeros(len(keys), numpy.int64)
+        self._peak = self._total.copy()
+        self._keys_for = {(c, d): numpy.array([i for k, i in self._index.items()
+                                               if c in k[0] and k[1] in (d, None)])
                           for c in CATEGORIES for d in DEVICES}
 
     # -- registration ----------------------------------------------------------------------
@@ -117,30 +127,34 @@ class MemoryLedger:
                               f"({held or 'nothing'}; MiB)")
 
     def _add(self, category: str, device: str, nbytes: int) -> None:
-        for k in self._keys_for[(category, device)]:
-            self._total[k] += nbytes
-            if self._total[k] > self._peak[k]:
-                self._peak[k] = self._total[k]
+        keys = self._keys_for[(category, device)]
+        self._total[keys] += nbytes
+        self._peak[keys] = numpy.maximum(self._peak[keys], self._total[keys])
 
     # -- queries ---------------------------------------------------------------------------
-    @staticmethod
-    def _key(category, device):
-        cats = CATEGORIES if category is None else (
+    def _key(self, category, device) -> int:
+        names = CATEGORIES if category is None else (
             (category,) if isinstance(category, str) else tuple(category))
-        for c in cats:
-            _check_choice("category", c, CATEGORIES)
+        cats = set()
+        for c in names:
+            if c in GROUPS:
+                cats.update(GROUPS[c])
+            else:
+                _check_choice("category", c, (*CATEGORIES, *GROUPS))
+                cats.add(c)
         if device is not None:
             _check_choice("device", device, DEVICES)
-        return frozenset(cats), device
+        return self._index[frozenset(cats), device]
 
     def current(self, category=None, device=None) -> int:
-        """Bytes held now; `category` is a name, a tuple of names or None (all); `device` is
-        'device', 'host' or None (both)."""
-        return self._total[self._key(category, device)]
+        """Bytes held now; `category` is a category, a group of them ("activation",
+        "model_state": GROUPS), a tuple of those, or None (all); `device` is 'device', 'host'
+        or None (both)."""
+        return int(self._total[self._key(category, device)])
 
     def peak(self, category=None, device=None) -> int:
         """Highest value `current(category, device)` has had since creation or `reset_peaks`."""
-        return self._peak[self._key(category, device)]
+        return int(self._peak[self._key(category, device)])
 
     def model_state_bytes(self, device=None) -> int:
         """Current bytes of params, grads, fp32 master and Adam moments."""
@@ -148,7 +162,7 @@ class MemoryLedger:
 
     def reset_peaks(self) -> None:
         """Start peak tracking afresh from the current totals (e.g. after initialisation)."""
-        self._peak = dict(self._total)
+        self._peak = self._total.copy()
 
     def buffers(self) -> list[tuple]:
         """(name, category, device, shape, dtype, nbytes) per registered array, in order."""
@@ -163,7 +177,8 @@ class MemoryLedger:
 
     def report(self) -> str:
         """Table of current and peak MiB per category and device, plus model-state and total."""
-        rows = [(c, c) for c in CATEGORIES] + [("model state", MODEL_STATE), ("total", None)]
+        rows = [(c, c) for c in CATEGORIES] + [("activation", ACTIVATION),
+                                                ("model state", MODEL_STATE), ("total", None)]
         head = f"{'category':<12}" + "".join(f"{d + ' now':>14}{d + ' peak':>14}"
                                              for d in DEVICES)
         lines = [head + "   (MiB)", "-" * len(head)]
@@ -181,7 +196,8 @@ class MemoryLedger:
         """JSON-serialisable state: bytes now and at peak per device and category."""
         def table(which):
             return {d: {**{c: which(c, d) for c in CATEGORIES},
-                        "model_state": which(MODEL_STATE, d), "total": which(None, d)}
+                        **{g: which(cats, d) for g, cats in GROUPS.items()},
+                        "total": which(None, d)}
                     for d in DEVICES}
         return {"current": table(self.current), "peak": table(self.peak),
                 "device_pool": self.device_pool_bytes(),

@@ -1,12 +1,16 @@
 """Rank side of tests/test_recompute.py: a GPT trained with each activation-recompute policy
 ("selective", "full") against the same run without recompute, on 2 ranks: data parallel at
 ZeRO stages 0-3, tensor parallel (tp 2, with and without sequence parallelism) and pipelined
-(pp 2, 1F1B) at stages 1 and 3, fp32.
+(pp 2, 1F1B) at stages 1 and 3, fp32; then DeepSpeed's options on the kept inputs
+(`OPTIONS`: partitioned over the tensor ranks, on the host, in one buffer, groups of units)
+against plain full recompute.
 
     mpiexec -n 2 python tests/ranks/recompute_checks.py
 
 Reports per (layout, strategy, policy) whether every parameter after 3 steps equals the run
-without recompute bit for bit, the largest difference, the losses' and the activation peak.
+without recompute bit for bit, the largest difference, the losses' and the activation peak;
+per option also the peaks of the kept inputs on the device and the host, and of what the
+recomputes kept, beside those of plain full recompute.
 """
 import numpy as np
 from _report import report
@@ -23,15 +27,27 @@ LAYOUTS = {  # name: (tp, pp, sequence parallel, strategies)
     "dp2": (1, 1, False, (0, 1, 2, 3)), "tp2": (2, 1, False, (1, 3)),
     "tp2_sp": (2, 1, True, (1,)), "pp2": (1, 2, False, (1, 3)),
 }
+CONTIGUOUS = {"contiguous_memory_optimization": True, "number_checkpoints": 8}
+OPTIONS = {  # name: (layout, stage, activation_checkpointing beside recompute "full", interval)
+    "tp2_partition": ("tp2", 3, {"partition_activations": True}, 0),
+    "dp2_cpu": ("dp2", 3, {"cpu_checkpointing": True}, 0),
+    "dp2_contiguous": ("dp2", 2, CONTIGUOUS, 0),
+    "dp2_interval2": ("dp2", 3, {}, 2),
+    "pp2_interval2_contiguous": ("pp2", 1, CONTIGUOUS, 2),
+    "tp2_everything": ("tp2", 1, {"partition_activations": True, "cpu_checkpointing": True,
+                                  **CONTIGUOUS, "synchronize_checkpoint_boundary": True,
+                                  "profile": True}, 0),
+}
 
 
-def train(comm, tp, pp, sp, stage, policy):
+def train(comm, tp, pp, sp, stage, policy, options=None, interval=0):
     mesh = Mesh(comm, tp=tp, pp=pp)
     config = {"train_micro_batch_size_per_gpu": BATCH // (mesh.dp * 2),
               "gradient_accumulation_steps": 2, "gradient_clipping": 0.05,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
               "tensor_parallel": {"autotp_size": tp, "sequence_parallel": sp},
-              "pipeline": {"stages": pp}, "activation_checkpointing": {"recompute": policy},
+              "pipeline": {"stages": pp, "activation_checkpoint_interval": interval},
+              "activation_checkpointing": {"recompute": policy, **(options or {})},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000}}
     model = GPT(CFG, seed=0, tp=mesh.tp_comm, sequence_parallel=sp)
     engine = Engine(model, config, comm, mesh=mesh)
@@ -39,8 +55,19 @@ def train(comm, tp, pp, sp, stage, policy):
     losses = [engine.train_step(*data.sample(s)) for s in range(STEPS)]
     params = engine.gather_parameters()
     peak = engine.memory.peak("activation")
+    peaks = {"saved_device": engine.memory.peak("saved_input", "device"),
+             "saved_host": engine.memory.peak("saved_input", "host"),
+             "recompute": engine.memory.peak("recompute"),
+             "timed_units": len(engine.model.saved_inputs.recompute_seconds)}
     engine.close()
-    return params, losses, peak
+    return params, losses, peak, peaks
+
+
+def compare(got, want):
+    """What the report says of a run against the one it must equal."""
+    return {"equal": all(np.array_equal(got[0][n], w) for n, w in want[0].items()),
+            "largest": max(float(np.abs(got[0][n] - w).max()) for n, w in want[0].items()),
+            "losses_equal": got[1] == want[1], "peak": got[2], "peak_none": want[2]}
 
 
 def main():
@@ -48,14 +75,18 @@ def main():
     out = {}
     for name, (tp, pp, sp, stages) in LAYOUTS.items():
         for stage in stages:
-            want, want_losses, want_peak = train(comm, tp, pp, sp, stage, "none")
+            want = train(comm, tp, pp, sp, stage, "none")
             for policy in ("selective", "full"):
-                got, losses, peak = train(comm, tp, pp, sp, stage, policy)
-                out[f"{name}_stage{stage}_{policy}"] = {
-                    "equal": all(np.array_equal(got[n], w) for n, w in want.items()),
-                    "largest": max(float(np.abs(got[n] - w).max()) for n, w in want.items()),
-                    "losses_equal": losses == want_losses, "peak": peak, "peak_none": want_peak}
-    report(out)
+                out[f"{name}_stage{stage}_{policy}"] = compare(
+                    train(comm, tp, pp, sp, stage, policy), want)
+    options = {}
+    for name, (layout, stage, keys, interval) in OPTIONS.items():
+        tp, pp, sp, _ = LAYOUTS[layout]
+        want = train(comm, tp, pp, sp, stage, "none")
+        full = train(comm, tp, pp, sp, stage, "full")
+        got = train(comm, tp, pp, sp, stage, "full", keys, interval)
+        options[name] = {**compare(got, want), "peaks": got[3], "peaks_full": full[3]}
+    report({**out, "options": options})
 
 
 if __name__ == "__main__":

@@ -143,16 +143,31 @@ def main(argv=None) -> None:
                    "(exactly, for a GPT shape; Psi / T for --params), ZeRO partitions that over "
                    "N / T ranks (default 1)")
     e.add_argument("--micro-batch", type=int, default=None, metavar="B",
-                   help="with --tp and a GPT shape: sequences per rank per micro-step, for the "
-                   "tensor-parallel traffic per step")
+                   help="with a GPT shape: sequences per rank per micro-step, for the "
+                   "activation memory per rank (docs/activation-memory.md) and, with --tp, "
+                   "the tensor-parallel traffic per step")
+    e.add_argument("--n-head", type=int, default=None,
+                   help="with --micro-batch: attention heads (default: d_model / 64, GPT-2's "
+                   "64-channel heads, and at least --tp)")
+    e.add_argument("--recompute", choices=RECOMPUTE, default=None,
+                   help="with --micro-batch: the activation recompute policy the activation "
+                   "memory is for (default none)")
+    e.add_argument("--partition-activations", action="store_true",
+                   help="with --recompute full and --tp above 1: each kept input split over "
+                   "the tensor ranks (activation_checkpointing.partition_activations)")
+    e.add_argument("--cpu-checkpointing", action="store_true",
+                   help="with --recompute full: the kept inputs on the host "
+                   "(activation_checkpointing.cpu_checkpointing)")
     e.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp and --micro-batch: the traffic of sequence parallelism "
-                   "(reduce-scatters and allgathers in place of the blocks' allreduces)")
+                   "(reduce-scatters and allgathers in place of the blocks' allreduces) and its "
+                   "activations (the LayerNorms' on the sequence shard)")
     e.add_argument("--stage", type=int, choices=range(4), default=None,
                    help="one ZeRO stage (default: all four)")
     e.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16",
                    help="fp16/bf16: 2-byte params and grads; fp32: 4-byte; K = 12 either way "
-                   "(zmpi keeps fp32 master weights, Adam m and v) (default fp16)")
+                   "(zmpi keeps fp32 master weights, Adam m and v); activations: 2-byte with "
+                   "fp16 (as on a GPU), 4-byte with bf16 and fp32 (default fp16)")
     e.add_argument("--param-bytes", type=int, default=None,
                    help="bytes per parameter and per gradient (overrides --precision)")
     e.add_argument("--optimizer-bytes", type=int, default=None,

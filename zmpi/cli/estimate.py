@@ -1,19 +1,25 @@
 """`zmpi estimate`: model-state memory and traffic per rank from the ZeRO formulas
 (zmpi.memory.estimate_rows), for a parameter count or a GPT shape; with --tp, over the
 data-parallel ranks of each tensor rank's share, plus Megatron's tensor-parallel traffic (with
---sequence-parallel, Korthikanti et al.'s reduce-scatters and allgathers)."""
+--sequence-parallel, Korthikanti et al.'s reduce-scatters and allgathers); with --micro-batch,
+the activation memory per rank (zmpi.models.gpt.gpt_activation_bytes) beside Korthikanti et
+al.'s count (docs/activation-memory.md)."""
 from __future__ import annotations
 
 import json
 
 from zmpi.memory import estimate_rows
-from zmpi.models.gpt import gpt_num_params
+from zmpi.models.gpt import gpt_activation_bytes, gpt_num_params, korthikanti_activation_bytes
+
+# The activations' itemsize by --precision: fp16 computes in fp16 on a GPU, bf16 in fp32
+# (zmpi.backend.compute_dtype; on the NumPy backend fp16 computes in fp32 too)
+ACTIVATION_BYTES = {"fp16": 2, "bf16": 4, "fp32": 4}
 
 
 def estimate(args) -> None:
     """Print the ZeRO paper's per-rank model-state memory and traffic for each stage (or
-    --stage); with offload flags, device and host memory (ZeRO-Offload); --json for a
-    machine-readable answer."""
+    --stage); with offload flags, device and host memory (ZeRO-Offload); with --micro-batch,
+    the activations per rank (`activation_memory`); --json for a machine-readable answer."""
     if (args.params is None) == (args.n_layer is None):
         raise SystemExit("zmpi estimate: give --params, or a GPT shape (--n-layer, --d-model, "
                          "--vocab-size, --seq-len)")
@@ -35,13 +41,14 @@ def estimate(args) -> None:
                          "--micro-batch")
     tensor = tensor_traffic(args) if tp > 1 and args.micro_batch else None
     ops = tensor_ops(args) if tensor is not None else None
+    activation = activation_memory(args)
     if args.json:
         print(json.dumps({"params": psi, "world_size": args.world_size, "tp": tp, "dp": dp,
                           "param_bytes": pb, "optimizer_bytes": k,
                           "offload_optimizer": args.offload_optimizer,
                           "offload_param": args.offload_param, "stages": rows,
-                          "tensor_traffic_elements": tensor, "tensor_traffic_ops": ops},
-                         indent=2))
+                          "tensor_traffic_elements": tensor, "tensor_traffic_ops": ops,
+                          "activation": activation}, indent=2))
         return
     offload = args.offload_optimizer or args.offload_param
     print(f"Psi = {psi:.4g} parameters" + (f" per tensor rank (tp = {tp})" if tp > 1 else "")
@@ -57,6 +64,8 @@ def estimate(args) -> None:
               f"{ops['reduce_scatter']:.4g} elements reduce-scattered and as many allgathered "
               f"((4 L + 2) B T C each, every rank sending (T-1)/T of them), "
               f"{ops['allreduce']:.4g} allreduced (3 B T, the cross-entropy)")
+    if activation is not None:
+        print_activations(activation, args)
     if not offload:
         print(f"{'stage':>5} {'GB per rank':>12} {'traffic per step (elements)':>28}")
         for r in rows:
@@ -91,3 +100,81 @@ def tensor_ops(args) -> dict[str, int]:
     if not args.sequence_parallel:
         return {"allreduce": blocks + 3 * positions}
     return {"allreduce": 3 * positions, "reduce_scatter": blocks, "allgather": blocks}
+
+
+def activation_memory(args) -> dict | None:
+    """With --micro-batch: the activations one rank keeps for backward (bytes), by
+    zmpi.models.gpt.gpt_activation_bytes ("zmpi") and Korthikanti et al.'s Table 2
+    ("korthikanti"), with the heads, recompute policy and activation itemsize they are for;
+    None without --micro-batch. A flag that cannot act is a SystemExit naming it."""
+    given = [flag for flag, value in (
+        ("--n-head", args.n_head is not None), ("--recompute", args.recompute is not None),
+        ("--partition-activations", args.partition_activations),
+        ("--cpu-checkpointing", args.cpu_checkpointing)) if value]
+    if args.micro_batch is None:
+        if given:
+            raise SystemExit("zmpi estimate: without --micro-batch there is no activation "
+                             f"memory for {', '.join(given)} to act on")
+        return None
+    tp, recompute = args.tp, args.recompute or "none"
+    if (args.partition_activations or args.cpu_checkpointing) and recompute != "full":
+        raise SystemExit("zmpi estimate: --partition-activations and --cpu-checkpointing act "
+                         "on the inputs full recompute keeps: add --recompute full")
+    if args.partition_activations and (tp == 1 or args.sequence_parallel):
+        raise SystemExit("zmpi estimate: --partition-activations splits the kept inputs over "
+                         "the tensor ranks: it needs --tp above 1, without --sequence-parallel "
+                         "(whose kept inputs are each rank's share already)")
+    n_head = args.n_head if args.n_head is not None else max(args.d_model // 64, tp)
+    if n_head < 1 or args.d_model % n_head or n_head % tp:
+        raise SystemExit(f"zmpi estimate: {n_head} heads"
+                         + ("" if args.n_head is not None else " (the default)")
+                         + f" must divide --d-model {args.d_model} and be a multiple of --tp "
+                         f"{tp}: give --n-head")
+    if args.sequence_parallel and args.seq_len % tp:
+        raise SystemExit(f"zmpi estimate: --seq-len {args.seq_len} is not a multiple of --tp "
+                         f"{tp}, as sequence parallelism needs")
+    act_bytes = ACTIVATION_BYTES[args.precision]
+    shape = {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": n_head,
+             "seq_len": args.seq_len, "micro_batch": args.micro_batch, "tp": tp,
+             "sequence_parallel": args.sequence_parallel, "recompute": recompute}
+    return {"n_head": n_head, "recompute": recompute, "act_bytes": act_bytes,
+            "partition": args.partition_activations, "cpu": args.cpu_checkpointing,
+            "zmpi": gpt_activation_bytes(vocab_size=args.vocab_size, act_bytes=act_bytes,
+                                         partition=args.partition_activations,
+                                         cpu=args.cpu_checkpointing, **shape),
+            "korthikanti": korthikanti_activation_bytes(**shape)}
+
+
+def print_activations(act: dict, args) -> None:
+    """The lines of `activation_memory` in the text output."""
+    z, k = act["zmpi"], act["korthikanti"]
+    sbh = args.micro_batch * args.seq_len * args.d_model
+    kept = " and ".join(w for w, on in (("partitioned", act["partition"]),
+                                        ("on the host", act["cpu"])) if on)
+    print(f"activations per rank: micro-batch {args.micro_batch} x {args.seq_len} tokens, "
+          f"{act['n_head']} heads, {act['act_bytes']}-byte activations ({args.precision}), "
+          f"recompute {act['recompute']}{', kept inputs ' + kept if kept else ''} "
+          "(docs/activation-memory.md)")
+    layer = f"s b h ({z['A']:.4g} + {z['B']:.4g} a s / h) = {_size(z['layer'])}"
+    if act["recompute"] != "full":
+        print(f"  per layer {layer}; Korthikanti et al.: s b h ({k['A']:.4g} + {k['B']:.4g} "
+              f"a s / h) = {_size(k['layer'])}")
+    else:
+        print(f"  kept per layer s b h x {z['kept_per_layer'] / sbh:.4g} = "
+              f"{_size(z['kept_per_layer'])}; Korthikanti et al.: s b h x {k['A']:.4g} = "
+              f"{_size(k['layer'])}; kept in all (token ids too) {_size(z['kept'])}")
+        print(f"  working set: one block {layer}, or the LM head and loss "
+              f"{_size(z['head'] + z['loss'])}")
+    print(f"  embedding {_size(z['embedding'])}, LM head {_size(z['head'])}, loss "
+          f"{_size(z['loss'])}")
+    host = f" and {_size(z['host'])} on the host" if z["host"] else ""
+    print(f"  peak {_size(z['device'])} on the device{host}, at {z['peak_at']}; Korthikanti "
+          f"et al.'s {args.n_layer} layers: {_size(k['total'])}")
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in GB, MB or kB (powers of 1000, as the model-state table's GB), 4 digits."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.4g} {unit}"
+    return f"{nbytes:.4g} B"

@@ -79,6 +79,20 @@ class Config(_Section):
         self._at_least(0, "seed")
         _check(not (self.fp16.enabled and self.bf16.enabled), "fp16.enabled",
                "fp16 and bf16 are both enabled; enable at most one")
+        ac = self.activation_checkpointing
+        interval = self.pipeline.activation_checkpoint_interval
+        _check(not (ac.recompute == "selective" and interval),
+               "pipeline.activation_checkpoint_interval",
+               f"{interval} recomputes groups of whole units, and activation_checkpointing."
+               "recompute \"selective\" only the attention probabilities: choose one")
+        for key in ac.options_set():
+            _check(ac.recompute == "full" or interval, f"activation_checkpointing.{key}",
+                   "acts on the inputs full recompute keeps: set activation_checkpointing."
+                   "recompute \"full\" (or pipeline.activation_checkpoint_interval)")
+        _check(not (ac.partition_activations and self.tensor_parallel.sequence_parallel
+                    and self.tensor_parallel.autotp_size > 1),
+               "activation_checkpointing.partition_activations", "with sequence_parallel each "
+               "tensor rank's unit inputs are already its own share of the sequence: drop one")
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Config:

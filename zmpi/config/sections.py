@@ -187,24 +187,37 @@ class ActivationCheckpointingConfig(_Section):
     granularities as zmpi's `recompute`): "none" (default) keeps every activation until its
     backward; "selective" recomputes only the attention core (the probabilities); "full"
     keeps each unit's input only and runs its forward again before its backward
-    (docs/recompute.md). The other keys are DeepSpeed's; only their defaults are built."""
-
-    _ALWAYS = {
-        "partition_activations": (False, "keeps each saved input whole on every tensor rank"),
-        "cpu_checkpointing": (False, "keeps the saved inputs where they were computed"),
-        "contiguous_memory_optimization": (False, "allocates the saved inputs one by one"),
-        "number_checkpoints": (None, "allocates the saved inputs one by one"),
-        "synchronize_checkpoint_boundary": (False, "adds no device synchronisation around "
-                                                   "a recompute"),
-        "profile": (False, "times recomputes as part of each unit's backward "
-                           "(engine.phases)"),
-    }
+    (docs/recompute.md). DeepSpeed's keys act on the inputs full recompute keeps (so they
+    need it, or pipeline.activation_checkpoint_interval): `partition_activations` (each
+    sharded over the tensor ranks), `cpu_checkpointing` (on the host),
+    `contiguous_memory_optimization` with `number_checkpoints` (one buffer of that many
+    slots), `synchronize_checkpoint_boundary` (a device synchronisation around each
+    checkpointed forward and recompute) and `profile` (seconds per recompute, per unit)."""
 
     recompute: str = "none"
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+    _ON_KEPT_INPUTS = ("partition_activations", "cpu_checkpointing",
+                       "contiguous_memory_optimization", "synchronize_checkpoint_boundary",
+                       "profile")
 
     def _validate(self):
         _check(self.recompute in RECOMPUTE, "recompute",
                f"{self.recompute!r}: use one of {', '.join(RECOMPUTE)}")
+        self._at_least(1, "number_checkpoints")
+        _check(self.contiguous_memory_optimization == (self.number_checkpoints is not None),
+               "number_checkpoints", "sizes the buffer of contiguous_memory_optimization: give "
+               "both (the most inputs kept at once: recomputed units, or groups of units, "
+               "times micro-batches in flight) or neither")
+
+    def options_set(self) -> list[str]:
+        """The DeepSpeed keys set that act on kept inputs (they need full recompute)."""
+        return [k for k in self._ON_KEPT_INPUTS if getattr(self, k)]
 
 
 @dataclass(frozen=True)
@@ -212,8 +225,9 @@ class PipelineConfig(_Section):
     """`pipeline` (DeepSpeed's pipeline section): `stages` P, the pipeline-parallel degree of
     the process mesh; `partition`, how the model's units are split over the stages (DeepSpeed's
     partition_method: "parameters", "uniform" or "type:REGEX"); `schedule`, "1f1b" (default)
-    or "gpipe" (docs/pipeline.md); `activation_checkpoint_interval`, only 0 until activation
-    recompute exists. Micro-batches are gradient_accumulation_steps."""
+    or "gpipe" (docs/pipeline.md); `activation_checkpoint_interval` k > 0, full recompute in
+    groups of k units, each keeping one input (docs/recompute.md; at any number of stages).
+    Micro-batches are gradient_accumulation_steps."""
 
     _ALWAYS = {
         "pipe_partitioned": (False, "sends each stage's activations whole from every tensor "
@@ -230,10 +244,7 @@ class PipelineConfig(_Section):
 
     def _validate(self):
         self._at_least(1, "stages")
-        _check(self.activation_checkpoint_interval == 0, "activation_checkpoint_interval",
-               f"{self.activation_checkpoint_interval}: zmpi does not recompute groups of "
-               "units; use 0, and activation_checkpointing.recompute \"full\" to recompute "
-               "every unit (an interval of 1)")
+        self._at_least(0, "activation_checkpoint_interval", note=" (0 = no recompute)")
         from zmpi.parallel.pipeline.partition import check_method
         from zmpi.parallel.pipeline.schedule import SCHEDULES
 

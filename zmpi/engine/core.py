@@ -52,6 +52,7 @@ from zmpi.engine.step import reduce_and_update
 from zmpi.engine.tensor import gather_tensor_slices, replicated_ranges, sequence_ranges
 from zmpi.engine.traffic import by_dimension, by_group, groups, sent_by_group
 from zmpi.memory import MemoryLedger
+from zmpi.nn.checkpointing import InputStore
 from zmpi.nn.module import UnitModel, activations_counted_in
 from zmpi.optim import lr_schedules
 from zmpi.optim.adam import Adam, HostAdam, host_threads
@@ -100,7 +101,11 @@ class Engine:
         if self.mesh.pp > 1:  # this rank keeps and trains its stage's units
             model = PipelineStage(model, self.mesh.pp_rank, self.mesh.pp,
                                   self.config.pipeline.partition)
-        model.set_recompute(self.config.activation_checkpointing.recompute)
+        ac = self.config.activation_checkpointing
+        model.set_recompute(ac.recompute, self.config.pipeline.activation_checkpoint_interval,
+                            InputStore(self.mesh.tp_comm if ac.partition_activations else None,
+                                       ac.cpu_checkpointing, ac.number_checkpoints,
+                                       ac.synchronize_checkpoint_boundary, ac.profile))
         self.model = model
         units = list(model.units)
         names = {id(p): name for name, p in model.named_parameters()}  # model-wide names
@@ -160,7 +165,8 @@ class Engine:
         # this run's id is in every checkpoint it saves; loading a checkpoint continues its run
         self.checkpoints = Checkpointer(comm, comm.bcast_object(uuid.uuid4().hex))
         # per-phase and per-unit time of every train_step
-        self.phases = PhaseProfile(type(u).__name__ for u in self.model.units)
+        self.phases = PhaseProfile((type(u).__name__ for u in self.model.units),
+                                   self.model.saved_inputs.recompute_seconds)
         fp16 = self.config.fp16
         self.scaler = LossScaler.from_config(fp16) if fp16.enabled else LossScaler.disabled()
         self.global_steps = 0
@@ -211,7 +217,7 @@ class Engine:
         if self.checkpoints.pending is not None:
             self.checkpoints.poll()  # an asynchronous save completes once every rank wrote
         try:
-            with activations_counted_in(self.memory):  # the layers' caches, as "activation"
+            with activations_counted_in(self.memory):  # what layers keep: "activation"
                 return self._train_step(inputs, targets)
         except BaseException:
             self.strategy.abandon_in_flight()  # no freed buffer may still be MPI's

@@ -17,15 +17,18 @@ class PhaseProfile:
     them. Host time: on a GPU nothing is synchronised for it, so
     device work shows in the phase that next waits for it; a delayed (DPU) update counts only
     where the step waits for it. The first step (compiling the host loops, first touch of
-    every buffer) is left out of the figures once there are others."""
+    every buffer) is left out of the figures once there are others. `recompute_seconds`
+    ({unit: seconds}, what activation_checkpointing.profile measures: zmpi.nn.checkpointing)
+    shows as each unit's "recompute", a part of its backward."""
 
     PHASES = ("forward", "backward", "step", "optimizer", "waited")
-    UNIT_PHASES = ("forward", "backward", "waited")
+    UNIT_PHASES = ("forward", "backward", "waited", "recompute")
 
-    def __init__(self, unit_names=()):
+    def __init__(self, unit_names=(), recompute_seconds=None):
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
         self.unit_names = list(unit_names)
         self.units = [dict.fromkeys(self.UNIT_PHASES, 0.0) for _ in self.unit_names]
+        self.recompute_seconds = {} if recompute_seconds is None else recompute_seconds
         self.steps = 0
         self._first = None  # (seconds, units) at the end of the first step
         self._unit_start = (0.0, 0.0)
@@ -54,6 +57,8 @@ class PhaseProfile:
         return self._critical(self._gather(comm))
 
     def step_ends(self) -> None:
+        for u, seconds in self.recompute_seconds.items():
+            self.units[u]["recompute"] = seconds
         self.steps += 1
         if self.steps == 1:
             self._first = (dict(self.seconds), [dict(unit) for unit in self.units])

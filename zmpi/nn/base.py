@@ -17,13 +17,16 @@ from zmpi.nn.parameter import Parameter
 
 
 class _ActivationAccount:
-    """Counts the arrays layers keep for backward in a MemoryLedger (category "activation"),
-    while `counted_in(ledger)` is active. An array is counted by the buffer that owns its
-    memory, once however many caches hold views of it; buffers the ledger already holds
-    (parameters, gradients) are not counted again."""
+    """Counts the arrays layers keep for backward in a MemoryLedger, while `counted_in(ledger)`
+    is active: as "layer_cache", or as "recompute" while `recomputing()` (a unit's forward run
+    again in backward); a checkpointed unit's kept input is held as "saved_input". An array is
+    counted by the buffer that owns its memory, once however many caches hold views of it;
+    buffers the ledger already holds (parameters, gradients, a preallocated input buffer) are
+    not counted again."""
 
     def __init__(self):
         self.ledger = None
+        self.category = "layer_cache"
         self.refs = {}  # id(owner) -> [owner, number of caches holding it]
 
     def _owners(self, cache):
@@ -35,7 +38,9 @@ class _ActivationAccount:
                     item = item.base
                 yield item
 
-    def hold(self, cache):
+    def hold(self, cache, category=None, device=None):
+        """Count the arrays in `cache` (nested tuples) under `category` (default: the current
+        one) on `device` (default: where each array lives; "device" under NumPy)."""
         if self.ledger is None:
             return
         for owner in self._owners(cache):
@@ -45,8 +50,9 @@ class _ActivationAccount:
             elif not self.ledger.holds(owner):
                 self.refs[id(owner)] = [owner, 1]
                 on_device = backend.is_device_array(owner) or not backend.is_gpu
-                self.ledger.register(owner, "activation", "device" if on_device else "host",
-                                     "activation")
+                self.ledger.register(owner, category or self.category,
+                                     device or ("device" if on_device else "host"),
+                                     category or self.category)
 
     def drop(self, cache):
         if self.ledger is None:
@@ -58,6 +64,15 @@ class _ActivationAccount:
                 if ref[1] == 0:
                     del self.refs[id(owner)]
                     self.ledger.release(owner)
+
+    @contextmanager
+    def recomputing(self):
+        """Within this block, what layers save is counted as "recompute"."""
+        previous, self.category = self.category, "recompute"
+        try:
+            yield
+        finally:
+            self.category = previous
 
 
 ACTIVATIONS = _ActivationAccount()
@@ -100,7 +115,9 @@ class Module:
         self._cache = cache
         ACTIVATIONS.hold(cache)
 
-    def _pop(self):
+    def _pop(self, stay_counted=False):
+        """What `_save` kept (one item: itself; several: a tuple), uncounted in the ledger
+        unless `stay_counted` (the caller then drops each part as it lets it go)."""
         cache = self._cache
         if cache is None:
             raise RuntimeError(
@@ -108,7 +125,8 @@ class Module:
                 "(or twice after one forward: the cache is consumed)"
             )
         self._cache = None
-        ACTIVATIONS.drop(cache)
+        if not stay_counted:
+            ACTIVATIONS.drop(cache)
         return cache if len(cache) != 1 else cache[0]
 
     def take_caches(self) -> list:

@@ -9,7 +9,8 @@ parameters. It runs the units with engine hooks around each call, and owns the l
     model.backward_loss(scale=1.0)       # backward from dloss = scale (the loss scale)
 """
 
-from zmpi.nn.base import Module, activations_counted_in  # noqa: F401  (importable from here)
+from zmpi.nn.base import ACTIVATIONS, Module, activations_counted_in  # noqa: F401
+from zmpi.nn.checkpointing import InputStore, Kept
 from zmpi.nn.losses import CrossEntropyLoss
 
 
@@ -38,7 +39,8 @@ class UnitModel(Module):
     hooks.
     """
 
-    recompute_units = False  # full activation recompute (set_recompute): see forward
+    checkpoint_every = 0  # full recompute: units per recomputed group, 0 for none (set_recompute)
+    saved_inputs = None  # where recomputed units' inputs wait: an InputStore (set_recompute)
     computes_loss = True  # its last unit's output goes to the loss (not a pipeline stage's)
 
     def __init__(self, units, loss=None):
@@ -46,27 +48,35 @@ class UnitModel(Module):
         self.hooks = UnitHooks()
         self.loss_fn = CrossEntropyLoss() if loss is None else loss
 
+    def _recomputed(self) -> int:
+        """How many leading units full recompute covers: all but the last when its output
+        goes to the loss (its backward follows at once); none without recompute."""
+        return len(self.units) - self.computes_loss if self.checkpoint_every else 0
+
     def forward(self, x):
         """Run the units in order; returns the last unit's output (logits).
 
-        With `recompute_units` (full activation checkpointing), every unit keeps only its
-        input (but the last when its output goes to the loss: its backward follows at once):
-        what it saved for backward is dropped after its forward, and backward runs its forward
-        again from that input before its backward (the same operations in the same order: the
-        same gradients, bit for bit)."""
-        inputs = []
-        checkpointed = len(self.units) - self.computes_loss if self.recompute_units else 0
+        With full recompute (`checkpoint_every` k > 0), the recomputed units (`_recomputed`)
+        form groups of k: each group keeps only its input (in `saved_inputs`), and what its
+        units saved for backward is dropped after their forward. Backward runs the group's
+        forward again from that input before the backward of its last unit (the same
+        operations in the same order: the same gradients, bit for bit)."""
+        recomputed, every = self._recomputed(), self.checkpoint_every
+        if recomputed and self._cache is not None:
+            self.clear_cache()  # a forward without its backward: what it kept is dropped
+        kept = []
         for i, u in enumerate(self.units):
             self.hooks.before_forward(u)
-            checkpoint = i < checkpointed
-            if checkpoint:
-                inputs.append(x)
-            x = u.forward(x)
-            if checkpoint:
+            if i < recomputed:
+                if i % every == 0:
+                    kept.append(self.saved_inputs.keep(x))  # counted from now on
+                    self._cache = tuple(kept)
+                with self.saved_inputs.boundary():
+                    x = u.forward(x)
                 u.clear_cache()
+            else:
+                x = u.forward(x)
             self.hooks.after_forward(u)
-        if inputs:
-            self._save(*inputs)
         return x
 
     def backward(self, dy=None, *, scale=1.0):
@@ -76,17 +86,35 @@ class UnitModel(Module):
         """
         if dy is None:
             return self.backward_loss(scale)
-        checkpointed = len(self.units) - self.computes_loss if self.recompute_units else 0
-        inputs = self._pop() if checkpointed else ()
-        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        recomputed, every = self._recomputed(), self.checkpoint_every
+        kept = self._pop(stay_counted=True) if recomputed else ()
+        kept = (kept,) if isinstance(kept, Kept) else kept
         for i in reversed(range(len(self.units))):
             u = self.units[i]
+            last_of_group = i < recomputed and (i % every == every - 1 or i == recomputed - 1)
+            if last_of_group:  # run the group's forward again, up to this unit's input
+                x = self.saved_inputs.restore(kept[i // every])
+                self.saved_inputs.release(kept[i // every])
+                ACTIVATIONS.drop(kept[i // every])
+                for j in range(i - i % every, i):
+                    self.hooks.before_forward(self.units[j])
+                    with self.saved_inputs.boundary(recompute_of=j):
+                        x = self.units[j].forward(x)
+                    self.hooks.after_forward(self.units[j])
             self.hooks.before_backward(u)
-            if i < len(inputs):
-                u.forward(inputs[i])  # recompute what the forward dropped
+            if last_of_group:
+                with self.saved_inputs.boundary(recompute_of=i):
+                    u.forward(x)
             dy = u.backward(dy)
             self.hooks.after_backward(u)
         return dy
+
+    def clear_cache(self):
+        """Drop every saved activation, and free the slots of the inputs kept for recompute."""
+        cache = self._cache if self._cache is not None else ()
+        for kept in (cache,) if isinstance(cache, Kept) else cache:
+            self.saved_inputs.release(kept)
+        super().clear_cache()
 
     def loss(self, inputs, targets, normalizer=None):
         """Forward, then `loss_fn` on the last unit's output; returns a Python float.
@@ -108,15 +136,25 @@ class UnitModel(Module):
         RuntimeError without a preceding `loss`."""
         return self.backward(self.loss_fn.backward(scale))
 
-    def set_recompute(self, policy: str) -> None:
+    def set_recompute(self, policy: str = "none", interval: int = 0,
+                      saved_inputs: InputStore | None = None) -> None:
         """Activation recompute (Korthikanti et al. 2022's granularities): "none"; "selective"
         (every module with a `recompute_core` attribute, the attention layers, drops its
         O(T^2) attention probabilities and recomputes them in backward); "full" (every unit
-        but the last keeps only its input, see `forward`). Gradients are bit for bit those
-        of "none"."""
+        but the last keeps only its input, see `forward`). `interval` k > 0 (DeepSpeed's
+        pipeline activation_checkpoint_interval) recomputes groups of k units, keeping one
+        input per group; "full" alone is k = 1. `saved_inputs`: where kept inputs wait (an
+        InputStore: partitioned, on the host, in one buffer; default: kept as they are).
+        Gradients are bit for bit those of "none"."""
         if policy not in ("none", "selective", "full"):
             raise ValueError(f"recompute {policy!r}: use 'none', 'selective' or 'full'")
-        self.recompute_units = policy == "full"
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"recompute interval must be an int >= 0, got {interval!r}")
+        if policy == "selective" and interval:
+            raise ValueError("selective recompute keeps every unit's activations but the "
+                             "attention probabilities; it takes no interval of units")
+        self.checkpoint_every = interval or (1 if policy == "full" else 0)
+        self.saved_inputs = saved_inputs or InputStore()
         for m in self.modules():
             if hasattr(m, "recompute_core"):
                 m.recompute_core = policy == "selective"

@@ -114,7 +114,11 @@ class Strategy(Declarations, BucketPlanning, StateShards):
         offload, offload_param = zero_config.offload_optimizer, zero_config.offload_param
         self.offload_optimizer, self.offload_param = offload.enabled, offload_param.enabled
         self._check_offload()
-        self._pending = []  # (request, callback) of collectives still in flight
+        self._pending = []  # (request, callback, bytes it holds) of collectives in flight
+        # Constant-size buffers (ZeRO-R's CB): what the collectives in flight hold stays under
+        # two buckets' worth, whatever the model's size (the oldest are finished first).
+        self.in_flight_limit = 2 * max(zero_config.reduce_bucket_size,
+                                       zero_config.allgather_bucket_size) * dtype.itemsize
         self._host_copies = []  # device -> host gradient copies in flight (optimizer offload)
         self._gathered = {}  # u -> [full param buffer, request or None]   (param sharding)
         self._unit_grads = {}  # u -> full grad buffer of one unit           (grad sharding)
@@ -217,13 +221,18 @@ class Strategy(Declarations, BucketPlanning, StateShards):
         for name, p in self.unit_params[u].items():
             setattr(p, attr, views.get(name))
 
-    def _launch(self, request, callback=None) -> None:
-        """Run `callback` once `request` completes: now, or at wait_pending() when overlapping
-        communication with computation (`overlap_comm`)."""
+    def _launch(self, request, callback=None, holds=0) -> None:
+        """Run `callback` once `request` completes: now, or when overlapping communication
+        with computation (`overlap_comm`), at wait_pending() or once the buffers the
+        collectives in flight hold (`holds` bytes for this one, released by its callback)
+        pass `in_flight_limit`, oldest first."""
         if self.overlap:
-            self._pending.append((request, callback))
-            for pending, _ in self._pending:  # MPI progresses a collective only inside an
-                if not pending.test():        # MPI call: each launch drives those in flight
+            self._pending.append((request, callback, holds))
+            while len(self._pending) > 1 and \
+                    sum(h for _, _, h in self._pending) > self.in_flight_limit:
+                self._finish(self._pending.pop(0))
+            for pending, _, _ in self._pending:  # MPI progresses a collective only inside an
+                if not pending.test():           # MPI call: each launch drives those in flight
                     break
         else:
             request.wait()
@@ -236,7 +245,7 @@ class Strategy(Declarations, BucketPlanning, StateShards):
         rest of the process, so that MPI never writes into freed memory; release the gathered
         units and unit gradients (the next step gathers afresh) and clear the gradients."""
         gathering = [request for _, request in self._gathered.values() if request is not None]
-        for request in [request for request, _ in self._pending] + gathering:
+        for request in [request for request, _, _ in self._pending] + gathering:
             try:
                 request.start()  # a queued one reaches MPI, as on the ranks that got this far
             except Exception:  # noqa: S110 (the step's own error is the one to report)
@@ -261,15 +270,20 @@ class Strategy(Declarations, BucketPlanning, StateShards):
         """Complete every collective in flight (running its callback) and every device ->
         host gradient copy."""
         pending, self._pending = self._pending, []
-        for i, (request, callback) in enumerate(pending):
+        for i, entry in enumerate(pending):
             try:
-                request.wait()
-                if callback:
-                    callback()
+                self._finish(entry)
             except BaseException:
                 self._pending = pending[i + 1:] + self._pending  # still in flight: not lost
                 raise
         self._land_host_copies(block=True)
+
+    @staticmethod
+    def _finish(entry) -> None:
+        request, callback, _ = entry
+        request.wait()
+        if callback:
+            callback()
 
     def needs(self, u: int) -> tuple[int, ...]:
         """Units whose parameters unit u reads: itself and the units it shares weights with."""
@@ -337,7 +351,7 @@ class Strategy(Declarations, BucketPlanning, StateShards):
             for buf in free:
                 self.ledger.release(buf)
 
-        self._launch(request, done)
+        self._launch(request, done, (0 if direct else part.nbytes) + sum(b.nbytes for b in free))
 
     def _land_host_copies(self, block: bool) -> None:
         """Finish device -> host gradient copies in order: add each landed shard into its
@@ -372,5 +386,6 @@ class Strategy(Declarations, BucketPlanning, StateShards):
                     self.unpack(units, packed, full)
                     self.ledger.release(packed)
 
-            self._launch(self.comm.iallgather_inplace(packed), done)
+            self._launch(self.comm.iallgather_inplace(packed), done,
+                         packed.nbytes if len(units) > 1 else 0)
         self.wait_pending()
