@@ -227,3 +227,60 @@ def test_zmpi_train_recompute(tmp_path):
 
     config = json.loads((tmp_path / "run" / "run.json").read_text())["config"]
     assert config["activation_checkpointing"]["recompute"] == "full"
+
+
+STANDIN_RUN = """
+import json
+import numpy as np
+from zmpi.comm import Comm
+from zmpi.engine import Engine
+from zmpi.models.gpt import GPT, GPTConfig
+
+cfg = GPTConfig(vocab_size=11, seq_len=16, n_layer=3, n_head=2, d_model=8)
+rng = np.random.default_rng(1)
+idx = rng.integers(0, 11, (2, 16))
+slots = {"contiguous_memory_optimization": True, "number_checkpoints": 4}
+out = {}
+for name, keys, interval in (("none", {}, 0), ("host", {"cpu_checkpointing": True}, 0),
+                             ("host_slots", {"cpu_checkpointing": True, **slots}, 2),
+                             ("device_slots", slots, 0),
+                             ("synchronized", {"synchronize_checkpoint_boundary": True,
+                                               "profile": True}, 0)):
+    policy = "none" if name == "none" else "full"
+    engine = Engine(GPT(cfg, seed=0), {
+        "train_micro_batch_size_per_gpu": 2,
+        "pipeline": {"activation_checkpoint_interval": interval},
+        "activation_checkpointing": {"recompute": policy, **keys}}, Comm())
+    for _ in range(2):
+        engine.train_step(idx, np.roll(idx, -1, axis=1))
+    out[name] = {"params": {n: p.tolist() for n, p in engine.gather_parameters().items()},
+                 "host": engine.memory.peak("saved_input", "host"),
+                 "device": engine.memory.peak("saved_input", "device")}
+    engine.close()
+print(json.dumps(out))
+"""
+
+
+def test_kept_inputs_on_the_cupy_standin():
+    """The GPU path of InputStore (side-stream copies into page-locked host memory, copies
+    back, slots in device or pinned memory) through the engine on the strict CuPy stand-in:
+    after 2 steps the parameters of no recompute bit for bit, the kept inputs on the host
+    where asked."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from mpi_util import REPO_ROOT
+
+    env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT / 'tests' / 'standin'}:{REPO_ROOT}",
+           "ZMPI_BACKEND": "cupy", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", STANDIN_RUN], env=env, cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    for name in ("host", "host_slots", "device_slots", "synchronized"):
+        assert out[name]["params"] == out["none"]["params"], name
+    assert out["host"]["device"] == 0 and out["host"]["host"] > 0
+    assert out["host_slots"]["device"] == 0 and out["host_slots"]["host"] > 0
+    assert out["device_slots"]["host"] == 0 and out["device_slots"]["device"] > 0
