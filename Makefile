@@ -16,7 +16,8 @@ export MKL_NUM_THREADS=1
 export ZMPI_BACKEND ?= numpy
 
 .PHONY: install test test-gpu demo lint clean tables bench bench-install bench-adam \
-	bench-offload bench-checkpoint bench-debug bench-tensor bench-pipeline reproduce report
+	bench-offload bench-checkpoint bench-debug bench-tensor bench-pipeline bench-recompute \
+	reproduce report
 
 install: $(STAMP)
 
@@ -67,6 +68,7 @@ reproduce: bench-install
 	done
 	$(MAKE) bench-tensor
 	$(MAKE) bench-pipeline
+	$(MAKE) bench-recompute
 	$(MAKE) report
 
 report: $(STAMP)
@@ -84,6 +86,15 @@ bench-tensor: $(STAMP)
 # Pipeline bubble against (p - 1) / (m + p - 1), and every dp x pp x tp layout of 4 ranks.
 bench-pipeline: $(STAMP)
 	$(MPIEXEC) -n 4 $(PY) experiments/bench_pipeline.py --out results/pipeline_n4
+
+# Activation recompute: step-time overhead and activations saved per option (none, selective,
+# full, ...), and the longest sequence / largest micro batch that fits a device budget; then
+# the cost alone at T / d_model = 1 (GPT-2 small's is 1.33). One rank (the search also runs
+# data parallel: mpiexec -n 2 ... --out results/recompute_n2).
+bench-recompute: $(STAMP)
+	$(MPIEXEC) -n 1 $(PY) experiments/bench_recompute.py --budget-mib 128 --out results/recompute_n1
+	$(MPIEXEC) -n 1 $(PY) experiments/bench_recompute.py --no-search --d-model 512 --seq-len 512 \
+	  --out results/recompute_t512_n1
 
 bench-checkpoint: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_checkpoint.py --out results/checkpoint_n$(NP)

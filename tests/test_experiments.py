@@ -29,6 +29,10 @@ def results(tmp_path_factory):
          "--d-model", "32", "--n-head", "4", "--seq-len", "16", "--batch", "8",
          "--micro-batches", "2", "--steps", "1", "--out", out / "pipeline_n2", "--figures",
          out / "figures")
+    _run("bench_recompute.py", 2, "--n-layer", "3", "--d-model", "32", "--n-head", "4",
+         "--seq-len", "128", "--batch", "4", "--steps", "2", "--budget-mib", "4",
+         "--search-n-layer", "4", "--search-d-model", "32", "--search-seq-len", "128",
+         "--max-seq-len", "2048", "--max-batch", "64", "--out", out / "recompute_n2")
     return out
 
 
@@ -69,6 +73,37 @@ def test_pipeline_bench_measures_every_schedule_and_layout(results):
     assert [r[0] for r in rows] == ["2 x 1 x 1", "1 x 1 x 2", "1 x 2 x 1"]
     assert len({r[-1] for r in rows}) == 1  # the same loss under every layout
     assert float(rows[2][4]) > 0 and float(rows[0][4]) == 0  # pp traffic only with stages
+
+
+@pytest.mark.mpi
+def test_recompute_bench_costs_and_what_it_buys(results):
+    """Every option the config takes trains to the same parameters and losses as without
+    recompute; selective keeps less than none and full less than selective; the longest
+    sequence and the largest micro batch under the budget grow in the same order. Options the
+    config refuses are listed as such, not run."""
+    import json
+
+    meta = json.loads((results / "recompute_n2" / "run.json").read_text())
+    cost = {r["option"]: r for r in meta["rows"]}
+    assert list(cost)[:3] == ["none", "selective", "full"]
+    for name, r in cost.items():
+        assert r["max_param_diff"] == 0.0 and r["params_identical"], name
+        assert r["losses_identical"] and r["step_ms"] > 0, name
+        if name != "none":  # every option keeps less on the device than none
+            assert r["activation_peak_mib"] < cost["none"]["activation_peak_mib"], name
+    peak = {p: cost[p]["activation_peak_mib"] for p in ("none", "selective", "full")}
+    assert peak["full"] < peak["selective"] < peak["none"]
+    assert cost["none"]["recompute_ms"] == 0 and cost["full"]["recompute_ms"] > 0
+    skipped = [name for name, _ in meta["skipped"]]
+    assert set(cost).isdisjoint(skipped) and len(cost) + len(skipped) >= 3
+    longest = {r["option"]: r for r in meta["longest"]}
+    assert set(longest) <= set(cost) | {n for n, _ in meta["search_skipped"]}
+    t = [longest[p]["longest_seq_len"] for p in ("none", "selective", "full")]
+    b = [longest[p]["largest_micro_batch"] for p in ("none", "selective", "full")]
+    assert 0 < t[0] <= t[1] <= t[2] and t[2] > t[0] and all(x % 64 == 0 for x in t), t
+    assert b[0] <= b[1] <= b[2] and b[2] > b[0], b
+    rows = _md_rows(results / "recompute_n2" / "longest.md", "| ")[1:]
+    assert [r[0] for r in rows] == list(longest) and rows[0][2] == "1.00x"
 
 
 @pytest.mark.mpi
@@ -126,7 +161,7 @@ def test_report_collects_every_table_and_marks_what_is_missing(results, tmp_path
     subprocess.run([sys.executable, EXPERIMENTS / "report.py", "--results", results, "--out",
                     out], env={**ENV, "MPLBACKEND": "Agg"}, check=True, cwd=REPO_ROOT)
     text = out.read_text()
-    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "## 7."):
+    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "## 7.", "## 8."):
         assert heading in text
     fig1 = _md_rows(out, "| 0 |") + _md_rows(out, "| 3 |")
     assert ["0", "120", "120.0"] in fig1 and ["3", "1.9", "1.9"] in fig1  # the paper's Fig. 1
@@ -137,6 +172,8 @@ def test_report_collects_every_table_and_marks_what_is_missing(results, tmp_path
     else:  # no bench run here: said, not invented
         assert "Not measured yet: throughput" in text
     for png in ("memory_per_device", "comm_volume", "bandwidth", "largest_model",
-                "pipeline_bubble", "pipeline_timeline"):
+                "pipeline_bubble", "pipeline_timeline", "recompute_longest"):
         assert (results / "figures" / f"{png}.png").stat().st_size > 1000
         assert f"figures/{png}.png" in text
+    section = text.split("## 8.")[1]
+    assert "| full |" in section and "selective" in section and "target <=" in section
