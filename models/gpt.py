@@ -342,7 +342,8 @@ class GPT(UnitModel):
         idx = numpy.asarray(_to_host(idx))
         for _ in range(max_new_tokens):
             window, last = self._window(idx)
-            logits = self._gathered(self.forward(window)[:, last, :])
+            with self.inference():
+                logits = self._gathered(self.forward(window)[:, last, :])
             z = logits.astype(numpy.float64) / temperature
             p = numpy.exp(z - z.max(axis=-1, keepdims=True))
             cdf = numpy.cumsum(p / p.sum(axis=-1, keepdims=True), axis=-1)  # (B, V)

@@ -284,3 +284,79 @@ def test_kept_inputs_on_the_cupy_standin():
     assert out["host"]["device"] == 0 and out["host"]["host"] > 0
     assert out["host_slots"]["device"] == 0 and out["host_slots"]["host"] > 0
     assert out["device_slots"]["host"] == 0 and out["device_slots"]["device"] > 0
+
+
+def _engine(cfg, policy, interval=0, zero=None, keys=None, batch=2):
+    from zmpi.comm import Comm
+    from zmpi.engine import Engine
+
+    return Engine(GPT(cfg, seed=0), {
+        "train_micro_batch_size_per_gpu": batch, "zero_optimization": zero or {},
+        "pipeline": {"activation_checkpoint_interval": interval},
+        "activation_checkpointing": {"recompute": policy, **(keys or {})}}, Comm())
+
+
+def test_groups_at_zero3_with_a_wide_prefetch_stay_exact():
+    """A group's recompute gathers its units without prefetching forward (the units after it
+    ran their backward already): nothing stays gathered after a step, parameters exact."""
+    cfg = GPTConfig(vocab_size=11, seq_len=16, n_layer=4, n_head=2, d_model=8)
+    idx = np.random.default_rng(1).integers(0, 11, (2, 16))
+    zero = {"stage": 3, "stage3_prefetch_bucket_size": 10**6}
+    runs = {}
+    for interval in (0, 2):
+        engine = _engine(cfg, "none", interval, zero)
+        losses = [engine.train_step(idx, np.roll(idx, -1, axis=1)) for _ in range(3)]
+        gathered = set(engine.strategy._gathered) - set(engine.strategy._persistent)
+        runs[interval] = (losses, engine.gather_parameters(), gathered)
+        engine.close()
+    assert runs[2][0] == runs[0][0] and runs[2][2] == set() == runs[0][2]
+    for name, want in runs[0][1].items():
+        assert np.array_equal(runs[2][1][name], want), name
+
+
+def test_a_backward_that_raises_lets_its_kept_inputs_go():
+    cfg = GPTConfig(vocab_size=11, seq_len=8, n_layer=3, n_head=2, d_model=8)
+    model = GPT(cfg, seed=0)
+    model.set_recompute("full", 0, InputStore(slots=4))
+    idx = np.random.default_rng(1).integers(0, 11, (2, 8))
+    broken = model.units[1]
+    broken.backward = lambda dy: (_ for _ in ()).throw(RuntimeError("injected"))
+    ledger = MemoryLedger()
+    with activations_counted_in(ledger):
+        model.forward_loss(idx, idx)
+        with pytest.raises(RuntimeError, match="injected"):
+            model.backward_loss()
+        assert model.saved_inputs._used == {}  # every slot free again
+        del broken.backward
+        model.clear_cache()
+        model.forward_loss(idx, idx)  # the slots serve the next step
+        model.backward_loss()
+    assert ledger.current("activation") == ledger.current("saved_input")  # the buffer only
+
+
+def test_forwards_without_backward_keep_no_inputs():
+    """eval_loss and generate keep no input for a backward that will not come: the slots'
+    buffer neither grows for a larger evaluation batch nor leaves the ledger."""
+    cfg = GPTConfig(vocab_size=11, seq_len=8, n_layer=3, n_head=2, d_model=8)
+    keys = {"contiguous_memory_optimization": True, "number_checkpoints": 4}
+    engine = _engine(cfg, "full", keys=keys)
+    idx = np.random.default_rng(1).integers(0, 11, (2, 8))
+    engine.train_step(idx, idx)
+    kept = engine.memory.current("saved_input")
+    assert kept == 4 * 2 * 8 * 8 * 4  # 4 slots of one block's input
+    engine.eval_loss(np.tile(idx, (16, 1)), np.tile(idx, (16, 1)))
+    engine.model.generate(idx[:, :4], 2)
+    engine.train_step(idx, idx)
+    assert engine.memory.current("saved_input") == kept
+    engine.close()
+
+
+def test_partitioned_inputs_of_any_integer_dtype():
+    """Kept inputs travel as bytes: token ids in uint16 (nanoGPT's files) come back whole."""
+    from zmpi.comm import Comm
+
+    store = InputStore(partition=Comm())
+    for dtype in (np.uint16, np.int16, np.int64, np.float32):
+        x = np.arange(15, dtype=dtype).reshape(3, 5)
+        assert np.array_equal(store.restore(store.keep(x)), x) and \
+            store.restore(store.keep(x)).dtype == dtype

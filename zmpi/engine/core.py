@@ -197,6 +197,12 @@ class Engine:
         self.strategy.after_backward(u)
         self.phases.unit_ends(u, "backward")
 
+    def before_recompute(self, unit):
+        self.strategy.before_recompute(self._unit_index[id(unit)])
+
+    def after_recompute(self, unit):
+        self.strategy.after_recompute(self._unit_index[id(unit)])
+
     # ---- training -------------------------------------------------------------------------
     def train_step(self, inputs, targets) -> float:
         """One optimizer step on this rank's rows of the global batch.
@@ -257,7 +263,7 @@ class Engine:
         self.model.check_batch(inputs, targets)
         self.flush()
         normalizer = self._normalizer(targets, 1)
-        with activations_counted_in(self.memory):
+        with activations_counted_in(self.memory), self.model.inference():
             if self.pipeline is not None:
                 loss = self.pipeline.evaluate(self, inputs, targets, normalizer)
             else:

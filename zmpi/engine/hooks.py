@@ -38,6 +38,12 @@ class EngineHooks(UnitHooks):
     def after_backward(self, unit):
         self._live().after_backward(unit)
 
+    def before_recompute(self, unit):
+        self._live().before_recompute(unit)
+
+    def after_recompute(self, unit):
+        self._live().after_recompute(unit)
+
 
 def as_config(config) -> Config:
     """A Config from a Config, a DeepSpeed-style dict, a JSON path, or None (defaults)."""

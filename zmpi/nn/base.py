@@ -48,11 +48,11 @@ class _ActivationAccount:
             if ref is not None:
                 ref[1] += 1
             elif not self.ledger.holds(owner):
-                self.refs[id(owner)] = [owner, 1]
                 on_device = backend.is_device_array(owner) or not backend.is_gpu
-                self.ledger.register(owner, category or self.category,
+                self.ledger.register(owner, category or self.category,  # may raise: budget
                                      device or ("device" if on_device else "host"),
                                      category or self.category)
+                self.refs[id(owner)] = [owner, 1]
 
     def drop(self, cache):
         if self.ledger is None:

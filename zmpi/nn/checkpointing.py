@@ -22,6 +22,7 @@ from zmpi import backend
 from zmpi.nn.base import ACTIVATIONS
 
 _ALIGN = 64  # bytes: every slot starts at a multiple, so it views as any dtype
+_NAME = "contiguous saved inputs"  # the slots' buffer, in the ledger
 
 
 class Kept(NamedTuple):
@@ -80,6 +81,7 @@ class InputStore:
         share = self._share(x)
         if self.slots is not None:
             slot = self._take_slot(share.nbytes)
+            self._account()
             target = self._view(slot, share.shape, share.dtype)
         elif self.to_host:
             target = backend.pinned_empty(share.shape, share.dtype)
@@ -112,12 +114,15 @@ class InputStore:
         group = self.partition
         full = backend.empty(share.size * group.size, kept.dtype)
         full[group.rank * share.size:(group.rank + 1) * share.size] = share
-        group.allgather_inplace(full)
+        group.allgather_inplace(full.view(np.uint8))  # as bytes: any dtype travels
         return full[:int(np.prod(kept.shape, dtype=np.int64))].reshape(kept.shape)
 
     def release(self, kept: Kept) -> None:
         """What `kept` holds is no longer needed: its slot is free (a kept array is released
-        from the ledger with the cache that holds it)."""
+        from the ledger with the cache that holds it). A copy to the host still in flight is
+        waited for first: its memory must not be reused under it."""
+        if kept.copying is not None:
+            kept.copying.wait()
         if kept.slot is not None:
             del self._used[kept.slot]
 
@@ -168,22 +173,30 @@ class InputStore:
 
     def _grow(self, slot_bytes: int) -> None:
         """A buffer of `slots` slots of `slot_bytes`, the live slots copied over."""
-        ledger = ACTIVATIONS.ledger
         make = np.zeros if self.to_host else backend.zeros
         if self.to_host and backend.is_gpu:
             buffer = backend.pinned_empty((self.slots * slot_bytes,), np.uint8)
         else:
             buffer = make((self.slots * slot_bytes,), np.uint8)
-        if ledger is not None:
-            ledger.register(buffer, "saved_input", self.device, "contiguous saved inputs")
         for slot, (nbytes, copying) in self._used.items():
             if copying is not None:
                 copying.wait()
             start = slot * slot_bytes
             buffer[start:start + nbytes] = self._buffer[slot * self._slot_bytes:][:nbytes]
+        if self._ledger is not None:  # both exist for a moment
+            self._ledger.register(buffer, "saved_input", self.device, _NAME)
+            self._ledger.release(self._buffer)
+        self._buffer, self._slot_bytes = buffer, slot_bytes
+
+    def _account(self) -> None:
+        """The buffer is counted in the ledger of the running engine, once."""
+        ledger = ACTIVATIONS.ledger
+        if ledger is None or ledger is self._ledger:
+            return
         if self._ledger is not None:
             self._ledger.release(self._buffer)
-        self._buffer, self._slot_bytes, self._ledger = buffer, slot_bytes, ledger
+        ledger.register(self._buffer, "saved_input", self.device, _NAME)
+        self._ledger = ledger
 
     def _view(self, slot: int, shape, dtype):
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize

@@ -9,6 +9,8 @@ parameters. It runs the units with engine hooks around each call, and owns the l
     model.backward_loss(scale=1.0)       # backward from dloss = scale (the loss scale)
 """
 
+from contextlib import contextmanager
+
 from zmpi.nn.base import ACTIVATIONS, Module, activations_counted_in  # noqa: F401
 from zmpi.nn.checkpointing import InputStore, Kept
 from zmpi.nn.losses import CrossEntropyLoss
@@ -27,6 +29,13 @@ class UnitHooks:
         pass
 
     def after_backward(self, unit):
+        pass
+
+    def before_recompute(self, unit):
+        """Before a unit's forward runs again in backward (a group's units but its last,
+        whose recompute follows `before_backward`)."""
+
+    def after_recompute(self, unit):
         pass
 
 
@@ -50,8 +59,23 @@ class UnitModel(Module):
 
     def _recomputed(self) -> int:
         """How many leading units full recompute covers: all but the last when its output
-        goes to the loss (its backward follows at once); none without recompute."""
-        return len(self.units) - self.computes_loss if self.checkpoint_every else 0
+        goes to the loss (its backward follows at once); none without recompute, and none
+        `inference()`."""
+        if not self.checkpoint_every or self._inference:
+            return 0
+        return len(self.units) - self.computes_loss
+
+    _inference = False
+
+    @contextmanager
+    def inference(self):
+        """Forwards with no backward to follow (evaluation, sampling): full recompute keeps no
+        input for them."""
+        previous, self._inference = self._inference, True
+        try:
+            yield
+        finally:
+            self._inference = previous
 
     def forward(self, x):
         """Run the units in order; returns the last unit's output (logits).
@@ -88,26 +112,33 @@ class UnitModel(Module):
             return self.backward_loss(scale)
         recomputed, every = self._recomputed(), self.checkpoint_every
         kept = self._pop(stay_counted=True) if recomputed else ()
-        kept = (kept,) if isinstance(kept, Kept) else kept
-        for i in reversed(range(len(self.units))):
-            u = self.units[i]
-            last_of_group = i < recomputed and (i % every == every - 1 or i == recomputed - 1)
-            if last_of_group:  # run the group's forward again, up to this unit's input
-                x = self.saved_inputs.restore(kept[i // every])
-                self.saved_inputs.release(kept[i // every])
-                ACTIVATIONS.drop(kept[i // every])
-                for j in range(i - i % every, i):
-                    self.hooks.before_forward(self.units[j])
-                    with self.saved_inputs.boundary(recompute_of=j):
-                        x = self.units[j].forward(x)
-                    self.hooks.after_forward(self.units[j])
-            self.hooks.before_backward(u)
-            if last_of_group:
-                with self.saved_inputs.boundary(recompute_of=i):
-                    u.forward(x)
-            dy = u.backward(dy)
-            self.hooks.after_backward(u)
+        kept = list((kept,) if isinstance(kept, Kept) else kept)
+        try:
+            for i in reversed(range(len(self.units))):
+                u = self.units[i]
+                last_of_group = i < recomputed and (i % every == every - 1 or i == recomputed - 1)
+                if last_of_group:  # run the group's forward again, up to this unit's input
+                    x = self.saved_inputs.restore(kept[-1])
+                    self._let_go(kept.pop())
+                    for j in range(i - i % every, i):
+                        self.hooks.before_recompute(self.units[j])
+                        with self.saved_inputs.boundary(recompute_of=j):
+                            x = self.units[j].forward(x)
+                        self.hooks.after_recompute(self.units[j])
+                self.hooks.before_backward(u)
+                if last_of_group:
+                    with self.saved_inputs.boundary(recompute_of=i):
+                        u.forward(x)
+                dy = u.backward(dy)
+                self.hooks.after_backward(u)
+        finally:
+            for k in kept:  # a backward that raised: what it did not reach is let go too
+                self._let_go(k)
         return dy
+
+    def _let_go(self, kept: Kept) -> None:
+        self.saved_inputs.release(kept)
+        ACTIVATIONS.drop(kept)
 
     def clear_cache(self):
         """Drop every saved activation, and free the slots of the inputs kept for recompute."""

@@ -100,6 +100,13 @@ class Stage3(Strategy):
     def after_forward(self, u):
         self._release(u)
 
+    def before_recompute(self, u):  # gathered for its forward, prefetching nothing: the
+        for w in self.needs(u):     # units after it have run their backward already
+            self.gather(w)
+
+    def after_recompute(self, u):
+        self._release(u)
+
     def before_backward(self, u):
         self._gather_and_prefetch(u, -1)
         self.ensure_unit_grads(u)
