@@ -99,6 +99,10 @@ class Report:
             self.used.add(folder)
         return rows
 
+    def first_run(self, name: str) -> Path | None:
+        """results/<name>_n<N> of the smallest N measured (as sorted), or None."""
+        return next(iter(sorted(self.results.glob(f"{name}_n*"))), None)
+
     def add(self, *lines: str) -> None:
         self.lines.extend(lines)
 
@@ -282,7 +286,7 @@ class Report:
         self.add("## 4. Largest trainable model under a memory budget (ZeRO-Offload)", "",
                  "The paper: 13 B parameters on one 32 GB V100, where data parallelism "
                  "(PyTorch) fits about 1.4 B: roughly 10x.", "")
-        folder = next(iter(sorted(self.results.glob("largest_n*"))), None)
+        folder = self.first_run("largest")
         rows = self.rows(folder) if folder else None
         if not rows:
             return self.missing("the largest model", "make reproduce")
@@ -343,7 +347,7 @@ class Report:
                  "inside one node. Every dp x tp layout of the same ranks (SP: with sequence "
                  "parallelism), the same GPT and batch, with the traffic of each mesh dimension "
                  "counted:", "")
-        folder = next(iter(sorted(self.results.glob("tensor_n*"))), None)
+        folder = self.first_run("tensor")
         rows = self.rows(folder) if folder else None
         if not rows:
             return self.missing("tensor parallelism", "make bench-tensor")
@@ -362,7 +366,7 @@ class Report:
                  "micro-batches, under GPipe and 1F1B alike (1F1B holds fewer activations). "
                  "Measured with units that sleep (compute that does not share this machine's "
                  "cores), from the ops each stage's runner recorded:", "")
-        folder = next(iter(sorted(self.results.glob("pipeline_n*"))), None)
+        folder = self.first_run("pipeline")
         bubble = self.rows(folder, "bubble") if folder else None
         rows = self.rows(folder) if folder else None
         if not bubble or not rows:
@@ -399,7 +403,7 @@ class Report:
                  "and selective recompute, the attention probabilities only, at a few per cent; "
                  "zmpi targets full <= ~1/3 and selective <= ~5 %. The same GPT and "
                  "batches under each option, the options' steps interleaved:", "")
-        folder = next(iter(sorted(self.results.glob("recompute_n*"))), None)
+        folder = self.first_run("recompute")
         cost = self.rows(folder, "cost") if folder else None
         if not cost:
             return self.missing("activation recompute", "make bench-recompute")

@@ -168,16 +168,13 @@ class InputStore:
                 f"activation_checkpointing.number_checkpoints is {self.slots}, but more inputs "
                 "are kept at once here (one per recomputed unit, or group of units, and "
                 "micro-batch in flight): raise it")
-        self._used[free] = (nbytes, None)
         return free
 
     def _grow(self, slot_bytes: int) -> None:
-        """A buffer of `slots` slots of `slot_bytes`, the live slots copied over."""
-        make = np.zeros if self.to_host else backend.zeros
-        if self.to_host and backend.is_gpu:
-            buffer = backend.pinned_empty((self.slots * slot_bytes,), np.uint8)
-        else:
-            buffer = make((self.slots * slot_bytes,), np.uint8)
+        """A buffer of `slots` slots of `slot_bytes`, the live slots copied over (a slot is
+        written before it is read: no zero-fill)."""
+        make = backend.pinned_empty if self.to_host else backend.empty
+        buffer = make((self.slots * slot_bytes,), np.uint8)
         for slot, (nbytes, copying) in self._used.items():
             if copying is not None:
                 copying.wait()

@@ -142,8 +142,7 @@ class UnitModel(Module):
 
     def clear_cache(self):
         """Drop every saved activation, and free the slots of the inputs kept for recompute."""
-        cache = self._cache if self._cache is not None else ()
-        for kept in (cache,) if isinstance(cache, Kept) else cache:
+        for kept in self._cache or ():  # forward keeps a tuple of them
             self.saved_inputs.release(kept)
         super().clear_cache()
 

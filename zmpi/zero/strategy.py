@@ -237,9 +237,7 @@ class Strategy(Declarations, BucketPlanning, StateShards):
                 if not pending.test():           # MPI call: each launch drives those in flight
                     break
         else:
-            request.wait()
-            if callback:
-                callback()
+            self._finish((request, callback, holds))
 
     def abandon_in_flight(self) -> None:
         """After an error in a step: forget every collective and copy in flight without
