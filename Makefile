@@ -17,7 +17,7 @@ export ZMPI_BACKEND ?= numpy
 
 .PHONY: install test test-gpu demo lint clean tables bench bench-install bench-adam \
 	bench-offload bench-checkpoint bench-debug bench-tensor bench-pipeline bench-recompute \
-	reproduce report
+	bench-gpu count-gpu reproduce report
 
 install: $(STAMP)
 
@@ -91,6 +91,15 @@ bench-pipeline: $(STAMP)
 # full, ...), and the longest sequence / largest micro batch that fits a device budget; then
 # the cost alone at T / d_model = 1 (GPT-2 small's is 1.33). One rank (the search also runs
 # data parallel: mpiexec -n 2 ... --out results/recompute_n2).
+# The GPU path: kernel launches and syncs per step counted on the CuPy stand-in (any machine),
+# and on a GPU GPT-2 small's tokens/s and MFU beside PyTorch eager (the gpu and bench extras).
+count-gpu: $(STAMP)
+	$(PY) experiments/bench_gpu.py --count --seq-len 1024 --out results/gpu_counts
+
+bench-gpu: bench-install
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[gpu]'
+	ZMPI_BACKEND=cupy $(MPIEXEC) -n 1 $(PY) experiments/bench_gpu.py --out results/gpu_n1
+
 bench-recompute: $(STAMP)
 	$(MPIEXEC) -n 1 $(PY) experiments/bench_recompute.py --budget-mib 128 --out results/recompute_n1
 	$(MPIEXEC) -n 1 $(PY) experiments/bench_recompute.py --no-search --d-model 512 --seq-len 512 \

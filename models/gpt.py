@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy
 
+from zmpi import backend
 from zmpi.nn import (
     Block,
     LayerNorm,
@@ -69,19 +70,20 @@ def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: in
                          seq_len: int, micro_batch: int, act_bytes: int = 4, tp: int = 1,
                          sequence_parallel: bool = False, recompute: str = "none",
                          partition: bool = False, cpu: bool = False, id_bytes: int = 8,
-                         block: int = F.ATTENTION_BLOCK) -> dict:
+                         block: int | None = None) -> dict:
     """The activations one rank of zmpi's GPT keeps for backward for one micro-batch of
     `micro_batch` sequences of `seq_len` tokens: what the ledger counts as "activation", array
     by array as the layers cache them (docs/activation-memory.md lists every one).
 
     act_bytes: the activations' itemsize, the compute dtype's (4: fp32, and fp16 or bf16 on
     the host; 2: fp16 on a GPU; 8: fp64); LayerNorm's statistics, GELU's tanh, the attention
-    probabilities and the loss's softmax are float32 at least. id_bytes: the token ids'
+    probabilities and the loss's log-sum-exp are float32 at least. id_bytes: the token ids'
     itemsize (int64). tp: the tensor-parallel degree (it must divide n_head, and seq_len with
     sequence_parallel). recompute: "none", "selective" or "full"; partition and cpu (with
     "full" only): each kept input split over the tp ranks (ceil(n / tp) elements each; not
     with sequence_parallel) / kept on the host. block: the attention's query rows per block
-    (its probabilities are the lower-triangular blocks of the s x s matrix).
+    (its probabilities are the lower-triangular blocks of the s x s matrix); None: this
+    backend's, `F.attention_block`.
 
     Returns bytes per rank, {
       "layer": one transformer block's caches (with "full": only while it runs, in its forward
@@ -113,6 +115,8 @@ def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: in
         raise ValueError("partition: with sequence parallelism the kept inputs are already "
                          "each rank's share")
     s, b, h, a = seq_len, micro_batch, d_model, n_head
+    if block is None:
+        block = F.attention_block(s, b * a // tp, backend.is_gpu)
     p, f = act_bytes, max(4, act_bytes)
     n = b * s  # positions
     rows = sum((min(i + block, s) - i) * min(i + block, s) for i in range(0, s, block))
@@ -123,10 +127,10 @@ def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: in
     layer = 2 * layernorm + 2 * p * n * h + (12 * p + 4 * f) * n * (h // tp) + probs
     embedding = id_bytes * n + 8 * s  # the ids (tp > 1: this rank's local ids), positions
     head = layernorm + p * n * h  # ln_f, the LM head's (gathered) input
-    if tp == 1:  # the softmax (n, V) and the targets
-        loss = f * n * vocab_size + id_bytes * n
-    else:  # this rank's softmax columns, local target ids and the held mask
-        loss = f * n * -(-vocab_size // tp) + id_bytes * n + n
+    if tp == 1:  # the logits (n, V), each row's log-sum-exp and the targets
+        loss = p * n * vocab_size + f * n + id_bytes * n
+    else:  # this rank's logit columns, log-sum-exp, local target ids and the held mask
+        loss = p * n * -(-vocab_size // tp) + f * n + id_bytes * n + n
     out = {"layer": layer, "A": (layer - probs) / (s * b * h), "B": probs / (a * s * s * b),
            "embedding": embedding, "head": head, "loss": loss,
            "kept_per_layer": 0, "kept": 0, "host": 0}
@@ -312,9 +316,9 @@ class GPT(UnitModel):
         super().__init__([embedding, *blocks, LMHead(embedding, c.d_model, dtype, sp)],
                          loss=loss)
 
-    def check_batch(self, inputs, targets) -> None:
+    def check_batch(self, inputs, targets) -> bool:
         """(B, T) integer token ids in [0, vocab_size), T <= seq_len, targets shaped as inputs
-        (and in range, or the loss's ignore_index)."""
+        (and in range, or the loss's ignore_index). Returns True: every id is checked."""
         c = self.config
         for name, a in (("inputs", inputs), ("targets", targets)):
             if getattr(a, "ndim", None) != 2 or a.shape[1] > c.seq_len:
@@ -327,6 +331,7 @@ class GPT(UnitModel):
         F.check_indices(inputs, c.vocab_size, "inputs (token ids)")
         F.check_indices(targets, c.vocab_size, "targets (token ids)",
                         getattr(self.loss_fn, "ignore_index", None))
+        return True
 
     def tied_parameters(self):
         """The LM head's output projection is the token embedding."""

@@ -31,7 +31,7 @@ from zmpi.models.gpt import (
     korthikanti_activation_bytes,
 )
 from zmpi.nn.checkpointing import InputStore
-from zmpi.nn.functional import ATTENTION_BLOCK
+from zmpi.nn.functional import ATTENTION_BLOCK, attention_block
 from zmpi.nn.module import activations_counted_in
 
 POLICIES = ("none", "selective", "full")
@@ -146,7 +146,8 @@ print(json.dumps(peaks))
 @pytest.mark.parametrize("T,B", SIZES[:2], ids=SIZE_IDS[:2])
 def test_fp16_on_a_device_keeps_2_byte_activations(T, B):
     """On a device fp16 computes in fp16: the activations are 2 bytes, the LayerNorm
-    statistics, GELU's tanh, the probabilities and the loss's softmax float32. Run on the CuPy
+    statistics, GELU's tanh, the probabilities and the loss's log-sum-exp float32, the
+    attention in one block of all T rows (a GPU's). Run on the CuPy
     stand-in (tests/standin), the Engine's ledger as on a GPU; fp32 there as a control."""
     env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT / 'tests' / 'standin'}:{REPO_ROOT}",
            "ZMPI_BACKEND": "cupy", "OMP_NUM_THREADS": "1"}
@@ -154,10 +155,11 @@ def test_fp16_on_a_device_keeps_2_byte_activations(T, B):
                          env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     peaks = json.loads(out.stdout)
+    block = attention_block(T, B * SHAPE["n_head"], on_device=True)  # the GPU's blocks
     for precision, act_bytes in (("fp16", 2), ("fp32", 4)):
         for policy in POLICIES:
-            assert peaks[f"{precision} {policy}"] == formula(T, B, policy, act_bytes)["device"], \
-                (precision, policy)
+            want = formula(T, B, policy, act_bytes, block=block)["device"]
+            assert peaks[f"{precision} {policy}"] == want, (precision, policy)
 
 
 @pytest.mark.mpi

@@ -262,3 +262,70 @@ def test_a_finished_engine_leaves_no_buffers_behind():
                 model.loss(*batch(2))
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("fp16", [False, True])
+def test_host_adam_writes_the_parameters_as_it_updates_the_master(stage, fp16, monkeypatch):
+    """On host buffers the strategy hands its parameter buffer to Adam (publish_targets),
+    which casts each chunk into it while the chunk is in cache: the same bits as the copy
+    after the step, and that copy is skipped (only packed buckets are still copied)."""
+    from zmpi import backend
+
+    def engine():
+        e = Engine(GPT(CFG), {"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": fp16},
+                              "zero_optimization": {"stage": stage}})
+        e.strategy.solo_numel = 1  # every unit allgathered alone, in place (stages 1-2)
+        return e
+
+    fused, copied = engine(), engine()
+    copied.strategy.publish_targets = lambda: None
+    params = fused.strategy.params_full if stage < 3 else fused.strategy.params_shard
+    assert fused.strategy.publish_targets() is not None
+    fused.strategy._take_written()
+    real, into_params = backend.copy_, []
+    monkeypatch.setattr(backend, "copy_", lambda dst, src: (
+        into_params.append(np.shares_memory(dst, params)), real(dst, src))[1])
+    for step in range(3):
+        for e in (fused, copied):
+            e.train_step(*batch(2, step))
+        assert not any(into_params)
+        np.testing.assert_array_equal(params, copied.strategy.params_full if stage < 3
+                                      else copied.strategy.params_shard)
+    a, b = fused.gather_parameters(), copied.gather_parameters()
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("zero", [{"stage": 2}, {"stage": 3},
+                                  {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                                  {"stage": 1, "offload_optimizer": {"device": "cpu"}}])
+def test_first_reduction_of_a_step_writes_the_shard_instead_of_adding(zero):
+    """zero_grads leaves the reduced gradient shard as it is (stale): the first reduction of
+    each unit in a step writes its part, later micro-steps add. Poisoned with NaN after
+    zero_grads, it gives the bits of a shard zeroed at every step."""
+    def engine():
+        return Engine(GPT(CFG), {"train_micro_batch_size_per_gpu": 2,
+                                 "gradient_accumulation_steps": 2, "zero_optimization": zero})
+
+    poisoned, zeroed = engine(), engine()
+    for e, fill in ((poisoned, np.nan), (zeroed, 0.0)):
+        def zero_grads(s=e.strategy, original=e.strategy.zero_grads, fill=fill):
+            original()
+            s.grads_shard.fill(fill)
+            if fill == 0:
+                s._stale.clear()  # the old way: a zeroed shard, every reduction adds
+        e.strategy.zero_grads = zero_grads
+    into_shard, comm = [], poisoned.strategy.comm
+    reduce_scatter = comm.ireduce_scatter
+    comm.ireduce_scatter = lambda full, part: (into_shard.append(
+        np.shares_memory(part, poisoned.strategy.grads_shard)), reduce_scatter(full, part))[1]
+    for step in range(3):
+        assert poisoned.train_step(*batch(4, step)) == zeroed.train_step(*batch(4, step))
+        assert poisoned.strategy._stale == set(range(len(poisoned.strategy.units)))
+    if zero["stage"] > 1 and "offload_optimizer" not in zero:  # written in place, then added
+        units = len(poisoned.strategy.units)
+        assert into_shard == ([True] * units + [False] * units) * 3
+    a, b = poisoned.gather_parameters(), zeroed.gather_parameters()
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    poisoned.strategy.wait_pending()  # parts no reduction wrote this step: zeroed
+    assert not poisoned.strategy._stale and not poisoned.strategy.grads_shard.any()

@@ -148,16 +148,17 @@ def test_collectives_on_device_buffers(n):
         assert rep["broadcast"] == [n - 1.0] * 3
         assert rep["no_new_staging"] and rep["two_in_flight"] == [[n] * 8, [2.0 * n] * 8]
         assert rep["aware_allreduce"] == [n] * 4
-        assert (rep["aware_fp32_staged"], rep["aware_bf16_staged"]) == (0, 1)
-        assert rep["aware_staged_bytes"] == {"to_host": 8, "to_device": 8}
+        assert (rep["aware_fp32_staged"], rep["aware_bf16_staged"]) == (0, 0)
+        assert rep["aware_staged_bytes"] == {"to_host": 0, "to_device": 0}
 
 
-def test_a_training_step_syncs_the_device_four_times():
+def test_a_training_step_syncs_the_device_once():
     """Device -> host value transfers (each a stream sync on a GPU) in one step on the
-    stand-in, stage 0 and 3, fp32 and fp16, with clipping: the token ids' range check, the
-    targets' range check (one transfer each: min and max together), the gradients' sum of
-    squares (finite check and clipping norm at once) and the loss. A new float() in the step
-    fails this test."""
+    stand-in, stage 0 and 3, fp32 and fp16, with clipping: one, the loss with the gradients'
+    sum of squares (finite check and clipping norm at once). The token ids and targets are
+    range-checked once per step on the host (GPT.check_batch), so the layers skip their
+    device checks (one transfer each, min and max together, outside `ids_checked`). A new
+    float() in the step fails this test."""
     code = """
 import sys
 sys.path[:0] = ["tests/ranks", "tests"]
@@ -181,7 +182,17 @@ for stage in (0, 3):
         before = cupy.SYNCS[0]
         engine.train_step(*data.sample(1))
         counts.append(cupy.SYNCS[0] - before)
-assert counts == [4, 4, 4, 4], counts
+assert counts == [1, 1, 1, 1], counts
+with F.ids_checked():
+    before = cupy.SYNCS[0]
+    F.check_indices(cupy.asarray(np.arange(10)), 10, "ids")
+    assert cupy.SYNCS[0] == before
+    F.check_indices(np.arange(10), 10, "ids")  # host arrays are still checked
+    try:
+        F.check_indices(np.arange(11), 10, "ids")
+        raise AssertionError("not checked")
+    except IndexError:
+        pass
 """
     env = {**STANDIN, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, check=True)

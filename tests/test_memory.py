@@ -270,5 +270,6 @@ def test_communication_buffers_do_not_grow_with_the_model():
                             for r in by_layers}
             in_flight = {r["grad_peak"] - r["grad_now"] for r in by_layers}
             assert len(beyond_shard) == 1 and len(in_flight) == 1, (stage, overlap, by_layers)
-            assert beyond_shard == ({0} if stage < 2 else beyond_shard - {0})
+            if stage < 2:  # (stages 2-3: a constant; 0 where the host Adam writes the
+                assert beyond_shard == {0}  # owned slices and the allgather runs in place)
             assert in_flight == ({0} if stage < 2 else in_flight - {0})

@@ -139,3 +139,38 @@ def test_grad_stats_and_step_never_share_scratch():
     for i, a in enumerate(arrays):
         assert not any(np.shares_memory(a, b) for b in arrays[i + 1:])
     opt.close()
+
+
+@pytest.mark.parametrize("chunk,threads", [(None, 1), (10, 1), (33, 3)])
+def test_step_publishes_each_chunk_as_the_copy_after_it_would(chunk, threads):
+    """step_(publish=[(start, dst), ...]) casts each updated chunk into the pieces it covers
+    (pieces not aligned with the chunks, in the storage dtype): the bits of a copy after
+    the step, and the update itself unchanged."""
+    rng = np.random.default_rng(5)
+    p0 = rng.standard_normal(200).astype(np.float32)
+    g = rng.standard_normal(200).astype(np.float16)
+    opt = Adam(weight_decay=0.1, chunk=chunk, threads=threads)
+    ref = HostAdam(weight_decay=0.1, chunk=7, threads=1)
+    p, m, v = p0.copy(), np.zeros(200, np.float32), np.zeros(200, np.float32)
+    rp, rm, rv = p0.copy(), np.zeros(200, np.float32), np.zeros(200, np.float32)
+    half, full = np.full(120, np.nan, np.float16), np.full(200, np.nan, np.float32)
+    for _ in range(3):
+        opt.step_(p, g, m, v, 0.5, 0.25,
+                  publish=[(150, full[150:]), (5, half[:95]), (100, half[95:]), (0, full[:5])])
+        ref.step_(rp, g, rm, rv, 0.5, 0.25)
+        np.testing.assert_array_equal(np.concatenate([p, m, v]), np.concatenate([rp, rm, rv]))
+        np.testing.assert_array_equal(half, p[5:125].astype(np.float16))
+        np.testing.assert_array_equal(full[:5], p[:5])
+        np.testing.assert_array_equal(full[150:], p[150:])
+        assert np.isnan(full[5:150]).all()  # no piece there: untouched
+    opt.close()
+    ref.close()
+
+
+@pytest.mark.parametrize("publish", [[(0, np.zeros(11, np.float32))],
+                                     [(0, np.zeros(6, np.float32)), (5, np.zeros(3))],
+                                     [(0, np.zeros((2, 2), np.float32))]])
+def test_step_refuses_pieces_outside_or_overlapping(publish):
+    p = np.zeros(10, np.float32)
+    with pytest.raises(ValueError, match="disjoint pieces"):
+        HostAdam().step_(p, p.copy(), p.copy(), p.copy(), publish=publish)

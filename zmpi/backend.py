@@ -15,9 +15,10 @@ float16/bfloat16 are *storage and communication* dtypes and arithmetic runs in f
 (`compute_dtype`). CuPy has no bfloat16, so bfloat16 is refused there.
 
 Device choice: at import, under CuPy, from the launcher's node-local rank variable
-(OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, PMI_LOCAL_RANK, PALS_LOCAL_RANKID,
-SLURM_LOCALID), before MPI is initialised (`zmpi.comm` imports this module first); the engine
-falls back to the local rank of a shared-memory split.
+(`LOCAL_RANK_VARIABLES`: OMPI_COMM_WORLD_LOCAL_RANK, MV2_COMM_WORLD_LOCAL_RANK,
+MPI_LOCALRANKID, PMI_LOCAL_RANK, PALS_LOCAL_RANKID, SLURM_LOCALID), before MPI is initialised
+(`zmpi.comm` imports this module first); the engine falls back to the local rank of a
+shared-memory split.
 
 This module imports no MPI; `zmpi.comm` hands a device buffer to MPI only once the work
 that wrote it is done (`StreamPoint`, `HostCopy`: CUDA events, no device-wide sync).
@@ -130,14 +131,15 @@ def compute_dtype(data) -> np.dtype:
     return dtype
 
 
-LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK",
-                        "PALS_LOCAL_RANKID", "SLURM_LOCALID")
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK",
+                        "MPI_LOCALRANKID", "PMI_LOCAL_RANK", "PALS_LOCAL_RANKID", "SLURM_LOCALID")
 device_source = None  # how the device was chosen: a launcher variable, or "local rank"
+device_id = None  # the GPU select_device made current (other threads bind it: zmpi.comm)
 
 
 def launcher_local_rank() -> tuple[int, str] | None:
     """(this process's rank on its node, the variable it came from), as set by the launcher
-    (Open MPI, MPICH/Hydra, PMI, PALS, SLURM), or None."""
+    (Open MPI, MVAPICH, MPICH/Hydra, PMI, PALS, SLURM), or None."""
     for var in LOCAL_RANK_VARIABLES:
         value = os.environ.get(var, "").strip()
         if value.isdigit():
@@ -149,14 +151,17 @@ def select_device(local_rank: int | None = None, source: str = "local rank"):
     """Bind this process to GPU `local_rank % device_count` (CuPy); returns its id, or None.
     At import (below) zmpi does this from the launcher's local-rank variable, before MPI is
     initialised (some transports bind to the current device in MPI_Init); the engine falls
-    back to the node-local rank of a shared-memory split when no variable was set."""
-    global device_source
+    back to the node-local rank of a shared-memory split when no variable was set. The
+    device is current in the calling thread only (CuPy's current device is per host thread):
+    the id is kept in `device_id` for zmpi's other threads to bind (the MPI progress
+    thread)."""
+    global device_source, device_id
     if not is_gpu or local_rank is None:
         return None
-    device_id = local_rank % xp.cuda.runtime.getDeviceCount()
-    xp.cuda.Device(device_id).use()
-    device_source = source
-    return device_id
+    chosen = local_rank % xp.cuda.runtime.getDeviceCount()
+    xp.cuda.Device(chosen).use()
+    device_source, device_id = source, chosen
+    return chosen
 
 
 def device_count() -> int:
@@ -165,6 +170,19 @@ def device_count() -> int:
 
 if is_gpu and launcher_local_rank() is not None:
     select_device(*launcher_local_rank())
+
+
+def use_tf32() -> None:
+    """Run float32 matmuls on TensorFloat-32 tensor cores (10-bit mantissa inputs, float32
+    accumulation; NVIDIA Ampere and later): CuPy's CUPY_TF32, which it reads at a process's
+    first float32 matmul, so this must come before it (the engine calls it while it is built).
+    ConfigError on NumPy: there is no TF32 on a CPU."""
+    if not is_gpu:
+        from zmpi.config import ConfigError
+
+        raise ConfigError("tf32", "TensorFloat-32 matmuls need CuPy on an NVIDIA GPU; this "
+                                  "process computes with NumPy")
+    os.environ["CUPY_TF32"] = "1"
 
 
 def empty(shape, dtype):
@@ -199,6 +217,20 @@ def to_host(arr, out=None):
     if out is None:
         return np.asarray(arr)
     np.copyto(out, arr)
+    return out
+
+
+def read_scalars(*values) -> list[float]:
+    """`values` (0-d arrays or numbers) as Python floats, those on the device in one
+    device -> host transfer (a sync on a GPU), so that a step reads its loss and its
+    gradients' norm at once."""
+    on_device = [i for i, v in enumerate(values) if is_device_array(v)]
+    out = [None if i in on_device else float(v) for i, v in enumerate(values)]
+    if on_device:
+        both = xp.stack([values[i].reshape(()).astype(np.float64, copy=False)
+                         for i in on_device])
+        for i, value in zip(on_device, to_host(both).tolist(), strict=True):
+            out[i] = value
     return out
 
 

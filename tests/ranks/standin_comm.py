@@ -95,7 +95,7 @@ p, q = cupy.asarray(np.ones(8, np.float32)), cupy.asarray(np.full(8, 2, np.float
 wait_all([comm.iallreduce(p), comm.iallreduce(q)])
 out["two_in_flight"] = [p.get().tolist(), q.get().tolist()]
 
-# CUDA-aware: device buffers go to MPI directly, except bf16 reductions (a host-side user op).
+# CUDA-aware: device buffers go to MPI directly, bf16 reductions too (as float32).
 os.environ["ZMPI_CUDA_AWARE"] = "1"
 aware = Comm()
 acquired = []

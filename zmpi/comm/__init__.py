@@ -12,16 +12,19 @@ The modules, one concept each (communicator imports the others; none imports it)
                       object collectives
     requests.py       Request, wait_all, the request queue, the progress thread
     staging.py        the host staging pool for device buffers (and its ledger accounting)
-    wire.py           MPI datatypes and reduction ops (bfloat16 reduced in float32), the
-                      buffer checks, the message header, OPS and OpCounter
+    wire.py           MPI datatypes and reduction ops (16-bit floats without an MPI type
+                      reduced as float32), the buffer checks, the message header, OPS and
+                      OpCounter
     faults.py         abort on an exception (and the peer kill), Ctrl-C, the watchdog,
                       CollectiveMismatch and the collective check, waited_seconds
     mpi_info.py       the loaded MPI library, cuda_support, mpi_flavour
 
 Everything `zmpi.comm` held before it became a package is importable from it still, except
 the module flags a function rebinds (faults._PEERS_ASKED, _abort_installed, _WATCHDOG): read
-those on `zmpi.comm.faults`. Patching a name here changes what callers that import it from
-here get, not what the modules inside use.
+those on `zmpi.comm.faults`; and except the user-defined MPI.Op for bfloat16 (`_user_op`,
+`_USER_OPS`, `_NUMPY_OPS`), gone: no reduction runs a Python-level op
+(`wire.reduction_dtype`). Patching a name here changes what callers that import it from here
+get, not what the modules inside use.
 """
 
 # ruff: noqa: F401  (re-exports: the private names too, which tests and older code reach for)
@@ -53,17 +56,15 @@ from zmpi.comm.requests import _PROGRESS, _QUEUES, Request, _Progress, wait_all
 from zmpi.comm.staging import _POOL, _StagingPool, account_staging_in, staging_nbytes
 from zmpi.comm.wire import (
     _NATIVE_OPS,
-    _NUMPY_OPS,
-    _USER_OPS,
     _WIRES,
     OPS,
     OpCounter,
     _check_op,
     _flat,
     _same_dtype,
-    _user_op,
     _Wire,
     _wire,
+    reduction_dtype,
 )
 
 __all__ = ["MPI", "Comm", "CollectiveMismatch", "OPS", "OpCounter", "Request", "wait_all",

@@ -22,7 +22,10 @@ Counters. `comm.counters[op]` is an `OpCounter(calls, bytes, sent)` for op in
 called). `bytes` is the logical payload: allreduce buf.nbytes, reduce_scatter send.nbytes,
 allgather recv.nbytes (the full gathered buffer), broadcast buf.nbytes, allreduce_scalar 8,
 object the pickled size, send and recv buf.nbytes. `sent` is what this rank sends under
-bandwidth-optimal ring algorithms, for a full buffer of B bytes on N ranks:
+bandwidth-optimal ring algorithms, for a full buffer of B bytes on the wire on N ranks (B is
+the buffer's nbytes, except that a reduction of a 16-bit float the MPI has no type for -
+bfloat16, or float16 without MPIX_C_FLOAT16 - travels as float32: B = 2 nbytes, see
+`zmpi.comm.wire`):
 
     allreduce        2 (N-1)/N B   (reduce-scatter then allgather)
     reduce_scatter     (N-1)/N B
@@ -54,7 +57,16 @@ from zmpi.comm.faults import _watched, check_at_exit, check_call, install_abort_
 from zmpi.comm.mpi_info import cuda_support, mpi_flavour
 from zmpi.comm.requests import _PROGRESS, _QUEUES, Request, message_calls, start_queued, wait_all
 from zmpi.comm.staging import stage
-from zmpi.comm.wire import OPS, OpCounter, _flat, _reduce_op, _same_dtype, _spec, _wire
+from zmpi.comm.wire import (
+    OPS,
+    OpCounter,
+    _flat,
+    _reduce_op,
+    _same_dtype,
+    _spec,
+    _wire,
+    widened,
+)
 from zmpi.memory import ring_bytes
 
 # isort: split
@@ -141,37 +153,42 @@ class Comm:
 
     # ---- the one path for buffer collectives and messages
 
-    def _run(self, op, calls, send, recv, result, reduces: bool, blocking: bool) -> Request:
+    def _run(self, op, calls, send, recv, result, blocking: bool, into=None) -> Request:
         """A collective: check (debug), then `_launch`. `send=None` means in place
         (MPI.IN_PLACE: recv holds the input too; for an in-place allgather only this rank's
-        block of it)."""
+        block of it). `into`: the caller's flat output when `recv` is its float32 stand-in
+        (a reduction that travels as float32, `wire.widened`); recv is rounded into it when
+        the request completes. The debug check and the watchdog name the caller's dtype."""
+        dtype = recv.dtype if into is None else into.dtype
         if self.check_collectives:
             self._start_queued()  # the check is a collective too: keep the order
-            self._check_call(op, recv.dtype, (0 if send is None else send.size, recv.size))
+            self._check_call(op, dtype, (0 if send is None else send.size, recv.size))
         block = None
         if op == "allgather" and send is None:  # MPI reads only our block
             n = recv.shape[0] // self.size
             block = slice(self.rank * n, (self.rank + 1) * n)
+        travels = "" if into is None else f" as {recv.dtype}"
         return self._launch(op, calls, send, recv, result, blocking,
-                            stage_words=reduces, copy_recv_in=send is None, block=block,
-                            what=f"{op} ({recv.dtype} x {recv.size}, {self.size} ranks)")
+                            copy_recv_in=send is None, block=block,
+                            narrow=() if into is None else ((recv, into),),
+                            what=f"{op} ({dtype} x {recv.size}{travels}, {self.size} ranks)")
 
-    def _launch(self, op, calls, send, recv, result, blocking: bool, *, stage_words: bool,
-                copy_recv_in: bool, what: str, block=None, collective: bool = True) -> Request:
+    def _launch(self, op, calls, send, recv, result, blocking: bool, *, copy_recv_in: bool,
+                what: str, block=None, collective: bool = True, narrow=()) -> Request:
         """Stage device buffers through host memory if needed, queue the MPI call, and start
         it as soon as its inputs are in place (blocking: now, watched by the watchdog).
 
         `calls` = (blocking call, non-blocking call), each `call(sendspec, recvspec)` making
         the mpi4py call (the non-blocking one returns an MPI request or a `_Message`); send
-        or recv None is passed as MPI.IN_PLACE. `result` is what wait() returns. A device
-        buffer that MPI takes directly (CUDA-aware) is staged anyway where a user op must
-        reduce it (`stage_words`, 2-byte words), and a collective on it runs blocking where
+        or recv None is passed as MPI.IN_PLACE. `result` is what wait() returns; `narrow`,
+        the ((float32 recv, caller's output), ...) to round back when it completes. A device
+        buffer is staged unless MPI is CUDA-aware, and a collective on it runs blocking where
         the MPI's non-blocking collectives do not support device memory (Open MPI).
         """
         wire = _wire(recv.dtype if recv is not None else send.dtype)
         keep = (send, recv, result)
         on_device = any(backend.is_device_array(a) for a in (send, recv))
-        staged = on_device and (not self.is_cuda_aware or (stage_words and wire.as_words))
+        staged = on_device and not self.is_cuda_aware
         if on_device and not staged and not self.nonblocking_on_device and collective:
             blocking = True
         inputs, held, copy_back = [], [], []
@@ -182,7 +199,7 @@ class Comm:
                                                         self.staged_bytes, block)
         call = calls[0] if blocking else calls[1]
         req = Request(self, op, lambda: call(_spec(send, wire), _spec(recv, wire)), blocking,
-                      result, keep, inputs, copy_back, held, what=what)
+                      result, keep, inputs, copy_back, held, what=what, narrow=narrow)
         self._queue.append(req)
         if blocking:
             req.wait()
@@ -199,15 +216,18 @@ class Comm:
 
     def _allreduce(self, buf, op, blocking):
         flat = _flat(buf, "buf")
-        mpi_op = _reduce_op(op, flat.dtype)
-        self._count("allreduce", flat.nbytes, self._ring(flat.nbytes, 2))
+        mpi_op = _reduce_op(op)
+        wide = widened(flat, copy=True)
+        self._count("allreduce", flat.nbytes, self._ring(wide.nbytes, 2))
         calls = (lambda s, r: self.mpi.Allreduce(s, r, mpi_op),
                  lambda s, r: self.mpi.Iallreduce(s, r, mpi_op))
-        return self._run(f"allreduce({op})", calls, None, flat, buf, True, blocking)
+        return self._run(f"allreduce({op})", calls, None, wide, buf, blocking,
+                         into=None if wide is flat else flat)
 
     def allreduce(self, buf, op: str = "sum"):
         """In place: buf <- op over ranks of buf (same size and dtype on every rank).
-        op: 'sum' | 'max' | 'min'. Returns buf."""
+        op: 'sum' | 'max' | 'min' (MPI's predefined ops; bfloat16, and float16 on an MPI
+        without a float16 type, are reduced in float32 and rounded once). Returns buf."""
         return self._allreduce(buf, op, True).result
 
     def iallreduce(self, buf, op: str = "sum") -> Request:
@@ -224,16 +244,18 @@ class Comm:
                 f"reduce_scatter: send.size ({send_f.size}) must equal recv.size "
                 f"({recv_f.size}) * comm size ({self.size})"
             )
-        mpi_op = _reduce_op(op, send_f.dtype)
-        self._count("reduce_scatter", send_f.nbytes, self._ring(send_f.nbytes))
+        mpi_op = _reduce_op(op)
+        wide_send, wide_recv = widened(send_f, copy=True), widened(recv_f, copy=False)
+        self._count("reduce_scatter", send_f.nbytes, self._ring(wide_send.nbytes))
         calls = (lambda s, r: self.mpi.Reduce_scatter_block(s, r, mpi_op),
                  lambda s, r: self.mpi.Ireduce_scatter_block(s, r, mpi_op))
-        return self._run(f"reduce_scatter({op})", calls, send_f, recv_f, recv, True, blocking)
+        return self._run(f"reduce_scatter({op})", calls, wide_send, wide_recv, recv, blocking,
+                         into=None if wide_recv is recv_f else recv_f)
 
     def reduce_scatter(self, send, recv, op: str = "sum"):
         """recv <- block `rank` of (op over ranks of send). Not in place.
         send.size == recv.size * size; block r is send[r*n:(r+1)*n], n = recv.size.
-        Returns recv."""
+        op as for `allreduce`. Returns recv."""
         return self._reduce_scatter(send, recv, op, True).result
 
     def ireduce_scatter(self, send, recv, op: str = "sum") -> Request:
@@ -260,7 +282,7 @@ class Comm:
             )
         self._count("allgather", recv_f.nbytes, self._ring(recv_f.nbytes))
         calls = (self.mpi.Allgather, self.mpi.Iallgather)
-        return self._run("allgather", calls, send_f, recv_f, recv, False, blocking)
+        return self._run("allgather", calls, send_f, recv_f, recv, blocking)
 
     def allgather(self, send, recv):
         """recv[r*n:(r+1)*n] <- send of rank r, n = send.size; recv.size == n * size.
@@ -289,7 +311,7 @@ class Comm:
             raise ValueError(f"broadcast: root {root} not in [0, {self.size})")
         self._count("broadcast", flat.nbytes, flat.nbytes if self.rank == root else 0)
         bcast = (lambda s, r: self.mpi.Bcast(r, root),) * 2
-        return self._run(f"broadcast(root={root})", bcast, None, flat, buf, False, True).result
+        return self._run(f"broadcast(root={root})", bcast, None, flat, buf, True).result
 
     def barrier(self):
         """Block until every rank of this Comm has called barrier()."""
@@ -302,10 +324,10 @@ class Comm:
     def allreduce_scalar(self, x: float, op: str = "sum") -> float:
         """op over ranks of one Python float (reduced as float64); returns the result."""
         buf = np.array([float(x)], dtype=np.float64)
-        mpi_op = _reduce_op(op, buf.dtype)
+        mpi_op = _reduce_op(op)
         self._count("allreduce_scalar", buf.nbytes, self._ring(buf.nbytes, 2))
         scalar = (lambda s, r: self.mpi.Allreduce(s, r, mpi_op),) * 2
-        self._run(f"allreduce_scalar({op})", scalar, None, buf, buf, True, True)
+        self._run(f"allreduce_scalar({op})", scalar, None, buf, buf, True)
         return float(buf[0])
 
     def bcast_object(self, obj, root: int = 0):
@@ -349,8 +371,8 @@ class Comm:
         send, recv = (flat, None) if op == "send" else (None, flat)
         self._count(op, flat.nbytes, flat.nbytes if op == "send" else 0)
         where = f"to rank {peer}" if op == "send" else f"from rank {peer}"
-        return self._launch(op, calls, send, recv, buf, blocking, stage_words=False,
-                            copy_recv_in=False, collective=False,
+        return self._launch(op, calls, send, recv, buf, blocking, copy_recv_in=False,
+                            collective=False,
                             what=f"{op} ({flat.dtype} x {flat.size} {where}, tag {tag})")
 
     def send(self, buf, dest: int, tag: int = 0):

@@ -1,6 +1,8 @@
 """Which MPI library this process loaded, and whether it takes CUDA device buffers.
 
     cuda_support()   (CUDA-aware?, how that was decided): ZMPI_CUDA_AWARE=0|1, else the
+                     runtime switch of an MPI that has one (MVAPICH: MV2_USE_CUDA,
+                     MVP_ENABLE_CUDA; Cray MPICH: MPICH_GPU_SUPPORT_ENABLED), else the
                      library's own answer (MPIX_GPU_query_support / MPIX_Query_cuda_support
                      through ctypes, as mpi4py 4.1 wraps neither)
     mpi_flavour()    'Open MPI', 'MPICH' (and its derivatives) or 'other'
@@ -38,11 +40,42 @@ def _libmpi():
     return loaded[0] if loaded else None
 
 
+# MPIs whose CUDA support is switched on at run time by an environment variable (off unless
+# set): (what MPI_Get_library_version says, the variables, first set wins)
+RUNTIME_SWITCHES = (
+    ("MVAPICH", ("MV2_USE_CUDA", "MVP_ENABLE_CUDA")),  # MVAPICH2(-GDR); MVAPICH 3 / -Plus
+    ("CRAY MPICH", ("MPICH_GPU_SUPPORT_ENABLED",)),
+)
+
+
+def _runtime_switch() -> tuple[bool, str] | None:
+    """(switched on, the variable) for the loaded MPI's CUDA switch if it has one and it is
+    set: on for a non-zero integer (as the MPI reads it), off for 0; None otherwise (a
+    variable of another MPI is not read). A value that is no integer raises ValueError."""
+    version = MPI.Get_library_version()
+    for marker, variables in RUNTIME_SWITCHES:
+        if marker not in version:
+            continue
+        for var in variables:
+            value = os.environ.get(var, "").strip()
+            if value:
+                try:
+                    return int(value) != 0, var
+                except ValueError:
+                    raise ValueError(f"{var}={value!r}: expected an integer (1 switches "
+                                     f"{marker}'s CUDA support on, 0 off)") from None
+    return None
+
+
 def cuda_support() -> tuple[bool, str]:
-    """(whether MPI takes CUDA device buffers, how that was decided). ZMPI_CUDA_AWARE=0|1
-    overrides; else MPI's own answer: `MPIX_GPU_query_support(CUDA)` or
-    `MPIX_Query_cuda_support()` from the loaded libmpi (MPICH, Open MPI; mpi4py 4.1 does not
-    wrap them), or `MPI.Query_cuda_support` where mpi4py has it; else False."""
+    """(whether MPI takes CUDA device buffers, how that was decided: the variable or query).
+    ZMPI_CUDA_AWARE=0|1 overrides. Else, for MVAPICH (MV2_USE_CUDA, MVP_ENABLE_CUDA) and Cray
+    MPICH (MPICH_GPU_SUPPORT_ENABLED), whose CUDA support is off unless that variable switches
+    it on at run time, the variable when it is set (`RUNTIME_SWITCHES`; unset, the library
+    is asked as any other). Else MPI's own
+    answer: `MPIX_GPU_query_support(CUDA)` or `MPIX_Query_cuda_support()` from the loaded
+    libmpi (MPICH, Open MPI; mpi4py 4.1 does not wrap them), or `MPI.Query_cuda_support`
+    where mpi4py has it; else False."""
     import ctypes
 
     env = os.environ.get("ZMPI_CUDA_AWARE", "").strip()
@@ -50,6 +83,9 @@ def cuda_support() -> tuple[bool, str]:
         if env not in ("0", "1"):
             raise ValueError(f"ZMPI_CUDA_AWARE={env!r}: expected 0 or 1")
         return env == "1", "ZMPI_CUDA_AWARE"
+    switch = _runtime_switch()
+    if switch is not None:
+        return switch
     lib = _libmpi()
     if lib is not None and hasattr(lib, "MPIX_GPU_query_support"):
         supported = ctypes.c_int(0)

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 
-from zmpi import backend
+from zmpi import backend, host_kernels
 from zmpi.comm.faults import _watched
 from zmpi.comm.staging import _POOL
 from zmpi.comm.wire import _spec, header_mismatch, header_payload, message_header, message_tags
@@ -36,12 +36,14 @@ class Request:
     every rank starts the same collectives in the same order. With host staging, completion
     queues the copy of the result back to the device on the current stream (later GPU work
     is ordered after it) and returns the host buffer to the pool once that copy has landed.
+    A reduction that travelled as float32 (`zmpi.comm.wire`) is then rounded into the
+    caller's 16-bit buffer (`narrow`), on the current stream for a device buffer.
     A receive whose message did not fit its buffer (`_Message.problem`) completes, and its
     wait() and test() then raise ValueError, every time.
     """
 
     def __init__(self, comm, op, start, blocking, result, keep=(), inputs=(), copy_back=(),
-                 held=(), what=None):
+                 held=(), what=None, narrow=()):
         self.op = op
         self._what = what or op  # for the watchdog: the op, dtype, size
         self._comm = comm
@@ -53,6 +55,7 @@ class Request:
         self._inputs = list(inputs)  # copies / stream points MPI must wait for
         self._copy_back = copy_back  # ((host, device), ...)
         self._held = held  # staging buffers to return to the pool
+        self._narrow = narrow  # ((float32 result, caller's 16-bit output), ...)
         self.started = False
         self.done = False
         self._failed: BaseException | None = None  # what starting it raised
@@ -112,9 +115,11 @@ class Request:
             fence = backend.to_device_async(host, device)
         for buf in self._held:
             _POOL.release(buf, fence)
+        for wide, out in self._narrow:  # after the copy back, on the same stream
+            host_kernels.cast_(out, wide)
         problem = getattr(self._mpi, "problem", None)  # a message that did not fit
         self._error = None if problem is None else problem()
-        self._keep = self._held = self._copy_back = ()
+        self._keep = self._held = self._copy_back = self._narrow = ()
         self._mpi = None
         self.done = True
 
@@ -130,7 +135,14 @@ class _Progress:
     (mpi4py asks for it) and a core of its own: on a core that computes, its wake-ups take
     the GIL and the core from compute (measured on 2 cores: at 2 ranks 3-5% longer steps at
     stages 0, 2 and 3, at 4 ranks up to 1.7x). ZMPI_PROGRESS_THREAD: `auto` (the default) runs
-    it only where the node has two cores or more per rank, 1 always, 0 never."""
+    it only where the node has two cores or more per rank, 1 always, 0 never.
+
+    Under CuPy the current device is per host thread, and the progress MPI makes in this
+    thread may touch device memory or record events (a CUDA-aware MPI): before each poll the
+    thread makes the rank's GPU (`backend.device_id`, chosen by `backend.select_device`)
+    current if it is not already, so it never works on (or creates a context on) device 0
+    by default. Before any device is chosen it stays on CuPy's default, as the main thread
+    does. Under NumPy it touches no GPU module."""
 
     def __init__(self, interval: float = 1e-3):
         self.interval = interval
@@ -177,12 +189,16 @@ class _Progress:
             self._thread = None
 
     def _run(self) -> None:
+        bound = None  # the device this thread made current
         while True:
             with self._cond:
                 while self._in_flight <= 0 and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
+            if backend.is_gpu and backend.device_id not in (None, bound):
+                bound = backend.device_id
+                backend.xp.cuda.Device(bound).use()
             self._probe.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
             self.polls += 1
             time.sleep(self.interval)

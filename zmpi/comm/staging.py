@@ -1,6 +1,6 @@
-"""The host staging of device buffers, for an MPI that does not take them (or a reduction
-that runs on the host): a pool of pinned host buffers, its ledger accounting, and `stage`,
-which swaps a call's device arrays for pooled host ones.
+"""The host staging of device buffers, for an MPI that does not take them: a pool of pinned
+host buffers, its ledger accounting, and `stage`, which swaps a call's device arrays for
+pooled host ones.
 
 Device buffers (CuPy). Whether MPI is CUDA-aware is asked of the MPI library itself
 (`zmpi.comm.mpi_info.cuda_support`). If it is, the device buffer is passed directly once the

@@ -9,14 +9,16 @@ elements and rank 1 passes 12, cannot be seen locally; that is the caller's cont
 point-to-point message carries a header, so there the receiver does see it: `message_header`.)
 
 float16 and bfloat16. float16 travels as MPI's native 16-bit float when the library has one
-(MPICH: MPIX_C_FLOAT16); bfloat16 has no MPI datatype, so it travels as 2-byte words
-(MPI_UINT16_T) and is reduced with a user-defined, commutative `MPI.Op` that views both
-buffers as bfloat16, applies the op in float32 and rounds back to bfloat16 (round to nearest
-even) after every pairwise step - the same rounding a native bf16 reduction would do, and no
-extra traffic (upcasting whole buckets to float32 would double it). Allgather, broadcast and
-point-to-point messages just move the 2-byte words. The same user op reduces float16 if an
-MPI lacks a native one. A user op runs on the host, so a device buffer that needs one is
-always staged (`zmpi.comm.staging`).
+(MPICH: MPIX_C_FLOAT16) and is then reduced natively. bfloat16 has no MPI datatype, and
+neither has float16 on an MPI without MPIX_C_FLOAT16: such a buffer moves as 2-byte words
+(MPI_UINT16_T) in allgather, broadcast and point-to-point messages, and a reduction of it
+travels as float32. The buffer is converted to float32 where it lives (host or device),
+reduced with MPI's predefined SUM/MAX/MIN, and the result is rounded back to its dtype once
+(to nearest even) when the request completes (`reduction_dtype`, `widened`). No reduction
+runs a Python-level (user-defined) MPI.Op, so a CUDA-aware MPI reduces every device buffer
+on the device. The price: such a reduction sends 4 bytes an element instead of 2 (the
+counters count the float32 bytes) and holds float32 copies of its buffers while in flight.
+Its result is the float32 reduction rounded once, not rounded after every pairwise step.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zmpi import backend  # before mpi4py.MPI (MPI_Init): it picks this rank's GPU
+from zmpi import backend, host_kernels  # backend before mpi4py.MPI: it picks this rank's GPU
 
 # isort: split
 from mpi4py import MPI
@@ -48,7 +50,7 @@ class _Wire:
     """How one numpy dtype travels over MPI."""
 
     datatype: MPI.Datatype
-    as_words: bool  # no MPI type: pass the buffer viewed as uint16, reduce with a user op
+    as_words: bool  # no MPI type: moved as 2-byte words (uint16), reduced as float32
 
 
 _FLOAT16_T = getattr(MPI, "FLOAT16_T", MPI.DATATYPE_NULL)
@@ -64,8 +66,6 @@ _WIRES = {
     np.dtype(np.uint8): _Wire(MPI.UINT8_T, False),
 }
 _NATIVE_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
-_NUMPY_OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
-_USER_OPS: dict = {}  # (op name, dtype) -> MPI.Op, created on first use
 
 
 def _wire(dtype) -> _Wire:
@@ -85,33 +85,33 @@ def _spec(a, wire: _Wire | None = None):
     return [a.view(np.uint16) if wire.as_words else a, wire.datatype]
 
 
-def _user_op(op: str, dtype) -> MPI.Op:
-    """A commutative MPI.Op that reduces 2-byte words as `dtype`, computing in float32."""
-    key = (op, np.dtype(dtype))
-    if key not in _USER_OPS:
-        fn = _NUMPY_OPS[op]
-
-        def reduce_words(inbuf, inoutbuf, datatype):
-            a = np.frombuffer(inbuf, dtype=key[1])
-            b = np.frombuffer(inoutbuf, dtype=key[1])
-            b[...] = fn(a.astype(np.float32), b.astype(np.float32))  # rounds to nearest even
-
-        _USER_OPS[key] = MPI.Op.Create(reduce_words, commute=True)
-    return _USER_OPS[key]
-
-
 def _check_op(op: str) -> str:
     if op not in _NATIVE_OPS:
         raise ValueError(f"unknown op {op!r}; valid: {', '.join(_NATIVE_OPS)}")
     return op
 
 
-def _reduce_op(op: str, dtype) -> MPI.Op:
-    """The MPI.Op that reduces `dtype` with `op` ('sum' | 'max' | 'min'): native, else user."""
-    _check_op(op)
-    if _wire(dtype).as_words:
-        return _user_op(op, dtype)
-    return _NATIVE_OPS[op]
+def _reduce_op(op: str) -> MPI.Op:
+    """MPI's predefined op for `op` ('sum' | 'max' | 'min'); every reduction uses one."""
+    return _NATIVE_OPS[_check_op(op)]
+
+
+def reduction_dtype(dtype) -> np.dtype:
+    """The dtype a reduction of `dtype` travels and is reduced in: float32 for a 16-bit float
+    the MPI has no type for (bfloat16; float16 without MPIX_C_FLOAT16), else `dtype`."""
+    return np.dtype(np.float32) if _wire(dtype).as_words else np.dtype(dtype)
+
+
+def widened(a, copy: bool):
+    """`a` itself if a reduction of its dtype travels as that dtype; else a float32 array of
+    its shape in the same memory (host or device): a copy of `a` (rounding nothing) with
+    `copy`, uninitialised without (an output)."""
+    wide = reduction_dtype(a.dtype)
+    if wide == a.dtype:
+        return a
+    if copy:
+        return host_kernels.astype(a, wide)
+    return backend.array_module(a).empty(a.shape, dtype=wide)
 
 
 def _flat(arr, what: str):

@@ -71,12 +71,17 @@ class Config(_Section):
     memory_budget: MemoryBudgetConfig = field(default_factory=MemoryBudgetConfig)
     seed: int = 0
     steps_per_print: int = 10
+    kernels: str = "fused"  # zmpi.kernels: one launch per fused op on a GPU, or "composed"
+    tf32: bool = False  # float32 matmuls on TensorFloat-32 tensor cores (CuPy on Ampere+)
 
     def _validate(self):
         self._at_least(1, "train_batch_size", "train_micro_batch_size_per_gpu",
                        "gradient_accumulation_steps", "steps_per_print")
         self._at_least(0, "gradient_clipping", note=" (0 = off)")
         self._at_least(0, "seed")
+        _check(self.kernels in ("fused", "composed"), "kernels",
+               f"{self.kernels!r}: use \"fused\" (one kernel per fused op on a GPU) or "
+               "\"composed\" (their array operations, one launch each)")
         _check(not (self.fp16.enabled and self.bf16.enabled), "fp16.enabled",
                "fp16 and bf16 are both enabled; enable at most one")
         ac = self.activation_checkpointing

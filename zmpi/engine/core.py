@@ -25,6 +25,7 @@ the next step computes. `flush()` lands an update in flight.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import uuid
@@ -32,7 +33,7 @@ import warnings
 
 import numpy as np
 
-from zmpi import backend
+from zmpi import backend, kernels
 from zmpi.checkpoint.sharded import Checkpointer
 from zmpi.checkpoint.tensor import TensorSplits
 from zmpi.engine.checks import (
@@ -52,6 +53,7 @@ from zmpi.engine.step import reduce_and_update
 from zmpi.engine.tensor import gather_tensor_slices, replicated_ranges, sequence_ranges
 from zmpi.engine.traffic import by_dimension, by_group, groups, sent_by_group
 from zmpi.memory import MemoryLedger
+from zmpi.nn import functional as F
 from zmpi.nn.checkpointing import InputStore
 from zmpi.nn.module import UnitModel, activations_counted_in
 from zmpi.optim import lr_schedules
@@ -101,6 +103,9 @@ class Engine:
         if self.mesh.pp > 1:  # this rank keeps and trains its stage's units
             model = PipelineStage(model, self.mesh.pp_rank, self.mesh.pp,
                                   self.config.pipeline.partition)
+        kernels.set_mode(self.config.kernels)
+        if self.config.tf32:
+            backend.use_tf32()
         ac = self.config.activation_checkpointing
         model.set_recompute(ac.recompute, self.config.pipeline.activation_checkpoint_interval,
                             InputStore(self.mesh.tp_comm if ac.partition_activations else None,
@@ -219,11 +224,11 @@ class Engine:
                 f"train_step got {len(inputs)} input and {len(targets)} target rows; the config "
                 f"asks for train_micro_batch_size_per_gpu ({self.micro_batch}) x "
                 f"gradient_accumulation_steps ({self.accumulation}) = {rows} rows per rank")
-        self.model.check_batch(inputs, targets)  # before any collective: bad data, clear error
+        checked = self.model.check_batch(inputs, targets)  # before any collective
         if self.checkpoints.pending is not None:
             self.checkpoints.poll()  # an asynchronous save completes once every rank wrote
         try:
-            with activations_counted_in(self.memory):  # what layers keep: "activation"
+            with activations_counted_in(self.memory), _ids_checked(checked):
                 return self._train_step(inputs, targets)
         except BaseException:
             self.strategy.abandon_in_flight()  # no freed buffer may still be MPI's
@@ -245,12 +250,12 @@ class Engine:
                 self.model.backward_loss(scale=self.scaler.scale)
                 clock.lap("backward")
         optimizer_before = self.update_timing["optimizer_s"]
-        self._step()
+        total = self._step(total)  # read back with the gradients' norm, in one transfer
         clock.lap("step", optimizer=self.update_timing["optimizer_s"] - optimizer_before)
         every = self.config.debug.check_replicas_every
         if every and self.global_steps % every == 0:
             self.check_replicas()
-        loss = self._mean_over_replicas(float(total) / self.accumulation)
+        loss = self._mean_over_replicas(total / self.accumulation)
         if not math.isfinite(loss) and not self.config.fp16.enabled:
             raise FloatingPointError(f"the loss is {loss} at step {self.global_steps - 1} "
                                      f"({self.dtype.name})")
@@ -260,10 +265,10 @@ class Engine:
         """Mean loss of a forward pass over every rank's `inputs` (no gradients, no update).
         A collective: every rank must call it (stage 3 gathers parameters, and the mean is
         an allreduce). A delayed update in flight lands first."""
-        self.model.check_batch(inputs, targets)
+        checked = self.model.check_batch(inputs, targets)
         self.flush()
         normalizer = self._normalizer(targets, 1)
-        with activations_counted_in(self.memory), self.model.inference():
+        with activations_counted_in(self.memory), self.model.inference(), _ids_checked(checked):
             if self.pipeline is not None:
                 loss = self.pipeline.evaluate(self, inputs, targets, normalizer)
             else:
@@ -362,9 +367,9 @@ class Engine:
         loaded. Every checkpoint it saves records it (zmpi.checkpoint.ownership)."""
         return self.checkpoints.run_id
 
-    def _step(self) -> None:
+    def _step(self, loss) -> float:
         try:
-            reduce_and_update(self)
+            return reduce_and_update(self, loss)
         finally:
             self.strategy.zero_grads()  # also after an error, so the next step starts clean
 
@@ -438,3 +443,8 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"Engine({json.dumps(self.describe(), default=str)})"
+
+
+def _ids_checked(checked: bool):
+    """F.ids_checked() when the model's check_batch range-checked every id, else nothing."""
+    return F.ids_checked() if checked else contextlib.nullcontext()

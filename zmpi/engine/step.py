@@ -1,8 +1,11 @@
 """The step of train_step: from the reduced gradients to updated parameters.
 
-    reduce_and_update(engine)   finish the strategy's reductions; unscale (loss scaling and the
-                                global-batch mean); skip on overflow or name the first
-                                non-finite unit; clip; Adam now, or in the background (DPU)
+    reduce_and_update(engine, loss)
+                                finish the strategy's reductions; read the loss and the
+                                gradients' sum of squares back in one transfer; unscale (loss
+                                scaling and the global-batch mean); skip on overflow or name
+                                the first non-finite unit; clip; Adam now, or in the
+                                background (DPU)
     apply_schedule(engine)      the LR schedule's rate (and betas) for the step about to run
     clip_coef(engine, sumsq)    the factor that brings the global L2 norm to gradient_clipping
 
@@ -13,14 +16,18 @@ from __future__ import annotations
 import math
 import time
 
+from zmpi import backend
 from zmpi.engine.checks import check_grads_contract, first_nonfinite_unit
 from zmpi.engine.tensor import sum_sequence_parallel_grads, tensor_norm_sq
 
 
-def reduce_and_update(engine) -> None:
+def reduce_and_update(engine, loss) -> float:
     """The optimizer step of train_step, after the last backward: finish the reductions,
     unscale, check for overflow (skip the step, or name the first non-finite unit), clip,
-    and apply Adam now or, with DPU, in the background."""
+    and apply Adam now or, with DPU, in the background. `loss`: this rank's loss summed over
+    the step's micro-batches, a 0-d array on the device or a number; returned as a float,
+    read back together with the gradients' sum of squares (on a GPU: the step's one
+    device -> host transfer)."""
     strategy = engine.strategy
     strategy.wait_pending()
     strategy.before_step()
@@ -32,7 +39,10 @@ def reduce_and_update(engine) -> None:
     if engine.pipeline is not None:
         engine.pipeline.sum_tied_grads(grads)  # a weight two stages hold: over those stages
     grad_scale = 1.0 / (engine.scaler.scale * engine.mesh.dp * engine.accumulation)
-    finite, sumsq = engine.optimizer.grad_stats(grads, grad_scale, engine.master_dtype)
+    sumsq = engine.optimizer.sum_of_squares(grads, grad_scale, engine.master_dtype)
+    loss, sumsq = backend.read_scalars(loss, sumsq)
+    # a sum that is not finite holds a NaN or inf, or overflowed from finite gradients
+    finite = math.isfinite(sumsq) or engine.optimizer.all_finite(grads)
     engine.flush()  # the previous step's delayed update lands (its compute overlapped ours)
     apply_schedule(engine)  # a skipped step keeps the rate it would have run at
     if any_rank(engine.comm, not finite):
@@ -47,19 +57,20 @@ def reduce_and_update(engine) -> None:
                    if engine.config.fp16.enabled else "")
                 + f"); the first in backward order is in {where}")
         scaler.update(overflow=True)  # skip the step on every rank
-        return
+        return loss
     update = (strategy.master, grads, strategy.adam_m, strategy.adam_v, grad_scale,
               clip_coef(engine, sumsq, grads, grad_scale))
     if engine.delay_update and engine.global_steps >= engine.delay_update_warmup:
         strategy.swap_grad_buffers()  # backward of the next step fills the other buffer
         engine.delayed.start(lambda: engine.optimizer.step_(*update), engine.global_steps)
     else:
-        start = time.perf_counter()
-        engine.optimizer.step_(*update)
+        start = time.perf_counter()  # host params: written as Adam goes (publish_targets)
+        engine.optimizer.step_(*update, publish=strategy.publish_targets())
         engine.update_timing["optimizer_s"] += time.perf_counter() - start
         strategy.publish_params()
     engine.scaler.update(overflow=False)
     engine.global_steps += 1
+    return loss
 
 
 def apply_schedule(engine) -> None:

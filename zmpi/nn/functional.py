@@ -11,10 +11,20 @@ keeps only the activations and passes the parameter it reads at backward time, s
 release and re-gather the parameter between forward and backward.
 
 Shapes: B batch, T time, C channels, V vocabulary, nh heads, hd = C // nh head size.
+
+Fused ops (zmpi.kernels): LayerNorm, GELU, the causal softmax and its backward, and the
+cross-entropy run as one or two CUDA kernels on a GPU; the functions named `_..._twin` here are
+what the CPU and the CuPy stand-in run in their place (and what a GPU runs op by op under
+"kernels": "composed").
 """
 
+import functools
 import math
+from contextlib import contextmanager
 
+import numpy
+
+from zmpi import kernels
 from zmpi.backend import array_module
 
 # -- linear -----------------------------------------------------------------------------------
@@ -31,27 +41,46 @@ def linear_forward(x, W, b=None):
     return y, (x, W)
 
 
-def linear_backward(dy, cache):
+def linear_backward(dy, cache, dW=None, db=None):
     """dy (..., Cout) -> dx (..., Cin), dW (Cin, Cout), db (Cout,) (a layer without bias
-    ignores db)."""
+    ignores db). dW, db: arrays of dy's dtype to write those two into (the parameters'
+    gradients, `parameter.grad_out`: no extra pass), or None."""
     x, W = cache
+    xp = array_module(dy)
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])  # (N, Cin), (N, Cout)
     dx = (dy2 @ W.T).reshape(x.shape)  # (..., Cin)
-    dW = x2.T @ dy2  # (Cin, Cout)
-    db = dy2.sum(axis=0)  # (Cout,)
+    dW = xp.matmul(x2.T, dy2, out=dW)  # (Cin, Cout)
+    db = dy2.sum(axis=0, out=db)  # (Cout,)
     return dx, dW, db
 
 
 # -- embedding --------------------------------------------------------------------------------
 
 
+_ids_checked = [False]
+
+
+@contextmanager
+def ids_checked():
+    """Within it, `check_indices` checks only the dtype of device arrays, not their range (a
+    device -> host transfer each): the caller has checked every id of the step on the host
+    (the engine, through UnitModel.check_batch). Host arrays are always checked in full."""
+    before, _ids_checked[0] = _ids_checked[0], True
+    try:
+        yield
+    finally:
+        _ids_checked[0] = before
+
+
 def check_indices(idx, n: int, what: str, ignore=None) -> None:
     """TypeError unless `idx` holds integers, IndexError unless each is in [0, n) (or equals
-    `ignore`): an out-of-range id must never wrap around (NumPy reads W[-1] as the last row)."""
+    `ignore`): an out-of-range id must never wrap around (NumPy reads W[-1] as the last row,
+    CuPy wraps every index). The range check of a device array is one device -> host transfer,
+    skipped inside `ids_checked()`."""
     xp = array_module(idx)
     if not xp.issubdtype(idx.dtype, xp.integer):
         raise TypeError(f"{what} must be integer ids in [0, {n}), got dtype {idx.dtype}")
-    if idx.size == 0:
+    if idx.size == 0 or (_ids_checked[0] and xp is not numpy):
         return
     # ignored entries count as 0 (a valid id), not dropped: a boolean gather syncs a GPU
     valid = idx if ignore is None else xp.where(idx != ignore, idx, 0)
@@ -71,12 +100,13 @@ def embedding_forward(idx, W, check: bool = True):
 
 
 def embedding_backward(dy, cache):
-    """dy (..., C) -> dW (V, C): rows scatter-added, so repeated indices sum."""
+    """dy (..., C) -> dW (V, C), float32 at least: rows scatter-added, so repeated indices sum
+    (a token seen a thousand times in a float16 run sums in float32, not float16)."""
     idx, V = cache
     xp = array_module(dy)
     C = dy.shape[-1]
-    dW = xp.zeros((V, C), dtype=dy.dtype)
-    xp.add.at(dW, idx.reshape(-1), dy.reshape(-1, C))
+    dW = xp.zeros((V, C), dtype=_f32(dy))
+    xp.add.at(dW, idx.reshape(-1), dy.reshape(-1, C).astype(dW.dtype, copy=False))
     return dW
 
 
@@ -92,10 +122,25 @@ def _f32(x):
 
 def layernorm_forward(x, w, b, eps=1e-5):
     """y = (x - mean) / sqrt(var + eps) * w + b over the last axis (biased variance), computed
-    in float32 at least and returned in x's dtype, in two buffers of x's size.
+    in float32 at least and returned in x's dtype. Fused: one kernel on a GPU.
 
     x (..., C), w (C,), b (C,) -> y (..., C).  cache = (xhat, rstd, w), float32 at least.
     """
+    return _layernorm_forward(x, w, b, eps)
+
+
+def layernorm_backward(dy, cache):
+    """dy (..., C) -> dx (..., C) in dy's dtype, dw (C,), db (C,) (float32 at least).
+
+    With g = dy * w: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), the three terms being
+    the direct path and the paths through mean and variance (llm.c doc/layernorm/layernorm.md).
+    Fused: dx in one kernel on a GPU, dw and db in a second and a sum of its partials.
+    """
+    return _layernorm_backward(dy, cache)
+
+
+def _layernorm_forward_twin(x, w, b, eps):
+    """layernorm_forward in two buffers of x's size."""
     xp, f = array_module(x), _f32(x)
     x32 = x.astype(f, copy=False)
     mean = x32.mean(axis=-1, keepdims=True)  # (..., 1)
@@ -108,13 +153,8 @@ def layernorm_forward(x, w, b, eps=1e-5):
     return y.astype(x.dtype, copy=False), (xhat, rstd, w)
 
 
-def layernorm_backward(dy, cache):
-    """dy (..., C) -> dx (..., C) in dy's dtype, dw (C,), db (C,) (float32 at least).
-
-    With g = dy * w: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), the three terms being
-    the direct path and the paths through mean and variance (llm.c doc/layernorm/layernorm.md).
-    Two buffers of dy's size.
-    """
+def _layernorm_backward_twin(dy, cache):
+    """layernorm_backward in two buffers of dy's size."""
     xhat, rstd, w = cache
     xp, C = array_module(xhat), dy.shape[-1]
     dy32 = dy.astype(xhat.dtype, copy=False)
@@ -129,6 +169,10 @@ def layernorm_backward(dy, cache):
     g -= t
     g *= rstd
     return g.astype(dy.dtype, copy=False), dw, db
+
+
+_layernorm_forward = kernels.fused(_layernorm_forward_twin, kernels.cuda_layernorm_forward)
+_layernorm_backward = kernels.fused(_layernorm_backward_twin, kernels.cuda_layernorm_backward)
 
 
 # -- gelu -------------------------------------------------------------------------------------
@@ -152,11 +196,22 @@ _CHAIN_PIECE = 1 << 16
 
 def gelu_forward(x):
     """GELU, tanh approximation as GPT-2: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
-    computed in float32 at least and returned in x's dtype, piece by piece (`_pieces`) in
-    two buffers of x's size.
+    computed in float32 at least and returned in x's dtype. Fused: one kernel on a GPU.
 
     x (...) -> y (...).  cache = (x, tanh(u)), u the tanh's argument (backward reuses it).
     """
+    return _gelu_forward(x)
+
+
+def gelu_backward(dy, cache):
+    """dy (...) -> dx (...) in dy's dtype: dy (0.5 (1 + t) + 0.5 x (1 - t^2) du/dx), with
+    du/dx = sqrt(2/pi) (1 + 3 0.044715 x^2), computed in float32 at least. Fused: one
+    kernel on a GPU."""
+    return _gelu_backward(dy, cache)
+
+
+def _gelu_forward_twin(x):
+    """gelu_forward piece by piece (`_pieces`), in two buffers of x's size."""
     xp = array_module(x)
     x32 = x.astype(_f32(x), copy=False).reshape(-1)
     t, y = xp.empty_like(x32), xp.empty_like(x32)
@@ -174,9 +229,8 @@ def gelu_forward(x):
     return y.reshape(x.shape).astype(x.dtype, copy=False), (x, t.reshape(x.shape))
 
 
-def gelu_backward(dy, cache):
-    """dy (...) -> dx (...) in dy's dtype: dy (0.5 (1 + t) + 0.5 x (1 - t^2) du/dx), with
-    du/dx = sqrt(2/pi) (1 + 3 0.044715 x^2), computed in float32 at least, piece by piece."""
+def _gelu_backward_twin(dy, cache):
+    """gelu_backward piece by piece."""
     x, t = cache
     xp = array_module(t)
     x, t = x.astype(t.dtype, copy=False).reshape(-1), t.reshape(-1)
@@ -203,6 +257,10 @@ def gelu_backward(dy, cache):
     return g.reshape(dy.shape).astype(dy.dtype, copy=False)
 
 
+_gelu_forward = kernels.fused(_gelu_forward_twin, kernels.cuda_gelu_forward)
+_gelu_backward = kernels.fused(_gelu_backward_twin, kernels.cuda_gelu_backward)
+
+
 # -- causal self-attention --------------------------------------------------------------------
 
 
@@ -215,19 +273,46 @@ def _softmax_(a):
     return a
 
 
-# Query rows per block of causal attention: a block of queries attends only to the keys up to
-# its last row, so the scores above the diagonal blocks are never computed (5/8 of the full
-# T x T at T = 256). Measured for GPT-2 d_model 512, 8 heads, T 256, one thread: forward +
-# backward 28 ms with the full matrix, 21 ms with blocks of 64 (32: 22 ms, 128: 22.5 ms).
+# Query rows per block of causal attention on a CPU: a block of queries attends only to the
+# keys up to its last row, so the scores above the diagonal blocks are never computed (5/8 of
+# the full T x T at T = 256). Measured for GPT-2 d_model 512, 8 heads, T 256, one thread:
+# forward + backward 28 ms with the full matrix, 21 ms with blocks of 64 (32: 22 ms, 128:
+# 22.5 ms).
 ATTENTION_BLOCK = 64
+# On a GPU a block costs about 8 launches whatever its size, so the queries go in as few
+# blocks as memory allows: as many rows as keep one block's float32 scores within this many
+# bytes (all T rows of GPT-2 small at micro-batch 4 and T 1024: 192 MiB).
+ATTENTION_BLOCK_BYTES = 256 << 20
 
 
-def attention_forward(qkv, n_head, block=ATTENTION_BLOCK, keep_probs=True):
-    """Multi-head causal attention core: y = softmax(q k^T / sqrt(hd) + mask) v, heads merged,
-    computed `block` query rows at a time against the keys they may see.
+def attention_block(T: int, batch_heads: int, on_device: bool) -> int:
+    """Query rows per block of causal attention over T positions for batch_heads (B x nh)
+    matrices: ATTENTION_BLOCK on a CPU; on a GPU all T rows, or the largest multiple of
+    ATTENTION_BLOCK whose float32 scores fit in ATTENTION_BLOCK_BYTES."""
+    if not on_device:
+        return ATTENTION_BLOCK
+    rows = ATTENTION_BLOCK_BYTES // max(1, 4 * batch_heads * T)
+    return T if rows >= T else max(ATTENTION_BLOCK, rows // ATTENTION_BLOCK * ATTENTION_BLOCK)
+
+
+@functools.cache
+def _head_scales(xp, dtype, hd: int):
+    """(3, 1, 1, 1, 1) array [1/sqrt(hd), 1, 1] in `dtype` in xp's memory: scales q (not k, v)
+    as the heads are laid out (made once per dtype and head size)."""
+    return xp.asarray(numpy.array([1.0 / math.sqrt(hd), 1.0, 1.0], dtype).reshape(3, 1, 1, 1, 1))
+
+
+def attention_forward(qkv, n_head, block=None, keep_probs=True):
+    """Multi-head causal attention core: y = softmax(q k^T / sqrt(hd) + mask) v, heads merged.
+
+    The heads are batched: every product is one batched matmul over (B, nh). q is scaled by
+    1/sqrt(hd) before q k^T (so float16 scores stay in range) as the heads are laid out, in one
+    pass. Queries go `block` rows at a time against the keys they may see (`attention_block`:
+    64 on a CPU, all T or a few blocks on a GPU); the mask and the softmax are one fused kernel
+    on a GPU (`causal_softmax`).
 
     qkv (B, T, 3C) holding [q | k | v] -> y (B, T, C).  cache = (q, k, v, probs, block), with
-    q, k, v (B, nh, T, hd) and probs a tuple of each block's attention probabilities
+    q (scaled), k, v (B, nh, T, hd) and probs a tuple of each block's attention probabilities
     (B, nh, rows, keys up to the block's last row), float32 at least (the softmax never runs
     in float16). keep_probs=False (selective recompute, Korthikanti et al. 2022): probs is
     None and attention_backward recomputes each block's probabilities from q and k by the
@@ -237,12 +322,16 @@ def attention_forward(qkv, n_head, block=ATTENTION_BLOCK, keep_probs=True):
     B, T, C3 = qkv.shape
     C = C3 // 3
     hd = C // n_head
-    qkv = qkv.reshape(B, T, 3, n_head, hd).transpose(2, 0, 3, 1, 4)  # (3, B, nh, T, hd)
-    q, k, v = qkv[0], qkv[1], qkv[2]
+    if block is None:
+        block = attention_block(T, B * n_head, xp is not numpy)
+    heads = xp.empty((3, B, n_head, T, hd), dtype=qkv.dtype)  # q, k, v, each contiguous
+    xp.multiply(qkv.reshape(B, T, 3, n_head, hd).transpose(2, 0, 3, 1, 4),
+                _head_scales(xp, qkv.dtype, hd), out=heads)
+    q, k, v = heads[0], heads[1], heads[2]
     y = xp.empty((B, n_head, T, hd), dtype=v.dtype)
     probs = []
     for start, stop, att in _attention_blocks(q, k, block):
-        y[:, :, start:stop] = xp.matmul(att.astype(v.dtype, copy=False), v[:, :, :stop])
+        xp.matmul(att.astype(v.dtype, copy=False), v[:, :, :stop], out=y[:, :, start:stop])
         if keep_probs:
             probs.append(att)
     y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C)
@@ -251,52 +340,88 @@ def attention_forward(qkv, n_head, block=ATTENTION_BLOCK, keep_probs=True):
 
 def _attention_blocks(q, k, block):
     """(start, stop, probabilities (B, nh, stop - start, stop)) of each block of `block` query
-    rows: softmax(q k^T / sqrt(hd)) with the future masked, in float32 at least."""
+    rows: softmax(q k^T) (q already scaled) with the future masked, in float32 at least."""
     xp = array_module(q)
-    T, hd = q.shape[-2], q.shape[-1]
-    # -inf above the diagonal of a diagonal block; every row keeps its diagonal, so the row
-    # max stays finite
-    rows = min(block, T)
-    future = xp.where(xp.triu(xp.ones((rows, rows), dtype=bool), k=1), -xp.inf, 0.0)
+    T = q.shape[-2]
     for start in range(0, T, block):
         stop = min(start + block, T)
-        att = xp.matmul(q[:, :, start:stop], k[:, :, :stop].swapaxes(-1, -2))  # (B, nh, r, s)
-        att = att.astype(_f32(att), copy=False)  # the softmax runs in f32
-        att *= 1.0 / math.sqrt(hd)
-        att[..., start:] += future[:stop - start, :stop - start].astype(att.dtype)
-        _softmax_(att)
-        yield start, stop, att
+        scores = xp.matmul(q[:, :, start:stop], k[:, :, :stop].swapaxes(-1, -2))  # (B,nh,r,s)
+        yield start, stop, causal_softmax(scores, start)
+
+
+def causal_softmax(scores, start):
+    """Probabilities (float32 at least) of scores (B, nh, R, S) whose row i is query position
+    start + i and sees keys 0 .. start + i: softmax over those, 0 for the later ones. Fused:
+    one kernel on a GPU. `scores` may be overwritten."""
+    return _causal_softmax(scores, start)
+
+
+def _causal_softmax_twin(scores, start):
+    xp = array_module(scores)
+    att = scores.astype(_f32(scores), copy=False)  # the softmax runs in f32, in place
+    rows = att.shape[-2]
+    # -inf above the diagonal of the block's last `rows` keys; every row keeps its diagonal,
+    # so the row max stays finite
+    att[..., start:] += _future_mask(xp, rows, att.dtype)[:, :att.shape[-1] - start]
+    return _softmax_(att)
+
+
+@functools.cache
+def _future_mask(xp, rows: int, dtype):
+    """(rows, rows): -inf above the diagonal, 0 on and below (made once per size)."""
+    return xp.asarray(numpy.where(numpy.triu(numpy.ones((rows, rows), bool), k=1), -numpy.inf,
+                                  0.0).astype(dtype))
+
+
+def softmax_backward(dprobs, probs):
+    """dscores = probs (dprobs - sum(dprobs probs)) over the last axis, in dprobs' dtype
+    (computed in probs' dtype). Fused: one kernel on a GPU."""
+    return _softmax_backward(dprobs, probs)
+
+
+def _softmax_backward_twin(dprobs, probs):
+    d = dprobs.astype(probs.dtype)  # a copy we may overwrite
+    d -= (d * probs).sum(axis=-1, keepdims=True)
+    d *= probs
+    return d.astype(dprobs.dtype, copy=False)
+
+
+_causal_softmax = kernels.fused(_causal_softmax_twin, kernels.cuda_causal_softmax)
+_softmax_backward = kernels.fused(_softmax_backward_twin, kernels.cuda_softmax_backward)
 
 
 def attention_backward(dy, cache):
     """dy (B, T, C) -> dqkv (B, T, 3C), block by block as attention_forward (recomputing each
-    block's probabilities when the forward kept none)."""
+    block's probabilities when the forward kept none). With q' = q / sqrt(hd) and s = q' k^T:
+    dq = (ds k) / sqrt(hd), dk = ds^T q', dv = p^T dy; the transposed products are taken as
+    (x^T y) of the small operands and transposed back as they are written (CuPy's batched
+    matmul copies a non-contiguous operand; a T x T one would be the largest copy)."""
     xp = array_module(dy)
     q, k, v, probs, block = cache
     B, nh, T, hd = q.shape
-    dy = dy.reshape(B, T, nh, hd).transpose(0, 2, 1, 3)  # (B, nh, T, hd)
-    dqkv = xp.zeros((3, B, nh, T, hd), dtype=q.dtype)
-    dq, dk, dv = dqkv[0], dqkv[1], dqkv[2]
+    dyh = xp.ascontiguousarray(dy.reshape(B, T, nh, hd).transpose(0, 2, 1, 3))  # (B, nh, T, hd)
+    dqkv = xp.empty((B, T, 3, nh, hd), dtype=q.dtype)
     blocks = _attention_blocks(q, k, block) if probs is None else (
         (start, start + att.shape[-2], att)
         for start, att in zip(range(0, T, block), probs, strict=True))
+    dkT = dvT = None  # (B, nh, hd, T), summed over the blocks
     for start, stop, att in blocks:  # (B, nh, r, s): rows [start, stop) against keys [0, s)
-        keys = att.shape[-1]
-        dy_b = dy[:, :, start:stop]  # (B, nh, r, hd)
-        datt = xp.matmul(dy_b, v[:, :, :keys].swapaxes(-1, -2)).astype(att.dtype, copy=False)
-        # att^T dy as (dy^T att)^T: the transposed operand is the small (hd, r) one (CuPy's
-        # batched matmul copies a non-contiguous operand; NumPy's does not)
-        dv[:, :, :keys] += xp.matmul(dy_b.swapaxes(-1, -2),
-                                     att.astype(dy.dtype, copy=False)).swapaxes(-1, -2)
-        # softmax backward, in datt's buffer: dpre = att * (datt - sum(datt * att)); masked
-        # entries have att = 0
-        datt -= (datt * att).sum(axis=-1, keepdims=True)
-        datt *= att
-        datt *= 1.0 / math.sqrt(hd)
-        dpre = datt.astype(q.dtype, copy=False)  # back to the matmul dtype
-        dq[:, :, start:stop] = xp.matmul(dpre, k[:, :, :keys])
-        dk[:, :, :keys] += xp.matmul(q[:, :, start:stop].swapaxes(-1, -2), dpre).swapaxes(-1, -2)
-    return dqkv.transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * nh * hd)
+        dy_b = dyh[:, :, start:stop]  # (B, nh, r, hd)
+        dvT_b = xp.matmul(dy_b.swapaxes(-1, -2), att.astype(dy.dtype, copy=False))
+        ds = softmax_backward(xp.matmul(dy_b, v[:, :, :stop].swapaxes(-1, -2)), att)
+        xp.multiply(xp.matmul(ds, k[:, :, :stop]).transpose(0, 2, 1, 3), 1.0 / math.sqrt(hd),
+                    out=dqkv[:, start:stop, 0])
+        dkT_b = xp.matmul(q[:, :, start:stop].swapaxes(-1, -2), ds)  # (B, nh, hd, s)
+        if stop == T and dkT is None:  # one block: nothing to sum
+            dkT, dvT = dkT_b, dvT_b
+            continue
+        if dkT is None:
+            dkT, dvT = xp.zeros((2, B, nh, hd, T), dtype=q.dtype)
+        dkT[..., :stop] += dkT_b
+        dvT[..., :stop] += dvT_b
+    dqkv[:, :, 1] = dkT.transpose(0, 3, 1, 2)
+    dqkv[:, :, 2] = dvT.transpose(0, 3, 1, 2)
+    return dqkv.reshape(B, T, 3 * nh * hd)
 
 
 # -- softmax cross-entropy --------------------------------------------------------------------
@@ -308,42 +433,81 @@ def cross_entropy_forward(logits, targets, ignore_index=None, normalizer=None):
 
     logits (..., V) float, targets (...) int -> loss (0-d array, float32 or float64).
     Positions whose target equals `ignore_index` (e.g. -100) do not count and get no gradient.
-    Runs in float32 at least (float64 logits stay float64). cache = (probs (N, V), targets
-    (N,), mask (N,) or None, normalizer, shape of logits).
+    Runs in float32 at least (float64 logits stay float64), one pass over the logits (a fused
+    kernel on a GPU) that keeps only each row's log-sum-exp: backward recomputes the softmax
+    from the logits, so no (N, V) float32 array is ever made. cache = (logits (N, V), lse (N,),
+    targets (N,) int64, ignore_index, normalizer, shape of logits).
     """
     xp = array_module(logits)
-    dtype = xp.promote_types(logits.dtype, xp.float32)
     shape = logits.shape
     V = shape[-1]
-    z = logits.reshape(-1, V).astype(dtype)  # (N, V), a copy we may overwrite
+    z = logits.reshape(-1, V)  # (N, V)
     targets = xp.asarray(targets).reshape(-1)  # (N,)
     check_indices(targets, V, "cross-entropy targets", ignore_index)
-    mask = None if ignore_index is None else targets != ignore_index
-    if mask is not None:
-        targets = xp.where(mask, targets, 0)  # any valid index; masked out below
+    targets = targets.astype(xp.int64, copy=False)
     if normalizer is None:
-        normalizer = targets.shape[0] if mask is None else max(int(mask.sum()), 1)
-    z -= z.max(axis=-1, keepdims=True)  # log-softmax without overflow
-    lse = xp.log(xp.exp(z).sum(axis=-1))  # (N,)
-    per_position = lse - z[xp.arange(z.shape[0]), targets]
-    if mask is not None:
-        per_position = per_position * mask
-    loss = per_position.sum() / dtype.type(normalizer)
-    probs = xp.exp(z - lse[:, None])  # (N, V)
-    return loss, (probs, targets, mask, normalizer, shape)
+        normalizer = targets.shape[0] if ignore_index is None else \
+            max(int((targets != ignore_index).sum()), 1)
+    per_position, lse = _cross_entropy_rows(z, targets, ignore_index, 1.0 / normalizer)
+    return per_position.sum(), (z, lse, targets, ignore_index, normalizer, shape)
 
 
 def cross_entropy_backward(cache, dloss=1.0):
     """dlogits (..., V) = dloss * (softmax(logits) - onehot(targets)) / normalizer, zero at
-    ignored positions, in the loss dtype."""
-    xp = array_module(cache[0])
-    probs, targets, mask, normalizer, shape = cache
-    dlogits = probs.copy()  # (N, V)
-    dlogits[xp.arange(dlogits.shape[0]), targets] -= 1.0
-    dlogits *= dloss / normalizer
-    if mask is not None:
-        dlogits *= mask[:, None]
-    return dlogits.reshape(shape)
+    ignored positions, in the logits' dtype (computed in float32 at least)."""
+    z, lse, targets, ignore_index, normalizer, shape = cache
+    return _cross_entropy_grad(z, lse, targets, ignore_index, dloss / normalizer).reshape(shape)
+
+
+def _row_pieces(n: int, width: int, xp):
+    """Slices of [0, n) rows of `width` elements: about _CHAIN_PIECE elements each on a CPU
+    (cache-sized temporaries), one piece on a GPU."""
+    step = max(1, _CHAIN_PIECE // max(width, 1)) if xp.__name__ == "numpy" else max(n, 1)
+    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def _cross_entropy_rows_twin(z, targets, ignore_index, inv_normalizer):
+    """(loss per row * inv_normalizer, log-sum-exp per row), float32 at least, 0 loss where
+    the target is ignore_index. z (N, V), targets (N,) int64."""
+    xp = array_module(z)
+    f = _f32(z)
+    N = z.shape[0]
+    loss, lse = xp.empty(N, f), xp.empty(N, f)
+    for rows in _row_pieces(N, z.shape[1], xp):
+        zs = z[rows].astype(f)  # (n, V), a copy we may overwrite
+        t = targets[rows]
+        m = zs.max(axis=1, keepdims=True)
+        zs -= m  # log-softmax without overflow
+        ignored = None if ignore_index is None else t == ignore_index
+        zt = zs[xp.arange(zs.shape[0]), t if ignored is None else xp.where(ignored, 0, t)]
+        xp.exp(zs, out=zs)
+        lse_s = xp.log(zs.sum(axis=1))  # of the shifted logits
+        loss_s = (lse_s - zt) * f.type(inv_normalizer)
+        loss[rows] = loss_s if ignored is None else xp.where(ignored, 0, loss_s)
+        lse[rows] = lse_s + m[:, 0]
+    return loss, lse
+
+
+def _cross_entropy_grad_twin(z, lse, targets, ignore_index, scale):
+    """(exp(z - lse) - onehot(targets)) * scale in z's dtype, 0 on ignored rows."""
+    xp = array_module(z)
+    dz = xp.empty_like(z)
+    for rows in _row_pieces(z.shape[0], z.shape[1], xp):
+        g = z[rows].astype(lse.dtype)  # a copy we may overwrite
+        g -= lse[rows, None]
+        xp.exp(g, out=g)
+        t = targets[rows]
+        ignored = None if ignore_index is None else t == ignore_index
+        g[xp.arange(g.shape[0]), t if ignored is None else xp.where(ignored, 0, t)] -= 1.0
+        g *= lse.dtype.type(scale)
+        if ignored is not None:
+            g *= ~ignored[:, None]
+        dz[rows] = g
+    return dz
+
+
+_cross_entropy_rows = kernels.fused(_cross_entropy_rows_twin, kernels.cuda_cross_entropy_rows)
+_cross_entropy_grad = kernels.fused(_cross_entropy_grad_twin, kernels.cuda_cross_entropy_grad)
 
 
 def mse_forward(outputs, targets, normalizer=None):

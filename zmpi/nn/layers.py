@@ -20,7 +20,7 @@ import numpy
 from zmpi.backend import compute_dtype
 from zmpi.nn import functional as F
 from zmpi.nn.module import Module
-from zmpi.nn.parameter import Parameter, accumulate_grad_, compute_data, live
+from zmpi.nn.parameter import Parameter, accumulate_grad_, compute_data, grad_out, live
 
 
 def normal_parameter(rng, shape, std, dtype):
@@ -57,8 +57,10 @@ class Linear(Module):
     def backward(self, dy):
         x = self._pop()
         W = compute_data(self.weight)
-        dx, dW, db = F.linear_backward(dy.astype(W.dtype, copy=False), (x, W))
-        accumulate_grad_(self.weight, dW)
+        bias_out = grad_out(self.bias, W.dtype) if self.bias is not None else None
+        dx, dW, db = F.linear_backward(dy.astype(W.dtype, copy=False), (x, W),
+                                       grad_out(self.weight, W.dtype), bias_out)
+        accumulate_grad_(self.weight, dW)  # nothing left to do when written into the grad
         if self.bias is not None:
             accumulate_grad_(self.bias, db)
         return dx

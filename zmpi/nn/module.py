@@ -189,10 +189,14 @@ class UnitModel(Module):
             if hasattr(m, "recompute_core"):
                 m.recompute_core = policy == "selective"
 
-    def check_batch(self, inputs, targets) -> None:
+    def check_batch(self, inputs, targets) -> bool:
         """Raise a clear error (TypeError, ValueError, IndexError) naming `inputs` or
         `targets` if they are not what the model takes; the engine calls it on every rank
-        before any collective. Nothing is checked by default; models override."""
+        before any collective. Return True when every token id was range-checked (then the
+        layers skip their own check of the step's device copies, a device -> host transfer
+        each: zmpi.nn.functional.ids_checked). Nothing is checked by default; models
+        override."""
+        return False
 
     def tied_parameters(self) -> dict[str, str]:
         """{alias: parameter name} for every weight a unit reads under another name than

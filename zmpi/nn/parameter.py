@@ -19,13 +19,18 @@ class Parameter:
       data: array of shape `shape` in the storage dtype (float32, float64, float16 or bfloat16),
             or None while released.
       grad: array with the same shape and dtype as `data` (zeros at construction), or None while
-            released. Layers *accumulate* into it (`+=`); the engine zeroes it.
+            released. Layers *accumulate* into it (`accumulate_grad_`); the engine zeroes it.
+      grad_zeroed: the array object `grad` was when it was last known to hold zeros (set by
+            `mark_grads_zeroed`, cleared by the first write), or None: while it is `grad`, the
+            first gradient is written into it rather than added (one pass, no read; see
+            `grad_out`). Rebinding `grad` to another array makes it stale, never wrong.
       shape: the logical shape, fixed at construction (still known while data is None).
     """
 
     def __init__(self, data):
         self.data = data
         self.grad = array_module(data).zeros_like(data)
+        self.grad_zeroed = self.grad
         self.shape = tuple(data.shape)
 
     @property
@@ -65,14 +70,41 @@ def compute_data(p):
     return host_kernels.astype(data, compute_dtype(data))
 
 
+def mark_grads_zeroed(params) -> None:
+    """Record that each parameter's current `grad` holds zeros (whoever zeroed it says so)."""
+    for p in params:
+        p.grad_zeroed = p.grad
+
+
+def grad_out(p, dtype):
+    """p.grad, for the caller to write the whole of this gradient into (an `out=`), when it
+    holds zeros and is a C-contiguous array of `dtype`: then writing is adding, and the layer
+    saves the pass of `accumulate_grad_` (which it still calls; with p.grad itself it does
+    nothing). Else None. Either way p.grad is no longer known to hold zeros."""
+    grad, zeroed = p.grad, p.grad_zeroed
+    p.grad_zeroed = None
+    if grad is None or zeroed is not grad or grad.dtype != dtype or not grad.flags.c_contiguous:
+        return None
+    return grad
+
+
 def accumulate_grad_(p, dW):
     """p.grad += dW, with dW in the compute dtype and p.grad in the storage dtype.
 
     The add runs in dW's dtype and is rounded once to the storage dtype, so a float16/bfloat16
     gradient accumulates without an extra rounding of dW. In place: p.grad may be a view into
-    the engine's flat gradient buffer.
+    the engine's flat gradient buffer. When p.grad holds zeros (`grad_zeroed`) dW is written
+    (cast) into it, one pass; when dW is p.grad itself (written through `grad_out`), nothing
+    is left to do.
     """
     grad = live(p, "grad")
+    if dW is grad:
+        return
+    if p.grad_zeroed is grad:
+        p.grad_zeroed = None
+        with numpy.errstate(over="ignore", invalid="ignore"):  # as below
+            host_kernels.cast_(grad, dW)
+        return
     if grad.dtype == dW.dtype:
         grad += dW
     else:

@@ -3,6 +3,8 @@
     opt = HostAdam(lr=1e-3, weight_decay=0.1)             # NumPy shards (host, or CPU run)
     finite, sumsq = opt.grad_stats(grads, grad_scale)     # before the step: overflow, norm
     opt.step_(param, grads, m, v, grad_scale, clip_coef)  # param, m, v updated in place
+    opt.step_(..., publish=[(0, params)])                 # and params[...] = param, cast,
+                                                          # chunk by chunk while in cache
 
 One update rule, `adam_chunk_`, serves every optimizer here. `Adam` applies it to the whole
 shard at once: on CuPy that is a handful of device kernels. `HostAdam` (the ZeRO-Offload
@@ -20,12 +22,13 @@ averaging) and `clip_coef`. `param`, `m` and `v` share the master dtype (fp32, o
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from zmpi import host_kernels
+from zmpi import backend, host_kernels, kernels
 from zmpi.backend import array_module, host_cores
 
 HOST_CHUNK = 65536  # elements; p, m, v and two fp32 scratch chunks stay within L2/L3
@@ -105,13 +108,59 @@ def _scaled_(out, grads, scale) -> None:
         out *= scale
 
 
-def _sumsq_chunk(grads, scratch, grad_scale) -> tuple[bool, float]:
-    """(all finite, sum of squares) of grads * grad_scale in the scratch dtype."""
-    xp = array_module(scratch[0])
+def _sumsq_chunk(grads, scratch, grad_scale) -> float:
+    """The sum of squares of host grads * grad_scale, in the scratch dtype."""
     g = scratch[0][: grads.shape[0]]
     _scaled_(g, grads, grad_scale)
-    sq = float(xp.dot(g, g))
-    return math.isfinite(sq) or bool(xp.isfinite(g).all()), sq
+    return float(np.dot(g, g))
+
+
+def _adam_twin(param, grads, m, v, k) -> None:
+    """adam_chunk_ of a whole device shard as the twin of the fused `adam` kernel: on the host
+    (the stand-in) the compiled loop or ufuncs; on a device, op by op, with two temporaries of
+    the shard's size (the "composed" kernels)."""
+    xp = array_module(param)
+    if host_kernels.adam is not None and xp is np:
+        host_kernels.adam(param, host_kernels.astype(grads, param.dtype), m, v, *k)
+    else:
+        _adam_ufuncs_(param, grads, m, v, xp.empty_like(param), xp.empty_like(param), k)
+
+
+def _sum_of_squares_twin(grads, scale, dtype):
+    """sum((grads * scale)^2) computed in `dtype`, a 0-d array where grads live."""
+    g = grads.astype(dtype)  # a copy we may scale
+    if scale != 1.0:
+        g *= dtype.type(scale)
+    return array_module(g).dot(g, g)
+
+
+_adam_device = kernels.fused(_adam_twin, kernels.cuda_adam, in_place=True)
+_sum_of_squares_device = kernels.fused(_sum_of_squares_twin, kernels.cuda_sum_of_squares)
+
+
+def _publish_pieces(publish, n) -> tuple | None:
+    """step_'s `publish` checked and sorted: (starts, [(start, dst), ...]), or None."""
+    if not publish:
+        return None
+    pieces = sorted(((int(start), dst) for start, dst in publish), key=lambda p: p[0])
+    end = 0
+    for start, dst in pieces:
+        if dst.ndim != 1 or start < end or start + dst.shape[0] > n:
+            raise ValueError(f"publish: 1-D, disjoint pieces of [0, {n}) expected, got one of "
+                             f"shape {dst.shape} at {start} (the one before ends at {end})")
+        end = start + dst.shape[0]
+    return [start for start, _ in pieces], pieces
+
+
+def _publish_chunk_(pieces, param, c) -> None:
+    """dst[...] = the part of param[c] each publish piece stands for, cast to dst's dtype."""
+    starts, pieces = pieces
+    for start, dst in pieces[max(bisect_right(starts, c.start) - 1, 0):]:
+        if start >= c.stop:
+            return
+        lo, hi = max(c.start, start), min(c.stop, start + dst.shape[0])
+        if lo < hi:
+            host_kernels.cast_(dst[lo - start:hi - start], param[lo:hi])
 
 
 @dataclass
@@ -147,22 +196,56 @@ class Adam:
         self.step_count = int(state["step_count"])
 
     def grad_stats(self, grads, grad_scale=1.0, master_dtype=np.float32) -> tuple[bool, float]:
-        """(every element of grads * grad_scale is finite, their sum of squares), computed in
-        `master_dtype` chunk by chunk and summed in chunk order (same on any thread count)."""
-        parts = self._map(lambda c, s: _sumsq_chunk(grads[c], s, grad_scale),
-                          grads.shape[0], master_dtype, array_module(grads), "stats")
-        return all(f for f, _ in parts), math.fsum(sq for _, sq in parts)
+        """(every element of grads * grad_scale is finite, their sum of squares) as Python
+        values: `sum_of_squares` read back, and `all_finite` when the sum is not finite."""
+        (sumsq,) = backend.read_scalars(self.sum_of_squares(grads, grad_scale, master_dtype))
+        return math.isfinite(sumsq) or self.all_finite(grads), sumsq
 
-    def step_(self, param, grads, m, v, grad_scale=1.0, clip_coef=1.0) -> None:
-        """One update of `param` (1-D) and its moments `m`, `v` from `grads` (same length)."""
+    def sum_of_squares(self, grads, grad_scale=1.0, master_dtype=np.float32):
+        """The sum of squares of grads * grad_scale, computed in `master_dtype`: inf or NaN
+        when an element is (or the sum overflows: `all_finite` tells which). Host grads: a
+        float, chunk by chunk and summed in chunk order (the same on any thread count).
+        Device grads: a 0-d device array from one fused kernel (zmpi.kernels), not read back
+        (the engine reads it with the loss, in one transfer)."""
+        if backend.is_device_array(grads):
+            return _sum_of_squares_device(grads, grad_scale, np.dtype(master_dtype))
+        parts = self._map(lambda c, s: _sumsq_chunk(grads[c], s, grad_scale),
+                          grads.shape[0], master_dtype, np, "stats")
+        return math.fsum(parts)
+
+    @staticmethod
+    def all_finite(grads) -> bool:
+        """Whether every element of grads is finite (a device -> host transfer on a GPU)."""
+        return bool(array_module(grads).isfinite(grads).all())
+
+    def step_(self, param, grads, m, v, grad_scale=1.0, clip_coef=1.0, publish=None) -> None:
+        """One update of `param` (1-D) and its moments `m`, `v` from `grads` (same length).
+
+        publish: None, or [(start, dst), ...], 1-D arrays each standing for
+        param[start:start + len(dst)] (disjoint, in any dtype): each chunk, once updated, is
+        also cast into them, while it is still in cache (the parameters in their storage
+        dtype, written as the separate copy after the step would write them)."""
         if not param.shape == grads.shape == m.shape == v.shape:
             raise ValueError(f"shapes differ: param {param.shape}, grads {grads.shape}, "
                              f"m {m.shape}, v {v.shape}")
+        pieces = _publish_pieces(publish, param.shape[0])
         self.step_count += 1
         hyper = (self.step_count, self.lr, self.betas, self.eps, self.weight_decay,
                  self.decoupled, grad_scale, clip_coef)
-        self._map(lambda c, s: adam_chunk_(param[c], grads[c], m[c], v[c], s, *hyper),
-                  param.shape[0], param.dtype, array_module(param), "step")
+        if backend.is_device_array(param):  # one fused kernel over the shard, no scratch
+            if pieces:
+                raise ValueError("publish: the parameters are written chunk by chunk on the "
+                                 "host only; a device shard is published by the strategy")
+            _adam_device(param, grads, m, v, AdamCoefficients.of(
+                param.dtype, *hyper[:-2], grad_scale * clip_coef))
+            return
+
+        def update(c, s):
+            adam_chunk_(param[c], grads[c], m[c], v[c], s, *hyper)
+            if pieces:
+                _publish_chunk_(pieces, param, c)
+
+        self._map(update, param.shape[0], param.dtype, array_module(param), "step")
 
     def close(self) -> None:
         """Stop the worker threads (a later step starts them again)."""

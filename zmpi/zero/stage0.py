@@ -19,8 +19,12 @@ class Stage0(Strategy):
         if units is not None and self.sync_gradients:
             self._launch(self.comm.iallreduce(self.grads_full[self._bucket_full(units)]))
 
+    def publish_targets(self):
+        return self._hand_out([(0, self.params_full)])
+
     def publish_params(self):
-        backend.copy_(self.params_full, self.master)
+        if not self._take_written():
+            backend.copy_(self.params_full, self.master)
 
     def expected_traffic(self):
         return {"world": self.ring_bytes(self.layout.full_numel, passes=2)}  # one allreduce

@@ -33,6 +33,9 @@ class Stage1(Strategy):
         self.reduce_scatter_to_shard(units, packed, accumulate=False,
                                      free=(packed,) if len(units) > 1 else ())
 
+    def publish_targets(self):
+        return self.sharded_publish_targets()
+
     def publish_params(self):
         self.publish_sharded_params()
 

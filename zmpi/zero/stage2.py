@@ -20,6 +20,9 @@ class Stage2(Strategy):
     def after_backward(self, u):
         self.reduce_scatter_unit_grads(u)
 
+    def publish_targets(self):
+        return self.sharded_publish_targets()
+
     def publish_params(self):
         self.publish_sharded_params()
 

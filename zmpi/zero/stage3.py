@@ -115,8 +115,12 @@ class Stage3(Strategy):
         self.reduce_scatter_unit_grads(u)
         self._release(u)
 
+    def publish_targets(self):
+        return self._hand_out([(0, self.params_shard)])
+
     def publish_params(self):
-        backend.copy_(self.params_shard, self.master)  # host -> device when offloaded
+        if not self._take_written():
+            backend.copy_(self.params_shard, self.master)  # host -> device when offloaded
         self._refresh_persistent()
 
     def set_state_shard(self, state, shard):

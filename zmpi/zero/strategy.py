@@ -13,8 +13,12 @@ declares which model states it shards and overrides the hooks:
     after_backward(u)         after it; `self.sync_gradients` is False on the micro-steps of
                               gradient accumulation that must not communicate
     before_step()             pending collectives are done; reduce what is still unreduced
+    publish_targets()         where Adam may write the params as it updates the master (host
+                              arrays), or None; publish_params() then skips those copies
     publish_params()          after Adam updated the master shard: refresh the params
-    zero_grads()              end of step: clear gradients (and drop step-only buffers)
+    zero_grads()              end of step: clear gradients (and drop step-only buffers); the
+                              reduced shard is not cleared but marked stale (`_stale`): the
+                              first reduction of a unit in the next step writes its part
 
 Buffers (1-D, model-wide; `P` = layout.full_numel, `S` = layout.shard_numel = P / N):
 
@@ -35,7 +39,12 @@ the copies overlap the rest of backward; the host Adam's result comes back as fp
 parameters), and `offload_param` keeps stage 3's parameter shards there (the allgather of a
 unit reads the host shard and fills a device buffer). With `delay_update` a second host
 gradient shard lets the host Adam of one step run while the next step's backward fills the
-other (`swap_grad_buffers`).
+other (`swap_grad_buffers`). Under CuPy the host buffers the device copies read or write
+(the host gradient shards, the landing buffers of the gradient copies, stage 3's host
+parameter shards) are page-locked (`backend.pinned_empty`) unless `pin_memory` is false (zmpi's
+default is true, DeepSpeed's false): a copy to or from pageable memory cannot run
+asynchronously, and these are 2 bytes an element of the shard (the fp32 master and moments
+stay pageable).
 
 Every buffer is allocated through the MemoryLedger and every collective goes through Comm, so
 what a stage holds and moves is measured, not assumed; each policy declares what it should
@@ -59,6 +68,7 @@ import numpy as np
 from zmpi import backend
 from zmpi.backend import HostCopy, array_module
 from zmpi.config import ConfigError
+from zmpi.nn.parameter import mark_grads_zeroed
 from zmpi.zero.buckets import BucketPlanning
 from zmpi.zero.context import StrategyContext
 from zmpi.zero.declarations import Declarations
@@ -110,6 +120,9 @@ class Strategy(Declarations, BucketPlanning, StateShards):
         self.config = zero_config
         self.overlap = zero_config.overlap_comm
         self.sync_gradients = True
+        self._params_written = False  # publish_targets() handed out, Adam wrote them
+        self._stale = set(range(len(units)))  # units whose part of grads_shard holds no
+                                              # gradient of this step (zero_grads)
         self.rank, self.world_size = self.comm.rank, self.comm.size
         offload, offload_param = zero_config.offload_optimizer, zero_config.offload_param
         self.offload_optimizer, self.offload_param = offload.enabled, offload_param.enabled
@@ -127,16 +140,16 @@ class Strategy(Declarations, BucketPlanning, StateShards):
         self._reduce_buckets = None  # first unit -> bucket, built on first use (buckets.py)
         P, S = layout.full_numel, layout.shard_numel
         opt_dev = "host" if self.offload_optimizer else "device"
-        self._pinned = offload.pin_memory
-        alloc = self.alloc
+        alloc = self.alloc  # pinned: page-locked when on the host under CuPy
+        pinned = self._pinned = offload.pin_memory
         self.params_full = None if self.shard_parameters else alloc(P, dtype, "param", "params")
         self.params_shard = alloc(S, dtype, "param", "params", "host" if self.offload_param
                                   else "device", offload_param.pin_memory) \
             if self.shard_parameters else None
         self.grads_full = None if self.shard_gradients else alloc(P, dtype, "grad", "grads")
-        self.grads_shard = alloc(S, dtype, "grad", "grads", opt_dev, self._pinned) \
+        self.grads_shard = alloc(S, dtype, "grad", "grads", opt_dev, pinned) \
             if self.shard_gradients or self.offload_optimizer else None
-        self.grads_spare = alloc(S, dtype, "grad", "grads_spare", opt_dev, self._pinned) \
+        self.grads_spare = alloc(S, dtype, "grad", "grads_spare", opt_dev, pinned) \
             if offload.delay_update else None
         n_opt = S if self.shard_optimizer else P
         self.master = alloc(n_opt, master_dtype, "master", "master", opt_dev)
@@ -170,7 +183,7 @@ class Strategy(Declarations, BucketPlanning, StateShards):
                 self._bind(u, "data", self.params_full[self.layout.full_slice(u)])
         for u in range(len(self.units)):  # sharded: bound only during the unit's backward
             full = None if self.shard_gradients else self.grads_full[self.layout.full_slice(u)]
-            self._bind(u, "grad", full)
+            self._bind(u, "grad", full, zeroed=True)
 
     def owned(self, full):
         """This rank's shards of every unit of a full-layout array, concatenated (S)."""
@@ -183,7 +196,7 @@ class Strategy(Declarations, BucketPlanning, StateShards):
 
     def swap_grad_buffers(self):
         """Delayed update: hand the reduced gradients of this step to the optimizer and give
-        backward the spare buffer (zeroed by zero_grads)."""
+        backward the spare buffer (stale after zero_grads: written afresh)."""
         if self.grads_spare is None:
             raise RuntimeError("swap_grad_buffers needs offload_optimizer.delay_update")
         self.grads_shard, self.grads_spare = self.grads_spare, self.grads_shard
@@ -198,10 +211,46 @@ class Strategy(Declarations, BucketPlanning, StateShards):
     def before_step(self) -> None: ...
     def publish_params(self) -> None: ...
 
+    def publish_targets(self):
+        """None, or where the optimizer is to write the updated master, cast to the storage
+        dtype, chunk by chunk as it updates it (Adam.step_'s `publish`): then the next
+        publish_params() skips those copies. A policy hands out host arrays only (a CPU run,
+        or offloaded ones): the chunk is still in cache, where a copy after the step reads the
+        whole master again. None by default: publish_params() copies."""
+        return None
+
+    def _hand_out(self, pairs):
+        """publish_targets' answer for (start in master, dst) pairs: None unless the master
+        and every dst are host arrays; else the pairs, and publish_params() will skip them."""
+        pairs = list(pairs)
+        self._params_written = all(isinstance(a, np.ndarray)
+                                   for a in (self.master, *(dst for _, dst in pairs)))
+        return pairs if self._params_written else None
+
+    def _take_written(self) -> bool:
+        """Whether the optimizer wrote what publish_targets() handed out (once)."""
+        written, self._params_written = self._params_written, False
+        return written
+
     def zero_grads(self) -> None:
-        for g in (self.grads_full, self.grads_shard):
-            if g is not None:
-                g.fill(0)
+        self._params_written = False  # a step that raised: what was handed out is stale
+        if self.grads_full is not None:
+            self.grads_full.fill(0)
+            mark_grads_zeroed(p for params in self.unit_params for p in params.values())
+        # grads_shard is not zeroed (a pass over it): the next step's first reduction of each
+        # unit writes its part instead of adding (reduce_scatter_to_shard), and wait_pending
+        # zeroes the parts that none wrote
+        self._stale = set(range(len(self.units))) if self.grads_shard is not None else set()
+
+    def _zero_stale(self, units=None) -> None:
+        """Zero the parts of grads_shard of the stale units (of `units`, default all): they
+        then hold this step's (empty) sum."""
+        if self.grads_shard is None:  # a step-time buffer, released (stage 1)
+            self._stale.clear()
+            return
+        for u in sorted(self._stale if units is None else self._stale.intersection(units)):
+            self.grads_shard[self.layout.shard_slice(u)].fill(0)
+            self._stale.discard(u)
 
     # ---- mechanism ----------------------------------------------------------------------
     def alloc(self, numel, dtype, category, name, device="device", pinned=False, zero=True):
@@ -217,11 +266,14 @@ class Strategy(Declarations, BucketPlanning, StateShards):
         return self.ledger.allocate((numel,), dtype, category, device, name, xp=self.xp,
                                     zero=zero)
 
-    def _bind(self, u: int, attr: str, flat) -> None:
-        """Point each parameter's .data or .grad of unit u at its view of `flat` (or None)."""
+    def _bind(self, u: int, attr: str, flat, zeroed: bool = False) -> None:
+        """Point each parameter's .data or .grad of unit u at its view of `flat` (or None);
+        zeroed: `flat` holds zeros (the first gradient is then written, not added)."""
         views = self.layout.units[u].views(flat) if flat is not None else {}
         for name, p in self.unit_params[u].items():
             setattr(p, attr, views.get(name))
+        if zeroed:
+            mark_grads_zeroed(self.unit_params[u].values())
 
     def _launch(self, request, callback=None, holds=0) -> None:
         """Run `callback` once `request` completes: now, or when overlapping communication
@@ -277,6 +329,7 @@ class Strategy(Declarations, BucketPlanning, StateShards):
                 self._pending = pending[i + 1:] + self._pending  # still in flight: not lost
                 raise
         self._land_host_copies(block=True)
+        self._zero_stale()  # what no reduction wrote this step (none, in stages 1-3)
 
     @staticmethod
     def _finish(entry) -> None:
@@ -318,7 +371,7 @@ class Strategy(Declarations, BucketPlanning, StateShards):
                 numel = self.layout.units[w].padded_numel
                 buf = self.alloc(numel, self.dtype, "grad", f"grad{w}")
                 self._unit_grads[w] = buf
-                self._bind(w, "grad", buf)
+                self._bind(w, "grad", buf, zeroed=True)
 
     def reduce_scatter_unit_grads(self, u: int) -> None:
         """Reduce-scatter unit u's full gradient, add this rank's shard into grads_shard and
@@ -332,7 +385,13 @@ class Strategy(Declarations, BucketPlanning, StateShards):
         that this rank's summed shard is added into its part of grads_shard (or written, if
         not `accumulate`). If grads_shard is on the host (optimizer offload) the shard is
         copied device -> host as soon as the reduction completes. Buffers in `free` are
-        released when done."""
+        released when done. The first reduction of a step into a unit's part writes it even
+        if `accumulate` (zero_grads left it stale, not zeroed)."""
+        if accumulate and self._stale.issuperset(units):
+            accumulate = False  # the step's first: nothing to add to
+        if accumulate:
+            self._zero_stale(units)
+        self._stale.difference_update(units)
         dst = self.grads_shard[self._bucket_shard(units)]
         direct = not accumulate and not self.offload_optimizer
         part = dst if direct else self.alloc(dst.shape[0], self.dtype, "comm_buffer", "rs",
@@ -369,17 +428,26 @@ class Strategy(Declarations, BucketPlanning, StateShards):
 
     def publish_sharded_params(self) -> None:
         """Write each unit's updated master shard into params_full and allgather in place."""
-        self.allgather_shard_into(self.params_full, self.master)
+        self.allgather_shard_into(self.params_full, self.master, self._take_written())
 
-    def allgather_shard_into(self, full, shard) -> None:
+    def sharded_publish_targets(self):
+        """publish_targets for publish_sharded_params: each unit's master shard -> its owned
+        slice of params_full (a lone unit is then allgathered in place, with no copy)."""
+        return self._hand_out((self.layout.shard_offsets[u],
+                               self.params_full[self.layout.owned_slice(u, self.rank)])
+                              for u in range(len(self.units)))
+
+    def allgather_shard_into(self, full, shard, written=False) -> None:
         """Fill `full` (P) on every rank from each rank's `shard` (S), in buckets of
         `allgather_bucket_size` elements: a lone unit is allgathered in place in `full`; the
-        units of a larger bucket are gathered packed into a comm_buffer and copied out."""
+        units of a larger bucket are gathered packed into a comm_buffer and copied out.
+        written: this rank's owned slices of `full` hold their shard already."""
         for units in self.buckets(self.config.allgather_bucket_size):
             mine = self._bucket_shard(units)
             n = mine.stop - mine.start
             packed = self.bucket_buffer(units, full)  # only this rank's part is written here
-            backend.copy_(packed[self.rank * n:(self.rank + 1) * n], shard[mine])
+            if not (written and len(units) == 1):  # packed is full's, holding it already
+                backend.copy_(packed[self.rank * n:(self.rank + 1) * n], shard[mine])
 
             def done(units=units, packed=packed):
                 if len(units) > 1:

@@ -12,6 +12,13 @@ NumPy on the host. What it enforces is CuPy's discipline where zmpi could get it
   host memory (`cuda.alloc_pinned_memory`, `cupyx.empty_pinned`) is counted;
 - the default memory pool counts the bytes of live device arrays, now and at peak
   (`get_default_memory_pool().used_bytes()`, `total_bytes()`, `peak_bytes()` (stand-in only)).
+
+It also counts what a GPU would pay for (stand-in only): `LAUNCHES[0]`, the device operations
+a GPU runs as one kernel launch or copy each (a ufunc, a reduction, an operator, a copy that
+astype / reshape / ravel / fancy indexing / assignment makes, a matmul plus the operand copies
+CuPy makes for it, a host <-> device transfer, a fused kernel run through `launch_twin`;
+views, `empty` and scalar attributes are free), and `SYNCS[0]`, the blocking device -> host
+value transfers. `trace()` records where each launch came from (file:line of the caller).
 """
 import weakref
 
@@ -22,6 +29,39 @@ from . import cuda  # noqa: F401  (cupy.cuda)
 __version__ = "13.0.0-standin"
 STANDIN = True
 SYNCS = [0]  # stand-in only: device -> host value transfers so far (float(), int(), .get())
+LAUNCHES = [0]  # stand-in only: kernel launches and copies a GPU would run so far
+_TRACE = [None]  # a Counter of launch sites while trace() is on
+
+
+def _launch(n=1):
+    """Count n launches (and their call site while tracing)."""
+    LAUNCHES[0] += n
+    if _TRACE[0] is not None and n:
+        import sys
+
+        frame = sys._getframe(1)
+        while frame.f_globals.get("__name__", "").startswith(("cupy", "cupyx")):
+            frame = frame.f_back
+        site = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+        _TRACE[0][site] += n
+
+
+class trace:
+    """`with cupy.trace() as sites:` counts launches by call site (a collections.Counter)."""
+
+    def __enter__(self):
+        import collections
+
+        _TRACE[0] = collections.Counter()
+        return _TRACE[0]
+
+    def __exit__(self, *exc):
+        _TRACE[0] = None
+
+
+def _copied(src, result):
+    """1 when `result` is a new buffer rather than a view of `src` (a copy kernel ran)."""
+    return 0 if _np.may_share_memory(src, result) else 1
 
 
 class _Pool:
@@ -147,6 +187,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
         if out.dtype != self._a.dtype:
             raise TypeError(f"get(): out dtype {out.dtype} != {self._a.dtype}")
         src = self._a
+        _launch()
         if blocking:
             SYNCS[0] += 1
         if stream is not None and not blocking and not stream.null:
@@ -163,6 +204,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
             raise ValueError(f"set(): shape/dtype {arr.shape} {arr.dtype} != "
                              f"{self._a.shape} {self._a.dtype}")
         dst = self._a
+        _launch()
         if stream is not None and not stream.null:
             _poison(dst)
             stream._queue(lambda: dst.__setitem__(Ellipsis, arr))
@@ -196,30 +238,43 @@ class ndarray:  # noqa: N801 (CuPy's name)
 
     # -- indexing
     def __getitem__(self, key):
-        return _wrap(self._a[_unwrap(key)])
+        result = self._a[_unwrap(key)]
+        if isinstance(result, _np.ndarray):
+            _launch(_copied(self._a, result))  # fancy indexing gathers; slicing is a view
+        return _wrap(result)
 
     def __setitem__(self, key, value):
+        _launch()
         self._a[_unwrap(key)] = _unwrap(value)
 
     # -- methods
     def reshape(self, *shape, **kw):
-        return ndarray(self._a.reshape(*shape, **kw))
+        result = self._a.reshape(*shape, **kw)
+        _launch(_copied(self._a, result))
+        return ndarray(result)
 
     def view(self, dtype=None):
         return ndarray(self._a.view(dtype))
 
     def astype(self, dtype, copy=True, **kw):
         out = self._a.astype(dtype, copy=copy)
-        return self if out is self._a else ndarray(out)
+        if out is self._a:
+            return self
+        _launch()
+        return ndarray(out)
 
     def copy(self):
+        _launch()
         return ndarray(self._a.copy())
 
     def fill(self, value):
+        _launch()
         self._a.fill(value)
 
     def ravel(self):
-        return _wrap(self._a.ravel())
+        result = self._a.ravel()
+        _launch(_copied(self._a, result))
+        return _wrap(result)
 
     def transpose(self, *axes):
         return ndarray(self._a.transpose(*axes))
@@ -229,7 +284,11 @@ class ndarray:  # noqa: N801 (CuPy's name)
 
 
 for _name in ("sum", "max", "min", "mean", "all", "any", "argmax", "var", "std", "prod"):
-    def _reduction(self, *args, _name=_name, **kwargs):
+    def _reduction(self, *args, _name=_name, out=None, **kwargs):
+        _launch()
+        if out is not None:  # CuPy returns `out` itself
+            getattr(self._a, _name)(*_unwrap(args), out=_unwrap(out), **_unwrap(kwargs))
+            return out
         return _wrap(getattr(self._a, _name)(*_unwrap(args), **_unwrap(kwargs)))
     setattr(ndarray, _name, _reduction)
 
@@ -244,11 +303,15 @@ for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", 
             result = getattr(self._a, _dunder)(_unwrap(other))
             if result is NotImplemented:
                 return result
+            _launch()
             return self if _dunder.startswith("__i") else _wrap(result)
         setattr(ndarray, _dunder, _binary)
 
 for _dunder in ("__neg__", "__pos__", "__abs__", "__invert__"):
-    setattr(ndarray, _dunder, lambda self, _d=_dunder: _wrap(getattr(self._a, _d)()))
+    def _unary(self, _d=_dunder):
+        _launch()
+        return _wrap(getattr(self._a, _d)())
+    setattr(ndarray, _dunder, _unary)
 
 
 class _DevicePointer:
@@ -259,8 +322,14 @@ class _DevicePointer:
 
 
 # -- the module's functions: NumPy's, behind the same wall
+_VIEWS = {"empty_like", "broadcast_to", "expand_dims"}  # no device work
+
+
 def _function(np_fn):
+    launches = 0 if np_fn.__name__ in _VIEWS else 1
+
     def fn(*args, out=None, **kwargs):
+        _launch(launches)
         if out is not None:
             if not isinstance(out, ndarray):
                 raise TypeError(f"out must be a cupy ndarray, got {type(out)}")
@@ -282,6 +351,7 @@ class _Ufunc:
     def at(self, a, indices, b):
         if not isinstance(a, ndarray):
             raise TypeError("at() needs a cupy ndarray")
+        _launch()
         self._u.at(a._a, _unwrap(indices), _unwrap(b))
 
 
@@ -291,7 +361,7 @@ for _name in ("add", "subtract", "multiply", "divide", "true_divide", "exp", "lo
               "logical_or", "cos", "sin", "erf" if hasattr(_np, "erf") else "exp"):
     globals()[_name] = _Ufunc(getattr(_np, _name))
 
-for _name in ("matmul", "dot", "where", "triu", "tril", "stack", "concatenate", "einsum",
+for _name in ("where", "triu", "tril", "stack", "concatenate", "einsum",
               "sum", "zeros_like", "empty_like", "ones_like", "full_like", "take_along_axis",
               "argmax", "broadcast_to", "expand_dims", "clip", "cumsum", "copyto", "arange",
               "linspace", "full"):
@@ -303,7 +373,58 @@ for _name in ("float16", "float32", "float64", "int8", "int32", "int64", "uint8"
     globals()[_name] = getattr(_np, _name)
 
 
+def _matmul_copies(a, b, out):
+    """The copies CuPy's matmul makes before and after its one cuBLAS call
+    (cupy/_core/_routines_linalg.pyx): operands cast to the result dtype; a batched product
+    (ndim > 2) makes both operands C-contiguous, a 2-D one takes any matrix with a unit stride
+    along one axis; an `out` that is not C-contiguous of the result dtype gets a copy."""
+    dtype, batched = _np.promote_types(a.dtype, b.dtype), max(a.ndim, b.ndim) > 2
+    n = 0  # (the module's `sum` is cupy.sum)
+    for x in (a, b):
+        n += x.dtype != dtype
+        n += not x.flags.c_contiguous if batched else x.ndim == 2 and x.itemsize not in x.strides
+    if out is not None and not (out.flags.c_contiguous and out.dtype == dtype):
+        n += 1
+    return n
+
+
+def matmul(a, b, out=None):
+    """One cuBLAS call, plus the copies CuPy makes for it (`_matmul_copies`)."""
+    a_, b_ = _unwrap(a), _unwrap(b)
+    _launch(_matmul_copies(a_, b_, None if out is None else _unwrap(out)))
+    return _matmul_function(a, b, out=out)
+
+
+_matmul_function = _function(_np.matmul)
+dot = matmul
+ndarray.__matmul__ = lambda self, other: matmul(self, other)
+ndarray.__rmatmul__ = lambda self, other: matmul(other, self)
+
+
+def launch_twin(twin, *args):
+    """Stand-in only: run a fused kernel as its NumPy twin, counted as one launch. The twin
+    gets the arguments with device arrays unwrapped (scalars as they are), may write into
+    them, and its array results come back as device arrays. A GPU runs the kernel's CUDA
+    source instead (zmpi.kernels); this is how the stand-in runs the same program."""
+    _launch()
+    given = {}  # id of an unwrapped argument -> its device array
+
+    def unwrap(a):  # arrays, also inside tuples (a cache)
+        if isinstance(a, ndarray):
+            given[id(a._a)] = a
+            return a._a
+        return type(a)(unwrap(x) for x in a) if isinstance(a, (tuple, list)) else a
+
+    def rewrap(r):  # an argument handed back is that same device array
+        if isinstance(r, (tuple, list)):
+            return type(r)(rewrap(x) for x in r)
+        return given[id(r)] if id(r) in given else _wrap(r)
+
+    return rewrap(twin(*(unwrap(a) for a in args)))
+
+
 def zeros(shape, dtype=float, order="C"):
+    _launch()
     return ndarray(_np.zeros(shape, dtype))
 
 
@@ -314,6 +435,7 @@ def empty(shape, dtype=float, order="C"):
 
 
 def ones(shape, dtype=float):
+    _launch()
     return ndarray(_np.ones(shape, dtype))
 
 
@@ -321,6 +443,7 @@ def asarray(a, dtype=None, order=None):
     """Host -> device (an explicit copy), or a device array as is."""
     if isinstance(a, ndarray):
         return a if dtype is None or a.dtype == dtype else a.astype(dtype)
+    _launch()  # a host -> device copy
     return ndarray(_np.array(a, dtype=dtype, copy=True))
 
 
@@ -330,7 +453,9 @@ array = asarray
 def ascontiguousarray(a, dtype=None):
     if not isinstance(a, ndarray):
         _refuse(a)
-    return ndarray(_np.ascontiguousarray(a._a, dtype=dtype))
+    result = _np.ascontiguousarray(a._a, dtype=dtype)
+    _launch(_copied(a._a, result))
+    return ndarray(result)
 
 
 def asnumpy(a, stream=None, out=None):

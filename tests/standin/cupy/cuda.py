@@ -1,9 +1,15 @@
-"""cupy.cuda of the stand-in: devices, streams, events, pinned memory (see cupy/__init__)."""
+"""cupy.cuda of the stand-in: devices, streams, events, pinned memory (see cupy/__init__).
+
+The current device is per host thread, as in CuPy (CUDA's cudaSetDevice): a thread starts on
+device 0 whatever another thread made current (`Device(i).use()`, `runtime.setDevice`).
+"""
 import os
+import threading
 
 import numpy as _np
 
 PINNED = {"bytes": 0}
+_THREAD_DEVICES = {}  # host thread ident -> the device it made current (absent: device 0)
 
 
 class runtime:  # noqa: N801 (CuPy's name)
@@ -11,17 +17,41 @@ class runtime:  # noqa: N801 (CuPy's name)
     def getDeviceCount():  # noqa: N802
         return int(os.environ.get("ZMPI_STANDIN_DEVICES", "1"))
 
+    @staticmethod
+    def getDevice():  # noqa: N802
+        """The calling thread's current device."""
+        return _THREAD_DEVICES.get(threading.get_ident(), 0)
 
-class Device:
-    current = 0
+    @staticmethod
+    def setDevice(device):  # noqa: N802
+        Device(device).use()
 
-    def __init__(self, device_id=0):
-        if not 0 <= device_id < runtime.getDeviceCount():
-            raise ValueError(f"invalid device {device_id}")
-        self.id = device_id
+
+def thread_devices():
+    """Stand-in only: {host thread ident: device id} of the threads that made one current."""
+    return dict(_THREAD_DEVICES)
+
+
+class _DeviceType(type):
+    @property
+    def current(cls):
+        """Stand-in only: the calling thread's current device id."""
+        return runtime.getDevice()
+
+
+class Device(metaclass=_DeviceType):
+    """A CUDA device; `Device()` is the calling thread's current one."""
+
+    def __init__(self, device=None):
+        if device is None:
+            device = runtime.getDevice()
+        if not 0 <= device < runtime.getDeviceCount():
+            raise ValueError(f"invalid device {device}")
+        self.id = device
 
     def use(self):
-        Device.current = self.id
+        """Make this device current in the calling thread (only)."""
+        _THREAD_DEVICES[threading.get_ident()] = self.id
 
     def synchronize(self):
         pass

@@ -114,8 +114,8 @@ class PipelineStage(UnitModel):
         for g, unit in zip(self.unit_ids, self.units, strict=True):
             yield from unit._named_parameters(f"{prefix}units.{g}.")
 
-    def check_batch(self, inputs, targets) -> None:
-        self._whole.check_batch(inputs, targets)
+    def check_batch(self, inputs, targets) -> bool:
+        return self._whole.check_batch(inputs, targets)
 
     def tied_parameters(self) -> dict[str, str]:
         return self._tied_names

@@ -220,30 +220,32 @@ class VocabParallelCrossEntropy(Loss):
         # the shifted target logit where this rank holds the target, else 0 (never read a
         # -inf padding column through the fallback index)
         zt = xp.where(held, z[xp.arange(N), xp.minimum(local, self.rows - 1)], 0.0)
-        e = xp.exp(z)
-        sumexp = e.sum(axis=-1)  # (N,)
+        xp.exp(z, out=z)
+        sumexp = z.sum(axis=-1)  # (N,)
         _allreduce(self.tp, sumexp)  # 2: the softmax denominator
         _allreduce(self.tp, zt)  # 3: the target logit, from the rank that holds it
-        lse = xp.log(sumexp)
-        per_position = lse - zt
+        lse = xp.log(sumexp)  # of the shifted logits
+        # as F.cross_entropy_forward computes it (so tp = 1 is the serial loss bit for bit):
+        # each position's loss / normalizer, summed; backward recomputes this rank's slice of
+        # the softmax from the logits and the log-sum-exp
+        per_position = (lse - zt) * dtype.type(1.0 / normalizer)
         if mask is not None:
-            per_position = per_position * mask
-        loss = per_position.sum() / dtype.type(normalizer)
-        # this rank's slice of the softmax, as F.cross_entropy_forward computes it (so tp = 1
-        # is the serial loss bit for bit), in e's buffer
-        xp.subtract(z, lse[:, None], out=e)
-        xp.exp(e, out=e)
-        self._save(e, local, held, mask, normalizer, shape)
-        return loss
+            per_position = xp.where(mask, per_position, 0)
+        self._save(outputs.reshape(-1, self.rows), lse + zmax, local, held, mask, normalizer,
+                   shape)
+        return per_position.sum()
 
     def backward(self, dloss=1.0):
-        probs, local, held, mask, normalizer, shape = self._pop()
-        xp = array_module(probs)
-        dlogits = probs.copy()  # (N, Vp/tp)
+        logits, lse, local, held, mask, normalizer, shape = self._pop()
+        xp = array_module(logits)
+        dlogits = logits.astype(lse.dtype)  # (N, Vp/tp), a copy we overwrite
+        dlogits -= lse[:, None]
+        xp.exp(dlogits, out=dlogits)  # this rank's slice of the softmax
+        dlogits[:, _real_rows(self.vocab_size, self.start, self.rows):] = 0  # padding columns
         rows = xp.arange(dlogits.shape[0])
         cols = xp.minimum(local, self.rows - 1)
         dlogits[rows, cols] -= held.astype(dlogits.dtype)
-        dlogits *= dloss / normalizer
+        dlogits *= lse.dtype.type(dloss / normalizer)
         if mask is not None:
             dlogits *= mask[:, None]
         return dlogits.reshape(shape)

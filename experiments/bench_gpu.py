@@ -1,0 +1,239 @@
+"""zmpi's GPU path, counted and timed: kernel launches and device syncs per step, and on a
+GPU tokens/s and MFU beside PyTorch eager.
+
+    python experiments/bench_gpu.py --count --out results/gpu_counts    # anywhere (stand-in)
+    make bench-gpu                       # on a GPU: GPT-2 small, T 1024, stages 0-3, + counts
+
+Counts (--count; any machine): the training steps run on the project's CuPy stand-in
+(tests/standin, a strict CuPy double whose arithmetic runs on the host), which counts every
+device operation a GPU runs as a kernel launch or copy of its own, and every blocking
+device -> host transfer (a sync). Per stage and precision: the launches of one step of a GPT
+with n layers and with n + 2 (the same seed and batch; the second step, after warm-up), so
+that (difference) / 2 is what one transformer layer costs, forward, backward and its share of
+the update, and the rest is what the embedding, the LM head, the loss and the optimizer cost
+outside the layers. Both kernel modes: "fused" (the default) and "composed" (zmpi.kernels).
+The counts depend on the program, not on the sizes (one attention block up to T = 4096 at the
+default shape), so the default shape is small.
+
+Timing (without --count; needs CuPy and a GPU): GPT-2 small (124 M parameters, 12 layers,
+d 768, 12 heads, vocab 50257) at T 1024, fp16, micro-batch --batch per rank, ZeRO stages 0-3 on
+the ranks of the launch; --warmup steps, then the median of --steps, each ended by a device
+synchronize. tokens/s per rank; MFU = tokens/s x (6 N + 12 L T d) / the GPU's peak (--peak-tflops,
+dense fp16 tensor-core FLOP/s of the device: 989 for an H100 SXM). With PyTorch (the bench
+extra) and CUDA, the same model in PyTorch eager (experiments/bench_vs_torch.torch_gpt, fp16
+autocast, AdamW) beside it on one rank.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+STANDIN = REPO / "tests" / "standin"
+SMALL = {"vocab_size": 256, "d_model": 64, "n_head": 4}  # the counting shape
+GPT2_SMALL = {"vocab_size": 50257, "d_model": 768, "n_head": 12, "n_layer": 12}
+
+
+def on_standin() -> bool:
+    cupy = sys.modules.get("cupy")
+    return bool(getattr(cupy, "STANDIN", False))
+
+
+def engine_config(stage: int, precision: str, batch: int, kernels: str = "fused") -> dict:
+    return {"train_micro_batch_size_per_gpu": batch, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": stage}, "fp16": {"enabled": precision == "fp16"},
+            "kernels": kernels}
+
+
+def step_counts(comm, stage, precision, n_layer, seq_len, kernels) -> tuple[int, int]:
+    """(launches, syncs) of the second training step of a GPT on the stand-in."""
+    import cupy
+
+    from zmpi.data import SyntheticSource
+    from zmpi.engine import Engine
+    from zmpi.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(seq_len=seq_len, n_layer=n_layer, **SMALL)
+    engine = Engine(GPT(cfg, seed=0), engine_config(stage, precision, 1, kernels), comm)
+    data = SyntheticSource(cfg.vocab_size, seq_len, comm.size, comm.rank, comm.size, seed=1)
+    engine.train_step(*data.sample(0))
+    launches, syncs = cupy.LAUNCHES[0], cupy.SYNCS[0]
+    engine.train_step(*data.sample(1))
+    counts = cupy.LAUNCHES[0] - launches, cupy.SYNCS[0] - syncs
+    engine.close()
+    return counts
+
+
+def count(args, comm) -> list[dict]:
+    """Launches per layer and outside, and syncs per step, for every stage, precision and
+    kernel mode (see the module docstring)."""
+    rows = []
+    for kernels in ("fused", "composed"):
+        for stage in (0, 1, 2, 3):
+            for precision in ("fp32", "fp16"):
+                a = step_counts(comm, stage, precision, args.n_layer, args.seq_len, kernels)
+                b = step_counts(comm, stage, precision, args.n_layer + 2, args.seq_len, kernels)
+                per_layer = (b[0] - a[0]) / 2
+                rows.append({"kernels": kernels, "stage": stage, "precision": precision,
+                             "launches_per_layer": per_layer,
+                             "launches_outside": a[0] - args.n_layer * per_layer,
+                             "syncs_per_step": a[1], "syncs_per_step_more_layers": b[1]})
+                if comm.rank == 0:
+                    print(f"{kernels:8s} stage {stage} {precision}: {per_layer:g} launches per "
+                          f"layer, {rows[-1]['launches_outside']:g} outside, "
+                          f"{a[1]} syncs per step", file=sys.stderr, flush=True)
+    return rows
+
+
+def count_on_standin(args) -> list[dict]:
+    """Run --count under the stand-in in a process of its own (this one may hold CuPy)."""
+    env = {**os.environ, "PYTHONPATH": f"{STANDIN}{os.pathsep}{REPO}", "ZMPI_BACKEND": "cupy",
+           "ZMPI_CUDA_AWARE": os.environ.get("ZMPI_CUDA_AWARE", "1")}
+    out = subprocess.run([sys.executable, __file__, "--count", "--json", "--seq-len",
+                          str(args.seq_len), "--n-layer", str(args.n_layer)],
+                         env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def time_gpu(args, comm) -> list[dict]:
+    """Step time, tokens/s and MFU of GPT-2 small per stage on this GPU (zmpi), and of
+    PyTorch eager on rank 0 when it is installed with CUDA."""
+    from zmpi import backend
+    from zmpi.data import SyntheticSource
+    from zmpi.engine import Engine
+    from zmpi.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(seq_len=args.seq_len, **GPT2_SMALL)
+    tokens = args.batch * args.seq_len
+    rows = []
+    for stage in args.stages:
+        model = GPT(cfg, seed=0)
+        engine = Engine(model, engine_config(stage, "fp16", args.batch), comm)
+        flops = 6 * engine.num_params() + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
+        data = SyntheticSource(cfg.vocab_size, cfg.seq_len, args.batch * comm.size, comm.rank,
+                               comm.size, seed=1)
+        times = []
+        for i in range(args.warmup + args.steps):
+            start = time.perf_counter()
+            engine.train_step(*data.sample(i))
+            backend.synchronize()
+            times.append(time.perf_counter() - start)
+        step = statistics.median(times[args.warmup:])
+        rows.append({"stage": stage, "peer": "zmpi", "step_s": step,
+                     "tokens_per_s": tokens / step,
+                     "mfu": tokens / step * flops / (args.peak_tflops * 1e12)})
+        engine.close()
+    torch_row = time_torch(args, cfg) if comm.rank == 0 else None
+    if torch_row is not None:
+        rows.append(torch_row)
+    return rows
+
+
+def time_torch(args, cfg) -> dict | None:
+    """PyTorch eager on this GPU: the same GPT, fp16 autocast with a gradient scaler, AdamW."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    from bench_vs_torch import torch_gpt
+
+    from zmpi.models.gpt import GPT
+
+    model = torch_gpt(cfg, GPT(cfg, seed=0).state_dict()).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    scaler = torch.amp.GradScaler("cuda")
+    rng = np.random.default_rng(1)
+    times = []
+    for _ in range(args.warmup + args.steps):
+        x = torch.as_tensor(rng.integers(0, cfg.vocab_size, (args.batch, cfg.seq_len)),
+                            device="cuda")
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    step = statistics.median(times[args.warmup:])
+    n = sum(p.numel() for p in model.parameters())
+    flops = 6 * n + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
+    tokens = args.batch * cfg.seq_len
+    return {"stage": "-", "peer": "PyTorch eager", "step_s": step, "tokens_per_s": tokens / step,
+            "mfu": tokens / step * flops / (args.peak_tflops * 1e12)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--count", action="store_true",
+                        help="count launches and syncs on the CuPy stand-in (any machine)")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="T (default: 256 counting, 1024 timing)")
+    parser.add_argument("--n-layer", type=int, default=2, help="counting: layers (and +2)")
+    parser.add_argument("--batch", type=int, default=8, help="timing: micro-batch per rank")
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="the GPU's dense fp16 peak, TFLOP/s (H100 SXM: 989)")
+    parser.add_argument("--out", default=None, help="directory for the results")
+    args = parser.parse_args()
+    args.seq_len = args.seq_len or (256 if args.count else 1024)
+
+    from zmpi import backend
+    from zmpi.comm import Comm
+
+    comm = Comm()
+    if args.count and not on_standin():
+        rows = count_on_standin(args)
+    else:
+        if args.count:
+            rows = count(args, comm)
+            if args.json:
+                print(json.dumps(rows))
+                return
+        elif not backend.is_gpu or on_standin():
+            sys.exit("bench_gpu: timing needs CuPy and a GPU (this process computes with "
+                     f"{backend.name}); --count runs anywhere")
+        else:
+            rows = time_gpu(args, comm) + count_on_standin(args)
+    if comm.rank == 0:
+        print("\n".join(markdown(rows)))
+    if args.out and comm.rank == 0:
+        from results import write_results
+
+        write_results(args.out, rows, markdown(rows), comm, name="gpu")
+
+
+def markdown(rows) -> list[str]:
+    """The timings (if any) and the counts as Markdown tables."""
+    lines = []
+    timed = [r for r in rows if "step_s" in r]
+    if timed:
+        lines += ["| peer | stage | s/step | tokens/s per rank | MFU |", "|---|---|---|---|---|"]
+        lines += [f"| {r['peer']} | {r['stage']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} "
+                  f"| {r['mfu']:.1%} |" for r in timed]
+        lines.append("")
+    lines += ["| kernels | stage | precision | launches per layer | launches outside | "
+              "syncs per step |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['kernels']} | {r['stage']} | {r['precision']} | {r['launches_per_layer']:g} "
+              f"| {r['launches_outside']:g} | {r['syncs_per_step']} |"
+              for r in rows if "launches_per_layer" in r]
+    return lines
+
+
+if __name__ == "__main__":
+    main()

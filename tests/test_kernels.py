@@ -1,0 +1,190 @@
+"""Fused kernels (zmpi.kernels): the switch, the twins against the composed path, the launch
+and sync counts of a training step on the CuPy stand-in, and (on a GPU) each CUDA kernel
+against its twin.
+
+On the stand-in (tests/standin) a fused op runs its NumPy twin on the host as one counted
+launch, and "composed" runs the same twin op by op on stand-in arrays: the two must agree bit
+for bit, and the fused one must be one launch (two or three where the docstrings say so).
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from zmpi import kernels
+from zmpi.config import Config, ConfigError
+from zmpi.nn import functional as F
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STANDIN = {"PYTHONPATH": f"{REPO_ROOT / 'tests' / 'standin'}:{REPO_ROOT}",
+           "ZMPI_BACKEND": "cupy", "OMP_NUM_THREADS": "1"}
+
+# Each fused op, run on the stand-in under both modes: (launches when fused, its results).
+OPS = """
+import json, sys
+import numpy as np, cupy
+from zmpi import kernels
+from zmpi.nn import functional as F
+from zmpi.optim.adam import Adam, AdamCoefficients, _adam_device
+
+rng = np.random.default_rng(0)
+def dev(*shape, dtype=np.float32, scale=1.0):
+    return cupy.asarray((rng.standard_normal(shape) * scale).astype(dtype))
+
+def host(tree):
+    if isinstance(tree, (tuple, list)):
+        return [host(t) for t in tree]
+    if isinstance(tree, cupy.ndarray):
+        return tree.get().astype(np.float64).ravel().tolist()
+    return tree
+
+def ops(dtype):
+    x, w, b = dev(3, 5, 16, dtype=dtype), dev(16, dtype=dtype), dev(16, dtype=dtype)
+    y, ln = F.layernorm_forward(x, w, b)
+    yield "layernorm_forward", lambda: F.layernorm_forward(x, w, b)[0]
+    yield "layernorm_backward", lambda: F.layernorm_backward(dev(3, 5, 16, dtype=dtype), ln)
+    g = dev(4, 33, dtype=dtype, scale=3)
+    gy, gc = F.gelu_forward(g)
+    yield "gelu_forward", lambda: F.gelu_forward(g)
+    yield "gelu_backward", lambda: F.gelu_backward(dev(4, 33, dtype=dtype), gc)
+    yield "causal_softmax", lambda: F.causal_softmax(dev(2, 3, 4, 9, dtype=dtype, scale=4), 5)
+    p = F.causal_softmax(dev(2, 3, 4, 9, dtype=dtype), 5)
+    yield "softmax_backward", lambda: F.softmax_backward(dev(2, 3, 4, 9, dtype=dtype), p)
+    z, t = dev(6, 11, dtype=dtype, scale=3), cupy.asarray(rng.integers(0, 11, 6))
+    t[2] = -100
+    yield "cross_entropy_rows", lambda: F._cross_entropy_rows(z, t, -100, 0.25)
+    lse = F._cross_entropy_rows(z, t, -100, 0.25)[1]
+    yield "cross_entropy_grad", lambda: F._cross_entropy_grad(z, lse, t, -100, 0.5)
+    if dtype != np.float16:
+        k = AdamCoefficients.of(dtype, 3, 1e-2, (0.9, 0.999), 1e-8, 0.1, True, 0.5)
+        state = [dev(50, dtype=dtype) for _ in range(3)]
+        yield "adam", lambda: (_adam_device(state[0], dev(50, dtype=dtype), state[1],
+                                            cupy.abs(state[2]), k), state)[1]
+        yield "sum_of_squares", lambda: Adam().sum_of_squares(dev(70, dtype=dtype), 0.5, dtype)
+
+out = {}
+for dtype in (np.float32, np.float16, np.float64):
+    for mode in ("fused", "composed"):
+        kernels.set_mode(mode)
+        rng = np.random.default_rng(0)
+        for name, run in ops(dtype):
+            before = cupy.LAUNCHES[0]
+            result = run()
+            out[f"{np.dtype(dtype).name} {mode} {name}"] = [cupy.LAUNCHES[0] - before,
+                                                             host(result)]
+print(json.dumps(out))
+"""
+
+# launches of each fused op beyond the kernels: inputs made on the device by the test
+FUSED_LAUNCHES = {"layernorm_forward": 1, "layernorm_backward": 1 + 1, "gelu_forward": 1,
+                  "gelu_backward": 1 + 1, "causal_softmax": 1 + 1, "softmax_backward": 1 + 1,
+                  "cross_entropy_rows": 1, "cross_entropy_grad": 1, "adam": 1 + 2,
+                  "sum_of_squares": 1 + 1}
+
+
+def test_fused_ops_equal_their_composed_twins_in_one_launch():
+    """On the stand-in every fused op gives the composed path's bits (the twin is the same
+    program) in one launch (the inputs the test makes on the device besides), where the
+    composed path takes several, in float32, float16 and float64."""
+    out = json.loads(subprocess.run([sys.executable, "-c", OPS], env=STANDIN, cwd=REPO_ROOT,
+                                    capture_output=True, text=True, check=True).stdout)
+    for key, (launches, result) in out.items():
+        dtype, mode, name = key.split()
+        if mode == "composed":
+            continue
+        composed_launches, composed = out[f"{dtype} composed {name}"]
+        assert result == composed, key
+        assert launches == FUSED_LAUNCHES[name], (key, launches)
+        assert composed_launches > launches, key
+
+
+def test_the_switch_is_a_config_key():
+    assert Config.from_dict({"kernels": "composed"}).kernels == "composed"
+    with pytest.raises(ConfigError, match="kernels"):
+        Config.from_dict({"kernels": "cuda"})
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        kernels.set_mode("fast")
+
+
+def test_numpy_runs_the_twins_under_either_mode():
+    """On NumPy arrays both modes run the twin: the same bits."""
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    try:
+        kernels.set_mode("composed")
+        composed = F.gelu_forward(x)[0]
+    finally:
+        kernels.set_mode("fused")
+    np.testing.assert_array_equal(F.gelu_forward(x)[0], composed)
+
+
+def test_tf32_is_refused_without_a_gpu():
+    from zmpi import backend
+
+    with pytest.raises(ConfigError, match="tf32"):
+        backend.use_tf32()
+
+
+def test_a_training_step_is_60_launches_a_layer_and_one_sync():
+    """experiments/bench_gpu.py --count on the stand-in, stages 0-3, fp32 and fp16, fused:
+    at most 60 launches per transformer layer per step (forward, backward, its share of the
+    update) and one device -> host transfer per step (the loss with the gradients' norm);
+    "composed" takes more than twice as many launches."""
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "bench_gpu.py"),
+                          "--count", "--json", "--seq-len", "64"],
+                         env={**STANDIN, "ZMPI_CUDA_AWARE": "1"}, cwd=REPO_ROOT,
+                         capture_output=True, text=True, check=True, timeout=600).stdout
+    rows = json.loads(out.splitlines()[-1])
+    assert len(rows) == 16
+    for row in rows:
+        assert row["syncs_per_step"] == row["syncs_per_step_more_layers"] == 1, row
+        if row["kernels"] == "fused":
+            assert row["launches_per_layer"] <= 60, row
+            composed = next(r for r in rows if r["kernels"] == "composed"
+                            and (r["stage"], r["precision"]) == (row["stage"], row["precision"]))
+            assert composed["launches_per_layer"] > 2 * row["launches_per_layer"], row
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_each_cuda_kernel_matches_its_twin(dtype):
+    """On a GPU: each CUDA launcher against its NumPy twin on the same inputs (float32
+    accumulation: 1e-5 relative in fp32, fp16 output rounding in fp16)."""
+    cupy = pytest.importorskip("cupy")
+    if getattr(cupy, "STANDIN", False) or cupy.cuda.runtime.getDeviceCount() == 0:
+        pytest.skip("needs a CUDA device")
+    rng = np.random.default_rng(0)
+    tol = {np.float16: 2e-3, np.float32: 1e-5, np.float64: 1e-12}[dtype]
+
+    def same(fused, twin):
+        for a, b in zip(np.atleast_1d(fused), np.atleast_1d(twin), strict=True):
+            a = cupy.asnumpy(a).astype(np.float64)
+            np.testing.assert_allclose(a, np.asarray(b, np.float64), rtol=tol, atol=tol)
+
+    x = rng.standard_normal((6, 7, 40)).astype(dtype)
+    w, b = rng.standard_normal(40).astype(dtype), rng.standard_normal(40).astype(dtype)
+    y, cache = kernels.cuda_layernorm_forward(*map(cupy.asarray, (x, w, b)), 1e-5)
+    ty, tcache = F._layernorm_forward_twin(x, w, b, 1e-5)
+    same([y, cache[0], cache[1]], [ty, tcache[0], tcache[1]])
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    same(kernels.cuda_layernorm_backward(cupy.asarray(dy), cache),
+         F._layernorm_backward_twin(dy, tcache))
+    y, cache = kernels.cuda_gelu_forward(cupy.asarray(x))
+    ty, tcache = F._gelu_forward_twin(x)
+    same([y, cache[1]], [ty, tcache[1]])
+    same([kernels.cuda_gelu_backward(cupy.asarray(dy), cache)],
+         [F._gelu_backward_twin(dy, tcache)])
+    s = rng.standard_normal((2, 3, 5, 12)).astype(dtype) * 3
+    p = kernels.cuda_causal_softmax(cupy.asarray(s), 7)
+    same([p], [F._causal_softmax_twin(s.copy(), 7)])
+    d = rng.standard_normal(s.shape).astype(dtype)
+    same([kernels.cuda_softmax_backward(cupy.asarray(d), p)],
+         [F._softmax_backward_twin(d, cupy.asnumpy(p))])
+    z, t = rng.standard_normal((9, 50)).astype(dtype) * 3, rng.integers(0, 50, 9)
+    t[4] = -1
+    loss, lse = kernels.cuda_cross_entropy_rows(cupy.asarray(z), cupy.asarray(t), -1, 0.2)
+    same([loss, lse], F._cross_entropy_rows_twin(z, t, -1, 0.2))
+    same([kernels.cuda_cross_entropy_grad(cupy.asarray(z), lse, cupy.asarray(t), -1, 0.3)],
+         [F._cross_entropy_grad_twin(z, cupy.asnumpy(lse), t, -1, 0.3)])
