@@ -108,9 +108,9 @@ class RecomputeClock:
         self._patch_attention()
 
     def _patch_attention(self):
-        import zmpi.nn.functional as F
+        import zmpi.nn.attention as A
 
-        blocks = getattr(F, "_attention_blocks", None)
+        blocks = getattr(A, "_attention_blocks", None)
         if blocks is None or getattr(blocks, "_timed", False):
             return
         clock = self
@@ -123,7 +123,7 @@ class RecomputeClock:
             return clock._timed(gen, clock.active)
 
         timed_blocks._timed = True
-        F._attention_blocks = timed_blocks
+        A._attention_blocks = timed_blocks
 
     @staticmethod
     def _timed(gen, acc):

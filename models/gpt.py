@@ -28,6 +28,7 @@ from zmpi.nn import (
     live,
     normal_parameter,
 )
+from zmpi.nn import attention as A
 from zmpi.nn import functional as F
 from zmpi.parallel.tensor.plan import mark_sequence_parallel, parallelize
 from zmpi.parallel.tensor.regions import (
@@ -83,7 +84,7 @@ def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: in
     "full" only): each kept input split over the tp ranks (ceil(n / tp) elements each; not
     with sequence_parallel) / kept on the host. block: the attention's query rows per block
     (its probabilities are the lower-triangular blocks of the s x s matrix); None: this
-    backend's, `F.attention_block`.
+    backend's, `A.attention_block`.
 
     Returns bytes per rank, {
       "layer": one transformer block's caches (with "full": only while it runs, in its forward
@@ -116,7 +117,7 @@ def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: in
                          "each rank's share")
     s, b, h, a = seq_len, micro_batch, d_model, n_head
     if block is None:
-        block = F.attention_block(s, b * a // tp, backend.is_gpu)
+        block = A.attention_block(s, b * a // tp, backend.is_gpu)
     p, f = act_bytes, max(4, act_bytes)
     n = b * s  # positions
     rows = sum((min(i + block, s) - i) * min(i + block, s) for i in range(0, s, block))

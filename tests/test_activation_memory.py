@@ -30,8 +30,8 @@ from zmpi.models.gpt import (
     gpt_activation_bytes,
     korthikanti_activation_bytes,
 )
+from zmpi.nn.attention import ATTENTION_BLOCK, attention_block
 from zmpi.nn.checkpointing import InputStore
-from zmpi.nn.functional import ATTENTION_BLOCK, attention_block
 from zmpi.nn.module import activations_counted_in
 
 POLICIES = ("none", "selective", "full")

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from gradcheck import check, directional_check
 
+from zmpi.nn import attention as A
 from zmpi.nn import functional as F
 
 
@@ -100,10 +101,10 @@ def attention_reference(qkv, n_head):
     return y
 
 
-@pytest.mark.parametrize("block", [F.ATTENTION_BLOCK, 2, 1])  # one block; 2, 2, 1 rows; rows
+@pytest.mark.parametrize("block", [A.ATTENTION_BLOCK, 2, 1])  # one block; 2, 2, 1 rows; rows
 def test_attention_matches_reference_and_is_causal(rng, block):
     qkv = rng.standard_normal((2, 5, 3 * 8))  # (B, T, 3C), nh = 2
-    y, (_, _, _, probs, _) = F.attention_forward(qkv, 2, block)
+    y, (_, _, _, probs, _) = A.attention_forward(qkv, 2, block)
     np.testing.assert_allclose(y, attention_reference(qkv, 2), rtol=1e-12, atol=1e-12)
     att = np.concatenate([np.pad(p, [(0, 0)] * 3 + [(0, 5 - p.shape[-1])]) for p in probs], 2)
     assert att.shape == (2, 2, 5, 5) and np.all(np.triu(att[0, 0], 1) == 0)
@@ -111,18 +112,18 @@ def test_attention_matches_reference_and_is_causal(rng, block):
     np.testing.assert_allclose(att.sum(-1), 1.0, rtol=1e-12)
     changed = qkv.copy()
     changed[:, 3] += 1.0  # position 3 changes: outputs at 0..2 must not
-    y2, _ = F.attention_forward(changed, 2, block)
+    y2, _ = A.attention_forward(changed, 2, block)
     np.testing.assert_array_equal(y2[:, :3], y[:, :3])
     assert not np.allclose(y2[:, 3:], y[:, 3:])
 
 
-@pytest.mark.parametrize("block", [F.ATTENTION_BLOCK, 2, 1])
+@pytest.mark.parametrize("block", [A.ATTENTION_BLOCK, 2, 1])
 def test_attention_grads(rng, block):
     qkv = rng.standard_normal((2, 5, 3 * 8))
-    y, cache = F.attention_forward(qkv, 2, block)
+    y, cache = A.attention_forward(qkv, 2, block)
     dy = rng.standard_normal(y.shape)
-    dqkv = F.attention_backward(dy, cache)
-    check(lambda: dot(F.attention_forward(qkv, 2, block)[0], dy), qkv, dqkv, rng, "qkv")
+    dqkv = A.attention_backward(dy, cache)
+    check(lambda: dot(A.attention_forward(qkv, 2, block)[0], dy), qkv, dqkv, rng, "qkv")
 
 
 def test_cross_entropy_grads(rng):

@@ -215,6 +215,7 @@ assert comm.staged_bytes == {"to_host": 1024 * 4 // comm.size, "to_device": 1024
 KERNELS = """
 import numpy as np
 from zmpi import backend
+from zmpi.nn import attention as A
 from zmpi.nn import functional as F
 xp = backend.xp
 rng = np.random.default_rng(0)
@@ -231,7 +232,7 @@ want_g = 0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64 ** 
 yg, _ = F.gelu_forward(xp.asarray(g))
 err_gelu = np.abs(backend.to_host(yg).astype(np.float64) - want_g).max() / np.abs(want_g).max()
 qkv = (rng.standard_normal((1, 4, 3 * 8)) * 40).astype(np.float16)  # q.k ~ 1e4: softmax input
-(att,) = F.attention_forward(xp.asarray(qkv), 2)[1][3]  # one block of 4 rows
+(att,) = A.attention_forward(xp.asarray(qkv), 2)[1][3]  # one block of 4 rows
 assert att.dtype == np.float32
 att = backend.to_host(att)
 print(err_ln, err_gelu, float(np.abs(att.sum(-1) - 1).max()), bool(np.isfinite(att).all()))

@@ -16,6 +16,7 @@ import pytest
 
 from zmpi import kernels
 from zmpi.config import Config, ConfigError
+from zmpi.nn import attention as A
 from zmpi.nn import functional as F
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +28,7 @@ OPS = """
 import json, sys
 import numpy as np, cupy
 from zmpi import kernels
+from zmpi.nn import attention as A
 from zmpi.nn import functional as F
 from zmpi.optim.adam import Adam, AdamCoefficients, _adam_device
 
@@ -50,9 +52,9 @@ def ops(dtype):
     gy, gc = F.gelu_forward(g)
     yield "gelu_forward", lambda: F.gelu_forward(g)
     yield "gelu_backward", lambda: F.gelu_backward(dev(4, 33, dtype=dtype), gc)
-    yield "causal_softmax", lambda: F.causal_softmax(dev(2, 3, 4, 9, dtype=dtype, scale=4), 5)
-    p = F.causal_softmax(dev(2, 3, 4, 9, dtype=dtype), 5)
-    yield "softmax_backward", lambda: F.softmax_backward(dev(2, 3, 4, 9, dtype=dtype), p)
+    yield "causal_softmax", lambda: A.causal_softmax(dev(2, 3, 4, 9, dtype=dtype, scale=4), 5)
+    p = A.causal_softmax(dev(2, 3, 4, 9, dtype=dtype), 5)
+    yield "softmax_backward", lambda: A.softmax_backward(dev(2, 3, 4, 9, dtype=dtype), p)
     z, t = dev(6, 11, dtype=dtype, scale=3), cupy.asarray(rng.integers(0, 11, 6))
     t[2] = -100
     yield "cross_entropy_rows", lambda: F._cross_entropy_rows(z, t, -100, 0.25)
@@ -178,10 +180,10 @@ def test_each_cuda_kernel_matches_its_twin(dtype):
          [F._gelu_backward_twin(dy, tcache)])
     s = rng.standard_normal((2, 3, 5, 12)).astype(dtype) * 3
     p = kernels.cuda_causal_softmax(cupy.asarray(s), 7)
-    same([p], [F._causal_softmax_twin(s.copy(), 7)])
+    same([p], [A._causal_softmax_twin(s.copy(), 7)])
     d = rng.standard_normal(s.shape).astype(dtype)
     same([kernels.cuda_softmax_backward(cupy.asarray(d), p)],
-         [F._softmax_backward_twin(d, cupy.asnumpy(p))])
+         [A._softmax_backward_twin(d, cupy.asnumpy(p))])
     z, t = rng.standard_normal((9, 50)).astype(dtype) * 3, rng.integers(0, 50, 9)
     t[4] = -1
     loss, lse = kernels.cuda_cross_entropy_rows(cupy.asarray(z), cupy.asarray(t), -1, 0.2)

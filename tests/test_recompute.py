@@ -12,8 +12,8 @@ from mpi_util import CLI, RANKS_DIR, launch_mpi, run_mpi
 from zmpi.config import Config, ConfigError
 from zmpi.memory import MemoryLedger
 from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.nn.attention import ATTENTION_BLOCK
 from zmpi.nn.checkpointing import InputStore
-from zmpi.nn.functional import ATTENTION_BLOCK
 from zmpi.nn.module import activations_counted_in
 
 POLICIES = ("none", "selective", "full")

@@ -12,13 +12,12 @@ release and re-gather the parameter between forward and backward.
 
 Shapes: B batch, T time, C channels, V vocabulary, nh heads, hd = C // nh head size.
 
-Fused ops (zmpi.kernels): LayerNorm, GELU, the causal softmax and its backward, and the
+Causal self-attention is zmpi.nn.attention. Fused ops (zmpi.kernels): LayerNorm, GELU and the
 cross-entropy run as one or two CUDA kernels on a GPU; the functions named `_..._twin` here are
 what the CPU and the CuPy stand-in run in their place (and what a GPU runs op by op under
 "kernels": "composed").
 """
 
-import functools
 import math
 from contextlib import contextmanager
 
@@ -180,12 +179,12 @@ _layernorm_backward = kernels.fused(_layernorm_backward_twin, kernels.cuda_layer
 _GELU_S = math.sqrt(2.0 / math.pi)
 
 
-def _pieces(n, xp):
-    """Slices of [0, n) for a chain of elementwise ufuncs: on a CPU, pieces small enough that
-    the chain's operands stay in the core's cache between ufuncs (NumPy runs each ufunc over
-    the whole array, so a chain of k over arrays larger than the cache streams memory k
-    times); on a GPU, one piece."""
-    step = _CHAIN_PIECE if xp.__name__ == "numpy" else max(n, 1)
+def _pieces(n, xp, width=1):
+    """Slices of [0, n) for a chain of elementwise ufuncs over rows of `width` elements: on a
+    CPU, pieces of about _CHAIN_PIECE elements, small enough that the chain's operands stay in
+    the core's cache between ufuncs (NumPy runs each ufunc over the whole array, so a chain of
+    k over arrays larger than the cache streams memory k times); on a GPU, one piece."""
+    step = max(1, _CHAIN_PIECE // max(width, 1)) if xp.__name__ == "numpy" else max(n, 1)
     return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
 
@@ -261,169 +260,6 @@ _gelu_forward = kernels.fused(_gelu_forward_twin, kernels.cuda_gelu_forward)
 _gelu_backward = kernels.fused(_gelu_backward_twin, kernels.cuda_gelu_backward)
 
 
-# -- causal self-attention --------------------------------------------------------------------
-
-
-def _softmax_(a):
-    """Softmax over the last axis, in place (max-subtracted, so exp never overflows)."""
-    xp = array_module(a)
-    a -= a.max(axis=-1, keepdims=True)
-    xp.exp(a, out=a)
-    a /= a.sum(axis=-1, keepdims=True)
-    return a
-
-
-# Query rows per block of causal attention on a CPU: a block of queries attends only to the
-# keys up to its last row, so the scores above the diagonal blocks are never computed (5/8 of
-# the full T x T at T = 256). Measured for GPT-2 d_model 512, 8 heads, T 256, one thread:
-# forward + backward 28 ms with the full matrix, 21 ms with blocks of 64 (32: 22 ms, 128:
-# 22.5 ms).
-ATTENTION_BLOCK = 64
-# On a GPU a block costs about 8 launches whatever its size, so the queries go in as few
-# blocks as memory allows: as many rows as keep one block's float32 scores within this many
-# bytes (all T rows of GPT-2 small at micro-batch 4 and T 1024: 192 MiB).
-ATTENTION_BLOCK_BYTES = 256 << 20
-
-
-def attention_block(T: int, batch_heads: int, on_device: bool) -> int:
-    """Query rows per block of causal attention over T positions for batch_heads (B x nh)
-    matrices: ATTENTION_BLOCK on a CPU; on a GPU all T rows, or the largest multiple of
-    ATTENTION_BLOCK whose float32 scores fit in ATTENTION_BLOCK_BYTES."""
-    if not on_device:
-        return ATTENTION_BLOCK
-    rows = ATTENTION_BLOCK_BYTES // max(1, 4 * batch_heads * T)
-    return T if rows >= T else max(ATTENTION_BLOCK, rows // ATTENTION_BLOCK * ATTENTION_BLOCK)
-
-
-@functools.cache
-def _head_scales(xp, dtype, hd: int):
-    """(3, 1, 1, 1, 1) array [1/sqrt(hd), 1, 1] in `dtype` in xp's memory: scales q (not k, v)
-    as the heads are laid out (made once per dtype and head size)."""
-    return xp.asarray(numpy.array([1.0 / math.sqrt(hd), 1.0, 1.0], dtype).reshape(3, 1, 1, 1, 1))
-
-
-def attention_forward(qkv, n_head, block=None, keep_probs=True):
-    """Multi-head causal attention core: y = softmax(q k^T / sqrt(hd) + mask) v, heads merged.
-
-    The heads are batched: every product is one batched matmul over (B, nh). q is scaled by
-    1/sqrt(hd) before q k^T (so float16 scores stay in range) as the heads are laid out, in one
-    pass. Queries go `block` rows at a time against the keys they may see (`attention_block`:
-    64 on a CPU, all T or a few blocks on a GPU); the mask and the softmax are one fused kernel
-    on a GPU (`causal_softmax`).
-
-    qkv (B, T, 3C) holding [q | k | v] -> y (B, T, C).  cache = (q, k, v, probs, block), with
-    q (scaled), k, v (B, nh, T, hd) and probs a tuple of each block's attention probabilities
-    (B, nh, rows, keys up to the block's last row), float32 at least (the softmax never runs
-    in float16). keep_probs=False (selective recompute, Korthikanti et al. 2022): probs is
-    None and attention_backward recomputes each block's probabilities from q and k by the
-    same operations, so the gradients are bit for bit the same without the O(T^2) cache.
-    """
-    xp = array_module(qkv)
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    hd = C // n_head
-    if block is None:
-        block = attention_block(T, B * n_head, xp is not numpy)
-    heads = xp.empty((3, B, n_head, T, hd), dtype=qkv.dtype)  # q, k, v, each contiguous
-    xp.multiply(qkv.reshape(B, T, 3, n_head, hd).transpose(2, 0, 3, 1, 4),
-                _head_scales(xp, qkv.dtype, hd), out=heads)
-    q, k, v = heads[0], heads[1], heads[2]
-    y = xp.empty((B, n_head, T, hd), dtype=v.dtype)
-    probs = []
-    for start, stop, att in _attention_blocks(q, k, block):
-        xp.matmul(att.astype(v.dtype, copy=False), v[:, :, :stop], out=y[:, :, start:stop])
-        if keep_probs:
-            probs.append(att)
-    y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C)
-    return y, (q, k, v, tuple(probs) if keep_probs else None, block)
-
-
-def _attention_blocks(q, k, block):
-    """(start, stop, probabilities (B, nh, stop - start, stop)) of each block of `block` query
-    rows: softmax(q k^T) (q already scaled) with the future masked, in float32 at least."""
-    xp = array_module(q)
-    T = q.shape[-2]
-    for start in range(0, T, block):
-        stop = min(start + block, T)
-        scores = xp.matmul(q[:, :, start:stop], k[:, :, :stop].swapaxes(-1, -2))  # (B,nh,r,s)
-        yield start, stop, causal_softmax(scores, start)
-
-
-def causal_softmax(scores, start):
-    """Probabilities (float32 at least) of scores (B, nh, R, S) whose row i is query position
-    start + i and sees keys 0 .. start + i: softmax over those, 0 for the later ones. Fused:
-    one kernel on a GPU. `scores` may be overwritten."""
-    return _causal_softmax(scores, start)
-
-
-def _causal_softmax_twin(scores, start):
-    xp = array_module(scores)
-    att = scores.astype(_f32(scores), copy=False)  # the softmax runs in f32, in place
-    rows = att.shape[-2]
-    # -inf above the diagonal of the block's last `rows` keys; every row keeps its diagonal,
-    # so the row max stays finite
-    att[..., start:] += _future_mask(xp, rows, att.dtype)[:, :att.shape[-1] - start]
-    return _softmax_(att)
-
-
-@functools.cache
-def _future_mask(xp, rows: int, dtype):
-    """(rows, rows): -inf above the diagonal, 0 on and below (made once per size)."""
-    return xp.asarray(numpy.where(numpy.triu(numpy.ones((rows, rows), bool), k=1), -numpy.inf,
-                                  0.0).astype(dtype))
-
-
-def softmax_backward(dprobs, probs):
-    """dscores = probs (dprobs - sum(dprobs probs)) over the last axis, in dprobs' dtype
-    (computed in probs' dtype). Fused: one kernel on a GPU."""
-    return _softmax_backward(dprobs, probs)
-
-
-def _softmax_backward_twin(dprobs, probs):
-    d = dprobs.astype(probs.dtype)  # a copy we may overwrite
-    d -= (d * probs).sum(axis=-1, keepdims=True)
-    d *= probs
-    return d.astype(dprobs.dtype, copy=False)
-
-
-_causal_softmax = kernels.fused(_causal_softmax_twin, kernels.cuda_causal_softmax)
-_softmax_backward = kernels.fused(_softmax_backward_twin, kernels.cuda_softmax_backward)
-
-
-def attention_backward(dy, cache):
-    """dy (B, T, C) -> dqkv (B, T, 3C), block by block as attention_forward (recomputing each
-    block's probabilities when the forward kept none). With q' = q / sqrt(hd) and s = q' k^T:
-    dq = (ds k) / sqrt(hd), dk = ds^T q', dv = p^T dy; the transposed products are taken as
-    (x^T y) of the small operands and transposed back as they are written (CuPy's batched
-    matmul copies a non-contiguous operand; a T x T one would be the largest copy)."""
-    xp = array_module(dy)
-    q, k, v, probs, block = cache
-    B, nh, T, hd = q.shape
-    dyh = xp.ascontiguousarray(dy.reshape(B, T, nh, hd).transpose(0, 2, 1, 3))  # (B, nh, T, hd)
-    dqkv = xp.empty((B, T, 3, nh, hd), dtype=q.dtype)
-    blocks = _attention_blocks(q, k, block) if probs is None else (
-        (start, start + att.shape[-2], att)
-        for start, att in zip(range(0, T, block), probs, strict=True))
-    dkT = dvT = None  # (B, nh, hd, T), summed over the blocks
-    for start, stop, att in blocks:  # (B, nh, r, s): rows [start, stop) against keys [0, s)
-        dy_b = dyh[:, :, start:stop]  # (B, nh, r, hd)
-        dvT_b = xp.matmul(dy_b.swapaxes(-1, -2), att.astype(dy.dtype, copy=False))
-        ds = softmax_backward(xp.matmul(dy_b, v[:, :, :stop].swapaxes(-1, -2)), att)
-        xp.multiply(xp.matmul(ds, k[:, :, :stop]).transpose(0, 2, 1, 3), 1.0 / math.sqrt(hd),
-                    out=dqkv[:, start:stop, 0])
-        dkT_b = xp.matmul(q[:, :, start:stop].swapaxes(-1, -2), ds)  # (B, nh, hd, s)
-        if stop == T and dkT is None:  # one block: nothing to sum
-            dkT, dvT = dkT_b, dvT_b
-            continue
-        if dkT is None:
-            dkT, dvT = xp.zeros((2, B, nh, hd, T), dtype=q.dtype)
-        dkT[..., :stop] += dkT_b
-        dvT[..., :stop] += dvT_b
-    dqkv[:, :, 1] = dkT.transpose(0, 3, 1, 2)
-    dqkv[:, :, 2] = dvT.transpose(0, 3, 1, 2)
-    return dqkv.reshape(B, T, 3 * nh * hd)
-
-
 # -- softmax cross-entropy --------------------------------------------------------------------
 
 
@@ -459,13 +295,6 @@ def cross_entropy_backward(cache, dloss=1.0):
     return _cross_entropy_grad(z, lse, targets, ignore_index, dloss / normalizer).reshape(shape)
 
 
-def _row_pieces(n: int, width: int, xp):
-    """Slices of [0, n) rows of `width` elements: about _CHAIN_PIECE elements each on a CPU
-    (cache-sized temporaries), one piece on a GPU."""
-    step = max(1, _CHAIN_PIECE // max(width, 1)) if xp.__name__ == "numpy" else max(n, 1)
-    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
-
-
 def _cross_entropy_rows_twin(z, targets, ignore_index, inv_normalizer):
     """(loss per row * inv_normalizer, log-sum-exp per row), float32 at least, 0 loss where
     the target is ignore_index. z (N, V), targets (N,) int64."""
@@ -473,7 +302,7 @@ def _cross_entropy_rows_twin(z, targets, ignore_index, inv_normalizer):
     f = _f32(z)
     N = z.shape[0]
     loss, lse = xp.empty(N, f), xp.empty(N, f)
-    for rows in _row_pieces(N, z.shape[1], xp):
+    for rows in _pieces(N, xp, z.shape[1]):
         zs = z[rows].astype(f)  # (n, V), a copy we may overwrite
         t = targets[rows]
         m = zs.max(axis=1, keepdims=True)
@@ -492,7 +321,7 @@ def _cross_entropy_grad_twin(z, lse, targets, ignore_index, scale):
     """(exp(z - lse) - onehot(targets)) * scale in z's dtype, 0 on ignored rows."""
     xp = array_module(z)
     dz = xp.empty_like(z)
-    for rows in _row_pieces(z.shape[0], z.shape[1], xp):
+    for rows in _pieces(z.shape[0], xp, z.shape[1]):
         g = z[rows].astype(lse.dtype)  # a copy we may overwrite
         g -= lse[rows, None]
         xp.exp(g, out=g)

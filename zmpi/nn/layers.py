@@ -18,6 +18,7 @@ import math
 import numpy
 
 from zmpi.backend import compute_dtype
+from zmpi.nn import attention as A
 from zmpi.nn import functional as F
 from zmpi.nn.module import Module
 from zmpi.nn.parameter import Parameter, accumulate_grad_, compute_data, grad_out, live
@@ -155,14 +156,14 @@ class CausalSelfAttention(Module):
                            std=std if proj_std is None else proj_std)
 
     def forward(self, x):
-        y, cache = F.attention_forward(self.qkv.forward(x), self.n_head,
+        y, cache = A.attention_forward(self.qkv.forward(x), self.n_head,
                                        keep_probs=not self.recompute_core)  # (B, T, C)
         self._save(cache)
         return self.proj.forward(y)
 
     def backward(self, dy):
         cache = self._pop()
-        return self.qkv.backward(F.attention_backward(self.proj.backward(dy), cache))
+        return self.qkv.backward(A.attention_backward(self.proj.backward(dy), cache))
 
 
 class Dense(Module):

@@ -80,11 +80,13 @@ def grad_out(p, dtype):
     """p.grad, for the caller to write the whole of this gradient into (an `out=`), when it
     holds zeros and is a C-contiguous array of `dtype`: then writing is adding, and the layer
     saves the pass of `accumulate_grad_` (which it still calls; with p.grad itself it does
-    nothing). Else None. Either way p.grad is no longer known to hold zeros."""
-    grad, zeroed = p.grad, p.grad_zeroed
-    p.grad_zeroed = None
-    if grad is None or zeroed is not grad or grad.dtype != dtype or not grad.flags.c_contiguous:
+    nothing), and p.grad is no longer known to hold zeros. Else None (and `accumulate_grad_`
+    may still write instead of adding)."""
+    grad = p.grad
+    if grad is None or p.grad_zeroed is not grad or grad.dtype != dtype \
+            or not grad.flags.c_contiguous:
         return None
+    p.grad_zeroed = None
     return grad
 
 
