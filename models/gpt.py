@@ -54,17 +54,25 @@ class GPTConfig:
     d_model: int = 128
 
 
+def gpt_unit_numels(n_layer: int, d_model: int, vocab_size: int, seq_len: int,
+                    tp: int = 1) -> list[int]:
+    """Parameters one rank holds in each of zmpi's GPT units, [embedding, block x n_layer,
+    LM head], with tensor parallelism over `tp` ranks: the token embedding's ceil(V / tp) d
+    rows (the vocabulary padded) and the position embedding's seq_len d; per block
+    (12 d^2 + 7 d) / tp split (qkv, fc with biases; proj, mlp.proj weights) and 6 d replicated
+    (two LayerNorms, the two row-parallel biases); the head's final LayerNorm, 2 d (it reads
+    the tied embedding)."""
+    d = d_model
+    embedding = (-(-vocab_size // tp) + seq_len) * d
+    return [embedding, *[(12 * d * d + 7 * d) // tp + 6 * d] * n_layer, 2 * d]
+
+
 def gpt_num_params(n_layer: int, d_model: int, vocab_size: int, seq_len: int,
                    tp: int = 1) -> int:
-    """Parameters of zmpi's GPT (tied LM head) that one rank holds, with tensor parallelism
-    over `tp` ranks (1: the whole model): the token embedding's ceil(V / tp) d rows (the
-    vocabulary padded), the position embedding's seq_len d, per block (12 d^2 + 7 d) / tp split
-    (qkv, fc with biases; proj, mlp.proj weights) and 6 d replicated (two LayerNorms, the two
-    row-parallel biases), the final LayerNorm 2 d. At tp = 1: V d + T d + L (12 d^2 + 13 d)
-    + 2 d."""
-    d = d_model
-    return (-(-vocab_size // tp) + seq_len) * d + n_layer * ((12 * d * d + 7 * d) // tp + 6 * d) \
-        + 2 * d
+    """Parameters of zmpi's GPT (tied LM head) that one rank holds with tensor parallelism
+    over `tp` ranks (1: the whole model), the sum of `gpt_unit_numels`. At tp = 1:
+    V d + T d + L (12 d^2 + 13 d) + 2 d."""
+    return sum(gpt_unit_numels(n_layer, d_model, vocab_size, seq_len, tp))
 
 
 def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: int,
@@ -338,18 +346,20 @@ class GPT(UnitModel):
         """The LM head's output projection is the token embedding."""
         return {f"units.{len(self.units) - 1}.wte": "units.0.wte"}
 
-    def generate(self, idx, max_new_tokens, temperature=1.0, rng=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, rng=None, vocab=None):
         """Sample `max_new_tokens` tokens after `idx` (B, T0) int; returns (B, T0 + new) int.
 
         Each step runs the model on the last seq_len tokens and samples from
-        softmax(logits / temperature) with `rng` (a numpy Generator or seed), on the host.
+        softmax(logits / temperature) with `rng` (a numpy Generator or seed), on the host,
+        among the first `vocab` tokens (default all: a model whose vocabulary is larger than
+        its data's samples only the data's).
         """
         rng = numpy.random.default_rng(rng)
         idx = numpy.asarray(_to_host(idx))
         for _ in range(max_new_tokens):
             window, last = self._window(idx)
             with self.inference():
-                logits = self._gathered(self.forward(window)[:, last, :])
+                logits = self._gathered(self.forward(window)[:, last, :])[:, :vocab]
             z = logits.astype(numpy.float64) / temperature
             p = numpy.exp(z - z.max(axis=-1, keepdims=True))
             cdf = numpy.cumsum(p / p.sum(axis=-1, keepdims=True), axis=-1)  # (B, V)

@@ -6,6 +6,8 @@ import sys
 import pytest
 from mpi_util import CLI, REPO_ROOT, launch_mpi
 
+from zmpi.cli.inputs import DEFAULTS
+
 
 def test_estimate_reproduces_design_table():
     out = subprocess.run([sys.executable, "-m", "zmpi.cli", "estimate", "--params", "7.5e9",
@@ -53,7 +55,8 @@ def _args(**kw):
             "seed": None, "strategy": None, "offload_optimizer": False, "offload_param": False,
             "delay_update": None, "shard_group_size": None, "lr_schedule": None,
             "warmup_steps": None, "steps": 100, "profile": False, "data": None,
-            "vocab_size": None, "recompute": None}
+            "vocab_size": None, "recompute": None,
+            **{k: DEFAULTS[k] for k in ("seq_len", "n_layer", "n_head", "d_model")}}
     return argparse.Namespace(**{**base, **kw})
 
 

@@ -23,8 +23,8 @@ import itertools
 import numpy
 
 __all__ = ["CATEGORIES", "MODEL_STATE", "ACTIVATION", "GROUPS", "DEVICES", "MemoryLedger",
-           "OutOfMemory",
-           "model_state_breakdown", "model_state_bytes", "model_state_placement",
+           "OutOfMemory", "model_state_breakdown", "model_state_bytes", "model_state_placement",
+           "held_model_state",
            "comm_volume_elements", "estimate_rows", "ring_bytes", "ARRAY_OPS"]
 
 CATEGORIES = ("param", "grad", "master", "adam_m", "adam_v", "layer_cache", "saved_input",
@@ -288,6 +288,31 @@ def model_state_placement(num_params, world_size, stage, param_bytes=2, grad_byt
     if offload_param:
         host["param"], device["param"] = device["param"], 0.0
     return {"device": device, "host": host}
+
+
+def held_model_state(full_numel: int, shard_numel: int, param_bytes: int, master_bytes: int,
+                     shard_optimizer: bool, shard_gradients: bool, shard_parameters: bool,
+                     offload_optimizer: bool = False, offload_param: bool = False,
+                     spare_grad_shard: bool = False) -> dict[str, dict[str, int]]:
+    """{"device"|"host": {category: bytes}} of the model states one rank holds between steps
+    under a partition strategy's sharding flags (ZeRO stage k: the optimizer from k = 1, the
+    gradients from 2, the parameters from 3), for a layout of `full_numel` padded elements
+    split into shards of `shard_numel`: what the ledger measures (`Strategy.
+    expected_model_state`, which the shared test suite checks, and `zmpi plan`). Gradients
+    are stored in the parameters' dtype (param_bytes), the master weights and Adam's moments
+    in master_bytes. A rank keeps the full gradients unless they are sharded, and a gradient
+    shard where they are sharded or the optimizer is offloaded (on the optimizer's side; a
+    second one with `spare_grad_shard`, the delayed update's)."""
+    P, S, b = full_numel, shard_numel, param_bytes
+    opt = "host" if offload_optimizer else "device"
+    held = {d: dict.fromkeys(MODEL_STATE, 0) for d in DEVICES}
+    held["host" if offload_param else "device"]["param"] = (S if shard_parameters else P) * b
+    held["device"]["grad"] = 0 if shard_gradients else P * b
+    shards = int(shard_gradients or offload_optimizer) + int(spare_grad_shard)
+    held[opt]["grad"] += shards * S * b
+    for category in ("master", "adam_m", "adam_v"):
+        held[opt][category] = (S if shard_optimizer else P) * master_bytes
+    return held
 
 
 ARRAY_OPS = ("allreduce", "reduce_scatter", "allgather")  # the collectives that move model data

@@ -3,6 +3,8 @@
     mpiexec -n 2 python -m zmpi.cli train --stage 3          # what `make demo` runs
     mpiexec -n 4 python -m zmpi.cli train --config configs/gpt_stage2_fp16.json --steps 200
     python -m zmpi.cli estimate --params 7.5e9 --world-size 64   # the ZeRO paper's Fig. 1
+    python -m zmpi.cli plan --n-layer 24 --d-model 2304 --n-head 24 --vocab 51200 \
+        --seq-len 2048 --global-batch 512 --nodes 4 --gpus-per-node 8 --hardware a100
     mpiexec -n 2 python -m zmpi.cli train --stage 2 --offload-optimizer --delay-update
     mpiexec -n 2 python -m zmpi.cli train --save-every 100 --ckpt-dir ckpt --steps 300
     mpiexec -n 4 python -m zmpi.cli train --resume ckpt --steps 600   # any world size
@@ -22,14 +24,16 @@ import argparse
 import sys
 
 from zmpi.checkpoint import CheckpointError
-from zmpi.cli import ckpt, estimate, train
+from zmpi.cli import ckpt, estimate, plan, train
 from zmpi.cli.inputs import (
     DEFAULTS,
+    MODEL_FLAGS,
     SCHEDULE_FLAGS,
     InputError,
     _exit_bad_input,
     _rank,
     check_train_args,
+    resolve_model_args,
 )
 from zmpi.config import RECOMPUTE
 
@@ -83,8 +87,10 @@ def main(argv=None) -> None:
                    "default; decay/cosine end at --steps); default: the config's, else constant")
     t.add_argument("--warmup-steps", type=int, metavar="W", default=None,
                    help="warm-up steps of the schedule (alone: WarmupLR)")
-    for name in ("seq_len", "n_layer", "n_head", "d_model"):
-        t.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=DEFAULTS[name])
+    for name in MODEL_FLAGS:
+        t.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=None,
+                       help=f"the GPT's {name} (model.{name}; default: the config's, else "
+                       f"{DEFAULTS[name]})")
     t.add_argument("--offload-optimizer", action="store_true",
                    help="ZeRO-Offload: master weights, Adam state and update on the host "
                    "(sets zero_optimization.offload_optimizer.device=cpu; stages 1-3)")
@@ -177,6 +183,7 @@ def main(argv=None) -> None:
     e.add_argument("--offload-param", action="store_true",
                    help="stage 3 parameter shards on the host")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan.add_parser(sub)
     c = sub.add_parser("ckpt", help="inspect, verify or consolidate a checkpoint (no MPI)")
     csub = c.add_subparsers(dest="ckpt_command", required=True)
     for name, text in (("inspect", "print the manifest: step, world size, dtypes, files"),
@@ -191,8 +198,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.command == "ckpt":
         ckpt.ckpt(args)
+    elif args.command == "plan":
+        plan.run(args)
     elif args.command == "train":
         try:
+            resolve_model_args(args)
             check_train_args(args)
         except InputError as e:
             _exit_bad_input(str(e))

@@ -41,6 +41,27 @@ def _exit_bad_input(message: str):
     raise SystemExit(2)
 
 
+MODEL_FLAGS = ("seq_len", "n_layer", "n_head", "d_model")  # also the config's model section
+
+
+def resolve_model_args(args) -> None:
+    """--seq-len, --n-layer, --n-head and --d-model not given: the --config's `model` section
+    (what `zmpi plan` writes), else DEFAULTS. (A config that cannot be read is reported by
+    `build_config`; a flag that overrides the section is noted there.)"""
+    from zmpi.config import ConfigError
+
+    section = {}
+    if args.config:
+        try:
+            section = _get(_read_config(args.config), "model")
+        except ConfigError:  # build_config reports it, once, on rank 0
+            section = {}
+    for name in MODEL_FLAGS:
+        if getattr(args, name) is None:
+            value = section.get(name) if isinstance(section, dict) else None
+            setattr(args, name, value if isinstance(value, int) else DEFAULTS[name])
+
+
 INT_FLAGS = {  # dest: the least value the flag accepts
     "steps": 1, "batch": 1, "seq_len": 1, "n_layer": 1, "n_head": 1, "d_model": 1,
     "sample_tokens": 0, "warmup_steps": 1, "save_every": 0, "keep_last": 1,
@@ -254,6 +275,8 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
         _set(cfg, "seed", args.seed, "--seed", notes)
     if args.recompute is not None:
         _set(cfg, "activation_checkpointing.recompute", args.recompute, "--recompute", notes)
+    for name in MODEL_FLAGS:
+        _set(cfg, f"model.{name}", getattr(args, name), f"--{name.replace('_', '-')}", notes)
     cfg.setdefault("seed", 0)
     return cfg
 
@@ -291,6 +314,10 @@ def _checked_inputs(args, world_size: int):
         raise InputError(f"--seq-len {args.seq_len} is not divisible by the tensor-parallel "
                          f"size {tp.autotp_size}: sequence parallelism gives every tensor rank "
                          "an equal share of the positions")
+    planned = resolved.model.vocab_size
+    if planned is not None and planned < vocab_size:
+        raise ConfigError("model.vocab_size", f"{planned} is smaller than the vocabulary of "
+                          f"{source} ({vocab_size})")
     dp = world_size // (resolved.tensor_parallel.autotp_size * resolved.pipeline.stages)
     resolved = resolved.resolve_batch(dp)  # what the engine checks
     try:  # "package.module:Class" imports (runs) that module here, as the engine would

@@ -42,7 +42,8 @@ def train(args) -> None:
         inputs, problem = None, f"{where}: {e}"
     _agree_on_inputs(comm, problem)
     tokenizer, train_tokens, val_tokens, vocab_size, config, notes = inputs
-    model_cfg = GPTConfig(vocab_size, args.seq_len, args.n_layer, args.n_head, args.d_model)
+    model_vocab = _get(config, "model.vocab_size") or vocab_size  # checked: >= vocab_size
+    model_cfg = GPTConfig(model_vocab, args.seq_len, args.n_layer, args.n_head, args.d_model)
     try:
         args.seed = config["seed"]  # the config's, unless --seed overrides it
         # the mesh first: a tensor-parallel GPT is split over its tp group as it is built
@@ -123,7 +124,7 @@ def train(args) -> None:
     if mesh.pp == 1:  # sampling runs the whole model on every rank
         prompt = (tokenizer.encode("ROMEO:\n") if tokenizer else val_tokens[:8].astype(np.int64))
         ids = engine.model.generate(prompt[None, :], args.sample_tokens, temperature=0.8,
-                                    rng=args.seed)[0]
+                                    rng=args.seed, vocab=vocab_size)[0]
         sample = tokenizer.decode(ids) if tokenizer else " ".join(map(str, ids.tolist()))
         log.info("--- sample ---\n" + sample)
     else:

@@ -17,6 +17,7 @@ from .sections import (
     DebugConfig,
     FP16Config,
     MemoryBudgetConfig,
+    ModelConfig,
     OptimizerConfig,
     PipelineConfig,
     SchedulerConfig,
@@ -69,6 +70,7 @@ class Config(_Section):
         default_factory=ActivationCheckpointingConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     memory_budget: MemoryBudgetConfig = field(default_factory=MemoryBudgetConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     seed: int = 0
     steps_per_print: int = 10
     kernels: str = "fused"  # zmpi.kernels: one launch per fused op on a GPU, or "composed"

@@ -14,7 +14,7 @@ from .base import AUTO, ConfigError, _check, _Section
 
 __all__ = ["OptimizerConfig", "SchedulerConfig", "FP16Config", "BF16Config",
            "TensorParallelConfig", "PipelineConfig", "ActivationCheckpointingConfig",
-           "DebugConfig", "MemoryBudgetConfig", "RECOMPUTE"]
+           "DebugConfig", "MemoryBudgetConfig", "ModelConfig", "RECOMPUTE"]
 
 
 _OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW"}
@@ -142,6 +142,32 @@ class MemoryBudgetConfig(_Section):
 
     def _validate(self):
         self._at_least(1, "device", "host")
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    """`model` (zmpi's): the GPT shape the config is for (what `zmpi plan` writes): n_layer,
+    d_model, n_head, seq_len and vocab_size (the model's vocabulary, at least the data's;
+    None: the data's). `zmpi train` builds this model (its flags override a key, with a
+    note); an Engine given another model raises ConfigError naming the key. Empty: any."""
+
+    n_layer: int | None = None
+    d_model: int | None = None
+    n_head: int | None = None
+    seq_len: int | None = None
+    vocab_size: int | None = None
+
+    SHAPE = ("n_layer", "d_model", "n_head", "seq_len", "vocab_size")
+
+    def _validate(self):
+        self._at_least(1, *self.SHAPE)
+        if self.d_model is not None and self.n_head is not None:
+            _check(self.d_model % self.n_head == 0, "n_head",
+                   f"{self.n_head} does not divide d_model {self.d_model}")
+
+    def given(self) -> dict:
+        """{key: value} of the keys set."""
+        return {k: getattr(self, k) for k in self.SHAPE if getattr(self, k) is not None}
 
 
 @dataclass(frozen=True)

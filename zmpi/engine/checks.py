@@ -67,6 +67,18 @@ def check_mesh(mesh, config, model) -> None:
             f"sequence_parallel={want})")
 
 
+def check_model_shape(config, model) -> None:
+    """ConfigError unless the model has the shape the config's `model` section gives (a model
+    without a GPT `config` matches only an empty section)."""
+    from zmpi.config import ConfigError
+
+    for key, value in config.model.given().items():
+        built = getattr(getattr(model, "config", None), key, None)
+        if built != value:
+            raise ConfigError(f"model.{key}", f"the config is for {key} {value}, the model "
+                              f"given has {built}")
+
+
 def check_units(units, unit_params) -> None:
     seen = {}
     for u, params in enumerate(unit_params):

@@ -39,6 +39,7 @@ from zmpi.checkpoint.tensor import TensorSplits
 from zmpi.engine.checks import (
     as_one_unit,
     check_mesh,
+    check_model_shape,
     check_replicas,
     check_same_on_replicas,
     check_units,
@@ -87,6 +88,7 @@ class Engine:
         self.mesh = mesh if mesh is not None else Mesh(
             comm, tp=config.tensor_parallel.autotp_size, pp=config.pipeline.stages)
         check_mesh(self.mesh, config, model)
+        check_model_shape(config, model)
         self.config = config.resolve_batch(self.mesh.dp)
         self.micro_batch = self.config.train_micro_batch_size_per_gpu
         self.accumulation = self.config.gradient_accumulation_steps

@@ -10,7 +10,7 @@ settings.
 from __future__ import annotations
 
 from zmpi.config import ConfigError
-from zmpi.memory import DEVICES, MODEL_STATE, ring_bytes
+from zmpi.memory import held_model_state, ring_bytes
 
 
 class Declarations:
@@ -61,16 +61,8 @@ class Declarations:
         this rank holds between steps: what the ledger must measure (the shared test suite
         checks). Derived from the flags and the offload settings; a policy that keeps more
         overrides it."""
-        P, S = self.layout.full_numel, self.layout.shard_numel
-        b, mb = self.dtype.itemsize, self.master_dtype.itemsize
-        opt = "host" if self.offload_optimizer else "device"
-        held = {d: dict.fromkeys(MODEL_STATE, 0) for d in DEVICES}
-        held["host" if self.offload_param else "device"]["param"] = \
-            (S if self.shard_parameters else P) * b
-        held["device"]["grad"] = 0 if self.shard_gradients else P * b
-        grad_shards = int(self.shard_gradients or self.offload_optimizer) \
-            + int(self.grads_spare is not None)
-        held[opt]["grad"] += grad_shards * S * b
-        for category in ("master", "adam_m", "adam_v"):
-            held[opt][category] = (S if self.shard_optimizer else P) * mb
-        return held
+        return held_model_state(
+            self.layout.full_numel, self.layout.shard_numel, self.dtype.itemsize,
+            self.master_dtype.itemsize, self.shard_optimizer, self.shard_gradients,
+            self.shard_parameters, self.offload_optimizer, self.offload_param,
+            self.grads_spare is not None)

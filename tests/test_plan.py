@@ -1,0 +1,151 @@
+"""zmpi plan: the candidates it enumerates, the model it builds them from (units, pipeline
+stages, model states) checked against the real model and strategies, the time model's
+formulas, the config it writes (zmpi train runs it), and the command's answers to bad input.
+The predictions against what runs measure: tests/test_plan_validation.py."""
+import json
+import subprocess
+import sys
+
+import pytest
+from mpi_util import CLI, REPO_ROOT, launch_mpi
+
+from zmpi.config import Config
+from zmpi.memory import model_state_breakdown
+from zmpi.models.gpt import GPT, GPTConfig, gpt_unit_numels
+from zmpi.parallel.pipeline.stage import PipelineStage
+from zmpi.plan.hardware import PRESETS
+from zmpi.plan.layout import Job, Layout, layouts, to_config
+from zmpi.plan.memory import stage_memory, stage_units
+from zmpi.plan.search import model_flops_per_step, plan
+from zmpi.plan.time import ring_allreduce, step_time
+
+SMALL = Job(n_layer=4, d_model=64, n_head=4, vocab_size=65, seq_len=32, global_batch=8,
+            nodes=1, gpus_per_node=4, precision="fp32")
+
+
+def _unit_sizes(units):
+    return [sum(int(p.data.size) for _, p in u.named_parameters()) for u in units]
+
+
+def test_unit_numels_are_the_models():
+    model = GPT(GPTConfig(65, 32, 3, 4, 64))
+    assert gpt_unit_numels(3, 64, 65, 32) == _unit_sizes(model.units)
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4])
+def test_stage_units_are_the_pipeline_stages(pp):
+    """Each stage's units (and the last stage's held copy of the embedding) as
+    zmpi.parallel.pipeline builds them."""
+    job = Job(4, 64, 4, 65, 32, 8, 1, pp)
+    for stage in range(pp):
+        built = PipelineStage(GPT(GPTConfig(65, 32, 4, 4, 64)), stage, pp)
+        assert list(stage_units(job, pp, 1)[stage]) == _unit_sizes(built.units), (pp, stage)
+
+
+def test_model_states_follow_the_zero_paper():
+    """Without padding (Psi a multiple of dp) a single stage's model states are ZeRO's
+    Fig. 1 breakdown, in fp16 with K = 12."""
+    job = Job(2, 64, 4, 64, 32, 8, 1, 4, precision="fp16")
+    psi = sum(gpt_unit_numels(2, 64, 64, 32))
+    assert all(n % 4 == 0 for n in gpt_unit_numels(2, 64, 64, 32))
+    for stage in range(4):
+        layout = Layout(4, 1, 1, stage, "none", "none", False, 1, 2, "1f1b")
+        got = stage_memory(job, layout, 0, on_gpu=True).model_state
+        assert got == {"device": sum(model_state_breakdown(psi, 4, stage).values()),
+                       "host": 0}
+
+
+def test_layouts_are_all_valid():
+    seen = list(layouts(SMALL))
+    assert len(seen) == len(set(seen)) > 100
+    for layout in seen:
+        assert layout.dp * layout.pp * layout.tp == SMALL.world_size
+        assert layout.dp * layout.micro_batch * layout.micro_batches == SMALL.global_batch
+        assert SMALL.n_head % layout.tp == 0
+        assert layout.offload == "none" or layout.stage >= 1
+        assert layout.offload != "optimizer+param" or layout.stage == 3
+        assert not layout.sequence_parallel or layout.tp > 1
+        config = Config.from_dict(to_config(SMALL, layout)).resolve_batch(layout.dp)
+        assert config.tensor_parallel.autotp_size == layout.tp
+        assert config.pipeline.stages == layout.pp
+    assert {(x.dp, x.pp, x.tp) for x in seen} == {
+        (dp, pp, tp) for dp in (1, 2, 4) for pp in (1, 2, 4) for tp in (1, 2, 4)
+        if dp * pp * tp == 4}
+
+
+def test_time_model_formulas():
+    hw = PRESETS["a100"]
+    link = hw.intra_node
+    assert ring_allreduce(link, 1e9, 1) == 0
+    assert ring_allreduce(link, 1e9, 4) == pytest.approx(6 * link.latency + 1.5e9 / link.bandwidth)
+    job = Job(8, 512, 8, 1000, 256, 64, 1, 8, "fp16")
+    base = Layout(1, 8, 1, 0, "none", "none", False, 1, 64, "1f1b")
+    t = step_time(job, base, hw)
+    # 8 blocks + embedding + head over 8 stages: the slowest stage sets every micro-batch time
+    assert t.bubble / (t.compute + t.tensor + t.pipeline + t.bubble) == pytest.approx(7 / 71)
+    assert t.tensor == 0
+    tp = step_time(job, Layout(1, 1, 8, 0, "none", "none", False, 1, 64, "1f1b"), hw)
+    assert tp.tensor > 0 and tp.bubble == 0
+    full = step_time(job, Layout(1, 8, 1, 0, "none", "full", False, 1, 64, "1f1b"), hw)
+    assert full.compute > t.compute  # recompute costs a forward
+    assert model_flops_per_step(job, recompute=True) > model_flops_per_step(job)
+
+
+def test_plan_keeps_what_fits_fastest_first():
+    job = Job(24, 2304, 24, 51200, 2048, 512, 4, 8)
+    result = plan(job, PRESETS["a100"], top=5)
+    assert result.considered == result.fitting + sum(result.rejected.values())
+    times = [c.time.total for c in result.best]
+    assert times == sorted(times) and len(times) == 5
+    for c in result.best:
+        assert c.memory.device <= 0.9 * PRESETS["a100"].device_memory
+    tight = plan(job, PRESETS["a100"], device_memory=20e9, top=3)
+    assert tight.fitting < result.fitting
+    assert all(c.memory.device <= 18e9 for c in tight.best)
+
+
+def _plan(*flags, timeout=120):
+    return subprocess.run([sys.executable, "-m", "zmpi.cli", "plan", *flags],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+
+
+SMALL_FLAGS = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--vocab", "65",
+               "--seq-len", "16", "--global-batch", "4", "--nodes", "1", "--gpus-per-node",
+               "2", "--precision", "fp32", "--hardware", "cpu"]
+
+
+def test_the_plan_runs_as_is(tmp_path):
+    """The config `zmpi plan` writes trains under `zmpi train --config` unchanged: the model
+    of its `model` section, on the layout it chose."""
+    out = tmp_path / "plan.json"
+    r = _plan(*SMALL_FLAGS, "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "layouts considered" in r.stdout and f"--config {out}" in r.stdout
+    config = json.loads(out.read_text())
+    assert config["model"] == {"n_layer": 2, "d_model": 32, "n_head": 2, "vocab_size": 65,
+                               "seq_len": 16}
+    run = launch_mpi(CLI, 2, ["train", "--config", str(out), "--steps", "2",
+                              "--sample-tokens", "0", "--out", str(tmp_path / "run")],
+                     timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    saved = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert saved["config"]["model"] == config["model"]
+    assert saved["config"]["zero_optimization"]["stage"] == config["zero_optimization"]["stage"]
+
+
+def test_plan_json_and_bad_inputs(tmp_path):
+    r = _plan(*SMALL_FLAGS, "--json", "--out", str(tmp_path / "p.json"))
+    assert r.returncode == 0, r.stderr
+    answer = json.loads(r.stdout)
+    assert answer["candidates"] and answer["fitting"] >= len(answer["candidates"])
+    for flags, message in (
+            (["--n-head", "3"], "does not divide"),
+            (["--hardware", "tpu9"], "tpu9"),
+            (["--device-memory", "lots"], "--device-memory"),
+            (["--nodes", "0"], "nodes")):
+        r = _plan(*SMALL_FLAGS, *flags, "--out", str(tmp_path / "x.json"))
+        assert r.returncode == 2 and message in r.stderr, (flags, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1
+    r = _plan(*SMALL_FLAGS, "--device-memory", "1kB", "--out", str(tmp_path / "x.json"))
+    assert r.returncode == 1 and "no layout fits" in r.stderr
+    assert not (tmp_path / "x.json").exists()

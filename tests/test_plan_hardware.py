@@ -1,0 +1,250 @@
+"""zmpi.plan.hardware and zmpi.plan.measure: sizes with units, the presets, strict JSON, files,
+and this machine measured (one mpiexec launch for the allreduce, one run under mpiexec)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from mpi_util import launch_mpi
+
+from zmpi.plan import measure
+from zmpi.plan.hardware import PRESETS, Hardware, Link, parse_size
+from zmpi.plan.measure import fit_allreduce_link, load_hardware, measure_this, ring_sent
+
+
+@pytest.mark.parametrize("text, kind, value", [
+    ("80GB", "bytes", 80e9), ("80 GiB", "bytes", 80 * 2**30), ("1.5e9", "bytes", 1.5e9),
+    ("512KiB", "bytes", 512 * 1024), ("2TB", "bytes", 2e12), ("3B", "bytes", 3),
+    (4096, "bytes", 4096), (2.5, "bytes", 2.5), (" 1 TiB ", "bytes", 2**40),
+    ("600GB/s", "bandwidth", 600e9), ("25 GB/s", "bandwidth", 25e9),
+    ("12MiB/s", "bandwidth", 12 * 2**20), ("5us", "latency", 5e-6), ("3µs", "latency", 3e-6),
+    ("1.5ms", "latency", 1.5e-3),
+    ("10ns", "latency", 1e-8), ("2s", "latency", 2.0), ("312TFLOP/s", "flops", 312e12),
+    ("19.5 TFLOPS", "flops", 19.5e12), ("1e9", "flops", 1e9), ("0.6", "number", 0.6),
+])
+def test_parse_size(text, kind, value):
+    assert parse_size(text, "x", kind) == value
+
+
+@pytest.mark.parametrize("text, kind, message", [
+    ("80GB/s", "bytes", "unknown unit 'GB/s'"), ("200Gb/s", "bandwidth", "bits"),
+    ("80gb", "bytes", "unknown unit"), ("5 s", "number", "units for number: none"),
+    ("5us", "bandwidth", "unknown unit"), ("-1GB", "bytes", "positive"),
+    (0, "bytes", "positive"), ("1e999", "bytes", "positive"), (float("nan"), "bytes", "positive"),
+    ("abc", "latency", "such as '5us'"), (True, "bytes", "got True"), (None, "bytes", "None"),
+    ("", "bytes", "expected a number"),
+])
+def test_parse_size_errors_name_what(text, kind, message):
+    with pytest.raises(ValueError, match="--device-memory") as info:
+        parse_size(text, "--device-memory", kind)
+    assert message in str(info.value)
+
+
+def test_parse_size_defaults_to_bytes_and_checks_kind():
+    assert parse_size("80GB", "--device-memory") == 80e9
+    with pytest.raises(ValueError, match="kind"):
+        parse_size("1", "x", "furlongs")
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_round_trip(name, tmp_path):
+    hw = PRESETS[name]
+    assert hw.name == name and set(hw.peak_flops) == {"fp32", "fp16", "bf16"}
+    assert Hardware.from_dict(hw.to_dict()) == hw
+    assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+    hw.save(tmp_path / "hw.json")
+    assert load_hardware(str(tmp_path / "hw.json")) == hw
+    assert load_hardware(tmp_path / "hw.json") == hw
+    assert hw.source and 0 < hw.gemm_efficiency <= 1
+
+
+def test_preset_figures():
+    a100, h100, v100, cpu = (PRESETS[k] for k in ("a100", "h100", "v100", "cpu"))
+    assert a100.peak_flops == {"fp32": 19.5e12, "fp16": 312e12, "bf16": 312e12}
+    assert h100.peak_flops["bf16"] == 989e12 and v100.peak_flops["bf16"] == 15.7e12
+    assert (a100.inter_node.bandwidth, h100.inter_node.bandwidth,
+            v100.inter_node.bandwidth) == (25e9, 50e9, 6.25e9)
+    assert (a100.devices_per_node, v100.devices_per_node) == (8, 16)
+    assert a100.cores_per_node is None and cpu.cores_per_node == cpu.devices_per_node
+
+
+def test_load_hardware_presets_any_case_and_copies():
+    hw = load_hardware("H100")
+    assert hw == PRESETS["h100"] and hw is not PRESETS["h100"]
+    hw.peak_flops["fp16"] = 1.0  # a copy: the preset is untouched
+    assert PRESETS["h100"].peak_flops["fp16"] == 989e12
+
+
+def test_load_hardware_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"'a10'.*a100, h100, v100, cpu.*path of a JSON file"):
+        load_hardware("a10")
+    with pytest.raises(ValueError, match="not found"):
+        load_hardware(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json: not readable as JSON"):
+        load_hardware(str(tmp_path / "bad.json"))
+    d = PRESETS["a100"].to_dict()
+    del d["host_memory"]
+    (tmp_path / "short.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="short.json: hardware: missing key 'host_memory'"):
+        load_hardware(str(tmp_path / "short.json"))
+
+
+def _with_units() -> dict:
+    """The a100 preset as someone would write it by hand, units and all."""
+    return {
+        "name": "a100", "peak_flops": {"fp32": "19.5TFLOP/s", "fp16": "312TFLOP/s",
+                                       "bf16": "312 TFLOPS"},
+        "gemm_efficiency": 0.75, "memory_bandwidth": "2039GB/s", "device_memory": "80GiB",
+        "host_memory": "2TiB", "devices_per_node": 8,
+        "intra_node": {"bandwidth": "300GB/s", "latency": "5us"},
+        "inter_node": {"bandwidth": "25GB/s", "latency": "10us"},
+        "host_device": {"bandwidth": "25GB/s", "latency": "10us"},
+        "host_adam_rate": "1.28e9", "source": PRESETS["a100"].source,
+    }
+
+
+def test_from_dict_reads_units(tmp_path):
+    assert Hardware.from_dict(_with_units()) == PRESETS["a100"]
+    (tmp_path / "mine.json").write_text(json.dumps(_with_units()))
+    assert load_hardware(str(tmp_path / "mine.json")) == PRESETS["a100"]
+
+
+def _changed(path: str, value):
+    """_with_units() with the key at dotted `path` set to `value` (deleted if value is ...)."""
+    d = _with_units()
+    *parents, key = path.split(".")
+    inner = d
+    for p in parents:
+        inner = inner[p]
+    if value is ...:
+        del inner[key]
+    else:
+        inner[key] = value
+    return d
+
+
+@pytest.mark.parametrize("path, value, message", [
+    ("colour", "green", "unknown key 'colour'"),
+    ("peak_flops.fp8", 1e15, "peak_flops: unknown key 'fp8'"),
+    ("intra_node.jitter", 1, "intra_node: unknown key 'jitter'"),
+    ("name", ..., "missing key 'name'"),
+    ("peak_flops.bf16", ..., "peak_flops: missing key 'bf16'"),
+    ("inter_node.latency", ..., "inter_node: missing key 'latency'"),
+    ("host_adam_rate", ..., "missing key 'host_adam_rate'"),
+    ("name", "", "name"),
+    ("peak_flops", [1, 2, 3], "peak_flops: expected an object"),
+    ("peak_flops.fp16", -1, "peak_flops.fp16: must be positive"),
+    ("peak_flops.fp32", "19.5TB", "peak_flops.fp32: unknown unit"),
+    ("gemm_efficiency", 1.5, "gemm_efficiency must be in (0, 1]"),
+    ("gemm_efficiency", 0, "gemm_efficiency: must be positive"),
+    ("memory_bandwidth", "2TB", "memory_bandwidth: unknown unit 'TB'"),
+    ("device_memory", 0, "device_memory: must be positive"),
+    ("host_memory", "lots", "host_memory: expected a number"),
+    ("host_device", 25e9, "host_device: expected an object"),
+    ("intra_node.bandwidth", "300GB", "intra_node.bandwidth: unknown unit"),
+    ("host_device.latency", -1e-6, "host_device.latency: must be positive"),
+    ("devices_per_node", 0, "devices_per_node must be a positive integer"),
+    ("devices_per_node", 8.0, "devices_per_node must be a positive integer"),
+    ("devices_per_node", True, "devices_per_node must be a positive integer"),
+    ("cores_per_node", "64", "cores_per_node must be a positive integer"),
+    ("host_adam_rate", "1e9/s", "host_adam_rate: unknown unit"),
+    ("source", 3, "source must be a string"),
+    ("measured", [], "measured must be an object"),
+])
+def test_from_dict_rejects(path, value, message):
+    with pytest.raises(ValueError) as info:
+        Hardware.from_dict(_changed(path, value))
+    assert message in str(info.value)
+
+
+def test_from_dict_optional_keys():
+    hw = Hardware.from_dict(_changed("source", ...))
+    assert hw.source == "" and hw.cores_per_node is None and hw.measured == {}
+    assert Hardware.from_dict(_changed("cores_per_node", None)).cores_per_node is None
+    with pytest.raises(ValueError, match="expected an object"):
+        Hardware.from_dict([("name", "x")])
+
+
+def test_fit_allreduce_link_reproduces_both_points():
+    measured = {"ranks": 4, "messages": 6, "small_bytes": 8, "small_seconds": 30e-6,
+                "large_bytes": 2**25, "large_seconds": 5e-3}
+    link = fit_allreduce_link(measured)
+    for size in ("small", "large"):
+        predicted = link.seconds(ring_sent(measured[f"{size}_bytes"], 4), messages=6)
+        assert predicted == pytest.approx(measured[f"{size}_seconds"], rel=1e-12)
+    with pytest.raises(RuntimeError, match="no longer"):
+        fit_allreduce_link({**measured, "large_seconds": 20e-6})
+
+
+@pytest.mark.parametrize("body, timeout, message", [
+    ("echo broken >&2; exit 3", 30, "failed (exit code 3)"),
+    ("echo no json here", 30, "failed (exit code 0)"),
+    ("sleep 30", 0.5, "did not finish in 0.5 s"),
+])
+def test_launch_allreduce_failures(tmp_path, monkeypatch, body, timeout, message):
+    fake = tmp_path / "mpiexec"
+    fake.write_text(f"#!/bin/sh\n{body}\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(measure, "_mpiexec", lambda: str(fake))
+    with pytest.raises(RuntimeError, match="zmpi.plan.measure --comm") as info:
+        measure.launch_allreduce(2, timeout)
+    assert message in str(info.value)
+
+
+def test_measure_this_needs_two_ranks():
+    with pytest.raises(ValueError, match="ranks must be >= 2"):
+        measure_this(ranks=1)
+
+
+def _check_measured(hw: Hardware, ranks: int) -> None:
+    """Every figure positive and finite; the link predicts the allreduces it came from."""
+    figures = [*hw.peak_flops.values(), hw.memory_bandwidth, hw.device_memory, hw.host_memory,
+               hw.host_adam_rate, *(x for link in (hw.intra_node, hw.inter_node,
+                                                   hw.host_device)
+                                    for x in (link.bandwidth, link.latency))]
+    assert all(math.isfinite(x) and x > 0 for x in figures), hw
+    assert hw.name == "this" and hw.gemm_efficiency == 1.0
+    assert hw.devices_per_node == hw.cores_per_node >= 1 and hw.intra_node == hw.inter_node
+    assert len(set(hw.peak_flops.values())) == 1
+    allreduce = hw.measured["allreduce"]
+    assert allreduce["ranks"] == ranks and allreduce["messages"] == 2 * (ranks - 1)
+    for size in ("small", "large"):
+        predicted = hw.inter_node.seconds(ring_sent(allreduce[f"{size}_bytes"], ranks),
+                                          messages=allreduce["messages"])
+        assert predicted == pytest.approx(allreduce[f"{size}_seconds"], rel=1e-9)
+    assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(150)
+def test_measure_this():
+    said = []
+    hw = measure_this(ranks=2, progress=said.append, timeout=120)
+    _check_measured(hw, ranks=2)
+    assert any("GEMM" in s for s in said) and any("allreduce link" in s for s in said)
+
+
+RANK_SCRIPT = """
+import json, sys
+from zmpi.comm import MPI
+from zmpi.plan.measure import measure_this
+hw = measure_this().to_dict()
+del hw["measured"]  # each rank's raw figures; the rest is the slowest rank's, the same
+with open(f"{sys.argv[1]}/hw{MPI.COMM_WORLD.Get_rank()}.json", "w") as fh:
+    json.dump(hw, fh)  # a file per rank: the ranks' stdout lines may interleave
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(150)
+def test_measure_this_under_mpi_is_collective(tmp_path):
+    script = tmp_path / "measure_ranks.py"
+    script.write_text(RANK_SCRIPT)
+    result = launch_mpi(script, 2, [str(tmp_path)], timeout=120)
+    assert result.returncode == 0, result.describe()
+    first, second = (json.loads((tmp_path / f"hw{r}.json").read_text()) for r in (0, 1))
+    assert first == second
+    assert "all 2 ranks at once" in first["source"]
+    assert Link(**first["intra_node"]).bandwidth > 0

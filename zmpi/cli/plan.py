@@ -1,0 +1,114 @@
+"""`zmpi plan`: the fastest layouts of a GPT on a cluster that fit its memory (zmpi.plan), with
+their memory and time, and the best one written as a config `zmpi train` runs as is."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from zmpi.models.gpt import gpt_num_params
+from zmpi.plan.hardware import parse_size
+from zmpi.plan.layout import PRECISIONS, Job, to_config
+from zmpi.plan.measure import load_hardware
+from zmpi.plan.search import RESERVE, plan
+
+
+def add_parser(sub) -> None:
+    """The `plan` subcommand's flags."""
+    p = sub.add_parser("plan", help="choose dp x pp x tp, ZeRO stage, offload, recompute and "
+                       "micro-batch for a GPT on a cluster (docs/plan.md)")
+    p.add_argument("--model", choices=("gpt",), default="gpt", help="the model family")
+    for flag, text in (("--n-layer", "transformer blocks"), ("--d-model", "hidden size"),
+                       ("--n-head", "attention heads"), ("--seq-len", "sequence length"),
+                       ("--global-batch", "sequences per optimizer step"),
+                       ("--nodes", "nodes"), ("--gpus-per-node", "GPUs (ranks) per node")):
+        p.add_argument(flag, type=int, required=True, help=text)
+    p.add_argument("--vocab", "--vocab-size", dest="vocab", type=int, required=True,
+                   help="vocabulary size")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp16",
+                   help="parameter and gradient storage (default fp16)")
+    p.add_argument("--hardware", default="a100",
+                   help="a100, h100, v100, cpu, this (measure this machine), or a JSON file "
+                   "(docs/plan.md#hardware; default a100)")
+    p.add_argument("--device-memory", metavar="SIZE", default=None,
+                   help="memory per device, e.g. 80GB (default: the hardware's)")
+    p.add_argument("--host-memory", metavar="SIZE", default=None,
+                   help="host memory per node, e.g. 1TB (default: the hardware's)")
+    p.add_argument("--top", type=int, default=5, help="how many layouts to print (default 5)")
+    p.add_argument("--out", default="plan.json",
+                   help="where the best layout's config goes (default plan.json)")
+    p.add_argument("--save-hardware", metavar="FILE", default=None,
+                   help="also write the hardware used (e.g. --hardware this, measured) as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print the job, hardware and candidates as JSON instead of a table")
+
+
+def run(args) -> None:
+    """`zmpi plan`: exits with code 2 and one line on a bad input, 1 if no layout fits."""
+    try:
+        job = Job(args.n_layer, args.d_model, args.n_head, args.vocab, args.seq_len,
+                  args.global_batch, args.nodes, args.gpus_per_node, args.precision)
+        if args.top < 1:
+            raise ValueError(f"--top must be >= 1, got {args.top}")
+        device = None if args.device_memory is None else \
+            parse_size(args.device_memory, "--device-memory")
+        host = None if args.host_memory is None else parse_size(args.host_memory, "--host-memory")
+        say = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
+        hw = load_hardware(args.hardware, progress=say)
+    except ValueError as e:
+        print(f"zmpi plan: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.save_hardware:
+        hw.save(args.save_hardware)
+    start = time.perf_counter()
+    result = plan(job, hw, device, host, args.top)
+    seconds = time.perf_counter() - start
+    if args.json:
+        print(json.dumps({"job": job.__dict__, "hardware": hw.to_dict(),
+                          "considered": result.considered, "fitting": result.fitting,
+                          "rejected": result.rejected, "seconds": seconds,
+                          "candidates": [c.to_dict() for c in result.best]}, indent=2))
+    else:
+        _print_table(job, hw, result, device, seconds)
+    if not result.best:
+        print("zmpi plan: no layout fits; give more nodes, more memory, or a smaller model or "
+              "batch", file=sys.stderr)
+        raise SystemExit(1)
+    with open(args.out, "w", encoding="utf-8") as fh:
+        json.dump(to_config(job, result.best[0].layout), fh, indent=2)
+        fh.write("\n")
+    launch = f"mpiexec -n {job.world_size} python -m zmpi.cli train --config {args.out}"
+    print(f"wrote {args.out} (layout 1); run it: {launch}",
+          file=sys.stderr if args.json else sys.stdout)
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.3g}"
+
+
+def _print_table(job: Job, hw, result, device, seconds) -> None:
+    psi = gpt_num_params(job.n_layer, job.d_model, job.vocab_size, job.seq_len)
+    device = hw.device_memory if device is None else device
+    print(f"GPT {job.n_layer} layers, d {job.d_model}, {job.n_head} heads, vocab "
+          f"{job.vocab_size}, seq {job.seq_len}: {psi / 1e9:.4g} B parameters, {job.precision}; "
+          f"batch {job.global_batch}; {job.nodes} x {job.gpus_per_node} = {job.world_size} "
+          f"ranks of {hw.name} ({_gb(device)} GB each, plans use {RESERVE:.0%})")
+    rejected = ", ".join(f"{n} need more {why}" for why, n in result.rejected.items() if n)
+    print(f"{result.considered} layouts considered in {seconds:.1f} s, {result.fitting} fit"
+          + (f" ({rejected})" if rejected else ""))
+    if not result.best:
+        return
+    print(f"{'#':>2}  {'layout':<72} {'dev GB':>7} {'host GB':>7} {'step s':>8} "
+          f"{'tokens/s':>10} {'TFLOP/s/GPU':>11}")
+    for i, c in enumerate(result.best, 1):
+        tflops = c.model_flops / c.time.total / job.world_size / 1e12
+        print(f"{i:>2}  {c.layout.describe():<72} {_gb(c.memory.device):>7} "
+              f"{_gb(c.memory.host):>7} {c.time.total:>8.4g} {c.tokens_per_s:>10.4g} "
+              f"{tflops:>11.4g}")
+    best = result.best[0]
+    m, t = best.memory, best.time
+    print(f"layout 1, per rank of pipeline stage {m.stage} (GB): model states "
+          f"{_gb(m.model_state['device'])} on the device and {_gb(m.model_state['host'])} on "
+          f"the host, ZeRO buffers {_gb(m.transient)}, activations {_gb(m.activation['device'])}")
+    print("layout 1, per step (s): " + ", ".join(
+        f"{k} {v:.4g}" for k, v in t.to_dict().items() if k != "total"))

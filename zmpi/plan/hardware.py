@@ -1,0 +1,280 @@
+"""The machine a plan is for: peak rates, memories, links and the host Adam's rate.
+
+A `Hardware` is plain data (JSON through `to_dict` / `from_dict`, `save`); PRESETS holds
+a100, h100, v100 and cpu. `zmpi.plan.measure.load_hardware(spec)` gives a preset, the current
+machine measured ("this") or a JSON file of the same fields. Rates are per device (per rank) unless
+a field says otherwise; bandwidths are bytes per second in one direction, latencies seconds.
+
+    hw = Hardware.from_dict(PRESETS["a100"].to_dict())   # a copy of a preset
+    parse_size("80GB", "--device-memory")       # 8e10; units in a file as in a flag
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field, fields
+from decimal import Decimal
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link's alpha-beta cost: sending n bytes takes latency + n / bandwidth seconds."""
+
+    bandwidth: float  # bytes/s, one direction, per device
+    latency: float  # seconds per message
+
+    def seconds(self, nbytes: float, messages: int = 1) -> float:
+        return messages * self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One kind of node and its devices (on a CPU, a rank is a device).
+
+    peak_flops: {"fp32", "fp16", "bf16"}: dense matmul FLOP/s per device at that compute
+        dtype (on a CPU fp16 and bf16 compute in fp32: the fp32 rate).
+    gemm_efficiency: the fraction of peak the model's large matmuls reach (the one efficiency
+        constant; stated with the source of the figures).
+    memory_bandwidth: bytes/s of device memory, for the elementwise work (LayerNorm, GELU,
+        softmax, residual adds, the optimizer on the device).
+    device_memory: bytes per device; host_memory: bytes per node; devices_per_node: devices
+        (ranks) per node; cores_per_node: a CPU's cores (ranks beyond them share them), None
+        for a GPU.
+    intra_node: between the devices of a node (tensor parallelism); inter_node: per device,
+        between nodes (data and pipeline parallelism across nodes); host_device: device <->
+        host copies (offload), per device.
+    host_adam_rate: fp32 parameters per second one rank's host Adam updates.
+    source: where the figures come from.
+    """
+
+    name: str
+    peak_flops: dict
+    gemm_efficiency: float
+    memory_bandwidth: float
+    device_memory: float
+    host_memory: float
+    devices_per_node: int
+    intra_node: Link
+    inter_node: Link
+    host_device: Link
+    host_adam_rate: float
+    cores_per_node: int | None = None
+    source: str = ""
+    measured: dict = field(default_factory=dict)  # raw measurements, for "this"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Hardware:
+        """The Hardware a `to_dict` (or a JSON file of it) describes, checked strictly: an
+        unknown or missing key, a non-positive or malformed figure is a ValueError naming
+        the key. Sizes, rates and latencies may be numbers (bytes, bytes/s, FLOP/s, seconds)
+        or strings with units ("80GB", "600GB/s", "5us", "312TFLOP/s": see `parse_size`)."""
+        _check_keys(d, {f.name for f in fields(cls)}, _OPTIONAL, "hardware")
+        values = dict(d)
+        if not isinstance(d["name"], str) or not d["name"]:
+            raise ValueError(f"hardware: name must be a non-empty string, got {d['name']!r}")
+        flops = d["peak_flops"]
+        _check_keys(flops, set(DTYPES), set(), "peak_flops")
+        values["peak_flops"] = {k: parse_size(flops[k], f"peak_flops.{k}", "flops")
+                                for k in DTYPES}
+        values["gemm_efficiency"] = parse_size(d["gemm_efficiency"], "gemm_efficiency", "number")
+        if values["gemm_efficiency"] > 1:
+            raise ValueError(f"gemm_efficiency must be in (0, 1], got {d['gemm_efficiency']!r}")
+        for key, kind in _QUANTITIES.items():
+            values[key] = parse_size(d[key], key, kind)
+        for key in _LINKS:
+            link = d[key]
+            _check_keys(link, {"bandwidth", "latency"}, set(), key)
+            values[key] = Link(parse_size(link["bandwidth"], f"{key}.bandwidth", "bandwidth"),
+                               parse_size(link["latency"], f"{key}.latency", "latency"))
+        for key in ("devices_per_node", "cores_per_node"):
+            value = d.get(key)
+            if key == "cores_per_node" and value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"hardware: {key} must be a positive integer, got {value!r}")
+        if not isinstance(d.get("source", ""), str):
+            raise ValueError(f"hardware: source must be a string, got {d['source']!r}")
+        if not isinstance(d.get("measured", {}), dict):
+            raise ValueError(f"hardware: measured must be an object, got {d['measured']!r}")
+        return cls(**values)
+
+    def save(self, path) -> None:
+        """Write `to_dict()` as JSON (numbers in bytes, bytes/s, FLOP/s, seconds)."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+DTYPES = ("fp32", "fp16", "bf16")
+_OPTIONAL = {"cores_per_node", "source", "measured"}
+_LINKS = ("intra_node", "inter_node", "host_device")
+_QUANTITIES = {"memory_bandwidth": "bandwidth", "device_memory": "bytes",
+               "host_memory": "bytes", "host_adam_rate": "number"}
+
+
+def _check_keys(d, known: set, optional: set, what: str) -> None:
+    """d is a dict with every key of `known` but `optional`, and no other."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{what}: expected an object with keys {sorted(known)}, got {d!r}")
+    for key in d:
+        if key not in known:
+            raise ValueError(f"{what}: unknown key {key!r} (known: {', '.join(sorted(known))})")
+    for key in sorted(known - optional):
+        if key not in d:
+            raise ValueError(f"{what}: missing key {key!r}")
+
+
+_BYTES = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+          "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_FLOP = {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+UNITS = {  # kind: {unit: its value in bytes, bytes/s, seconds or FLOP/s}
+    "bytes": _BYTES,
+    "bandwidth": {unit + "/s": scale for unit, scale in _BYTES.items()},
+    "latency": {"s": 1, "ms": 1e-3, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ns": 1e-9},
+    "flops": {p + unit: scale for p, scale in _FLOP.items() for unit in ("FLOP/s", "FLOPS")},
+    "number": {},
+}
+_EXAMPLE = {"bytes": "80GB", "bandwidth": "600GB/s", "latency": "5us", "flops": "312TFLOP/s",
+            "number": "1.5e9"}
+_QUANTITY = re.compile(r"\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*(\S*)\s*")
+
+
+def parse_size(text, what: str, kind: str = "bytes") -> float:
+    """A positive, finite quantity of `kind` as a float in base units, from a number (taken
+    as base units) or a string: "80GB" (bytes: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB),
+    "600GB/s" (bandwidth: the same with /s), "5us" (latency: s, ms, us, ns),
+    "312TFLOP/s" (flops: FLOP/s or FLOPS with k, M, G, T, P), "1.5e9" (any kind; "number"
+    takes no unit). Units are case-sensitive ("Gb/s" would be bits). A ValueError names
+    `what` (a key, a flag) on anything else."""
+    if kind not in UNITS:
+        raise ValueError(f"parse_size: kind must be one of {sorted(UNITS)}, got {kind!r}")
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    elif isinstance(text, str) and (match := _QUANTITY.fullmatch(text)):
+        number, unit = match.groups()
+        if unit and unit not in UNITS[kind]:
+            units = ", ".join(UNITS[kind]) or "none"
+            bits = (" (b is bits: 200Gb/s is 25GB/s)"
+                    if re.fullmatch(r"[kKMGTP]?b(ps|/s)?", unit) else "")
+            raise ValueError(f"{what}: unknown unit {unit!r} in {text!r}{bits}; "
+                             f"units for {kind}: {units}")
+        value = float(Decimal(number) * Decimal(repr(UNITS[kind].get(unit, 1))))  # 5us: 5e-6
+    else:
+        raise ValueError(f"{what}: expected a number or a string such as "
+                         f"{_EXAMPLE[kind]!r}, got {text!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what}: must be positive and finite, got {text!r}")
+    return value
+
+
+GiB, TiB = 2**30, 2**40
+GPU_NOTES = (
+    "Per GPU, one direction. gemm_efficiency 0.75, fixed before any comparison: cuBLAS's "
+    "large fp16 GEMMs reach about three quarters of the tensor-core peak on V100, A100 and "
+    "H100 (docs/plan.md compares the predictions with the published runs). Latencies are chosen, "
+    "not measured: 5 us per NVLink collective step, 10 us per InfiniBand step and per "
+    "host<->device copy. device_memory is the HBM capacity (the datasheet's GB are GiB); the "
+    "CUDA context takes a few hundred MiB of it. host_adam_rate: Adam moves 28 bytes per fp32 "
+    "parameter (reads p, g, m, v; writes p, m, v); a node's rate is taken as 70% of its "
+    "sockets' theoretical DRAM bandwidth / 28 B (zmpi's HostAdam reaches 60-100% of copy "
+    "bandwidth on one thread: results/bench_adam), shared by the node's ranks. ")
+
+PRESETS: dict[str, Hardware] = {
+    "a100": Hardware(
+        name="a100",
+        peak_flops={"fp32": 19.5e12, "fp16": 312e12, "bf16": 312e12},
+        gemm_efficiency=0.75,
+        memory_bandwidth=2.039e12,
+        device_memory=80 * GiB,
+        host_memory=2 * TiB,
+        devices_per_node=8,
+        intra_node=Link(300e9, 5e-6),
+        inter_node=Link(25e9, 10e-6),
+        host_device=Link(25e9, 10e-6),
+        host_adam_rate=0.7 * 409.6e9 / 28 / 8,
+        source=GPU_NOTES + (
+            "A100 80GB SXM (NVIDIA A100 datasheet): 312 TFLOP/s dense fp16/bf16 tensor, "
+            "19.5 TFLOP/s fp32 (156 with TF32, which zmpi's fp32 does not assume), "
+            "2,039 GB/s HBM2e. DGX A100 640GB node as in Megatron-LM (Narayanan et al., "
+            "SC'21): 8 GPUs on NVLink 3 / NVSwitch, 600 GB/s per GPU both ways = 300 one way; "
+            "8x HDR 200 Gb/s InfiniBand = 8 x 25 GB/s / 8 GPUs = 25 GB/s per GPU; PCIe Gen4 "
+            "x16, 32 GB/s theoretical, ~25 achieved (two GPUs share a PCIe switch's uplink, "
+            "so all 8 copying at once may see less); 2 TB DDR4 (the 320GB DGX A100 has 1 TB); "
+            "2x AMD EPYC 7742, 16 channels DDR4-3200 = 409.6 GB/s: "
+            "0.7 x 409.6e9 / 28 / 8 ranks = 1.28e9 params/s."),
+    ),
+    "h100": Hardware(
+        name="h100",
+        peak_flops={"fp32": 67e12, "fp16": 989e12, "bf16": 989e12},
+        gemm_efficiency=0.75,
+        memory_bandwidth=3.35e12,
+        device_memory=80 * GiB,
+        host_memory=2 * TiB,
+        devices_per_node=8,
+        intra_node=Link(450e9, 5e-6),
+        inter_node=Link(50e9, 10e-6),
+        host_device=Link(50e9, 10e-6),
+        host_adam_rate=0.7 * 614.4e9 / 28 / 8,
+        source=GPU_NOTES + (
+            "H100 SXM5 80GB (NVIDIA H100 datasheet): 989 TFLOP/s dense fp16/bf16 tensor "
+            "(1,979 with sparsity), 67 TFLOP/s fp32, 3.35 TB/s HBM3. DGX H100 (NVIDIA DGX "
+            "BasePOD reference architecture): 8 GPUs on NVLink 4 / 4 NVSwitch, 900 GB/s per "
+            "GPU both ways = 450 one way; 8x ConnectX-7 NDR 400 Gb/s = 50 GB/s per GPU; PCIe "
+            "Gen5 x16, 64 GB/s theoretical, ~50 achieved; 2 TB DDR5; 2x Xeon Platinum 8480C "
+            "(112 cores), 16 channels DDR5-4800 = 614.4 GB/s: "
+            "0.7 x 614.4e9 / 28 / 8 ranks = 1.92e9 params/s."),
+    ),
+    "v100": Hardware(
+        name="v100",
+        peak_flops={"fp32": 15.7e12, "fp16": 125e12, "bf16": 15.7e12},
+        gemm_efficiency=0.75,
+        memory_bandwidth=900e9,
+        device_memory=32 * GiB,
+        host_memory=1.5 * TiB,
+        devices_per_node=16,
+        intra_node=Link(150e9, 5e-6),
+        inter_node=Link(6.25e9, 10e-6),
+        host_device=Link(12e9, 10e-6),
+        host_adam_rate=0.7 * 256e9 / 28 / 16,
+        source=GPU_NOTES + (
+            "V100 SXM3 32GB (NVIDIA V100 datasheet): 125 TFLOP/s fp16 tensor, 15.7 TFLOP/s "
+            "fp32, 900 GB/s HBM2; no bf16 on Volta: bf16 is given the fp32 rate. DGX-2 node "
+            "as in ZeRO (Rajbhandari et al., SC'20: 25 DGX-2 nodes, 800 Gb/s between nodes) "
+            "and ZeRO-Offload (Ren et al., ATC'21): 16 GPUs on NVLink 2 / NVSwitch, 300 GB/s "
+            "per GPU both ways = 150 one way; 8x EDR 100 Gb/s InfiniBand = 8 x 12.5 GB/s / 16 "
+            "GPUs = 6.25 GB/s per GPU; PCIe Gen3 x16, 15.75 GB/s theoretical, ~12 achieved; "
+            "1.5 TB DDR4; 2x Xeon Platinum 8168, 12 channels DDR4-2666 = 256 GB/s: "
+            "0.7 x 256e9 / 28 / 16 ranks = 4.0e8 params/s."),
+    ),
+    "cpu": Hardware(
+        name="cpu",
+        peak_flops={"fp32": 72e9, "fp16": 72e9, "bf16": 72e9},
+        gemm_efficiency=0.9,
+        memory_bandwidth=0.7 * 409.6e9 / 128,
+        device_memory=512 * GiB,
+        host_memory=512 * GiB,
+        devices_per_node=128,
+        intra_node=Link(0.7 * 409.6e9 / 128 / 4, 5e-6),
+        inter_node=Link(25e9 / 128, 10e-6),
+        host_device=Link(0.7 * 409.6e9 / 128 / 2, 1e-6),
+        host_adam_rate=0.7 * 409.6e9 / 28 / 128,
+        cores_per_node=128,
+        source=(
+            "A generic 2-socket server, one rank per core, one thread each (as zmpi runs on "
+            "CPUs): 2x AMD EPYC 7742 (64 cores each, 2.25 GHz base, AVX2 with two 256-bit FMA "
+            "units: 32 fp32 FLOP/cycle = 72 GFLOP/s per core; zmpi computes fp16/bf16 in "
+            "fp32), gemm_efficiency 0.9 (what a tuned single-thread sgemm reaches; this "
+            "machine's `this` measures its own); 512 GiB DDR4-3200 on 16 channels, 409.6 GB/s "
+            "theoretical, 70% achieved, shared by 128 ranks = 2.24 GB/s per rank. Device and "
+            "host are the same RAM: device_memory = host_memory = the node's, shared by its "
+            "ranks. intra_node: a shared-memory MPI transfer copies into and out of a shared "
+            "segment, 4 bytes moved per byte sent: memory_bandwidth / 4, 5 us per message "
+            "(zmpi's Comm measures ~7 us on a 2-core EPYC VM); inter_node: one HDR 200 Gb/s "
+            "NIC (25 GB/s) shared by 128 ranks, 10 us; host_device: a copy, "
+            "memory_bandwidth / 2, 1 us; host_adam_rate: 28 bytes per parameter, "
+            "2.24e9 / 28 = 8e7 params/s per rank."),
+    ),
+}

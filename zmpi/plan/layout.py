@@ -1,0 +1,151 @@
+"""What `zmpi plan` chooses between: a `Layout` (the process mesh, the ZeRO stage, offload,
+recompute, micro-batching and schedule) for a `Job` (a GPT shape, a global batch, a cluster),
+every candidate layout of a job (`layouts`), and the DeepSpeed-style config that runs one
+(`to_config`, what `zmpi train --config` reads).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+PRECISIONS = ("fp16", "bf16", "fp32")
+OFFLOADS = ("none", "optimizer", "optimizer+param")
+RECOMPUTES = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "gpipe")
+BUCKET_NUMEL = 50_000_000  # reduce_ and allgather_bucket_size of a plan's config (elements)
+
+
+@dataclass(frozen=True)
+class Job:
+    """The model and the run: a GPT (n_layer blocks of width d_model with n_head heads, a
+    vocabulary of vocab_size, sequences of seq_len), global_batch sequences per optimizer
+    step, on nodes x gpus_per_node ranks, in `precision` (parameter and gradient storage;
+    fp16 computes in fp16 on a GPU, bf16 and fp32 in fp32, as zmpi.backend does)."""
+
+    n_layer: int
+    d_model: int
+    n_head: int
+    vocab_size: int
+    seq_len: int
+    global_batch: int
+    nodes: int
+    gpus_per_node: int
+    precision: str = "fp16"
+
+    def __post_init__(self):
+        for name in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len", "global_batch",
+                     "nodes", "gpus_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"n_head {self.n_head} does not divide d_model {self.d_model}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per stored parameter and gradient."""
+        return 4 if self.precision == "fp32" else 2
+
+    def act_bytes(self, on_gpu: bool) -> int:
+        """The activations' itemsize: fp16 computes in fp16 on a GPU only."""
+        return 2 if self.precision == "fp16" and on_gpu else 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a Job: dp x pp x tp ranks (tensor fastest, then data, then pipeline, as
+    zmpi.parallel.mesh orders them), ZeRO `stage`, `offload` (none, the optimizer, or the
+    optimizer and the parameters), activation `recompute`, sequence parallelism (tp > 1),
+    `micro_batch` sequences per rank per micro-step, `micro_batches` m per optimizer step
+    (gradient accumulation, and the pipeline's micro-batches), the pipeline `schedule`."""
+
+    dp: int
+    pp: int
+    tp: int
+    stage: int
+    offload: str
+    recompute: str
+    sequence_parallel: bool
+    micro_batch: int
+    micro_batches: int
+    schedule: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """One line: 'dp 4 pp 2 tp 8, stage 1, offload none, recompute full, sp, b 1 x m 16
+        (1f1b)'."""
+        sp = ", sp" if self.sequence_parallel else ""
+        schedule = f" ({self.schedule})" if self.pp > 1 else ""
+        return (f"dp {self.dp} pp {self.pp} tp {self.tp}, stage {self.stage}, offload "
+                f"{self.offload}, recompute {self.recompute}{sp}, b {self.micro_batch} x m "
+                f"{self.micro_batches}{schedule}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(job: Job, max_tp: int | None = None):
+    """Every Layout zmpi can run `job` with (a generator): tp divides the heads (at most
+    `max_tp`, default a node's GPUs: tensor parallelism stays inside a node), pp at most the
+    model's units, dp x pp x tp the world; the global batch splits into dp x micro_batch x
+    micro_batches; parameter offload with stage 3 only, optimizer offload from stage 1;
+    sequence parallelism where tp > 1 divides seq_len; GPipe only with pipelines."""
+    world = job.world_size
+    max_tp = job.gpus_per_node if max_tp is None else max_tp
+    for tp in _divisors(world):
+        if tp > max_tp or job.n_head % tp:
+            continue
+        for pp in _divisors(world // tp):
+            if pp > job.n_layer + 2:
+                continue
+            dp = world // (tp * pp)
+            if job.global_batch % dp:
+                continue
+            per_rank = job.global_batch // dp
+            for micro_batch in _divisors(per_rank):
+                m = per_rank // micro_batch
+                for stage in range(4):
+                    for offload in OFFLOADS:
+                        if (offload != "none" and stage == 0) or \
+                                (offload == "optimizer+param" and stage != 3):
+                            continue
+                        for recompute in RECOMPUTES:
+                            for sp in ((False, True) if tp > 1 and job.seq_len % tp == 0
+                                       else (False,)):
+                                for schedule in SCHEDULES if pp > 1 else SCHEDULES[:1]:
+                                    yield Layout(dp, pp, tp, stage, offload, recompute, sp,
+                                                 micro_batch, m, schedule)
+
+
+def to_config(job: Job, layout: Layout) -> dict:
+    """The DeepSpeed-style config `zmpi train --config` runs `layout` of `job` with, launched
+    on job.world_size ranks; zmpi's own `model` section carries the GPT shape."""
+    config = {
+        "train_batch_size": job.global_batch,
+        "train_micro_batch_size_per_gpu": layout.micro_batch,
+        "gradient_accumulation_steps": layout.micro_batches,
+        "zero_optimization": {"stage": layout.stage, "overlap_comm": True,
+                              "reduce_bucket_size": BUCKET_NUMEL,
+                              "allgather_bucket_size": BUCKET_NUMEL},
+        "tensor_parallel": {"autotp_size": layout.tp,
+                            "sequence_parallel": layout.sequence_parallel},
+        "pipeline": {"stages": layout.pp, "schedule": layout.schedule},
+        "activation_checkpointing": {"recompute": layout.recompute},
+        "model": {"n_layer": job.n_layer, "d_model": job.d_model, "n_head": job.n_head,
+                  "vocab_size": job.vocab_size, "seq_len": job.seq_len},
+    }
+    if job.precision != "fp32":
+        config[job.precision] = {"enabled": True}
+    if layout.offload != "none":
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if layout.offload == "optimizer+param":
+        config["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    return config

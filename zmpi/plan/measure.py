@@ -1,0 +1,314 @@
+"""Where a `Hardware` comes from: `load_hardware(spec)` (a preset, a JSON file, or "this"), and
+the measurement of this machine (`measure_this`), in a few seconds.
+
+    hw = measure_this(ranks=2, progress=print)
+    python -m zmpi.plan.measure            # the whole Hardware as JSON on stdout
+    mpiexec -n 2 python -m zmpi.plan.measure --comm   # the allreduce only, JSON on rank 0
+
+On a CPU a rank is a device, so every rate is one rank's, on one thread:
+- GEMM: float32 matmuls of a GPT layer's shapes, the best of a few calls each; the rate is
+  their FLOPs over the sum of their best times. fp32 = fp16 = bf16 = that rate (zmpi computes
+  16-bit floats in fp32 on a CPU) and gemm_efficiency = 1 (the rate is what matmuls reach).
+  BLAS threads are the caller's environment's to set (OMP_NUM_THREADS=1, as zmpi runs ranks;
+  `measured["omp_num_threads"]` records it).
+- memory bandwidth: numpy.add of two 64 MiB float32 arrays into a third, 3 x 64 MiB moved.
+- host_device: a 64 MiB copy (bytes copied per second) and an 8-byte copy (the latency):
+  host and device are the same memory on a CPU.
+- allreduce: float32 allreduces of 8 B and 32 MiB through zmpi.comm.Comm over `ranks` ranks
+  (mpiexec beside sys.executable, else on PATH), the slowest rank's median. The link is fitted
+  to the ring model, in which an allreduce of n bytes over N ranks is 2(N-1) messages carrying
+  2(N-1)/N n bytes from each rank: link.seconds(2(N-1)/N n, 2(N-1)) gives both measured times.
+  intra_node = inter_node = that link (one node).
+- host Adam: zmpi.optim.adam.HostAdam stepping an 8 Mi-element fp32 shard on one thread.
+- memories: the machine's RAM (device and host are one memory); devices_per_node =
+  cores_per_node = os.cpu_count().
+Under MPI with more than one rank, `measure_this` is collective over COMM_WORLD: every rank
+measures at once (so the rates are under the others' load) and gets the slowest rank's rates.
+`measured` keeps the raw figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from zmpi.plan.hardware import PRESETS, Hardware, Link
+
+GEMM_SHAPES = ((4096, 512, 2048), (1024, 1024, 1024))  # (m, k, n): (m x k) @ (k x n)
+STREAM_BYTES = 64 << 20  # each array of the add and the copy
+ADAM_NUMEL = 8 << 20
+ALLREDUCE_BYTES = {"small": 8, "large": 32 << 20}  # payloads: for the latency, the bandwidth
+LAUNCH_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_SIZE")
+
+
+def best_seconds(call, repeats: int) -> float:
+    """The least wall time of `repeats` calls of `call()`, after one untimed call."""
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return max(min(times), 1e-9)
+
+
+def measure_gemm(repeats: int = 3) -> dict:
+    """FLOP/s of float32 matmuls (GEMM_SHAPES) and each shape's FLOPs and best seconds."""
+    rng = np.random.default_rng(0)
+    shapes = []
+    for m, k, n in GEMM_SHAPES:
+        a = rng.standard_normal((m, k), dtype=np.float32)
+        b = rng.standard_normal((k, n), dtype=np.float32)
+        c = np.empty((m, n), np.float32)
+        seconds = best_seconds(partial(np.matmul, a, b, out=c), repeats)
+        shapes.append({"shape": [m, k, n], "flops": 2 * m * k * n, "seconds": seconds})
+    rate = sum(s["flops"] for s in shapes) / sum(s["seconds"] for s in shapes)
+    return {"flops_per_s": rate, "shapes": shapes}
+
+
+def measure_memory(repeats: int = 5) -> dict:
+    """Bytes/s of an elementwise add (bytes read and written), of a large copy (bytes
+    copied), and the seconds of an 8-byte copy."""
+    n = STREAM_BYTES // 4
+    a, b, c = np.ones(n, np.float32), np.ones(n, np.float32), np.empty(n, np.float32)
+    add = best_seconds(lambda: np.add(a, b, out=c), repeats)
+    copy = best_seconds(lambda: np.copyto(c, a), repeats)
+    tiny_src, tiny_dst = np.ones(2, np.float32), np.empty(2, np.float32)
+    tiny = best_seconds(lambda: np.copyto(tiny_dst, tiny_src), 100)
+    return {"add_bytes": 3 * a.nbytes, "add_seconds": add, "copy_bytes": a.nbytes,
+            "copy_seconds": copy, "small_copy_bytes": tiny_src.nbytes,
+            "small_copy_seconds": tiny}
+
+
+def measure_adam(repeats: int = 3) -> dict:
+    """Parameters per second of one HostAdam step on one thread (fp32 shard and grads)."""
+    from zmpi import host_kernels
+    from zmpi.optim.adam import HostAdam
+
+    rng = np.random.default_rng(0)
+    param = rng.standard_normal(ADAM_NUMEL, dtype=np.float32)
+    grads = rng.standard_normal(ADAM_NUMEL, dtype=np.float32)
+    m, v = np.zeros_like(param), np.zeros_like(param)
+    opt = HostAdam(lr=1e-3, weight_decay=0.01, threads=1)
+    seconds = best_seconds(lambda: opt.step_(param, grads, m, v), repeats)
+    return {"params": ADAM_NUMEL, "seconds": seconds,
+            "kernel": "numba" if host_kernels.adam is not None else "numpy"}
+
+
+def measure_allreduce(comm, repeats: int = 10) -> dict:
+    """Collective: the slowest rank's median seconds of a float32 allreduce of each of
+    ALLREDUCE_BYTES on `comm` (a zmpi.comm.Comm), the ranks starting each call together."""
+    out = {"ranks": comm.size, "messages": 2 * (comm.size - 1), "repeats": repeats}
+    for name, nbytes in ALLREDUCE_BYTES.items():
+        buf = np.ones(nbytes // 4, np.float32)
+        comm.allreduce(buf)
+        times = []
+        for _ in range(repeats if name == "large" else 5 * repeats):
+            comm.barrier()
+            start = time.perf_counter()
+            comm.allreduce(buf)
+            times.append(time.perf_counter() - start)
+        out[f"{name}_bytes"] = buf.nbytes
+        out[f"{name}_seconds"] = comm.allreduce_scalar(statistics.median(times), op="max")
+    return out
+
+
+def ring_sent(nbytes: float, ranks: int) -> float:
+    """Bytes each rank sends in a ring allreduce of `nbytes` over `ranks` ranks."""
+    return 2 * (ranks - 1) / ranks * nbytes
+
+
+def fit_allreduce_link(allreduce: dict) -> Link:
+    """The Link with which link.seconds(ring_sent(n, N), 2(N-1)) equals both measured
+    allreduce times of `measure_allreduce` (two points, two unknowns)."""
+    ranks, messages = allreduce["ranks"], allreduce["messages"]
+    small = ring_sent(allreduce["small_bytes"], ranks), allreduce["small_seconds"]
+    large = ring_sent(allreduce["large_bytes"], ranks), allreduce["large_seconds"]
+    if large[1] <= small[1]:
+        raise RuntimeError(f"allreduce of {allreduce['large_bytes']} bytes took no longer "
+                           f"than one of {allreduce['small_bytes']}: {allreduce}")
+    bandwidth = (large[0] - small[0]) / (large[1] - small[1])
+    latency = max(small[1] - small[0] / bandwidth, 1e-12) / messages
+    return Link(bandwidth=bandwidth, latency=latency)
+
+
+def _world_size() -> int:
+    """COMM_WORLD's size when this process is an MPI rank already (launched as one, or MPI
+    imported); 1 otherwise, without initialising MPI."""
+    if "mpi4py.MPI" not in sys.modules and not any(v in os.environ for v in LAUNCH_VARIABLES):
+        return 1
+    from zmpi.comm import MPI
+
+    return MPI.COMM_WORLD.Get_size()
+
+
+def _mpiexec() -> str:
+    local = Path(sys.executable).parent / "mpiexec"
+    found = str(local) if local.exists() else shutil.which("mpiexec")
+    if found is None:
+        raise RuntimeError(f"measuring the allreduce needs mpiexec: none beside "
+                           f"{sys.executable} nor on PATH")
+    return found
+
+
+def launch_allreduce(ranks: int, timeout: float) -> dict:
+    """`measure_allreduce` on `ranks` fresh ranks (`python -m zmpi.plan.measure --comm` under
+    mpiexec, one BLAS thread each), killed after `timeout` seconds; a RuntimeError with the
+    command and its output if it fails."""
+    cmd = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "zmpi.plan.measure", "--comm"]
+    root = str(Path(__file__).resolve().parents[2])  # where `zmpi` is importable from
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and its ranks
+        out, err = proc.communicate()
+        raise RuntimeError(f"`{' '.join(cmd)}` did not finish in {timeout:g} s\n"
+                           f"{out[-2000:]}{err[-2000:]}") from None
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed (exit code {proc.returncode})\n"
+                           f"{out[-2000:]}{err[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardware:
+    """This machine as a Hardware named "this" (see the module docstring for what is
+    measured and how). `ranks` (>= 2): how many ranks the allreduce runs on when this process
+    is not an MPI rank already; `timeout`: seconds that launch may take; `progress(str)` is
+    told each measurement."""
+    if ranks < 2:
+        raise ValueError(f"measure_this: ranks must be >= 2 (an allreduce), got {ranks}")
+    world = _world_size()
+    comm = None
+    if world > 1:
+        from zmpi.comm import Comm
+
+        comm = Comm()
+    quiet = progress is None or (comm is not None and comm.rank != 0)
+    say = (lambda message: None) if quiet else progress
+    gemm = measure_gemm()
+    say(f"this: GEMM fp32 {gemm['flops_per_s'] / 1e9:.1f} GFLOP/s per rank "
+        f"({', '.join('x'.join(map(str, s['shape'])) for s in gemm['shapes'])}, best of 3)")
+    memory = measure_memory()
+    say(f"this: memory {memory['add_bytes'] / memory['add_seconds'] / 1e9:.1f} GB/s (add), "
+        f"copy {memory['copy_bytes'] / memory['copy_seconds'] / 1e9:.1f} GB/s")
+    adam = measure_adam()
+    say(f"this: host Adam {adam['params'] / adam['seconds'] / 1e9:.2f} G params/s "
+        f"({adam['kernel']}, one thread)")
+    if comm is not None:
+        allreduce = measure_allreduce(comm)
+    else:
+        say(f"this: allreduce on {ranks} ranks (mpiexec) ...")
+        allreduce = launch_allreduce(ranks, timeout)
+    link = fit_allreduce_link(allreduce)
+    say(f"this: allreduce link {link.bandwidth / 1e9:.2f} GB/s, {link.latency * 1e6:.1f} us "
+        f"per message ({allreduce['ranks']} ranks)")
+    rates = {"gemm": gemm["flops_per_s"], "add": memory["add_bytes"] / memory["add_seconds"],
+             "copy": memory["copy_bytes"] / memory["copy_seconds"],
+             "adam": adam["params"] / adam["seconds"]}
+    copy_latency = memory["small_copy_seconds"]
+    if comm is not None:  # the slowest rank's, so that every rank gets the same Hardware
+        rates = {k: comm.allreduce_scalar(r, op="min") for k, r in rates.items()}
+        copy_latency = comm.allreduce_scalar(copy_latency, op="max")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cores = os.cpu_count() or 1
+    now = datetime.now(timezone.utc)
+    cpu = _cpu_model()
+    return Hardware(
+        name="this",
+        peak_flops={dtype: rates["gemm"] for dtype in ("fp32", "fp16", "bf16")},
+        gemm_efficiency=1.0,
+        memory_bandwidth=rates["add"],
+        device_memory=float(ram),
+        host_memory=float(ram),
+        devices_per_node=cores,
+        intra_node=link,
+        inter_node=link,
+        host_device=Link(rates["copy"], copy_latency),
+        host_adam_rate=rates["adam"],
+        cores_per_node=cores,
+        source=f"measured by zmpi.plan.measure on {now.date().isoformat()}: {cpu}, "
+               f"{cores} CPUs, {ram / 2**30:.1f} GiB RAM; one thread per rank; "
+               f"{'all ' + str(world) + ' ranks at once' if comm else 'one rank alone'}",
+        measured={"date": now.isoformat(timespec="seconds"), "cpu": cpu,
+                  "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                  "gemm": gemm, "memory": memory, "adam": adam, "allreduce": allreduce,
+                  "rates": rates},
+    )
+
+
+
+def load_hardware(spec, progress=None) -> Hardware:
+    """The Hardware `spec` names: a preset (PRESETS, any case; a copy), "this" (this machine,
+    measured by zmpi.plan.measure.measure_this, reporting through `progress(str)`), or the
+    path of a JSON file of `Hardware.to_dict()`'s keys (units allowed, see `from_dict`).
+    A ValueError says what is wrong: an unknown name, a missing file, bad JSON or fields."""
+    name = str(spec)
+    if name.lower() in PRESETS:
+        return Hardware.from_dict(PRESETS[name.lower()].to_dict())
+    if name.lower() == "this":
+        return measure_this(progress=progress)
+    path = Path(name)
+    if not path.is_file():
+        if path.suffix or len(path.parts) > 1:
+            raise ValueError(f"hardware file {name}: not found")
+        raise ValueError(f"unknown hardware {name!r}: a preset ({', '.join(PRESETS)}), "
+                         f"'this' (measure this machine) or the path of a JSON file")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"hardware file {name}: not readable as JSON: {e}") from None
+    try:
+        return Hardware.from_dict(data)
+    except ValueError as e:
+        raise ValueError(f"hardware file {name}: {e}") from None
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--comm", action="store_true",
+                        help="only the allreduce, on COMM_WORLD (run under mpiexec)")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks for the allreduce")
+    args = parser.parse_args(argv)
+    if args.comm:
+        from zmpi.comm import Comm
+
+        comm = Comm()
+        if comm.size < 2:
+            parser.error("--comm measures an allreduce: run it on >= 2 ranks (mpiexec -n 2)")
+        result = measure_allreduce(comm)
+        if comm.rank == 0:
+            print(json.dumps(result), flush=True)
+        return
+    hardware = measure_this(args.ranks, progress=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(hardware.to_dict(), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The step time of a Layout of a Job on a Hardware: the model `zmpi plan` ranks layouts by.
+
+Per micro-batch on each pipeline stage (one rank's share under tensor parallelism):
+
+- matmuls: forward 2 b s (12 h^2) / t per block plus attention's q k^T and (p v), 4 b r h / t
+  (r: the causal score entries the attention computes, its blocks' lower triangle), the LM
+  head 2 b s h V / t; backward twice the forward; full recompute adds the blocks' forward
+  again, selective the q k^T; at peak x gemm_efficiency of the compute dtype (fp16 on a GPU
+  in fp16; bf16 and fp32 in fp32), a CPU rank getting cores / ranks of it when oversubscribed;
+- elementwise work (LayerNorm, GELU, softmax, residuals, the loss): ELEMENTWISE_PASSES times
+  the micro-batch's activation bytes, at the memory bandwidth;
+- tensor parallelism: 4 allreduces of b s h activations per block (2 forward, 2 backward; 6
+  with full recompute), 2 for the embedding and LM head, ring cost 2 (t-1)/t n / B + 2 (t-1)
+  alpha on the node's link (sequence parallelism moves the same bytes);
+- pipeline: the stage's output forward and its gradient backward, alpha + n / B each.
+
+The pipeline runs (m + p - 1) micro-batch times of its slowest stage (the bubble is
+(p - 1) / (m + p - 1) of it). Data parallelism: the ZeRO stage's ring passes over the stage's
+padded parameters (stages 0-1 once a step; stage 2 reduce-scatters every micro-step, stage 3
+also gathers twice), latency 2 (d-1) or (d-1) alpha per unit and pass; with overlap (a GPU, or
+a CPU with a core to spare) the gradient passes hide behind backward (all micro-steps' for
+stages 2-3, the last one's for 0-1) except the last unit's. The optimizer: Adam over the
+rank's master elements at the memory bandwidth, or at the host Adam's rate with offload plus
+the gradient shard down and the parameters up over the host link (stage 3 parameter offload:
+each gather's shard too).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+
+from zmpi.nn.attention import attention_block
+from zmpi.plan.hardware import Hardware, Link
+from zmpi.plan.layout import Job, Layout
+from zmpi.plan.memory import _micro_batch_activation, _padded, stage_units
+
+ELEMENTWISE_PASSES = 6  # activation bytes touched per micro-batch: written and read forward,
+#                         read with their gradients written and read backward
+ADAM_BYTES = 24  # fp32 master, m, v read and written per element (+ gradient and parameter)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step: `compute` (matmuls and elementwise work of the slowest
+    stage's micro-batches, recompute included), `tensor` and `pipeline` (their
+    communication on that stage), `bubble` (the pipeline's idle time), `data` (exposed
+    data-parallel communication), `optimizer` (the update, host copies included); `total`."""
+
+    compute: float
+    tensor: float
+    pipeline: float
+    bubble: float
+    data: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.tensor + self.pipeline + self.bubble + self.data
+                + self.optimizer)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def ring_allreduce(link: Link, nbytes: float, ranks: int, messages: int = 1) -> float:
+    """Seconds of a ring allreduce of `nbytes` over `ranks`: 2 (n-1)/n of it sent per rank."""
+    if ranks == 1:
+        return 0.0
+    return link.seconds(2 * (ranks - 1) / ranks * nbytes, 2 * (ranks - 1) * messages)
+
+
+def ring_pass(link: Link, nbytes: float, ranks: int, messages: int = 1) -> float:
+    """Seconds of a ring reduce-scatter or allgather of a `nbytes` buffer over `ranks`."""
+    if ranks == 1:
+        return 0.0
+    return link.seconds((ranks - 1) / ranks * nbytes, (ranks - 1) * messages)
+
+
+def _links(job: Job, layout: Layout, hw: Hardware) -> dict[str, Link]:
+    """The link each dimension's collectives cross: tensor ranks are neighbours, then data,
+    then pipeline (zmpi.parallel.mesh); a group inside one node uses intra_node."""
+    g = job.gpus_per_node
+
+    def link(span):
+        return hw.intra_node if span <= g else hw.inter_node
+    return {"tp": link(layout.tp), "dp": link(layout.tp * layout.dp),
+            "pp": link(layout.tp * layout.dp * layout.pp) if layout.pp > 1 else hw.intra_node}
+
+
+def matmul_rate(job: Job, hw: Hardware, ranks_per_node: int) -> float:
+    """FLOP/s one rank's matmuls reach."""
+    on_gpu = hw.cores_per_node is None
+    dtype = "fp16" if job.precision == "fp16" and on_gpu else "fp32"
+    share = 1.0 if on_gpu else min(1.0, hw.cores_per_node / ranks_per_node)
+    return hw.peak_flops[dtype] * hw.gemm_efficiency * share
+
+
+def can_overlap(hw: Hardware, ranks_per_node: int) -> bool:
+    """Whether communication proceeds while a rank computes: on a GPU, or with a spare core."""
+    return hw.cores_per_node is None or ranks_per_node < hw.cores_per_node
+
+
+def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
+    """The predicted StepTime of `layout` (see the module docstring)."""
+    on_gpu = hw.cores_per_node is None
+    ranks_per_node = min(job.gpus_per_node, job.world_size)
+    rate = matmul_rate(job, hw, ranks_per_node)
+    bandwidth = hw.memory_bandwidth * (1.0 if on_gpu else
+                                       min(1.0, hw.cores_per_node / ranks_per_node))
+    links = _links(job, layout, hw)
+    act = _micro_batch_activation(job, layout.tp, layout.sequence_parallel, layout.recompute,
+                                  layout.micro_batch, on_gpu)
+    b, s, h, t = layout.micro_batch, job.seq_len, job.d_model, layout.tp
+    block = attention_block(s, b * job.n_head // t, on_gpu)
+    scores = b * causal_entries(s, block)
+    linear = 2 * b * s * 12 * h * h / t
+    attention = 4 * scores * h / t
+    block_forward = linear + attention
+    block_extra = {"none": 0.0, "selective": attention / 2, "full": block_forward}
+    head_forward = 2 * b * s * h * -(-job.vocab_size // t)
+    activation_bytes = b * s * h * job.act_bytes(on_gpu)
+    allreduce = ring_allreduce(links["tp"], activation_bytes, t)
+    per_block_allreduces = 6 if layout.recompute == "full" else 4
+    stages = stage_units(job, layout.pp, layout.tp)
+    micro = []
+    kinds = {(st == 0, st == layout.pp - 1, len(units)) for st, units in enumerate(stages)}
+    for first, last, n_units in kinds:  # stages alike in what they run take alike times
+        blocks = n_units - first - last - (1 if layout.pp > 1 and last else 0)
+        flops = blocks * (3 * block_forward + block_extra[layout.recompute]) \
+            + (3 * head_forward if last else 0)
+        elementwise = ELEMENTWISE_PASSES * (blocks * act["layer"]
+                                            + (act["head"] + act["loss"] if last else 0))
+        tensor = allreduce * (blocks * per_block_allreduces + first + last)
+        pipe = 0.0 if layout.pp == 1 else \
+            links["pp"].seconds(activation_bytes, 1) * (2 - first - last)
+        micro.append((flops / rate + elementwise / bandwidth, tensor, pipe))
+    slowest = max(micro, key=lambda x: sum(x))
+    m, p = layout.micro_batches, layout.pp
+    compute, tensor, pipe = (m * x for x in slowest)
+    bubble = (p - 1) * sum(slowest)
+    heaviest = max(range(p), key=lambda st: sum(stages[st]))
+    data, optimizer = _data_and_optimizer(job, layout, hw, stages[heaviest], links["dp"],
+                                          slowest, bandwidth, ranks_per_node)
+    return StepTime(compute, tensor, pipe, bubble, data, optimizer)
+
+
+@functools.cache
+def causal_entries(seq_len: int, block: int) -> int:
+    """Score entries causal attention computes per sequence and head, in query blocks of
+    `block` rows each against the keys up to the block's end (zmpi.nn.attention)."""
+    return sum((min(i + block, seq_len) - i) * min(i + block, seq_len)
+               for i in range(0, seq_len, block))
+
+
+def _data_and_optimizer(job, layout, hw, units, link, slowest, bandwidth, ranks_per_node):
+    """(exposed data-parallel seconds, optimizer seconds) per step for the stage holding
+    `units` (parameter counts), its slowest micro-batch times `slowest`."""
+    d, m, pb = layout.dp, layout.micro_batches, job.param_bytes
+    padded = [_padded(n, d) for n in units]
+    full, shard = sum(padded), sum(padded) // d
+    nbytes, count = full * pb, len(padded)
+    grads = {0: ring_allreduce(link, nbytes, d, count),
+             1: ring_pass(link, nbytes, d, count),
+             2: m * ring_pass(link, nbytes, d, count),
+             3: 3 * m * ring_pass(link, nbytes, d, count)}[layout.stage]
+    params = ring_pass(link, nbytes, d, count) if layout.stage in (1, 2) else 0.0
+    if can_overlap(hw, ranks_per_node):
+        hidden = sum(slowest) * (m if layout.stage >= 2 else 1) * 2 / 3  # backward's share
+        grads = max(grads - hidden, grads / count)
+    owned = shard if layout.stage >= 1 else full
+    if layout.offload == "none":
+        optimizer = owned * (ADAM_BYTES + 2 * pb) / bandwidth
+    else:
+        copies = 2 * shard * pb * (1 + (2 * m if layout.offload == "optimizer+param" else 0))
+        optimizer = owned / hw.host_adam_rate + hw.host_device.seconds(copies, 2)
+    return grads + params, optimizer
