@@ -1,0 +1,347 @@
+"""Validate `zmpi plan`'s model against the engine: for a small GPT, a representative set of
+the layouts the planner enumerates is run for a few steps on this machine, and the ledger's
+bytes and the measured step time are compared with `zmpi.plan.memory.stage_memory` and
+`zmpi.plan.time.step_time` (on this machine measured as a Hardware: `--hardware this`).
+
+    OMP_NUM_THREADS=1 python experiments/validate_plan.py --out results/plan_validation
+
+The driver (this script without --worker) measures the hardware (`measure_this(ranks=2)`),
+picks the layouts (every dp x pp x tp with product 1, 2, 4; on each mesh the ZeRO stages 0-3,
+with offload, recompute, sequence parallelism, schedule and the micro-batch split rotating so
+that every choice occurs; optionally a few bf16 / fp32 layouts), and launches one mpiexec per
+world size (`--worker`), which runs the layouts one after another: Mesh, GPT, Engine with
+`to_config(job, layout)`, `--steps` steps on random token batches (the first a warm-up), and
+per rank the ledger (`engine.memory`): model-state bytes per device after the first step,
+each category's and each group's peak over the steps (peaks reset after the engine is
+built), and the step times (the slowest rank's, after a barrier). Compared per rank with the
+prediction for its pipeline stage:
+
+- model states, device and host: predicted exactly (the ledger's bytes after the first step);
+- device total: the ledger's device peak vs StageMemory.device (model states + ZeRO's
+  transients + activations); the parts beside it (transient: the peak of the device bytes
+  other than activations, minus the model states; activation: the activation group's peak);
+- the step time: the median after the warm-up vs StepTime.total.
+
+Writes OUT/table.md, table.csv (a row per layout, its worst rank) and run.json (the hardware,
+every rank's figures); prints a summary. Timings on this machine's 2 shared cores (4 ranks
+oversubscribe them: the model gives each rank cores / ranks of the rates); memory is exact.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from zmpi.plan.layout import OFFLOADS, RECOMPUTES, SCHEDULES, Job, Layout, layouts, to_config
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+MESHES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (4, 1, 1), (2, 2, 1), (2, 1, 2),
+          (1, 2, 2), (1, 4, 1), (1, 1, 4)]  # (dp, pp, tp), every one with dp pp tp <= 4
+MIB = 2**20
+
+
+def job_for(args, world: int, precision: str) -> Job:
+    """The job on `world` ranks of one node (a rank per core, oversubscribed beyond them)."""
+    return Job(args.n_layer, args.d_model, args.n_head, args.vocab, args.seq_len,
+               args.global_batch, 1, world, precision)
+
+
+def pick_layouts(args) -> list[tuple[str, Layout]]:
+    """(precision, layout) pairs: on every mesh the four ZeRO stages, each with an offload the
+    stage allows, a recompute policy, sequence parallelism (tp > 1), a schedule (pp > 1) and a
+    micro-batch split (m = 2 or 4) rotating over the meshes so that every choice occurs
+    (every pair is one `layouts(job)` gives); then a few in the other precisions."""
+    picked = []
+    for i, (dp, pp, tp) in enumerate(MESHES):
+        if dp * pp * tp not in args.worlds or args.n_head % tp or args.global_batch % (4 * dp):
+            continue  # not asked for, or not a layout of this job
+        per_rank = args.global_batch // dp
+        for k in range(4):
+            allowed = [o for o in OFFLOADS if not (o != "none" and k == 0)
+                       and not (o == "optimizer+param" and k != 3)]
+            m = (2, 4)[(k + k // 2 + i) % 2]
+            layout = Layout(dp, pp, tp, k, allowed[(i + k) % len(allowed)],
+                            RECOMPUTES[(i + k) % 3], tp > 1 and (i + k) % 2 == 0,
+                            per_rank // m, m, SCHEDULES[(i + k // 2) % 2] if pp > 1 else "1f1b")
+            picked.append((args.precision, layout))
+    for precision in args.other_precisions:
+        for k, (dp, pp, tp) in enumerate([(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 1)]):
+            if 2 not in args.worlds or args.n_head % tp:
+                continue
+            per_rank = args.global_batch // dp
+            picked.append((precision, Layout(dp, pp, tp, k, "optimizer" if k == 2 else "none",
+                                             "none", False, per_rank // 2, 2, "1f1b")))
+    for precision, layout in picked:
+        world = layout.dp * layout.pp * layout.tp
+        assert layout in set(layouts(job_for(args, world, precision))), layout
+    return picked
+
+
+# -- the worker: one mpiexec per world size, the layouts one after another ------------------
+
+def run_layout(comm, job: Job, layout: Layout, steps: int, seed: int) -> dict:
+    """This rank's figures for one layout (see the module docstring)."""
+    from zmpi.engine import Engine
+    from zmpi.memory import CATEGORIES, GROUPS, MODEL_STATE
+    from zmpi.models.gpt import GPT, GPTConfig
+    from zmpi.parallel.mesh import Mesh
+
+    config = to_config(job, layout)
+    mesh = Mesh(comm, tp=layout.tp, pp=layout.pp)
+    model = GPT(GPTConfig(job.vocab_size, job.seq_len, job.n_layer, job.n_head, job.d_model),
+                seed=seed, tp=mesh.tp_comm, sequence_parallel=layout.sequence_parallel)
+    engine = Engine(model, config, comm, mesh=mesh)
+    memory = engine.memory
+    init_peak = {d: memory.peak(device=d) for d in ("device", "host")}
+    memory.reset_peaks()
+    rows = layout.micro_batch * layout.micro_batches
+    times, losses, after_first = [], [], None
+    for step in range(steps):
+        rng = np.random.default_rng([seed, step, mesh.dp_rank])  # alike on a replica's ranks
+        tokens = rng.integers(0, job.vocab_size, (rows, job.seq_len + 1))
+        # inputs and targets their own arrays, as zmpi.data's samplers give them: the ledger
+        # counts an array kept for backward by the buffer owning its memory
+        inputs, targets = tokens[:, :-1].copy(), tokens[:, 1:].copy()
+        comm.barrier()
+        t0 = time.perf_counter()
+        losses.append(engine.train_step(inputs, targets))
+        times.append(time.perf_counter() - t0)
+        if step == 0:
+            after_first = {d: {c: memory.current(c, d) for c in MODEL_STATE}
+                           for d in ("device", "host")}
+    not_activation = tuple(c for c in CATEGORIES if c not in GROUPS["activation"])
+    out = {
+        "rank": comm.rank, "dp_rank": mesh.dp_rank, "pp_rank": mesh.pp_rank,
+        "tp_rank": mesh.tp_rank,
+        "model_state": {d: sum(v.values()) for d, v in after_first.items()},
+        "model_state_by_category": after_first,
+        "model_state_end": {d: memory.current("model_state", d) for d in ("device", "host")},
+        "peak": {d: memory.peak(device=d) for d in ("device", "host")},
+        "peak_category": {d: {c: memory.peak(c, d) for c in CATEGORIES}
+                          for d in ("device", "host")},
+        "peak_activation": {d: memory.peak("activation", d) for d in ("device", "host")},
+        "peak_not_activation": {d: memory.peak(not_activation, d) for d in ("device", "host")},
+        "peak_model_state": {d: memory.peak("model_state", d) for d in ("device", "host")},
+        "init_peak": init_peak,
+        "times": times, "loss": losses[-1], "skipped_steps": engine.scaler.skipped_steps,
+    }
+    engine.close()
+    return out
+
+
+def worker(args) -> None:
+    from zmpi.comm import Comm
+
+    comm = Comm()
+    todo = json.loads(Path(args.worker).read_text())
+    results = []
+    for item in todo:
+        job, layout = Job(**item["job"]), Layout(**item["layout"])
+        t0 = time.perf_counter()
+        try:
+            mine = run_layout(comm, job, layout, args.steps, args.seed)
+        except ValueError as e:  # a config the engine refuses: alike on every rank
+            mine = {"rank": comm.rank, "error": str(e)}
+        ranks = comm.allgather_object(mine)
+        if comm.rank == 0:
+            results.append({**item, "ranks": ranks, "seconds": time.perf_counter() - t0})
+            print(f"  {layout.describe()} [{job.precision}]: "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+    if comm.rank == 0:
+        Path(args.results).write_text(json.dumps(results))
+
+
+# -- the driver ----------------------------------------------------------------------------
+
+def launch(args, world: int, items: list[dict]) -> list[dict]:
+    """Run `items` on `world` ranks (one mpiexec); their results."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    with tempfile.TemporaryDirectory(prefix="validate-plan-") as tmp:
+        todo, done = Path(tmp) / "todo.json", Path(tmp) / "done.json"
+        todo.write_text(json.dumps(items))
+        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                   MKL_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
+                                                            os.environ.get("PYTHONPATH")])))
+        cmd = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(world),
+               sys.executable, str(Path(__file__).resolve()), "--worker", str(todo),
+               "--results", str(done), "--steps", str(args.steps), "--seed", str(args.seed)]
+        subprocess.run(cmd, check=True, env=env, cwd=REPO, timeout=args.timeout)
+        return json.loads(done.read_text())
+
+
+def ratio(measured: float, predicted: float) -> float:
+    return measured / predicted if predicted else (1.0 if measured == 0 else float("inf"))
+
+
+def compare(item: dict, hw) -> dict:
+    """A row: the layout, its worst rank's memory (predicted / measured) and the step time."""
+    from zmpi.plan.memory import stage_memory
+    from zmpi.plan.time import step_time
+
+    job, layout = Job(**item["job"]), Layout(**item["layout"])
+    row = {"layout": layout.describe(), "precision": job.precision, "world": job.world_size,
+           **{k: v for k, v in layout.to_dict().items()}}
+    if "error" in item["ranks"][0]:
+        return {**row, "error": item["ranks"][0]["error"]}
+    per_rank, exact = [], True
+    for r in item["ranks"]:
+        pred = stage_memory(job, layout, r["pp_rank"], on_gpu=False)
+        measured_transient = r["peak_not_activation"]["device"] - r["model_state"]["device"]
+        ms_ok = all(r["model_state"][d] == pred.model_state[d] for d in ("device", "host"))
+        exact &= ms_ok
+        per_rank.append({
+            "rank": r["rank"], "stage": r["pp_rank"],
+            "ms_pred": pred.model_state, "ms_meas": r["model_state"], "ms_exact": ms_ok,
+            "ms_by_category": r["model_state_by_category"],
+            "transient_pred": pred.transient, "transient_meas": measured_transient,
+            "act_pred": pred.activation["device"], "act_meas": r["peak_activation"]["device"],
+            "act_host_pred": pred.activation["host"], "act_host_meas":
+                r["peak_activation"]["host"],
+            "device_pred": pred.device, "device_meas": r["peak"]["device"],
+            "device_ratio": ratio(r["peak"]["device"], pred.device),
+            "host_pred": pred.host, "host_meas": r["peak"]["host"],
+        })
+    # the worst rank: the device total furthest from its prediction
+    worst = max(per_rank, key=lambda p: abs(p["device_ratio"] - 1))
+    per_step = zip(*(r["times"] for r in item["ranks"]), strict=True)
+    times = [max(ts) for ts in per_step][1:]  # the slowest rank's, without the warm-up
+    measured_s = statistics.median(times)
+    predicted = step_time(job, layout, hw)
+    return {**row, "ms_exact": exact,
+            "ms_device_pred": worst["ms_pred"]["device"], "ms_device_meas":
+                worst["ms_meas"]["device"],
+            "ms_host_pred": worst["ms_pred"]["host"], "ms_host_meas": worst["ms_meas"]["host"],
+            "stage_of_worst": worst["stage"],
+            "transient_pred": worst["transient_pred"], "transient_meas": worst["transient_meas"],
+            "act_pred": worst["act_pred"], "act_meas": worst["act_meas"],
+            "device_pred": worst["device_pred"], "device_meas": worst["device_meas"],
+            "device_ratio": worst["device_ratio"],
+            "time_pred_s": predicted.total, "time_meas_s": measured_s,
+            "time_ratio": measured_s / predicted.total,
+            "time_parts": predicted.to_dict(), "skipped_steps": item["ranks"][0]["skipped_steps"],
+            "loss": item["ranks"][0]["loss"], "per_rank": per_rank}
+
+
+def markdown(rows: list[dict], args, hw) -> list[str]:
+    ok = [r for r in rows if "error" not in r]
+    exact = sum(r["ms_exact"] for r in ok)
+    within5 = sum(abs(r["device_ratio"] - 1) <= 0.05 for r in ok)
+    within20 = sum(abs(r["time_ratio"] - 1) <= 0.20 for r in ok)
+    lines = [
+        f"GPT {args.n_layer} layers, d_model {args.d_model}, {args.n_head} heads, vocabulary "
+        f"{args.vocab}, sequence {args.seq_len}, global batch {args.global_batch}; "
+        f"{args.precision} (and {', '.join(args.other_precisions) or 'no other precision'}); "
+        f"{args.steps} steps per layout, the first a warm-up; hardware measured here "
+        f"(`measure_this`: GEMM {hw.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, memory "
+        f"{hw.memory_bandwidth / 1e9:.1f} GB/s, link {hw.intra_node.bandwidth / 1e9:.2f} GB/s "
+        f"{hw.intra_node.latency * 1e6:.1f} us, {hw.cores_per_node} cores). Per layout its "
+        "rank whose device peak is furthest from the prediction for its pipeline stage; KiB. "
+        "ms: model states (device / host), exact = the ledger's bytes after the first step "
+        "equal the prediction on every rank; transient: the device peak of everything but "
+        "activations, less the model states; act: the activation group's device peak; "
+        "device: the ledger's device peak (all categories at once) vs StageMemory.device; "
+        "time: the median step (the slowest rank's) vs StepTime.total.",
+        "",
+        f"Model states exact on every rank: {exact}/{len(ok)} layouts; device peak within 5%: "
+        f"{within5}/{len(ok)}; step time within 20%: {within20}/{len(ok)}.",
+        "",
+        "| layout | prec | ms device pred / meas | ms host pred / meas | exact | transient "
+        "pred / meas | act pred / meas | device pred / meas | meas/pred | time pred / meas ms "
+        "| meas/pred |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    k = 1024
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['layout']} | {r['precision']} | error: {r['error']} |"
+                         + " |" * 8)
+            continue
+        lines.append(
+            f"| {r['layout']} | {r['precision']} | {r['ms_device_pred'] / k:.1f} / "
+            f"{r['ms_device_meas'] / k:.1f} | {r['ms_host_pred'] / k:.1f} / "
+            f"{r['ms_host_meas'] / k:.1f} | {'yes' if r['ms_exact'] else '**no**'} | "
+            f"{r['transient_pred'] / k:.1f} / {r['transient_meas'] / k:.1f} | "
+            f"{r['act_pred'] / k:.1f} / {r['act_meas'] / k:.1f} | "
+            f"{r['device_pred'] / k:.1f} / {r['device_meas'] / k:.1f} | "
+            f"{r['device_ratio']:.3f} | {r['time_pred_s'] * 1e3:.0f} / "
+            f"{r['time_meas_s'] * 1e3:.0f} | {r['time_ratio']:.2f} |")
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=65)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--precision", default="fp16", choices=("fp16", "bf16", "fp32"))
+    parser.add_argument("--other-precisions", nargs="*", default=["bf16", "fp32"],
+                        help="a few layouts in these precisions too (model states)")
+    parser.add_argument("--steps", type=int, default=4, help="per layout, the first a warm-up")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--worlds", type=int, nargs="*", default=[1, 2, 4])
+    parser.add_argument("--only", type=int, default=None,
+                        help="run only the first N picked layouts of each world (a quick look)")
+    parser.add_argument("--hardware", default="this",
+                        help="'this' (measured now, as `zmpi plan --hardware this`), or a JSON "
+                        "file of a Hardware")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="per mpiexec (s)")
+    parser.add_argument("--out", default="results/plan_validation")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--results", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+
+    from zmpi.plan.hardware import Hardware
+    from zmpi.plan.measure import measure_this
+
+    sys.path.insert(0, str(HERE))
+    from results import write_results
+
+    t0 = time.perf_counter()
+    load = {"before": os.getloadavg()}  # the machine is shared: its load beside the timings
+    hw = measure_this(ranks=2, progress=print) if args.hardware == "this" else \
+        Hardware.from_dict(json.loads(Path(args.hardware).read_text()))
+    picked = pick_layouts(args)
+    rows, raw = [], []
+    for world in args.worlds:
+        items = [{"job": asdict(job_for(args, world, p)), "layout": layout.to_dict()}
+                 for p, layout in picked if layout.dp * layout.pp * layout.tp == world]
+        items = items[:args.only] if args.only else items
+        if not items:
+            continue
+        print(f"world {world}: {len(items)} layouts", flush=True)
+        done = launch(args, world, items)
+        raw.extend(done)
+        rows.extend(compare(item, hw) for item in done)
+    load["after"] = os.getloadavg()
+    lines = markdown(rows, args, hw)
+    lines.append("")
+    lines.append("Load average (1, 5, 15 min) before "
+                 f"{', '.join(f'{x:.2f}' for x in load['before'])}, after "
+                 f"{', '.join(f'{x:.2f}' for x in load['after'])} ({os.cpu_count()} CPUs).")
+    print("\n".join(lines))
+    write_results(args.out, rows, lines, types.SimpleNamespace(size=max(args.worlds)),
+                  argv=sys.argv, args=vars(args), hardware=hw.to_dict(), load=load, ranks=raw,
+                  seconds=time.perf_counter() - t0)
+    print(f"wrote {args.out}/table.md, table.csv, run.json ({time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
