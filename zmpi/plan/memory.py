@@ -67,6 +67,12 @@ def stage_units(job: Job, pp: int, tp: int) -> tuple[tuple[int, ...], ...]:
     return tuple(stages)
 
 
+def stage_blocks(n_units: int, first: bool, last: bool, pp: int) -> int:
+    """Transformer blocks among a stage's `n_units` units: not the embedding (first stage),
+    the head (last stage) or, in a pipeline, the last stage's held copy of the embedding."""
+    return n_units - first - last - (1 if pp > 1 and last else 0)
+
+
 def _padded(numel: int, dp: int) -> int:
     return -(-numel // dp) * dp
 
@@ -121,9 +127,9 @@ def _activation(job: Job, layout: Layout, stage: int, on_gpu: bool) -> dict:
     """{"device", "host"}: the activations stage `stage` keeps at its peak (bytes)."""
     a = _micro_batch_activation(job, layout.tp, layout.sequence_parallel, layout.recompute,
                                 layout.micro_batch, on_gpu)
-    bounds_units = stage_units(job, layout.pp, layout.tp)[stage]
     first, last = stage == 0, stage == layout.pp - 1
-    blocks = len(bounds_units) - first - (1 if layout.pp > 1 and last else 0) - last
+    blocks = stage_blocks(len(stage_units(job, layout.pp, layout.tp)[stage]), first, last,
+                          layout.pp)
     in_flight = layout.micro_batches if layout.schedule == "gpipe" else \
         min(layout.pp - stage, layout.micro_batches)
     end = a["head"] + a["loss"] if last else 0

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from zmpi.nn.attention import attention_block
 from zmpi.plan.hardware import Hardware, Link
 from zmpi.plan.layout import Job, Layout
-from zmpi.plan.memory import _micro_batch_activation, _padded, stage_units
+from zmpi.plan.memory import _micro_batch_activation, _padded, stage_blocks, stage_units
 
 ELEMENTWISE_PASSES = 6  # activation bytes touched per micro-batch: written and read forward,
 #                         read with their gradients written and read backward
@@ -125,7 +125,7 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     micro = []
     kinds = {(st == 0, st == layout.pp - 1, len(units)) for st, units in enumerate(stages)}
     for first, last, n_units in kinds:  # stages alike in what they run take alike times
-        blocks = n_units - first - last - (1 if layout.pp > 1 and last else 0)
+        blocks = stage_blocks(n_units, first, last, layout.pp)
         flops = blocks * (3 * block_forward + block_extra[layout.recompute]) \
             + (3 * head_forward if last else 0)
         elementwise = ELEMENTWISE_PASSES * (blocks * act["layer"]
