@@ -14,7 +14,7 @@ from zmpi.memory import model_state_breakdown
 from zmpi.models.gpt import GPT, GPTConfig, gpt_unit_numels
 from zmpi.parallel.pipeline.stage import PipelineStage
 from zmpi.plan.hardware import PRESETS
-from zmpi.plan.layout import Job, Layout, layouts, to_config
+from zmpi.plan.layout import BUCKET_NUMEL, Job, Layout, layouts, to_config
 from zmpi.plan.memory import stage_memory, stage_units
 from zmpi.plan.search import model_flops_per_step, plan
 from zmpi.plan.time import ring_allreduce, step_time
@@ -53,6 +53,23 @@ def test_model_states_follow_the_zero_paper():
         got = stage_memory(job, layout, 0, on_gpu=True).model_state
         assert got == {"device": sum(model_state_breakdown(psi, 4, stage).values()),
                        "host": 0}
+
+
+def test_gradients_in_flight_stay_under_the_bucket_limit():
+    """ZeRO-2/3 keep every micro-step's unit gradients in flight until the step, up to the
+    strategy's in_flight_limit (two buckets) and one more collective (a unit's gradient and its
+    part), beside the gradient of the unit whose backward runs: with many micro-batches of a
+    large model the peak stops growing with m, as the engine's does."""
+    job = Job(4, 768, 12, 8192, 1024, 64, 1, 8, precision="fp16")
+    limit = 2 * BUCKET_NUMEL * 2
+
+    def beyond_activations(m):
+        memory = stage_memory(job, Layout(8, 1, 1, 2, "none", "none", False, 1, m, "1f1b"),
+                              0, on_gpu=True)
+        return memory.device - memory.model_state["device"] - memory.activation["device"]
+    few, many = beyond_activations(1), beyond_activations(8)
+    unit = max(gpt_unit_numels(4, 768, 8192, 1024)) * 2
+    assert few < limit < many <= limit + 3 * unit
 
 
 def test_layouts_are_all_valid():

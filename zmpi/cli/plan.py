@@ -109,6 +109,7 @@ def _print_table(job: Job, hw, result, device, seconds) -> None:
     m, t = best.memory, best.time
     print(f"layout 1, per rank of pipeline stage {m.stage} (GB): model states "
           f"{_gb(m.model_state['device'])} on the device and {_gb(m.model_state['host'])} on "
-          f"the host, ZeRO buffers {_gb(m.transient)}, activations {_gb(m.activation['device'])}")
+          f"the host, activations {_gb(m.activation['device'])} and ZeRO buffers beyond them "
+          f"{_gb(m.transient)} at the peak {_gb(m.device)}")
     print("layout 1, per step (s): " + ", ".join(
         f"{k} {v:.4g}" for k, v in t.to_dict().items() if k != "total"))

@@ -46,6 +46,11 @@ class Hardware:
         between nodes (data and pipeline parallelism across nodes); host_device: device <->
         host copies (offload), per device.
     host_adam_rate: fp32 parameters per second one rank's host Adam updates.
+    elementwise_rate: bytes/s at which a transformer block's work besides its matmuls
+        (LayerNorm, GELU, softmax, residual adds, casts, and the engine's own per-unit work)
+        goes through the block's activation bytes, forward and backward together; None: the
+        memory bandwidth over `zmpi.plan.time.ELEMENTWISE_PASSES` passes (a GPU's streaming
+        kernels). `--hardware this` measures it (zmpi.plan.measure.measure_layer).
     source: where the figures come from.
     """
 
@@ -61,6 +66,7 @@ class Hardware:
     host_device: Link
     host_adam_rate: float
     cores_per_node: int | None = None
+    elementwise_rate: float | None = None
     source: str = ""
     measured: dict = field(default_factory=dict)  # raw measurements, for "this"
 
@@ -86,6 +92,9 @@ class Hardware:
             raise ValueError(f"gemm_efficiency must be in (0, 1], got {d['gemm_efficiency']!r}")
         for key, kind in _QUANTITIES.items():
             values[key] = parse_size(d[key], key, kind)
+        if d.get("elementwise_rate") is not None:
+            values["elementwise_rate"] = parse_size(d["elementwise_rate"], "elementwise_rate",
+                                                    "bandwidth")
         for key in _LINKS:
             link = d[key]
             _check_keys(link, {"bandwidth", "latency"}, set(), key)
@@ -109,7 +118,7 @@ class Hardware:
 
 
 DTYPES = ("fp32", "fp16", "bf16")
-_OPTIONAL = {"cores_per_node", "source", "measured"}
+_OPTIONAL = {"cores_per_node", "elementwise_rate", "source", "measured"}
 _LINKS = ("intra_node", "inter_node", "host_device")
 _QUANTITIES = {"memory_bandwidth": "bandwidth", "device_memory": "bytes",
                "host_memory": "bytes", "host_adam_rate": "number"}

@@ -20,6 +20,10 @@ On a CPU a rank is a device, so every rate is one rank's, on one thread:
   2(N-1)/N n bytes from each rank: link.seconds(2(N-1)/N n, 2(N-1)) gives both measured times.
   intra_node = inter_node = that link (one node).
 - host Adam: zmpi.optim.adam.HostAdam stepping an 8 Mi-element fp32 shard on one thread.
+- elementwise rate: a GPT of LAYER_SHAPE trained by the Engine on this rank alone (fp32,
+  ZeRO-0), its blocks' forward and backward seconds from the Engine's profile; their matmuls'
+  FLOPs at the GEMM rate subtracted, the rest (LayerNorm, GELU, softmax, residuals, casts and
+  the engine's per-unit work) is the block's activation bytes at `elementwise_rate`.
 - memories: the machine's RAM (device and host are one memory); devices_per_node =
   cores_per_node = os.cpu_count().
 Under MPI with more than one rank, `measure_this` is collective over COMM_WORLD: every rank
@@ -49,6 +53,8 @@ from zmpi.plan.hardware import PRESETS, Hardware, Link
 GEMM_SHAPES = ((4096, 512, 2048), (1024, 1024, 1024))  # (m, k, n): (m x k) @ (k x n)
 STREAM_BYTES = 64 << 20  # each array of the add and the copy
 ADAM_NUMEL = 8 << 20
+LAYER_SHAPE = {"micro_batch": 4, "seq_len": 128, "d_model": 256, "n_head": 4, "n_layer": 2,
+               "vocab": 256}  # measure_layer's GPT: unlike the validation's (docs/plan.md)
 ALLREDUCE_BYTES = {"small": 8, "large": 32 << 20}  # payloads: for the latency, the bandwidth
 LAUNCH_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_SIZE")
 
@@ -123,6 +129,41 @@ def measure_allreduce(comm, repeats: int = 10) -> dict:
         out[f"{name}_bytes"] = buf.nbytes
         out[f"{name}_seconds"] = comm.allreduce_scalar(statistics.median(times), op="max")
     return out
+
+
+def measure_layer(gemm_rate: float, steps: int = 3) -> dict:
+    """A transformer block's forward and backward as the Engine runs them, on this rank alone
+    (the module docstring): seconds per block and micro-batch, its matmul FLOPs, its
+    activation bytes and the elementwise rate they give (bytes/s)."""
+    from mpi4py import MPI
+
+    from zmpi.comm import Comm
+    from zmpi.engine import Engine
+    from zmpi.models.gpt import GPT, GPTConfig, gpt_activation_bytes
+    from zmpi.nn.attention import attention_block
+    from zmpi.plan.time import causal_entries
+
+    shape = LAYER_SHAPE
+    b, s, h, heads = shape["micro_batch"], shape["seq_len"], shape["d_model"], shape["n_head"]
+    model = GPT(GPTConfig(shape["vocab"], s, shape["n_layer"], heads, h), seed=0)
+    engine = Engine(model, {"train_micro_batch_size_per_gpu": b}, Comm(MPI.COMM_SELF))
+    rng = np.random.default_rng(0)
+    try:
+        for _ in range(steps + 1):  # the profile leaves out the first step
+            tokens = rng.integers(0, shape["vocab"], (b, s + 1))
+            engine.train_step(tokens[:, :-1].copy(), tokens[:, 1:].copy())
+        profile = engine.phases
+        blocks = [u for name, u in zip(profile.unit_names, profile.units, strict=True)
+                  if name == "Block"]
+        seconds = sum(u["forward"] + u["backward"] for u in blocks) / len(blocks) / profile.steps
+    finally:
+        engine.close()
+    scores = b * heads * causal_entries(s, attention_block(s, b * heads, False))
+    flops = 3 * (2 * b * s * 12 * h * h + 4 * scores * h // heads)
+    nbytes = gpt_activation_bytes(shape["n_layer"], h, heads, shape["vocab"], s, b, 4)["layer"]
+    rest = max(seconds - flops / gemm_rate, 0.1 * seconds)  # a floor against a noisy GEMM
+    return {**shape, "block_seconds": seconds, "matmul_flops": flops, "layer_bytes": nbytes,
+            "elementwise_rate": nbytes / rest}
 
 
 def ring_sent(nbytes: float, ranks: int) -> float:
@@ -221,6 +262,10 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
     adam = measure_adam()
     say(f"this: host Adam {adam['params'] / adam['seconds'] / 1e9:.2f} G params/s "
         f"({adam['kernel']}, one thread)")
+    layer = measure_layer(gemm["flops_per_s"])
+    say(f"this: a GPT block {layer['block_seconds'] * 1e3:.1f} ms forward and backward "
+        f"(b {layer['micro_batch']}, s {layer['seq_len']}, d {layer['d_model']}); besides its "
+        f"matmuls, {layer['elementwise_rate'] / 1e9:.2f} GB/s of its activations")
     if comm is not None:
         allreduce = measure_allreduce(comm)
     else:
@@ -231,7 +276,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
         f"per message ({allreduce['ranks']} ranks)")
     rates = {"gemm": gemm["flops_per_s"], "add": memory["add_bytes"] / memory["add_seconds"],
              "copy": memory["copy_bytes"] / memory["copy_seconds"],
-             "adam": adam["params"] / adam["seconds"]}
+             "adam": adam["params"] / adam["seconds"], "elementwise": layer["elementwise_rate"]}
     copy_latency = memory["small_copy_seconds"]
     if comm is not None:  # the slowest rank's, so that every rank gets the same Hardware
         rates = {k: comm.allreduce_scalar(r, op="min") for k, r in rates.items()}
@@ -253,12 +298,14 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
         host_device=Link(rates["copy"], copy_latency),
         host_adam_rate=rates["adam"],
         cores_per_node=cores,
+        elementwise_rate=rates["elementwise"],
         source=f"measured by zmpi.plan.measure on {now.date().isoformat()}: {cpu}, "
                f"{cores} CPUs, {ram / 2**30:.1f} GiB RAM; one thread per rank; "
                f"{'all ' + str(world) + ' ranks at once' if comm else 'one rank alone'}",
         measured={"date": now.isoformat(timespec="seconds"), "cpu": cpu,
                   "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-                  "gemm": gemm, "memory": memory, "adam": adam, "allreduce": allreduce,
+                  "gemm": gemm, "memory": memory, "adam": adam, "layer": layer,
+                  "allreduce": allreduce,
                   "rates": rates},
     )
 

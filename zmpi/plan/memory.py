@@ -1,19 +1,38 @@
 """The memory one rank needs for a Layout of a Job: the formulas the ledger is checked against.
 
 Per pipeline stage (the units `zmpi.parallel.pipeline.partition` gives it, and on the last
-stage of a pipeline the held copy of the tied embedding), on the device and on the host:
+stage of a pipeline the held copy of the tied embedding), in bytes. Notation: m micro-batches
+a step, w of them in flight on this stage (GPipe m, 1F1B min(p - s, m)); G the stage's unit
+gradients in full (its padded parameters x the parameter bytes), S = G / dp their shard;
+d = 1 without optimizer offload (the step's first reduction of a unit writes the shard in
+place), 0 with it (every reduced shard lands in a device buffer and is copied to the host).
 
-- model states, exactly as the strategy holds them (`zmpi.memory.held_model_state` over the
-  stage's units, each padded to a multiple of dp, as zmpi.zero.flat lays them out);
-- the transients of the ZeRO stage: stage 3's gathered units (a unit, the units it reads and
-  the next one, prefetched), stages 2-3's full gradients of the units in flight, stage 1's
-  reduced gradient shard (a comm_buffer);
-- activations: one micro-batch's (`zmpi.models.gpt.gpt_activation_bytes`, over the stage's
-  units) times the micro-batches in flight (GPipe m, 1F1B min(p - s, m)); with full
-  recompute the kept inputs times that, plus one unit's working set.
-
-The rank's need is the stage needing the most device memory; peaks of the parts are added
-(they need not coincide, so the sum is an upper bound of the ledger's peak).
+- Model states, exactly as the strategy holds them (`zmpi.memory.held_model_state` over the
+  stage's units, each padded to a multiple of dp, as zmpi.zero.flat lays them out).
+- Activations: one micro-batch's (`zmpi.models.gpt.gpt_activation_bytes` over the stage's
+  units) times w; with full recompute the kept inputs times w, the LM head's caches of the
+  w - 1 micro-batches whose backward waits (the last stage), and one unit's working set.
+- The device peak is the larger of two moments, because the ZeRO buffers peak when the
+  activations are mostly gone:
+    stage 0   model states + activations (gradients are model state, reduced in place);
+    stage 1   the reduced gradient shard (a step-time buffer) lives through the last
+              micro-batch's backward: max(activations, S + one micro-batch - the head's);
+              with optimizer offload it is on the host, and each reduced unit's part waits
+              on the device until the step: the activations left before a block's backward
+              in the last micro-batch plus the parts of the units after it, at the first
+              or the last block (both terms are linear in the block);
+    stage 2-3 with `overlap_comm` a unit's full gradient and its reduced part stay in flight
+              until the step waits for them (at most the in-flight limit of two buckets):
+              at the activation peak, after the k = m - w micro-batches whose backward ended,
+              k G + (k - d) S, with the unit whose backward starts (its gradient; stage 3
+              also its gathered parameters with the next one's, prefetched); at the end of
+              backward m G + (m - d) S, with the last unit's gathered parameters (the
+              recomputed unit's working set under full recompute).
+  Units under 16 Ki elements travel packed with their neighbours in a bucket buffer; that
+  buffer is not counted (such units make up toy models only).
+- Host: model states, and with optimizer offload at stages 2-3 the landing buffer of the
+  largest unit shard copied device -> host to be added into the shard (micro-steps after
+  the first).
 """
 from __future__ import annotations
 
@@ -26,32 +45,63 @@ from zmpi.nn.attention import attention_block
 from zmpi.parallel.pipeline.partition import partition
 from zmpi.plan.layout import BUCKET_NUMEL, Job, Layout
 
-SOLO_NUMEL = 16 * 1024  # units this large are reduced and gathered alone, in place
-
 
 @dataclass(frozen=True)
 class StageMemory:
-    """Bytes one rank of pipeline stage `stage` holds at its peak: `model_state` {"device",
-    "host"} (between steps), `transient` (ZeRO's gathered parameters, gradients in flight and
-    buffers, device), `activation` {"device", "host"}; `device` and `host` the totals."""
+    """Bytes one rank of pipeline stage `stage` holds: `model_state` {"device", "host"}
+    (between steps), `activation` {"device", "host"} at their peak, `device` and `host` the
+    peaks of the whole (the module docstring); `transient` the rest of the device peak (ZeRO's
+    gradients in flight, gathered parameters and buffers, beyond the activations)."""
 
     stage: int
     model_state: dict
-    transient: int
     activation: dict
+    device: int
+    host: int
 
     @property
-    def device(self) -> int:
-        return self.model_state["device"] + self.transient + self.activation["device"]
-
-    @property
-    def host(self) -> int:
-        return self.model_state["host"] + self.activation["host"]
+    def transient(self) -> int:
+        return self.device - self.model_state["device"] - self.activation["device"]
 
     def to_dict(self) -> dict:
         return {"stage": self.stage, "model_state": self.model_state,
                 "transient": self.transient, "activation": self.activation,
                 "device": self.device, "host": self.host}
+
+
+@dataclass(frozen=True)
+class _StageStates:
+    """What a stage's units and ZeRO stage fix: model-state bytes {"device", "host"}; `grads`
+    (G) and `shard` (S), its unit gradients in full and their shard; `unit` the largest unit's
+    gradient (bytes); `gathered` stage 3's largest pair of neighbouring units gathered at
+    once (with the units they read), else 0; `landing` the host landing buffer of offload
+    (bytes); `after` the shards of the units after the stage's first and last block (bytes,
+    the first if none); `limit` the bytes the collectives in flight hold at most (the
+    strategy's in_flight_limit of two buckets, and one more: a unit's gradient and part)."""
+
+    model_state: dict
+    grads: int
+    shard: int
+    unit: int
+    gathered: int
+    landing: int
+    after: tuple  # the shards of the units after the stage's (first, last) block, bytes
+    limit: int  # the collectives in flight at most: two buckets and one more
+
+
+@dataclass(frozen=True)
+class _Activations:
+    """A stage's activation bytes: `peak` (w micro-batches in flight), `one` (one
+    micro-batch's), `end` (the LM head's and the loss's, the last stage), `layer` (one
+    block's working set), `in_flight` (w) and `left`: what the step's last micro-batch still
+    holds as its first and its last block's backward starts."""
+
+    peak: int
+    one: int
+    end: int
+    layer: int
+    in_flight: int
+    left: tuple  # before the (first, last) block's backward in the step's last micro-batch
 
 
 @functools.lru_cache(maxsize=256)
@@ -73,85 +123,133 @@ def stage_blocks(n_units: int, first: bool, last: bool, pp: int) -> int:
     return n_units - first - last - (1 if pp > 1 and last else 0)
 
 
-def _padded(numel: int, dp: int) -> int:
+def padded(numel: int, dp: int) -> int:
+    """A unit of `numel` elements padded to a multiple of dp (zmpi.zero.flat)."""
     return -(-numel // dp) * dp
 
 
 def stage_memory(job: Job, layout: Layout, stage: int, on_gpu: bool) -> StageMemory:
     """What one rank of pipeline stage `stage` needs under `layout` (see the module
     docstring); on_gpu: fp16 activations stay 2-byte, attention runs in one block."""
-    model_state, transient = _states(job, layout.pp, layout.tp, layout.dp, layout.stage,
-                                     layout.offload)[stage]
-    return StageMemory(stage, model_state, transient, _activation(job, layout, stage, on_gpu))
-
-
-@functools.lru_cache(maxsize=4096)
-def _states(job: Job, pp: int, tp: int, dp: int, zero_stage: int, offload: str) -> tuple:
-    """Per pipeline stage: ({"device", "host"} model-state bytes, transient device bytes)."""
-    out = []
-    for stage, units in enumerate(stage_units(job, pp, tp)):
-        padded = [_padded(n, dp) for n in units]
-        full = sum(padded)
-        held = held_model_state(full, full // dp, job.param_bytes, 4, zero_stage >= 1,
-                                zero_stage >= 2, zero_stage >= 3, offload != "none",
-                                offload == "optimizer+param")
-        out.append(({d: sum(held[d].values()) for d in held},
-                    _transient(job.param_bytes, zero_stage, dp, padded, stage == pp - 1)))
-    return tuple(out)
-
-
-def _transient(pb: int, zero_stage: int, dp: int, padded: list[int], holds_head: bool) -> int:
-    """ZeRO's buffers on the device at their peak (bytes), for a stage of units `padded`
-    (elements, each padded for dp ranks) of `pb`-byte parameters."""
-    head = len(padded) - 1 if holds_head else None
-    # the units each unit reads: itself, and the head the embedding (or its held copy), the
-    # stage's first unit
-    needs = [{u, 0} if u == head else {u} for u in range(len(padded))]
-    small = sum(p for p in padded if p < SOLO_NUMEL) * pb  # packed into one bucket
-    if zero_stage == 0:
-        return small
-    if zero_stage == 1:
-        return sum(padded) // dp * pb + small
-    largest = max(sum(padded[w] for w in needs[u]) for u in range(len(padded)))
-    in_flight = min(sum(padded), largest + 2 * BUCKET_NUMEL)  # overlap_comm's limit
-    grads = in_flight * pb
-    if zero_stage == 2:
-        return grads
-    gathered = max(sum(padded[w] for w in needs[u] | needs[v])
-                   for u in range(len(padded)) for v in (u - 1, u + 1)
-                   if 0 <= v < len(padded)) if len(padded) > 1 else padded[0]
-    return grads + gathered * pb
-
-
-def _activation(job: Job, layout: Layout, stage: int, on_gpu: bool) -> dict:
-    """{"device", "host"}: the activations stage `stage` keeps at its peak (bytes)."""
-    a = _micro_batch_activation(job, layout.tp, layout.sequence_parallel, layout.recompute,
-                                layout.micro_batch, on_gpu)
-    first, last = stage == 0, stage == layout.pp - 1
-    blocks = stage_blocks(len(stage_units(job, layout.pp, layout.tp)[stage]), first, last,
-                          layout.pp)
-    in_flight = layout.micro_batches if layout.schedule == "gpipe" else \
-        min(layout.pp - stage, layout.micro_batches)
-    end = a["head"] + a["loss"] if last else 0
-    if layout.recompute != "full":
-        per = (a["embedding"] if first else 0) + blocks * a["layer"] + end
-        return {"device": per * in_flight, "host": 0}
-    ids = a["kept"] - job.n_layer * a["kept_per_layer"]
-    kept = (ids if first else 0) + blocks * a["kept_per_layer"]
-    work = max(a["layer"] if blocks else 0, end, a["embedding"] if first else 0)
-    return {"device": kept * in_flight + work, "host": 0}
-
-
-@functools.lru_cache(maxsize=4096)
-def _micro_batch_activation(job: Job, tp: int, sequence_parallel: bool, recompute: str,
-                            micro_batch: int, on_gpu: bool) -> dict:
-    block = attention_block(job.seq_len, micro_batch * job.n_head // tp, on_gpu)
-    return gpt_activation_bytes(job.n_layer, job.d_model, job.n_head, job.vocab_size,
-                                job.seq_len, micro_batch, job.act_bytes(on_gpu), tp,
-                                sequence_parallel, recompute, block=block)
+    return layout_memory(job, layout, on_gpu)[stage]
 
 
 def layout_memory(job: Job, layout: Layout, on_gpu: bool) -> list[StageMemory]:
     """Every pipeline stage's StageMemory (one rank of each; the dp and tp ranks of a stage
     hold the same bytes)."""
-    return [stage_memory(job, layout, s, on_gpu) for s in range(layout.pp)]
+    return [StageMemory(stage, st.model_state, {"device": act.peak, "host": 0}, device, host)
+            for stage, (st, act, device, host) in enumerate(_stage_peaks(job, layout, on_gpu))]
+
+
+def layout_peaks(job: Job, layout: Layout, on_gpu: bool) -> list[tuple[int, int]]:
+    """(device, host) peak bytes of every pipeline stage: layout_memory's, faster (what the
+    search tries on every layout)."""
+    return [(device, host) for _, _, device, host in _stage_peaks(job, layout, on_gpu)]
+
+
+def _stage_peaks(job: Job, layout: Layout, on_gpu: bool):
+    """Per stage: (_StageStates, _Activations, device peak, host peak)."""
+    states = _states(job, layout.pp, layout.tp, layout.dp, layout.stage, layout.offload)
+    acts = _activations(job, layout.tp, layout.sequence_parallel, layout.recompute,
+                        layout.micro_batch, layout.micro_batches, layout.schedule, layout.pp,
+                        on_gpu)
+    zero_stage, offloaded = layout.stage, layout.offload != "none"
+    m, full_recompute = layout.micro_batches, layout.recompute == "full"
+    for st, act in zip(states, acts, strict=True):
+        beyond = _peak_beyond_model_states(zero_stage, offloaded, m, full_recompute, st, act)
+        yield st, act, st.model_state["device"] + beyond, st.model_state["host"] + st.landing
+
+
+def _peak_beyond_model_states(zero_stage: int, offloaded: bool, m: int, full_recompute: bool,
+                              st: _StageStates, act: _Activations) -> int:
+    """The device peak above the model states: the larger of the two moments."""
+    if zero_stage == 0:
+        return act.peak
+    if zero_stage == 1:
+        if not offloaded:
+            return max(act.peak, st.shard + act.one - act.end)
+        return max(act.peak, act.left[0] + st.after[0], act.left[1] + st.after[1])
+    d = 0 if offloaded else 1
+    k = m - act.in_flight
+    # the unit gradients and reduced parts of the micro-steps done, under the in-flight limit
+    at_activation_peak = act.peak + min(k * st.grads + max(k - d, 0) * st.shard,
+                                        st.limit) + st.unit + st.gathered
+    at_end = min(m * st.grads + (m - d) * st.shard, st.limit) + \
+        (act.layer if full_recompute else st.gathered)
+    return max(at_activation_peak, at_end)
+
+
+@functools.lru_cache(maxsize=4096)
+def _states(job: Job, pp: int, tp: int, dp: int, zero_stage: int, offload: str) -> tuple:
+    """Per pipeline stage, its _StageStates."""
+    out = []
+    pb = job.param_bytes
+    for stage, units in enumerate(stage_units(job, pp, tp)):
+        sizes = [padded(n, dp) for n in units]
+        full = sum(sizes)
+        held = held_model_state(full, full // dp, pb, 4, zero_stage >= 1, zero_stage >= 2,
+                                zero_stage >= 3, offload != "none",
+                                offload == "optimizer+param")
+        landing = max(sizes) // dp * pb if zero_stage >= 2 and offload != "none" else 0
+        gathered = _gathered_pair(sizes, stage == pp - 1) * pb if zero_stage == 3 else 0
+        blocks = stage_blocks(len(sizes), stage == 0, stage == pp - 1, pp)
+        end = len(sizes) - (stage == pp - 1)  # one past the last block
+        after = tuple(sum(sizes[u + 1:]) // dp * pb for u in (end - blocks, end - 1))
+        unit = max(sizes) * pb
+        out.append(_StageStates({d: sum(held[d].values()) for d in held}, full * pb,
+                                full // dp * pb, unit, gathered, landing, after,
+                                2 * BUCKET_NUMEL * pb + unit + unit // dp))
+    return tuple(out)
+
+
+def _gathered_pair(sizes: list[int], holds_head: bool) -> int:
+    """Stage 3's most parameter elements gathered at once: a unit, the units it reads (the
+    head the embedding or its held copy, the stage's first unit) and its neighbour's
+    (prefetched)."""
+    if len(sizes) == 1:
+        return sizes[0]
+    head = len(sizes) - 1 if holds_head else None
+    needs = [{u, 0} if u == head else {u} for u in range(len(sizes))]
+    return max(sum(sizes[w] for w in needs[u] | needs[v])
+               for u in range(len(sizes)) for v in (u - 1, u + 1) if 0 <= v < len(sizes))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # shared by the layouts that differ in dp and ZeRO only
+def _activations(job: Job, tp: int, sequence_parallel: bool, recompute: str, micro_batch: int,
+                 micro_batches: int, schedule: str, pp: int, on_gpu: bool) -> tuple:
+    """Per pipeline stage, its _Activations."""
+    return tuple(_activation(job, tp, sequence_parallel, recompute, micro_batch, micro_batches,
+                             schedule, pp, stage, on_gpu) for stage in range(pp))
+
+
+def _activation(job: Job, tp: int, sequence_parallel: bool, recompute: str, micro_batch: int,
+                micro_batches: int, schedule: str, pp: int, stage: int,
+                on_gpu: bool) -> _Activations:
+    """The activations stage `stage` keeps (the module docstring)."""
+    a = micro_batch_activation(job, tp, sequence_parallel, recompute, micro_batch, on_gpu)
+    first, last = stage == 0, stage == pp - 1
+    blocks = stage_blocks(len(stage_units(job, pp, tp)[stage]), first, last, pp)
+    w = micro_batches if schedule == "gpipe" else min(pp - stage, micro_batches)
+    end = a["head"] + a["loss"] if last else 0
+    first_blocks = [0, max(blocks - 1, 0)]  # blocks below the stage's first and last one
+    if recompute != "full":
+        below = a["embedding"] if first else 0
+        one = below + blocks * a["layer"] + end
+        left = tuple(below + (j + 1) * a["layer"] for j in first_blocks)
+        return _Activations(one * w, one, end, a["layer"], w, left)
+    below = a["kept"] - job.n_layer * a["kept_per_layer"] if first else 0  # the token ids
+    kept = below + blocks * a["kept_per_layer"]
+    work = max(a["layer"] if blocks else 0, end, a["embedding"] if first else 0)
+    left = tuple(below + j * a["kept_per_layer"] + a["layer"] for j in first_blocks)
+    # the head's caches wait for the backward of each micro-batch but the one running
+    return _Activations(kept * w + end * (w - 1) + work, kept + work, end, a["layer"], w, left)
+
+
+@functools.lru_cache(maxsize=4096)
+def micro_batch_activation(job: Job, tp: int, sequence_parallel: bool, recompute: str,
+                           micro_batch: int, on_gpu: bool) -> dict:
+    """`gpt_activation_bytes` of one micro-batch of `job` (attention in zmpi's blocks)."""
+    block = attention_block(job.seq_len, micro_batch * job.n_head // tp, on_gpu)
+    return gpt_activation_bytes(job.n_layer, job.d_model, job.n_head, job.vocab_size,
+                                job.seq_len, micro_batch, job.act_bytes(on_gpu), tp,
+                                sequence_parallel, recompute, block=block)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from zmpi.plan.hardware import Hardware
 from zmpi.plan.layout import Job, Layout, layouts
-from zmpi.plan.memory import StageMemory, layout_memory
+from zmpi.plan.memory import StageMemory, layout_memory, layout_peaks
 from zmpi.plan.time import StepTime, step_time
 
 RESERVE = 0.9  # the share of a device's memory a plan may fill: the rest for the allocator's
@@ -80,13 +80,13 @@ def plan(job: Job, hw: Hardware, device_memory: float | None = None,
     fitting, considered, rejected = [], 0, {"device memory": 0, "host memory": 0}
     for layout in layouts(job):
         considered += 1
-        stages = layout_memory(job, layout, on_gpu)
-        device = max(m.device for m in stages) if on_gpu else \
-            max(m.device + m.host for m in stages) * ranks_per_node
+        stages = layout_peaks(job, layout, on_gpu)
+        device = max(d for d, _ in stages) if on_gpu else \
+            max(d + h for d, h in stages) * ranks_per_node
         if device > RESERVE * device_memory:
             rejected["device memory"] += 1
             continue
-        if on_gpu and max(m.host for m in stages) * ranks_per_node > host_memory:
+        if on_gpu and max(h for _, h in stages) * ranks_per_node > host_memory:
             rejected["host memory"] += 1
             continue
         fitting.append((step_time(job, layout, hw).total, layout))

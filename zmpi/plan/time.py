@@ -7,8 +7,10 @@ Per micro-batch on each pipeline stage (one rank's share under tensor parallelis
   head 2 b s h V / t; backward twice the forward; full recompute adds the blocks' forward
   again, selective the q k^T; at peak x gemm_efficiency of the compute dtype (fp16 on a GPU
   in fp16; bf16 and fp32 in fp32), a CPU rank getting cores / ranks of it when oversubscribed;
-- elementwise work (LayerNorm, GELU, softmax, residuals, the loss): ELEMENTWISE_PASSES times
-  the micro-batch's activation bytes, at the memory bandwidth;
+- elementwise work (LayerNorm, GELU, softmax, residuals, the loss): the micro-batch's
+  activation bytes without recompute at the hardware's elementwise rate (a GPU's: the memory
+  bandwidth over ELEMENTWISE_PASSES passes; a CPU's measured), plus the forward's third of
+  what recompute runs again (full: every block's; selective: the attention scores');
 - tensor parallelism: 4 allreduces of b s h activations per block (2 forward, 2 backward; 6
   with full recompute), 2 for the embedding and LM head, ring cost 2 (t-1)/t n / B + 2 (t-1)
   alpha on the node's link (sequence parallelism moves the same bytes);
@@ -32,10 +34,11 @@ from dataclasses import asdict, dataclass
 from zmpi.nn.attention import attention_block
 from zmpi.plan.hardware import Hardware, Link
 from zmpi.plan.layout import Job, Layout
-from zmpi.plan.memory import _micro_batch_activation, _padded, stage_blocks, stage_units
+from zmpi.plan.memory import micro_batch_activation, padded, stage_blocks, stage_units
 
 ELEMENTWISE_PASSES = 6  # activation bytes touched per micro-batch: written and read forward,
 #                         read with their gradients written and read backward
+FORWARD_SHARE = 2 / ELEMENTWISE_PASSES  # of those passes, the forward's (recompute repeats it)
 ADAM_BYTES = 24  # fp32 master, m, v read and written per element (+ gradient and parameter)
 
 
@@ -95,6 +98,14 @@ def matmul_rate(job: Job, hw: Hardware, ranks_per_node: int) -> float:
     return hw.peak_flops[dtype] * hw.gemm_efficiency * share
 
 
+def elementwise_rate(hw: Hardware, ranks_per_node: int) -> float:
+    """Activation bytes per second one rank's elementwise work goes through (forward and
+    backward), a CPU rank getting cores / ranks of it when oversubscribed."""
+    rate = hw.elementwise_rate or hw.memory_bandwidth / ELEMENTWISE_PASSES
+    return rate * (1.0 if hw.cores_per_node is None else
+                   min(1.0, hw.cores_per_node / ranks_per_node))
+
+
 def can_overlap(hw: Hardware, ranks_per_node: int) -> bool:
     """Whether communication proceeds while a rank computes: on a GPU, or with a spare core."""
     return hw.cores_per_node is None or ranks_per_node < hw.cores_per_node
@@ -108,8 +119,13 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     bandwidth = hw.memory_bandwidth * (1.0 if on_gpu else
                                        min(1.0, hw.cores_per_node / ranks_per_node))
     links = _links(job, layout, hw)
-    act = _micro_batch_activation(job, layout.tp, layout.sequence_parallel, layout.recompute,
+    act = micro_batch_activation(job, layout.tp, layout.sequence_parallel, "none",
+                                 layout.micro_batch, on_gpu)
+    kept = micro_batch_activation(job, layout.tp, layout.sequence_parallel, layout.recompute,
                                   layout.micro_batch, on_gpu)
+    again = {"none": 0, "selective": act["layer"] - kept["layer"], "full": act["layer"]}
+    layer_bytes = act["layer"] + FORWARD_SHARE * again[layout.recompute]
+    elementwise_s = 1 / elementwise_rate(hw, ranks_per_node)
     b, s, h, t = layout.micro_batch, job.seq_len, job.d_model, layout.tp
     block = attention_block(s, b * job.n_head // t, on_gpu)
     scores = b * causal_entries(s, block)
@@ -128,12 +144,11 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
         blocks = stage_blocks(n_units, first, last, layout.pp)
         flops = blocks * (3 * block_forward + block_extra[layout.recompute]) \
             + (3 * head_forward if last else 0)
-        elementwise = ELEMENTWISE_PASSES * (blocks * act["layer"]
-                                            + (act["head"] + act["loss"] if last else 0))
+        elementwise = blocks * layer_bytes + (act["head"] + act["loss"] if last else 0)
         tensor = allreduce * (blocks * per_block_allreduces + first + last)
         pipe = 0.0 if layout.pp == 1 else \
             links["pp"].seconds(activation_bytes, 1) * (2 - first - last)
-        micro.append((flops / rate + elementwise / bandwidth, tensor, pipe))
+        micro.append((flops / rate + elementwise * elementwise_s, tensor, pipe))
     slowest = max(micro, key=lambda x: sum(x))
     m, p = layout.micro_batches, layout.pp
     compute, tensor, pipe = (m * x for x in slowest)
@@ -156,9 +171,9 @@ def _data_and_optimizer(job, layout, hw, units, link, slowest, bandwidth, ranks_
     """(exposed data-parallel seconds, optimizer seconds) per step for the stage holding
     `units` (parameter counts), its slowest micro-batch times `slowest`."""
     d, m, pb = layout.dp, layout.micro_batches, job.param_bytes
-    padded = [_padded(n, d) for n in units]
-    full, shard = sum(padded), sum(padded) // d
-    nbytes, count = full * pb, len(padded)
+    sizes = [padded(n, d) for n in units]
+    full, shard = sum(sizes), sum(sizes) // d
+    nbytes, count = full * pb, len(sizes)
     grads = {0: ring_allreduce(link, nbytes, d, count),
              1: ring_pass(link, nbytes, d, count),
              2: m * ring_pass(link, nbytes, d, count),
