@@ -16,7 +16,7 @@ export MKL_NUM_THREADS=1
 export ZMPI_BACKEND ?= numpy
 
 .PHONY: install test test-gpu demo lint clean tables bench bench-install bench-adam \
-	bench-offload bench-checkpoint bench-debug bench-tensor bench-pipeline bench-recompute \
+	bench-offload bench-nvme bench-onebit bench-zeropp bench-checkpoint bench-debug bench-tensor bench-pipeline bench-recompute \
 	bench-gpu count-gpu reproduce report
 
 install: $(STAMP)
@@ -47,6 +47,17 @@ bench-adam: bench-install
 
 bench-offload: bench-install
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_offload.py --out results/offload_n$(NP)
+
+bench-nvme: $(STAMP)
+	$(PY) experiments/bench_nvme.py --out results/nvme
+
+# 1-bit Adam against Adam on 4 ranks (about 4 minutes on 2 cores): docs/onebit.md
+bench-onebit: bench-install
+	$(MPIEXEC) -n 4 $(PY) experiments/bench_onebit.py --out results/onebit
+
+# ZeRO++ (qwZ, qgZ, hpZ) against stage 3 on 4 ranks (about 4 minutes on 2 cores): docs/zeropp.md
+bench-zeropp: bench-install
+	$(MPIEXEC) -n 4 $(PY) experiments/bench_zeropp.py --out results/zeropp
 
 tables: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) experiments/zero_tables.py --out results/zero_tables_n$(NP)

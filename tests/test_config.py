@@ -202,9 +202,12 @@ def test_wrong_types(d, match):
     ({"steps_per_print": 0}, r"steps_per_print: must be >= 1"),
     ({"seed": -1}, r"seed: must be >= 0"),
     ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
-     r"zero_optimization\.offload_optimizer\.device: 'nvme' .* is not implemented"),
+     r"zero_optimization\.offload_optimizer\.nvme_path: required with \"device\": \"nvme\""),
+    ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/x"}}},
+     r"zero_optimization\.offload_param\.device: 'nvme' is implemented for offload_optimizer"),
     ({"zero_optimization": {"offload_param": {"device": "gpu"}}},
-     r"zero_optimization\.offload_param\.device: must be one of 'none', 'cpu', got 'gpu'"),
+     r"zero_optimization\.offload_param\.device: must be one of 'none', 'cpu', 'nvme', got "
+     r"'gpu'"),
     ({"zero_optimization": {"offload_optimizer": {"delay_update": True}}},
      r"zero_optimization\.offload_optimizer\.delay_update: needs the optimizer on the host"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "delay_update_warmup": -1}}},
@@ -277,7 +280,8 @@ def test_deepspeed_keys_zmpi_always_behaves_as_accept_only_that_value():
                                                 "contiguous_gradients": True}})
     assert c == Config(zero_optimization=ZeroConfig(stage=1)) and c.notes() == []
     for section, key, value in [("zero_optimization", "reduce_scatter", False),
-                                ("zero_optimization", "zero_quantized_weights", True),
+                                ("zero_optimization", "zero_quantized_nontrainable_weights",
+                                 True),
                                 ("zero_optimization", "mics_shard_size", 8),
                                 ("fp16", "consecutive_hysteresis", True),
                                 (None, "prescale_gradients", True)]:
@@ -389,12 +393,18 @@ def test_no_mpi_import(module):
 
 def test_docs_config_table_lists_every_key():
     """docs/config.md's key table names every field, _ALWAYS and _INERT key of every section."""
-    from zmpi.config import DebugConfig, MemoryBudgetConfig, OffloadParamConfig, SchedulerConfig
+    from zmpi.config import (
+        AioConfig,
+        DebugConfig,
+        MemoryBudgetConfig,
+        OffloadParamConfig,
+        SchedulerConfig,
+    )
 
     doc = (pathlib.Path(__file__).parent.parent / "docs" / "config.md").read_text()
     table = doc[doc.index("| how | keys |"):doc.index("Where zmpi's default differs")]
     for cls in (Config, OptimizerConfig, SchedulerConfig, FP16Config, BF16Config, ZeroConfig,
-                OffloadConfig, OffloadParamConfig, DebugConfig, MemoryBudgetConfig):
+                OffloadConfig, OffloadParamConfig, DebugConfig, MemoryBudgetConfig, AioConfig):
         for key in [f.name for f in dataclasses.fields(cls)] + list(cls._ALWAYS) + \
                 list(cls._INERT):
             assert f"`{key}" in table or f"{key}`" in table or f".{key}" in table, \

@@ -77,4 +77,4 @@ def test_available_strategies_lists_every_builtin_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-c", "from zmpi.zero import available_strategies;"
                           " print(available_strategies())"], capture_output=True, text=True,
                          cwd=REPO_ROOT, check=True).stdout
-    assert "['hybrid', 'hybrid_zero2', 'stage0', 'stage1', 'stage2', 'stage3']" in out
+    assert "['hybrid', 'hybrid_zero2', 'stage0', 'stage1', 'stage2', 'stage3', 'zeropp']" in out

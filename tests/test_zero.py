@@ -3,7 +3,8 @@ measured memory and traffic against what the strategy declares and the ZeRO pape
 
 One `mpiexec -n N` launch per world size (1, 2, 3, 4; 3 gives uneven shards and padding) runs
 tests/ranks/zero_checks.py over every registered strategy (stage0-3, hybrid and hybrid_zero2
-at every group size that divides N) and the tutorial strategy of docs/strategies.md, loaded
+at every group size that divides N, zeropp's hpZ alone and with quantization) and the
+tutorial strategy of docs/strategies.md, loaded
 by module path. Registering a strategy is enough to have it checked here. The assertions
 compare what the ranks report with the reference (tests/reference.py), with the strategy's
 `expected_model_state` / `expected_traffic`, and, for stages 0-3, with the ZeRO paper's
@@ -18,7 +19,7 @@ from mpi_util import RANKS_DIR, REPO_ROOT, run_mpi
 from reference import reference_train
 
 from zmpi.data import SyntheticSource
-from zmpi.memory import model_state_bytes
+from zmpi.memory import ARRAY_OPS, model_state_bytes
 from zmpi.models.gpt import GPT
 from zmpi.zero import available_strategies
 from zmpi.zero.flat import ModelLayout, UnitLayout
@@ -44,6 +45,12 @@ FP64_RTOL = 1e-6
 FP32_TENSOR_MOVE_RTOL = 1e-3
 MODEL_MOVE_RTOL = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 0.1}
 LOSS_RTOL = {"fp64": 1e-12, "fp32": 1e-5, "fp16": 1e-2, "bf16": 5e-2}
+# ZeRO++'s quantized configs ("zero_quantized_*": int8 weights, int4 gradients) are held, in
+# every variant, to the loss and a model-wide bound. The same Adam noise at int4's rounding
+# (up to 1/14 of a block's largest gradient) moves the weights far from the reference: worst
+# ||p - ref|| / ||ref - init|| 0.53 (int8 weights alone: 0.12), losses within 3.2e-3. How
+# close quantized training stays over 300 steps: tests/test_zeropp.py, bench_zeropp.py.
+QUANTIZED_MODEL_MOVE_RTOL, QUANTIZED_LOSS_RTOL = 0.8, 1e-2
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"n{n}")
@@ -121,13 +128,17 @@ def test_parity_with_single_process_reference(run, references):
         assert sorted(params) == sorted(ref)
         rel, tensor_move, model_move = _parity_errors(params, init, ref)
         where = f"{case['strategy']} {variant} n={n}"
-        if dtype == "fp64":
+        quantized = "zero_quantized" in case["strategy"]
+        if quantized:
+            assert model_move <= QUANTIZED_MODEL_MOVE_RTOL, f"{where}: {model_move:.2e}"
+        elif dtype == "fp64":
             assert rel <= FP64_RTOL, f"{where}: relative error {rel:.2e}"
         else:
             assert model_move <= MODEL_MOVE_RTOL[dtype], f"{where}: {model_move:.2e} of the move"
-        if dtype == "fp32":
+        if dtype == "fp32" and not quantized:
             assert tensor_move <= FP32_TENSOR_MOVE_RTOL, f"{where}: {tensor_move:.2e} of a move"
-        np.testing.assert_allclose(case["losses"], ref_losses, rtol=LOSS_RTOL[dtype], err_msg=where)
+        np.testing.assert_allclose(case["losses"], ref_losses, err_msg=where,
+                                   rtol=QUANTIZED_LOSS_RTOL if quantized else LOSS_RTOL[dtype])
         # Every rank agrees: on the gathered model, and on the resident copy (stages 0-2).
         for key in ("gathered", "resident", "losses"):
             values = {str(r["parity"][i][key]) for r in reports}
@@ -135,7 +146,7 @@ def test_parity_with_single_process_reference(run, references):
 
 
 def _sent(counters) -> int:
-    return sum(counters[op]["sent"] for op in ("allreduce", "reduce_scatter", "allgather"))
+    return sum(counters[op]["sent"] for op in ARRAY_OPS)
 
 
 def _paper_formula(label, n):
@@ -144,8 +155,10 @@ def _paper_formula(label, n):
     name, *options = label.split(",")
     if name.startswith("stage"):
         return None if options else (int(name[-1]), n)  # e.g. persistent units hold more
+    if name not in ("hybrid", "hybrid_zero2"):
+        return None  # e.g. zeropp: stage 3's, and hpZ's secondary shard
     group = int(options[0].split("=")[1]) if options else 0
-    return {"hybrid": (3, group), "hybrid_zero2": (2, group)}.get(name)
+    return {"hybrid": (3, group), "hybrid_zero2": (2, group)}[name]
 
 
 @pytest.mark.mpi

@@ -315,7 +315,7 @@ def held_model_state(full_numel: int, shard_numel: int, param_bytes: int, master
     return held
 
 
-ARRAY_OPS = ("allreduce", "reduce_scatter", "allgather")  # the collectives that move model data
+ARRAY_OPS = ("allreduce", "reduce_scatter", "allgather", "alltoall")  # those that move model data
 
 
 def ring_bytes(nbytes: int, world_size: int, passes: int = 1) -> int:

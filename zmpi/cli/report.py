@@ -31,8 +31,9 @@ def memory_table(engine, comm) -> str:
 
 def traffic_line(engine, steps: int) -> str:
     """This rank's bytes sent by array collectives per communicator since the engine started
-    (ring model, Comm's counters), next to what the strategy declares per step."""
-    declared = engine.strategy.expected_traffic()
+    (ring model, Comm's counters), next to what the next step should send (the strategy's
+    declaration, or 1-bit Adam's compressed allreduce after its warm-up)."""
+    declared = engine.expected_traffic()
     parts = []
     for kind, sent in engine.sent_bytes().items():
         parts.append(f"{kind} {sent / 2**20:.2f} MiB ({sent / 2**20 / max(steps, 1):.3f} per "

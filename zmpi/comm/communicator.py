@@ -17,10 +17,11 @@ dtype or size raises ValueError naming both (`wire.header_mismatch`). Messages a
 collective: the debug collective check neither checks nor numbers them.
 
 Counters. `comm.counters[op]` is an `OpCounter(calls, bytes, sent)` for op in
-'allreduce', 'reduce_scatter', 'allgather', 'broadcast', 'allreduce_scalar', 'object',
-'send', 'recv' (blocking and non-blocking calls count under the same name, when they are
-called). `bytes` is the logical payload: allreduce buf.nbytes, reduce_scatter send.nbytes,
-allgather recv.nbytes (the full gathered buffer), broadcast buf.nbytes, allreduce_scalar 8,
+'allreduce', 'reduce_scatter', 'allgather', 'alltoall', 'broadcast', 'allreduce_scalar',
+'object', 'send', 'recv' (blocking and non-blocking calls count under the same name, when
+they are called). `bytes` is the logical payload: allreduce buf.nbytes, reduce_scatter
+send.nbytes, allgather recv.nbytes (the full gathered buffer), alltoall send.nbytes,
+broadcast buf.nbytes, allreduce_scalar 8,
 object the pickled size, send and recv buf.nbytes. `sent` is what this rank sends under
 bandwidth-optimal ring algorithms, for a full buffer of B bytes on the wire on N ranks (B is
 the buffer's nbytes, except that a reduction of a 16-bit float the MPI has no type for -
@@ -30,14 +31,15 @@ bfloat16, or float16 without MPIX_C_FLOAT16 - travels as float32: B = 2 nbytes, 
     allreduce        2 (N-1)/N B   (reduce-scatter then allgather)
     reduce_scatter     (N-1)/N B
     allgather          (N-1)/N B
+    alltoall           (N-1)/N B   (every block but this rank's own; no ring involved)
     broadcast          B on the root, 0 elsewhere
     allreduce_scalar   as allreduce, B = 8
     object           bcast_object as broadcast; allgather_object as allgather
     send, recv         B for send, 0 for recv (the 16-byte header is not counted)
 
 computed per call in integers as B*k*(N-1)//N (k = 2 for allreduce, 1 otherwise). This is
-exact for reduce_scatter and allgather (B is a multiple of N there) and rounds down by less
-than one byte per call for allreduce when N does not divide 2(N-1)B. It is a model, not a
+exact for reduce_scatter, allgather and alltoall (B is a multiple of N there) and rounds down
+by less than one byte per call for allreduce when N does not divide 2(N-1)B. It is a model, not a
 measurement of what MPICH's algorithm choice sent; it is the quantity the ZeRO paper's
 communication analysis counts (stages 0-2: 2 Psi per step, stage 3: 3 Psi).
 """
@@ -301,6 +303,29 @@ class Comm:
     def iallgather_inplace(self, buf) -> Request:
         """Non-blocking `allgather_inplace`."""
         return self._allgather(None, buf, False)
+
+    # ---- all-to-all
+
+    def _alltoall(self, send, recv, blocking):
+        send_f, recv_f = _flat(send, "send"), _flat(recv, "recv")
+        _same_dtype(send_f, recv_f)
+        if send_f.size != recv_f.size or send_f.size % self.size:
+            raise ValueError(f"alltoall: send.size ({send_f.size}) and recv.size "
+                             f"({recv_f.size}) must be equal and a multiple of comm size "
+                             f"({self.size})")
+        self._count("alltoall", send_f.nbytes, self._ring(send_f.nbytes))
+        return self._run("alltoall", (self.mpi.Alltoall, self.mpi.Ialltoall), send_f, recv_f,
+                         recv, blocking)
+
+    def alltoall(self, send, recv):
+        """recv[r*n:(r+1)*n] <- block `rank` of rank r's send, n = send.size // size: block
+        j of send, send[j*n:(j+1)*n], goes to rank j. Not in place; send.size == recv.size,
+        a multiple of size. Returns recv."""
+        return self._alltoall(send, recv, True).result
+
+    def ialltoall(self, send, recv) -> Request:
+        """Non-blocking `alltoall`; leave send and recv alone until wait()."""
+        return self._alltoall(send, recv, False)
 
     # ---- broadcast, barrier, scalars, objects
 

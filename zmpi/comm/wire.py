@@ -32,8 +32,8 @@ from zmpi import backend, host_kernels  # backend before mpi4py.MPI: it picks th
 # isort: split
 from mpi4py import MPI
 
-OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "allreduce_scalar", "object",
-       "send", "recv")
+OPS = ("allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast", "allreduce_scalar",
+       "object", "send", "recv")
 
 
 @dataclass

@@ -33,9 +33,10 @@ f"stage{stage}"; resolved by the engine through zmpi.zero.get_strategy, not here
 a strategy that does not split the ranks). This module imports no MPI.
 
 Modules: `base` (ConfigError, "auto", the `_Section` mechanism), `sections` (optimizer,
-scheduler, fp16/bf16, tensor_parallel, pipeline, debug, memory_budget), `zero`
-(zero_optimization and its offload subsections), `core` (the top-level `Config`). Import from
-`zmpi.config`; the split is an implementation detail.
+scheduler, fp16/bf16, tensor_parallel, pipeline, debug, memory_budget, aio), `zero`
+(zero_optimization and its offload subsections), `onebit` (1-bit Adam's keys and the layouts
+it allows), `core` (the top-level `Config`). Import from `zmpi.config`; the split is an
+implementation detail.
 """
 
 from .base import AUTO, ConfigError
@@ -43,6 +44,7 @@ from .core import Config
 from .sections import (
     RECOMPUTE,
     ActivationCheckpointingConfig,
+    AioConfig,
     BF16Config,
     DebugConfig,
     FP16Config,
@@ -57,4 +59,4 @@ from .zero import OffloadConfig, OffloadParamConfig, ZeroConfig
 __all__ = ["ConfigError", "AUTO", "OptimizerConfig", "SchedulerConfig", "FP16Config",
            "BF16Config", "OffloadConfig", "OffloadParamConfig", "ZeroConfig",
            "TensorParallelConfig", "PipelineConfig", "ActivationCheckpointingConfig",
-           "RECOMPUTE", "DebugConfig", "MemoryBudgetConfig", "Config"]
+           "RECOMPUTE", "DebugConfig", "MemoryBudgetConfig", "AioConfig", "Config"]

@@ -11,8 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .base import AUTO, ConfigError, _check, _Section
+from .onebit import check_onebit_layout
 from .sections import (
     ActivationCheckpointingConfig,
+    AioConfig,
     BF16Config,
     DebugConfig,
     FP16Config,
@@ -70,6 +72,7 @@ class Config(_Section):
         default_factory=ActivationCheckpointingConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     memory_budget: MemoryBudgetConfig = field(default_factory=MemoryBudgetConfig)
+    aio: AioConfig = field(default_factory=AioConfig)  # the NVMe tier's file I/O
     model: ModelConfig = field(default_factory=ModelConfig)
     seed: int = 0
     steps_per_print: int = 10
@@ -100,6 +103,7 @@ class Config(_Section):
                     and self.tensor_parallel.autotp_size > 1),
                "activation_checkpointing.partition_activations", "with sequence_parallel each "
                "tensor rank's unit inputs are already its own share of the sequence: drop one")
+        check_onebit_layout(self)  # 1-bit Adam: ZeRO stage 0 and data parallelism only
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Config:

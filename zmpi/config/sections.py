@@ -11,13 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from .base import AUTO, ConfigError, _check, _Section
+from .onebit import ONEBIT, ONEBIT_ALWAYS, check_onebit_fields, onebit_params
 
 __all__ = ["OptimizerConfig", "SchedulerConfig", "FP16Config", "BF16Config",
            "TensorParallelConfig", "PipelineConfig", "ActivationCheckpointingConfig",
-           "DebugConfig", "MemoryBudgetConfig", "ModelConfig", "RECOMPUTE"]
+           "DebugConfig", "MemoryBudgetConfig", "ModelConfig", "AioConfig", "RECOMPUTE"]
 
 
-_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW"}
+_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", ONEBIT.lower(): ONEBIT}
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,15 @@ class OptimizerConfig(_Section):
     """Adam(W). JSON form: {"type": "AdamW", "params": {"lr", "betas", "eps", "weight_decay",
     "adam_w_mode"}}.
 
-    `type` is case-insensitive and normalised to "Adam" or "AdamW". As in DeepSpeed, "Adam"
-    decays the weights directly (AdamW; Loshchilov & Hutter, ICLR'19) unless `adam_w_mode` is
-    false, which adds weight decay to the gradient instead (L2, torch.optim.Adam).
+    `type` is case-insensitive and normalised to "Adam", "AdamW" or "OneBitAdam". As in
+    DeepSpeed, "Adam" decays the weights directly (AdamW; Loshchilov & Hutter, ICLR'19) unless
+    `adam_w_mode` is false, which adds weight decay to the gradient instead (L2,
+    torch.optim.Adam). "OneBitAdam" is 1-bit Adam (docs/onebit.md) with DeepSpeed's
+    `freeze_step` (default 100000), `cuda_aware` and `comm_backend_name`, and its other keys
+    at the values zmpi always behaves as (zmpi.config.onebit); they are errors with Adam(W).
     """
+
+    _COUNTS = ("freeze_step",)
 
     type: str = "AdamW"
     lr: float = 1e-3
@@ -36,6 +42,9 @@ class OptimizerConfig(_Section):
     eps: float = 1e-8
     weight_decay: float = 0.0
     adam_w_mode: bool = True
+    freeze_step: int | None = None  # OneBitAdam: the steps of plain Adam before compressing
+    cuda_aware: bool | None = None  # OneBitAdam: whether MPI takes device buffers (checked)
+    comm_backend_name: str | None = None  # OneBitAdam: "mpi"
 
     @property
     def decoupled_weight_decay(self) -> bool:
@@ -49,16 +58,20 @@ class OptimizerConfig(_Section):
         self._at_least(0, "weight_decay")
         for i, b in enumerate(self.betas):
             _check(0.0 <= b < 1.0, f"betas[{i}]", f"must be in [0, 1), got {b}")
+        for k, v in check_onebit_fields(self).items():  # OneBitAdam's keys (and defaults)
+            object.__setattr__(self, k, v)
 
     @classmethod
     def from_dict(cls, d):
         cls._check_keys(d, ["type", "params"])
         params = d.get("params", {})
         try:
-            cls._check_keys(params, [f.name for f in fields(cls) if f.name != "type"])
+            cls._check_keys(params, [f.name for f in fields(cls) if f.name != "type"]
+                            + list(ONEBIT_ALWAYS))
             params, _ = cls._special_keys(params)  # "auto" is an error here
         except ConfigError as e:
             raise e.prefixed("params") from None
+        params = onebit_params(d.get("type"), params)  # OneBitAdam's fixed DeepSpeed keys
         try:
             return cls(**({"type": d["type"]} if "type" in d else {}), **params)
         except ConfigError as e:
@@ -280,3 +293,27 @@ class PipelineConfig(_Section):
             check_method(self.partition)
         except ValueError as e:
             raise ConfigError("partition", str(e)) from None
+
+
+@dataclass(frozen=True)
+class AioConfig(_Section):
+    """`aio` (DeepSpeed's asynchronous I/O section): how the NVMe tier
+    (`offload_optimizer.device` "nvme", zmpi.offload) reads and writes its files. `block_size`:
+    bytes per request (a multiple of 4096, the alignment of direct I/O); `queue_depth`:
+    requests in flight at most; `thread_count`: the threads that issue them (pread/pwrite,
+    which release the GIL). No effect without NVMe offload."""
+
+    _ALWAYS = {
+        "single_submit": (False, "submits a buffer's requests together, up to queue_depth"),
+        "overlap_events": (True, "keeps up to queue_depth requests in flight"),
+        "use_gds": (False, "swaps through host buffers (no GPUDirect Storage)"),
+    }
+
+    block_size: int = 1_048_576
+    queue_depth: int = 8
+    thread_count: int = 1
+
+    def _validate(self):
+        self._at_least(1, "queue_depth", "thread_count")
+        _check(self.block_size >= 4096 and self.block_size % 4096 == 0, "block_size",
+               f"must be a positive multiple of 4096 bytes (direct I/O), got {self.block_size}")

@@ -1,7 +1,7 @@
 """The `zero_optimization` section of zmpi.config: `ZeroConfig` (stage, strategy, buckets,
 stage-3 keys, hybrid `shard_group_size`) and its offload subsections, `OffloadConfig`
-(`offload_optimizer`, with the delayed parameter update) and `OffloadParamConfig`
-(`offload_param`). This module imports no MPI.
+(`offload_optimizer`, with the delayed parameter update and ZeRO-Infinity's NVMe tier) and
+`OffloadParamConfig` (`offload_param`). This module imports no MPI.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from .base import _check, _Section
 __all__ = ["OffloadParamConfig", "OffloadConfig", "ZeroConfig"]
 
 
-_OFFLOAD_DEVICES = ("none", "cpu")
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
 @dataclass(frozen=True)
@@ -22,32 +22,67 @@ class OffloadParamConfig(_Section):
     (ZeRO-Infinity's CPU tier); a unit reaches the device only while it is gathered.
     `pin_memory`: page-locked host buffers, so that the copies to and from the GPU run
     asynchronously and overlap (true by default in zmpi, false in DeepSpeed; no effect on
-    NumPy)."""
+    NumPy). The NVMe keys (`nvme_path`, `buffer_count`, `buffer_size`, `max_in_cpu`) act with
+    `"device": "nvme"`, which only `offload_optimizer` implements (zmpi.offload); given with
+    another device they are noted as without effect."""
 
-    _INERT = {"buffer_count": "host buffers are allocated per state, not pooled",
-              "buffer_size": "host buffers are allocated per state, not pooled",
-              "max_in_cpu": "every offloaded shard is in host memory",
-              "nvme_path": "there is no NVMe tier", "fast_init": "initialisation is on the host"}
+    _INERT = {"fast_init": "initialisation is on the host"}
+    _NVME = False  # whether this section implements "device": "nvme"
+    _NVME_KEYS = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")  # act with it only
 
     device: str = "none"
     pin_memory: bool = True
+    nvme_path: str | None = None
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+
+    @classmethod
+    def from_dict(cls, d):
+        obj = super().from_dict(d)
+        unused = [k for k in cls._NVME_KEYS if k in d] if not obj.nvme else []
+        object.__setattr__(obj, "_own_notes", obj._own_notes + tuple(
+            f"{k}: accepted without effect (the device is {obj.device!r}, not 'nvme')"
+            for k in unused))
+        return obj
 
     def _validate(self):
-        _check(self.device != "nvme", "device",
-               "'nvme' (ZeRO-Infinity's NVMe tier) is not implemented in zmpi; use 'cpu' or "
-               "'none'")
         _check(self.device in _OFFLOAD_DEVICES, "device",
                f"must be one of {', '.join(map(repr, _OFFLOAD_DEVICES))}, got {self.device!r}")
+        _check(self._NVME or not self.nvme, "device",
+               "'nvme' is implemented for offload_optimizer only (stage 3's parameter shards "
+               "on NVMe are not); use 'cpu' or 'none'")
+        _check(not self.nvme or bool(self.nvme_path), "nvme_path",
+               'required with "device": "nvme": a directory on the drive (each rank swaps into '
+               "a directory of its own under it)")
+        if self.nvme:
+            self._at_least(3, "buffer_count", note=" (a block in flight needs one buffer for "
+                                                   "each of the master weights, Adam's m and v)")
+            self._at_least(1024, "buffer_size", note=" elements (4 KiB of fp32, the unit of "
+                                                     "direct I/O)")
+            self._at_least(0, "max_in_cpu")
 
     @property
     def enabled(self) -> bool:
-        return self.device == "cpu"
+        """Whether the state leaves the device (the host holds it, or streams it to NVMe)."""
+        return self.device in ("cpu", "nvme")
+
+    @property
+    def nvme(self) -> bool:
+        return self.device == "nvme"
 
 
 @dataclass(frozen=True)
 class OffloadConfig(OffloadParamConfig):
     """`zero_optimization.offload_optimizer`: fp32 master weights, Adam's moments and the
     update on the host (ZeRO-Offload, Ren et al., ATC'21); stages 1-3.
+
+    `"device": "nvme"` (ZeRO-Infinity, Rajbhandari et al., SC'21): the master weights and
+    moments live in a file under `nvme_path` and stream through `buffer_count` host buffers
+    of `buffer_size` elements; the first `max_in_cpu` elements of each stay in host memory
+    (0 by default here: everything is swapped); `pipeline_read` / `pipeline_write` (DeepSpeed's
+    keys; true by default in zmpi, false in DeepSpeed) read the next blocks ahead and write
+    the updated ones behind, while Adam runs (zmpi.offload.nvme; docs/offload.md).
 
     zmpi extension: `delay_update` turns on the one-step delayed parameter update (DPU, ATC'21
     Sec. 5.2) after `delay_update_warmup` synchronous steps (the paper uses 40): the host Adam
@@ -56,7 +91,13 @@ class OffloadConfig(OffloadParamConfig):
     """
 
     _ALWAYS = {"ratio": (1.0, "offloads the whole optimizer state")}
+    _NVME = True
+    _NVME_KEYS = OffloadParamConfig._NVME_KEYS + ("pipeline_read", "pipeline_write")
 
+    buffer_count: int = 6
+    max_in_cpu: int = 0
+    pipeline_read: bool = True
+    pipeline_write: bool = True
     delay_update: bool = False
     delay_update_warmup: int = 40
 
@@ -65,6 +106,9 @@ class OffloadConfig(OffloadParamConfig):
         self._at_least(0, "delay_update_warmup")
         _check(self.enabled or not self.delay_update, "delay_update",
                'needs the optimizer on the host: set "device": "cpu"')
+        _check(not (self.nvme and self.delay_update), "delay_update",
+               'is not implemented with "device": "nvme" (the update would stream the state '
+               'while the next step computes); use "device": "cpu" for the delayed update')
 
 
 @dataclass(frozen=True)
@@ -81,8 +125,12 @@ class ZeroConfig(_Section):
     `prefetch`), `stage3_param_persistence_threshold` (units of at most this many elements
     stay gathered for the whole run and are refreshed once per step, trading memory for two
     allgathers per step; default 0, none) and `stage3_max_live_parameters` (an error if the
-    units zmpi keeps gathered at once exceed it). The other DeepSpeed keys are in `_ALWAYS`
-    and `_INERT` (README, "Config keys").
+    units zmpi keeps gathered at once exceed it). ZeRO++ (Wang et al., 2023) with stage 3,
+    acted on by the `zeropp` strategy (zmpi/zero/zeropp.py, docs/zeropp.md):
+    `zero_quantized_weights` (qwZ: int8 parameter allgathers), `zero_quantized_gradients`
+    (qgZ: int4 gradients reduced by all-to-all) and `zero_hpz_partition_size` (hpZ: a
+    secondary parameter shard in groups of that many ranks, gathered in backward). The other
+    DeepSpeed keys are in `_ALWAYS` and `_INERT` (README, "Config keys").
     """
 
     _ALWAYS = {
@@ -90,10 +138,8 @@ class ZeroConfig(_Section):
         "allgather_partitions": (True, "allgathers parameter partitions"),
         "reduce_scatter": (True, "reduce-scatters gradients (stages 1-3)"),
         "load_from_fp32_weights": (True, "restores parameters from the fp32 master weights"),
-        "zero_quantized_weights": (False, "communicates weights in the storage dtype"),
-        "zero_quantized_gradients": (False, "communicates gradients in the storage dtype"),
-        "zero_hpz_partition_size": (1, "keeps one parameter partition (for hierarchical "
-                                       "partitioning use \"strategy\": \"hybrid\")"),
+        "zero_quantized_nontrainable_weights": (False, "trains every parameter (none is frozen "
+                                                       "to be kept quantized)"),
         "mics_shard_size": (-1, "shards over the whole world unless \"strategy\": "
                                 "\"hybrid\" with \"shard_group_size\" is set"),
         "cpu_offload": (False, "offloads through offload_optimizer (set \"device\": \"cpu\")"),
@@ -122,6 +168,9 @@ class ZeroConfig(_Section):
     stage3_param_persistence_threshold: int = 0
     stage3_max_live_parameters: int | None = None
     shard_group_size: int | None = None
+    zero_quantized_weights: bool = False
+    zero_quantized_gradients: bool = False
+    zero_hpz_partition_size: int = 1
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
 
@@ -133,7 +182,23 @@ class ZeroConfig(_Section):
                        "stage3_max_live_parameters")
         _check(self.shard_group_size is None or self.shard_group_size >= 1, "shard_group_size",
                f"must be >= 1, got {self.shard_group_size}")
+        self._at_least(1, "zero_hpz_partition_size")
+        zeropp = self.zeropp_keys
+        _check(not zeropp or self.stage == 3 or self.strategy is not None,
+               zeropp[0] if zeropp else "", "ZeRO++ quantizes and partitions the parameter "
+               f'gathers of ZeRO-3: it needs "stage": 3, got {self.stage}')
+
+    @property
+    def zeropp_keys(self) -> list[str]:
+        """The ZeRO++ keys set away from their defaults (zmpi/zero/zeropp.py acts on them)."""
+        return [k for k, on in (("zero_quantized_weights", self.zero_quantized_weights),
+                                ("zero_quantized_gradients", self.zero_quantized_gradients),
+                                ("zero_hpz_partition_size", self.zero_hpz_partition_size > 1))
+                if on]
 
     @property
     def strategy_name(self) -> str:
-        return self.strategy if self.strategy is not None else f"stage{self.stage}"
+        """The strategy named, else the stage's; stage 3 with a ZeRO++ key is "zeropp"."""
+        if self.strategy is not None:
+            return self.strategy
+        return "zeropp" if self.stage == 3 and self.zeropp_keys else f"stage{self.stage}"

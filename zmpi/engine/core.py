@@ -47,18 +47,18 @@ from zmpi.engine.checks import (
 )
 from zmpi.engine.delayed import DelayedUpdate
 from zmpi.engine.hooks import EngineHooks, as_config
+from zmpi.engine.optimizer import build_optimizer
 from zmpi.engine.pipeline import PipelineRun
 from zmpi.engine.profile import PhaseProfile
 from zmpi.engine.state import TrainState
 from zmpi.engine.step import reduce_and_update
 from zmpi.engine.tensor import gather_tensor_slices, replicated_ranges, sequence_ranges
-from zmpi.engine.traffic import by_dimension, by_group, groups, sent_by_group
+from zmpi.engine.traffic import EngineTraffic
 from zmpi.memory import MemoryLedger
 from zmpi.nn import functional as F
 from zmpi.nn.checkpointing import InputStore
 from zmpi.nn.module import UnitModel, activations_counted_in
 from zmpi.optim import lr_schedules
-from zmpi.optim.adam import Adam, HostAdam, host_threads
 from zmpi.optim.loss_scaler import LossScaler
 from zmpi.parallel.mesh import Mesh
 from zmpi.parallel.pipeline.stage import PipelineStage
@@ -66,7 +66,7 @@ from zmpi.zero import StrategyContext, get_strategy
 from zmpi.zero.flat import ModelLayout, UnitLayout
 
 
-class Engine:
+class Engine(EngineTraffic):
     """ZeRO data-parallel training of `model` (a zmpi.nn UnitModel built in fp32, identically
     seeded on every rank). After construction the model's Parameters are views into buffers the
     engine owns; in ZeRO-3 they are None while their unit is released."""
@@ -139,7 +139,7 @@ class Engine:
             units=units, unit_params=unit_params, layout=self.layout, shard_group=shard_group,
             replica_group=replica_group, ledger=self.memory, dtype=self.dtype,
             master_dtype=self.master_dtype, xp=self.xp, config=self.config.zero_optimization,
-            mesh=self.mesh))
+            mesh=self.mesh, aio=self.config.aio))
         self.strategy.initialize(initial)
         self.tensor_splits = TensorSplits.of_model(unit_params, self.mesh.tp_comm)  # checkpoints
         # the schedule, and the weights tied across stages (engine/pipeline.py)
@@ -154,14 +154,8 @@ class Engine:
         self._unit_index = {id(unit): u for u, unit in enumerate(units)}
         model.hooks = EngineHooks(self)
 
-        opt = self.config.optimizer
-        hyper = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-                     weight_decay=opt.weight_decay, decoupled=opt.decoupled_weight_decay)
-        if isinstance(self.strategy.master, np.ndarray):  # host memory: offload, or a CPU run
-            self.optimizer = HostAdam(**hyper, threads=host_threads(comm.local_size))
-        else:
-            self.optimizer = Adam(**hyper)
-        sched = self.config.scheduler
+        self.optimizer = build_optimizer(self)  # Adam, HostAdam or OneBitAdam (optimizer.py)
+        opt, sched = self.config.optimizer, self.config.scheduler
         self.schedule = None if sched.type is None else lr_schedules.build(
             sched.type, sched.params, opt.lr, opt.betas)
         offload = self.config.zero_optimization.offload_optimizer
@@ -244,7 +238,8 @@ class Engine:
         else:
             for i in range(self.accumulation):
                 rows_i = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
-                self.strategy.sync_gradients = i == self.accumulation - 1
+                self.strategy.sync_gradients = (i == self.accumulation - 1
+                                                and self.optimizer.reduces_gradients)
                 total = total + self.model.forward_loss(self.xp.asarray(inputs[rows_i]),
                                                         self.xp.asarray(targets[rows_i]),
                                                         normalizer)
@@ -312,11 +307,13 @@ class Engine:
 
     def close(self) -> None:
         """Finish an asynchronous checkpoint save, land any delayed update, stop the
-        optimizer's threads and free the sub-communicators (the mesh's and the strategy's).
+        optimizer's threads, remove the NVMe tier's files and free the sub-communicators
+        (the mesh's and the strategy's).
         A collective; the engine cannot train after it."""
         self.checkpoints.finish()
         self.flush()
         self.optimizer.close()
+        self.strategy.close_storage()  # the NVMe tier's files
         self.checkpoints.release()
         for group in self.strategy.comms().values():  # the policy's own groups (hybrid)
             if group not in self.mesh.comms().values():
@@ -408,27 +405,6 @@ class Engine:
                 if id(params[name]) not in held:  # the owning stage gives a tied weight
                     out[name] = value
         return out if self.pipeline is None else self.pipeline.gather(out)
-
-    def reset_counters(self) -> None:
-        """Zero the counters of every Comm the engine sends on (world, mesh, strategy)."""
-        for comm in groups(self.comm, self.mesh, self.strategy, self.pipeline):
-            comm.reset_counters()
-
-    def traffic(self) -> dict[str, dict]:
-        """{group kind: {op: {calls, bytes, sent}}} counted since the last reset, for every
-        communicator the strategy sends on ("world"; "shard" and "replica" for hybrid)."""
-        return by_group(self.strategy)
-
-    def sent_bytes(self) -> dict[str, int]:
-        """{group kind: bytes this rank sent in array collectives} since the last reset (ring
-        model): what the strategy's `expected_traffic` declares per step."""
-        return sent_by_group(self.strategy)
-
-    def traffic_by_dimension(self) -> dict[str, dict]:
-        """{"dp"|"pp"|"tp": {op: {calls, bytes, sent}}} since the last reset: each mesh
-        dimension's collectives (the strategy's groups count in "dp", where they live), so
-        each dimension's formula is checked against its own counters."""
-        return by_dimension(self.mesh, self.strategy, self.pipeline)
 
     @property
     def num_params(self) -> int:

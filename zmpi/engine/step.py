@@ -38,7 +38,9 @@ def reduce_and_update(engine, loss) -> float:
     sum_sequence_parallel_grads(engine, grads)  # sequence parallelism: over the tensor ranks
     if engine.pipeline is not None:
         engine.pipeline.sum_tied_grads(grads)  # a weight two stages hold: over those stages
-    grad_scale = 1.0 / (engine.scaler.scale * engine.mesh.dp * engine.accumulation)
+    # summed over the data-parallel ranks, or this rank's own (1-bit Adam after its warm-up)
+    ranks = engine.mesh.dp if engine.optimizer.reduces_gradients else 1
+    grad_scale = 1.0 / (engine.scaler.scale * ranks * engine.accumulation)
     sumsq = engine.optimizer.sum_of_squares(grads, grad_scale, engine.master_dtype)
     loss, sumsq = backend.read_scalars(loss, sumsq)
     # a sum that is not finite holds a NaN or inf, or overflowed from finite gradients
@@ -58,14 +60,14 @@ def reduce_and_update(engine, loss) -> float:
                 + f"); the first in backward order is in {where}")
         scaler.update(overflow=True)  # skip the step on every rank
         return loss
-    update = (strategy.master, grads, strategy.adam_m, strategy.adam_v, grad_scale,
-              clip_coef(engine, sumsq, grads, grad_scale))
+    # Adam on the master shard and moments (host, device or NVMe: the strategy's)
+    update = (engine.optimizer, grads, grad_scale, clip_coef(engine, sumsq, grads, grad_scale))
     if engine.delay_update and engine.global_steps >= engine.delay_update_warmup:
         strategy.swap_grad_buffers()  # backward of the next step fills the other buffer
-        engine.delayed.start(lambda: engine.optimizer.step_(*update), engine.global_steps)
+        engine.delayed.start(lambda: strategy.optimizer_step(*update), engine.global_steps)
     else:
         start = time.perf_counter()  # host params: written as Adam goes (publish_targets)
-        engine.optimizer.step_(*update, publish=strategy.publish_targets())
+        strategy.optimizer_step(*update, publish=strategy.publish_targets())
         engine.update_timing["optimizer_s"] += time.perf_counter() - start
         strategy.publish_params()
     engine.scaler.update(overflow=False)

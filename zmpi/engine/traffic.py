@@ -1,4 +1,6 @@
-"""What an engine's collectives moved, read from the counters of the Comms they ran on.
+"""What an engine's collectives moved, read from the counters of the Comms they ran on:
+`EngineTraffic`, the Engine's methods for it (reset_counters, traffic, expected_traffic,
+sent_bytes, traffic_by_dimension), over these functions:
 
     by_group(strategy)          {group kind: {op: {calls, bytes, sent}}}: "world", or the
                                 hybrid strategies' "shard" and "replica"
@@ -10,7 +12,38 @@
 """
 from __future__ import annotations
 
+from zmpi.engine.optimizer import declared_traffic
 from zmpi.memory import ARRAY_OPS
+
+
+class EngineTraffic:
+    """The Engine's traffic counters (a mixin: reads its comm, mesh, strategy and pipeline)."""
+
+    def reset_counters(self) -> None:
+        """Zero the counters of every Comm the engine sends on (world, mesh, strategy)."""
+        for comm in groups(self.comm, self.mesh, self.strategy, self.pipeline):
+            comm.reset_counters()
+
+    def traffic(self) -> dict[str, dict]:
+        """{group kind: {op: {calls, bytes, sent}}} counted since the last reset, for every
+        communicator the strategy sends on ("world"; "shard" and "replica" for hybrid)."""
+        return by_group(self.strategy)
+
+    def expected_traffic(self) -> dict[str, int]:
+        """{group kind: bytes this rank should send} in the next step without accumulation:
+        the strategy's declaration, or 1-bit Adam's compressed allreduce (optimizer.py)."""
+        return declared_traffic(self)
+
+    def sent_bytes(self) -> dict[str, int]:
+        """{group kind: bytes this rank sent in array collectives} since the last reset (ring
+        model): what the strategy's `expected_traffic` declares per step."""
+        return sent_by_group(self.strategy)
+
+    def traffic_by_dimension(self) -> dict[str, dict]:
+        """{"dp"|"pp"|"tp": {op: {calls, bytes, sent}}} since the last reset: each mesh
+        dimension's collectives (the strategy's groups count in "dp", where they live), so
+        each dimension's formula is checked against its own counters."""
+        return by_dimension(self.mesh, self.strategy, self.pipeline)
 
 
 def groups(comm, mesh, strategy, pipeline=None) -> list:

@@ -5,6 +5,7 @@
     opt.step_(param, grads, m, v, grad_scale, clip_coef)  # param, m, v updated in place
     opt.step_(..., publish=[(0, params)])                 # and params[...] = param, cast,
                                                           # chunk by chunk while in cache
+    opt.step_count += 1; opt.update_(p[a:b], g[a:b], ...)  # one step, block by block (NVMe)
 
 One update rule, `adam_chunk_`, serves every optimizer here. `Adam` applies it to the whole
 shard at once: on CuPy that is a handful of device kernels. `HostAdam` (the ZeRO-Offload
@@ -35,7 +36,7 @@ HOST_CHUNK = 65536  # elements; p, m, v and two fp32 scratch chunks stay within 
 
 
 def adam_chunk_(param, grads, m, v, scratch, step, lr, betas, eps, weight_decay, decoupled,
-                grad_scale=1.0, clip_coef=1.0) -> None:
+                grad_scale=1.0, clip_coef=1.0, bias_correction=True) -> None:
     """One Adam(W) update of a contiguous chunk, in place. `grads` (any float dtype) is read
     only; `scratch` is two arrays of the master dtype, each at least len(param) long.
 
@@ -43,7 +44,7 @@ def adam_chunk_(param, grads, m, v, scratch, step, lr, betas, eps, weight_decay,
     ufuncs; both do the same operations on the same scalars, so they give the same bits."""
     n = param.shape[0]
     k = AdamCoefficients.of(param.dtype, step, lr, betas, eps, weight_decay, decoupled,
-                            grad_scale * clip_coef)
+                            grad_scale * clip_coef, bias_correction)
     if host_kernels.adam is not None and array_module(param) is np:
         if grads.dtype != param.dtype:  # numba has no float16/bfloat16: convert first
             grads = host_kernels.cast_(scratch[0][:n], grads)
@@ -58,12 +59,15 @@ class AdamCoefficients(tuple):
     scale = grad_scale x clip_coef, l2 the L2 weight decay (0 for AdamW), eps_hat = eps
     sqrt(1 - beta2^t), decay = 1 - lr wd for AdamW (else 1), step_size = lr
     sqrt(1 - beta2^t) / (1 - beta1^t): so that p -= step_size m / (sqrt(v) + eps_hat) is
-    p -= lr m_hat / (sqrt(v_hat) + eps) without dividing m and v."""
+    p -= lr m_hat / (sqrt(v_hat) + eps) without dividing m and v. Without bias_correction
+    (1-bit Adam, as DeepSpeed's OnebitAdam: zmpi.optim.onebit) eps_hat = eps, step_size = lr."""
 
     @classmethod
-    def of(cls, dtype, step, lr, betas, eps, weight_decay, decoupled, scale):
+    def of(cls, dtype, step, lr, betas, eps, weight_decay, decoupled, scale,
+           bias_correction=True):
         beta1, beta2 = betas
-        bias1, bias2_sqrt = 1 - beta1**step, math.sqrt(1 - beta2**step)
+        bias1, bias2_sqrt = ((1 - beta1**step, math.sqrt(1 - beta2**step)) if bias_correction
+                             else (1.0, 1.0))
         decay = 1 - lr * weight_decay if weight_decay and decoupled else 1.0
         l2 = weight_decay if weight_decay and not decoupled else 0.0
         values = (scale, l2, beta1, 1 - beta1, beta2, 1 - beta2, eps * bias2_sqrt, decay,
@@ -138,6 +142,12 @@ _adam_device = kernels.fused(_adam_twin, kernels.cuda_adam, in_place=True)
 _sum_of_squares_device = kernels.fused(_sum_of_squares_twin, kernels.cuda_sum_of_squares)
 
 
+def _check_shapes(param, grads, m, v) -> None:
+    if not param.shape == grads.shape == m.shape == v.shape:
+        raise ValueError(f"shapes differ: param {param.shape}, grads {grads.shape}, "
+                         f"m {m.shape}, v {v.shape}")
+
+
 def _publish_pieces(publish, n) -> tuple | None:
     """step_'s `publish` checked and sorted: (starts, [(start, dst), ...]), or None."""
     if not publish:
@@ -170,6 +180,7 @@ class Adam:
     decoupled=True is AdamW (weight decay applied to the weights, not through the gradient),
     matching torch.optim.AdamW; decoupled=False matches torch.optim.Adam's L2 weight decay.
     `chunk` is the number of elements updated per pass (None: the whole array).
+    bias_correction=False drops Adam's bias correction (1-bit Adam, zmpi.optim.onebit).
     """
 
     lr: float = 1e-3
@@ -180,8 +191,13 @@ class Adam:
     step_count: int = 0
     chunk: int | None = None
     threads: int = 1
+    bias_correction: bool = True
     _scratch: dict = field(default_factory=dict, repr=False, compare=False)
     _pool: ThreadPoolExecutor | None = field(default=None, repr=False, compare=False)
+
+    # Whether the next step reads the gradients summed over the data-parallel ranks (the
+    # engine reduces them then); 1-bit Adam after its warm-up reads each rank's own.
+    reduces_gradients = True
 
     def __post_init__(self):
         if self.chunk is not None and self.chunk < 1:
@@ -225,19 +241,24 @@ class Adam:
         param[start:start + len(dst)] (disjoint, in any dtype): each chunk, once updated, is
         also cast into them, while it is still in cache (the parameters in their storage
         dtype, written as the separate copy after the step would write them)."""
-        if not param.shape == grads.shape == m.shape == v.shape:
-            raise ValueError(f"shapes differ: param {param.shape}, grads {grads.shape}, "
-                             f"m {m.shape}, v {v.shape}")
-        pieces = _publish_pieces(publish, param.shape[0])
+        _check_shapes(param, grads, m, v)
         self.step_count += 1
+        self.update_(param, grads, m, v, grad_scale, clip_coef, publish)
+
+    def update_(self, param, grads, m, v, grad_scale=1.0, clip_coef=1.0, publish=None) -> None:
+        """step_'s update at the current step_count, which it does not advance: for a caller
+        that streams one step's state in blocks (zmpi.offload.nvme), one call per block after
+        counting the step. The rule is elementwise, so blocks change no bit."""
+        _check_shapes(param, grads, m, v)
+        pieces = _publish_pieces(publish, param.shape[0])
         hyper = (self.step_count, self.lr, self.betas, self.eps, self.weight_decay,
-                 self.decoupled, grad_scale, clip_coef)
+                 self.decoupled, grad_scale, clip_coef, self.bias_correction)
         if backend.is_device_array(param):  # one fused kernel over the shard, no scratch
             if pieces:
                 raise ValueError("publish: the parameters are written chunk by chunk on the "
                                  "host only; a device shard is published by the strategy")
             _adam_device(param, grads, m, v, AdamCoefficients.of(
-                param.dtype, *hyper[:-2], grad_scale * clip_coef))
+                param.dtype, *hyper[:-3], grad_scale * clip_coef, self.bias_correction))
             return
 
         def update(c, s):

@@ -28,7 +28,9 @@ class StrategyContext:
     config: the ZeroConfig (`zero_optimization`). mesh: the engine's process mesh
     (zmpi.parallel.mesh.Mesh), for reading its sizes and coordinates: a strategy sees only the
     data-parallel group and must not communicate on mesh.tp_comm or mesh.pp_comm (nor on
-    mesh.dp_comm directly: its collectives go through shard_group and replica_group)."""
+    mesh.dp_comm directly: its collectives go through shard_group and replica_group). aio:
+    the config's `aio` section (zmpi.config.AioConfig; None: its defaults), the file I/O of
+    the NVMe tier."""
 
     units: list
     unit_params: list[dict[str, Any]]
@@ -41,3 +43,4 @@ class StrategyContext:
     xp: Any
     config: Any
     mesh: Any
+    aio: Any = None

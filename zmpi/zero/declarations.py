@@ -60,9 +60,13 @@ class Declarations:
         """{"device"|"host": {category: bytes}} of the model states (zmpi.memory.MODEL_STATE)
         this rank holds between steps: what the ledger must measure (the shared test suite
         checks). Derived from the flags and the offload settings; a policy that keeps more
-        overrides it."""
-        return held_model_state(
+        overrides it. On NVMe the host holds of the master and moments only their
+        `max_in_cpu` part and the swap buffers (zmpi.offload.nvme)."""
+        held = held_model_state(
             self.layout.full_numel, self.layout.shard_numel, self.dtype.itemsize,
             self.master_dtype.itemsize, self.shard_optimizer, self.shard_gradients,
             self.shard_parameters, self.offload_optimizer, self.offload_param,
             self.grads_spare is not None)
+        if self.nvme is not None:
+            held["host"].update(self.nvme.host_bytes())
+        return held

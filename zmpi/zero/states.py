@@ -1,9 +1,11 @@
 """The model states as this rank's owned shard, whatever the policy: what checkpoints save
-and load, and the whole master model for consolidation.
+and load, the whole master model for consolidation, and Adam's step on them.
 
 `StateShards` is a mixin of `Strategy` (strategy.py). It works from the three sharding flags
 and the buffers alone, so every policy inherits it; it collects with `self.owned`, and
-scatters a replicated state back with `self.allgather_shard_into` (a collective).
+scatters a replicated state back with `self.allgather_shard_into` (a collective). With the
+optimizer state on NVMe (`self.nvme`, zmpi.offload.nvme), `master`, `adam_m` and `adam_v` are
+SwappedState handles: slices read from the file, `[...] =` writes it, block by block.
 """
 from __future__ import annotations
 
@@ -40,6 +42,21 @@ class StateShards:
             backend.copy_(buf, shard)
         else:
             self.allgather_shard_into(buf, shard)
+
+    def optimizer_step(self, optimizer, grads, grad_scale, clip_coef, publish=None) -> None:
+        """One step of `optimizer` (zmpi.optim.Adam) on this rank's master weights and
+        moments from `grads` (optimizer_grads()), as Adam.step_ takes them; on NVMe, streamed
+        through the swap buffers (it then writes every publish target, host or device)."""
+        if self.nvme is not None:
+            self.nvme.step(optimizer, grads, grad_scale, clip_coef, publish)
+        else:
+            optimizer.step_(self.master, grads, self.adam_m, self.adam_v, grad_scale,
+                            clip_coef, publish=publish)
+
+    def close_storage(self) -> None:
+        """Remove the files of the NVMe tier, if any (engine.close()); the states are gone."""
+        if self.nvme is not None:
+            self.nvme.close()
 
     def full_master(self):
         """The master weights of the whole model in the full layout (P), on every rank, in

@@ -31,6 +31,8 @@ Buffers (1-D, model-wide; `P` = layout.full_numel, `S` = layout.shard_numel = P 
                              (stage 1 without offload makes one per step)
     master, adam_m, adam_v   (S if shard_optimizer, else P; fp32, or      device, host if
                              fp64 for an fp64 model)                      offload_optimizer
+                             with offload_optimizer.device "nvme": SwappedState handles on a
+                             file (`self.nvme`, zmpi.offload.nvme), Adam via optimizer_step
 
 ZeRO-Offload (Ren et al., ATC'21) is this same mechanism with some buffers placed on the host:
 `offload_optimizer` puts the master weights, Adam's moments and the reduced gradient shard
@@ -54,9 +56,11 @@ policy picks in `process_groups` (hybrid.py). A new strategy is one file: subcla
 flags, override hooks, declare the traffic, decorate with `@register("name")`
 (docs/strategies.md).
 
-Besides the mechanism here, a Strategy is: `Declarations` (declarations.py: process groups
-and what it holds and sends), `BucketPlanning` (buckets.py: which units travel together) and
-`StateShards` (states.py: the states as owned shards, for checkpoints). It is built from one
+Besides the buffers and the hooks here, a Strategy is: `Declarations` (declarations.py:
+process groups and what it holds and sends), `BucketPlanning` (buckets.py: which units travel
+together), `UnitCollectives` (collectives.py: gathering a unit, reduce-scattering its
+gradients, publishing updated shards) and `StateShards` (states.py: the states as owned
+shards, for checkpoints). It is built from one
 `StrategyContext` (context.py). The registry of names is registry.py.
 """
 from __future__ import annotations
@@ -66,10 +70,12 @@ import atexit
 import numpy as np
 
 from zmpi import backend
-from zmpi.backend import HostCopy, array_module
+from zmpi.backend import array_module
 from zmpi.config import ConfigError
 from zmpi.nn.parameter import mark_grads_zeroed
+from zmpi.offload.nvme import NvmeOptimizerState
 from zmpi.zero.buckets import BucketPlanning
+from zmpi.zero.collectives import UnitCollectives
 from zmpi.zero.context import StrategyContext
 from zmpi.zero.declarations import Declarations
 from zmpi.zero.registry import strategy_base
@@ -91,20 +97,15 @@ def _settle_abandoned() -> None:
                     pass
 
 
-def _add_(dst, src) -> None:
-    """dst += src, quietly: an fp16 inf here is the loss scaler's overflow signal."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        array_module(dst).add(dst, src, out=dst)
-
-
 @strategy_base
-class Strategy(Declarations, BucketPlanning, StateShards):
+class Strategy(Declarations, BucketPlanning, UnitCollectives, StateShards):
     """The mechanism. Subclasses set the three flags and override hooks (all no-ops here)."""
 
     name = "base"
     shard_optimizer = False  # ZeRO P_os
     shard_gradients = False  # ZeRO P_g
     shard_parameters = False  # ZeRO P_p
+    zeropp = False  # acts on ZeRO++'s keys (zeropp.py)
 
     def __init__(self, ctx: StrategyContext):
         """ctx: what the strategy is built from (StrategyContext says what each field is).
@@ -127,6 +128,10 @@ class Strategy(Declarations, BucketPlanning, StateShards):
         offload, offload_param = zero_config.offload_optimizer, zero_config.offload_param
         self.offload_optimizer, self.offload_param = offload.enabled, offload_param.enabled
         self._check_offload()
+        if zero_config.zeropp_keys and not self.zeropp:
+            raise ConfigError(f"zero_optimization.{zero_config.zeropp_keys[0]}",
+                              f"strategy {self.name!r} does not act on ZeRO++'s keys; they "
+                              'act with "stage": 3 and no "strategy" (or "zeropp")')
         self._pending = []  # (request, callback, bytes it holds) of collectives in flight
         # Constant-size buffers (ZeRO-R's CB): what the collectives in flight hold stays under
         # two buckets' worth, whatever the model's size (the oldest are finished first).
@@ -152,9 +157,11 @@ class Strategy(Declarations, BucketPlanning, StateShards):
         self.grads_spare = alloc(S, dtype, "grad", "grads_spare", opt_dev, pinned) \
             if offload.delay_update else None
         n_opt = S if self.shard_optimizer else P
-        self.master = alloc(n_opt, master_dtype, "master", "master", opt_dev)
-        self.adam_m = alloc(n_opt, master_dtype, "adam_m", "adam_m", opt_dev)
-        self.adam_v = alloc(n_opt, master_dtype, "adam_v", "adam_v", opt_dev)
+        self.nvme = NvmeOptimizerState.open(self.comm, n_opt, master_dtype, offload, ctx.aio,
+                                            self.ledger) if offload.nvme else None
+        # on NVMe, handles that read and write block by block (zmpi.offload.nvme)
+        self.master, self.adam_m, self.adam_v = self.nvme.states if self.nvme else (
+            alloc(n_opt, master_dtype, c, c, opt_dev) for c in ("master", "adam_m", "adam_v"))
 
     def _check_offload(self) -> None:
         if self.offload_optimizer and not self.shard_optimizer:
@@ -223,8 +230,8 @@ class Strategy(Declarations, BucketPlanning, StateShards):
         """publish_targets' answer for (start in master, dst) pairs: None unless the master
         and every dst are host arrays; else the pairs, and publish_params() will skip them."""
         pairs = list(pairs)
-        self._params_written = all(isinstance(a, np.ndarray)
-                                   for a in (self.master, *(dst for _, dst in pairs)))
+        self._params_written = self.nvme is not None or all(  # NVMe: written block by block
+            isinstance(a, np.ndarray) for a in (self.master, *(dst for _, dst in pairs)))
         return pairs if self._params_written else None
 
     def _take_written(self) -> bool:
@@ -337,123 +344,3 @@ class Strategy(Declarations, BucketPlanning, StateShards):
         request.wait()
         if callback:
             callback()
-
-    def needs(self, u: int) -> tuple[int, ...]:
-        """Units whose parameters unit u reads: itself and the units it shares weights with."""
-        return (u,) + self._shared[u]
-
-    def gather(self, u: int, wait: bool = True) -> None:
-        """Allgather unit u's parameters from the shards into a full buffer (param sharding).
-        With wait=False the allgather is only started (prefetch); a later gather() finishes it."""
-        if u not in self._gathered:
-            numel = self.layout.units[u].padded_numel
-            buf = self.alloc(numel, self.dtype, "param", f"gathered{u}", zero=False)
-            send = self.params_shard[self.layout.shard_slice(u)]
-            self._gathered[u] = [buf, self.comm.iallgather(send, buf)]
-        entry = self._gathered[u]
-        if wait and entry[1] is not None:
-            entry[1].wait()
-            entry[1] = None
-            self._bind(u, "data", entry[0])
-
-    def release(self, u: int) -> None:
-        """Free unit u's gathered parameters (param sharding)."""
-        buf, request = self._gathered.pop(u)
-        if request is not None:
-            request.wait()
-        self._bind(u, "data", None)
-        self.ledger.release(buf)
-
-    def ensure_unit_grads(self, u: int) -> None:
-        """Give unit u (and the units it writes gradients into) a zeroed full grad buffer."""
-        for w in self.needs(u):
-            if w not in self._unit_grads:
-                numel = self.layout.units[w].padded_numel
-                buf = self.alloc(numel, self.dtype, "grad", f"grad{w}")
-                self._unit_grads[w] = buf
-                self._bind(w, "grad", buf, zeroed=True)
-
-    def reduce_scatter_unit_grads(self, u: int) -> None:
-        """Reduce-scatter unit u's full gradient, add this rank's shard into grads_shard and
-        free the full buffer (gradient sharding: non-owned gradient memory is released)."""
-        full = self._unit_grads.pop(u)
-        self._bind(u, "grad", None)
-        self.reduce_scatter_to_shard(range(u, u + 1), full, accumulate=True, free=(full,))
-
-    def reduce_scatter_to_shard(self, units: range, full, accumulate: bool, free=()) -> None:
-        """Reduce-scatter `full` (the packed whole gradient of a bucket of units, device) so
-        that this rank's summed shard is added into its part of grads_shard (or written, if
-        not `accumulate`). If grads_shard is on the host (optimizer offload) the shard is
-        copied device -> host as soon as the reduction completes. Buffers in `free` are
-        released when done. The first reduction of a step into a unit's part writes it even
-        if `accumulate` (zero_grads left it stale, not zeroed)."""
-        if accumulate and self._stale.issuperset(units):
-            accumulate = False  # the step's first: nothing to add to
-        if accumulate:
-            self._zero_stale(units)
-        self._stale.difference_update(units)
-        dst = self.grads_shard[self._bucket_shard(units)]
-        direct = not accumulate and not self.offload_optimizer
-        part = dst if direct else self.alloc(dst.shape[0], self.dtype, "comm_buffer", "rs",
-                                             zero=False)
-        request = self.comm.ireduce_scatter(full, part)
-
-        def done():
-            if self.offload_optimizer:  # to dst, or to a host buffer added on landing
-                landing = self.alloc(dst.shape[0], self.dtype, "comm_buffer", "d2h", "host",
-                                     self._pinned, zero=False) if accumulate else dst
-                self._host_copies.append((HostCopy(part, landing), dst, part))
-                self._land_host_copies(block=False)
-            elif not direct:
-                _add_(dst, part)
-                self.ledger.release(part)
-            for buf in free:
-                self.ledger.release(buf)
-
-        self._launch(request, done, (0 if direct else part.nbytes) + sum(b.nbytes for b in free))
-
-    def _land_host_copies(self, block: bool) -> None:
-        """Finish device -> host gradient copies in order: add each landed shard into its
-        destination and free the buffers. Without `block`, stop at the first still in flight."""
-        while self._host_copies:
-            copy, dst, part = self._host_copies[0]
-            if not (block or copy.ready()):
-                return
-            self._host_copies.pop(0)
-            landed = copy.wait()
-            if landed is not dst:
-                _add_(dst, landed)
-                self.ledger.release(landed)
-            self.ledger.release(part)
-
-    def publish_sharded_params(self) -> None:
-        """Write each unit's updated master shard into params_full and allgather in place."""
-        self.allgather_shard_into(self.params_full, self.master, self._take_written())
-
-    def sharded_publish_targets(self):
-        """publish_targets for publish_sharded_params: each unit's master shard -> its owned
-        slice of params_full (a lone unit is then allgathered in place, with no copy)."""
-        return self._hand_out((self.layout.shard_offsets[u],
-                               self.params_full[self.layout.owned_slice(u, self.rank)])
-                              for u in range(len(self.units)))
-
-    def allgather_shard_into(self, full, shard, written=False) -> None:
-        """Fill `full` (P) on every rank from each rank's `shard` (S), in buckets of
-        `allgather_bucket_size` elements: a lone unit is allgathered in place in `full`; the
-        units of a larger bucket are gathered packed into a comm_buffer and copied out.
-        written: this rank's owned slices of `full` hold their shard already."""
-        for units in self.buckets(self.config.allgather_bucket_size):
-            mine = self._bucket_shard(units)
-            n = mine.stop - mine.start
-            packed = self.bucket_buffer(units, full)  # only this rank's part is written here
-            if not (written and len(units) == 1):  # packed is full's, holding it already
-                backend.copy_(packed[self.rank * n:(self.rank + 1) * n], shard[mine])
-
-            def done(units=units, packed=packed):
-                if len(units) > 1:
-                    self.unpack(units, packed, full)
-                    self.ledger.release(packed)
-
-            self._launch(self.comm.iallgather_inplace(packed), done,
-                         packed.nbytes if len(units) > 1 else 0)
-        self.wait_pending()

@@ -357,6 +357,7 @@ class _Ufunc:
 
 for _name in ("add", "subtract", "multiply", "divide", "true_divide", "exp", "log", "sqrt",
               "tanh", "maximum", "minimum", "isfinite", "isnan", "power", "negative", "abs",
+              "rint",
               "square", "sign", "floor", "equal", "not_equal", "less", "greater", "logical_and",
               "logical_or", "cos", "sin", "erf" if hasattr(_np, "erf") else "exp"):
     globals()[_name] = _Ufunc(getattr(_np, _name))
@@ -364,7 +365,7 @@ for _name in ("add", "subtract", "multiply", "divide", "true_divide", "exp", "lo
 for _name in ("where", "triu", "tril", "stack", "concatenate", "einsum",
               "sum", "zeros_like", "empty_like", "ones_like", "full_like", "take_along_axis",
               "argmax", "broadcast_to", "expand_dims", "clip", "cumsum", "copyto", "arange",
-              "linspace", "full"):
+              "linspace", "full", "packbits", "unpackbits"):
     globals()[_name] = _function(getattr(_np, _name))
 
 for _name in ("float16", "float32", "float64", "int8", "int32", "int64", "uint8", "uint16",

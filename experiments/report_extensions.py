@@ -1,0 +1,53 @@
+"""RESULTS.md's sections on ZeRO-Infinity's NVMe tier, 1-bit Adam and ZeRO++ (a mixin of
+report.Report)."""
+import os
+
+
+class ExtensionSections:
+    # ---- 10. ZeRO-Infinity's NVMe tier
+    def nvme(self) -> None:
+        self.add("## 10. ZeRO-Infinity's NVMe tier: the optimizer state on a drive", "",
+                 "The paper: the optimizer state on NVMe, streamed through bounded host "
+                 "buffers, with overlapped reads and writes. Here: CPU offload's bits, host "
+                 "memory the pool, and the swap bandwidth beside `dd` on the same disk.", "")
+        folder = self.results / "nvme"
+        if self.rows(folder) is None:
+            return self.missing("the NVMe tier", "make bench-nvme")
+        self.add((folder / "table.md").read_text().strip(), "",
+                 "Made by `make bench-nvme` (`python experiments/bench_nvme.py --out "
+                 "results/nvme`); what the figures mean: [docs/offload.md](../docs/offload.md"
+                 "#the-nvme-tier-zero-infinity).", "")
+
+    # ---- 11. 1-bit Adam
+    def onebit(self) -> None:
+        self.add("## 11. 1-bit Adam: the momentum in one bit an element (Tang et al. 2021)", "",
+                 "The paper: after a warm-up of plain Adam, v frozen and the momentum "
+                 "exchanged at 1 bit an element with error feedback, 1/16 of an fp16 "
+                 "allreduce, converging like Adam. Here: one GPT on 4 ranks, Adam against "
+                 "1-bit Adam, the bytes each step sent counted by Comm:", "")
+        folder = self.results / "onebit"
+        if self.rows(folder) is None:
+            return self.missing("1-bit Adam", "make bench-onebit")
+        self.add((folder / "table.md").read_text().strip(), "",
+                 f"![Adam and 1-bit Adam]({os.path.relpath(folder / 'loss.png', self.out.parent)})",
+                 "", "Made by `make bench-onebit` (`mpiexec -n 4 python "
+                 "experiments/bench_onebit.py --out results/onebit`); what is counted and why "
+                 "beta2 matters: [docs/onebit.md](../docs/onebit.md#measured).", "")
+
+    # ---- 12. ZeRO++
+    def zeropp(self) -> None:
+        self.add("## 12. ZeRO++: quantized gathers and reductions, hierarchical partitioning "
+                 "(Wang et al. 2023)", "",
+                 "The paper: int8 parameter allgathers (qwZ, 2x less than fp16), int4 "
+                 "gradients reduced by all-to-all (qgZ, 4x less), a secondary parameter shard "
+                 "per node so backward gathers inside it (hpZ), with the loss of the "
+                 "unquantized run. Here: one GPT on 4 ranks (hpZ groups of 2), the bytes "
+                 "each step sent counted by Comm per communicator:", "")
+        folder = self.results / "zeropp"
+        if self.rows(folder) is None:
+            return self.missing("ZeRO++", "make bench-zeropp")
+        self.add((folder / "table.md").read_text().strip(), "",
+                 f"![ZeRO++ loss curves]({os.path.relpath(folder / 'loss.png', self.out.parent)})",
+                 "", "Made by `make bench-zeropp` (`mpiexec -n 4 python "
+                 "experiments/bench_zeropp.py --out results/zeropp`); the formulas and what "
+                 "is counted: [docs/zeropp.md](../docs/zeropp.md#measured).", "")

@@ -1,0 +1,329 @@
+"""ZeRO-Infinity's NVMe tier: the optimizer state in a file changes where it lives, never
+what training computes, and host memory stays the buffers.
+
+Under MPI (one `mpiexec -n N` launch per world size, tests/ranks/nvme_checks.py): stages 1-3,
+fp32 and fp16 (an overflow step, accumulation, clipping), with read-ahead and write-behind, without,
+and with part of the state kept in host memory (`max_in_cpu`): parameters, master weights,
+Adam moments and losses equal CPU offload's bit for bit; the ledger's host bytes of the
+optimizer state, now and at peak, are the buffers; checkpoints go from NVMe to CPU offload
+and back exactly; the files are removed by close(). In one process: NvmeOptimizerState
+against HostAdam, the handles, and every failure (the path, the space, a failed write).
+"""
+import errno
+import gc
+import os
+import sys
+import warnings
+
+import numpy as np
+import pytest
+from mpi_util import RANKS_DIR, run_mpi
+
+from zmpi.checkpoint import CheckpointError
+from zmpi.config import AioConfig, Config, ConfigError, OffloadConfig
+from zmpi.data import SyntheticSource
+from zmpi.engine import Engine
+from zmpi.memory import MemoryLedger
+from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.offload import NVMeError, NvmeOptimizerState, aio, files, nvme
+from zmpi.optim.adam import HostAdam
+
+sys.path.insert(0, str(RANKS_DIR))
+
+WORLD_SIZES = (2, 3)
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"n{n}")
+def run(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"nvme_n{request.param}")
+    return request.param, run_mpi(RANKS_DIR / "nvme_checks.py", request.param, args=[out],
+                                  timeout=400)
+
+
+@pytest.mark.mpi
+def test_nvme_is_bit_identical_to_cpu_offload(run):
+    n, reports = run
+    for r in reports:
+        base = {(e["stage"], e["dtype"]): e for e in r["equality"] if e["variant"] == "cpu"}
+        checked = 0
+        for e in r["equality"]:
+            want = base[(e["stage"], e["dtype"])]
+            where = f"n={n} rank {r['rank']} stage {e['stage']} {e['dtype']} {e['variant']}"
+            for key in ("params", "optimizer_state", "losses", "skipped"):
+                assert e[key] == want[key], f"{where}: {key} differs from CPU offload"
+            assert e["skipped"] == (1 if e["dtype"] == "fp16" else 0), where
+            checked += e["variant"] != "cpu"
+        assert checked == 2 * (3 + 1 + 1)
+        assert all(e["direct"] for e in r["equality"] if e["variant"] != "cpu")  # ext4 here
+
+
+@pytest.mark.mpi
+def test_host_holds_the_buffers_not_the_state(run):
+    n, reports = run
+    for r in reports:
+        for e in r["equality"]:
+            where = f"n={n} rank {r['rank']} stage {e['stage']} {e['dtype']} {e['variant']}"
+            assert e["host"] == e["declared_host"], where  # the ledger equals the declaration
+            assert e["host_peak"] == e["host"], where  # and never held more during the steps
+            state = e["state_bytes"]
+            if e["variant"] == "cpu":
+                assert e["host"]["master"] == state, where
+            elif e["variant"] == "nvme":  # 2 slots x 1024 fp32 elements per state
+                assert e["host"] == dict.fromkeys(("master", "adam_m", "adam_v"), 2 * 4096)
+                assert 2 * 4096 < state, where  # the state is larger than its buffers
+            elif e["variant"] == "nvme_sync":
+                assert e["host"]["master"] == 4096, where  # one slot
+            else:  # 1500 elements kept in host memory, and a slot per block up to two
+                blocks = -(-(state // 4 - 1500) // 1024)
+                assert e["host"]["master"] == 4 * (1500 + min(2, blocks) * 1024), where
+
+
+@pytest.mark.mpi
+def test_checkpoints_cross_between_nvme_and_cpu_offload_exactly(run):
+    n, reports = run
+    for r in reports:
+        assert [(c["stage"], c["from"], c["to"]) for c in r["checkpoints"]] == [
+            (2, "nvme", "cpu"), (3, "cpu", "nvme")]
+        for c in r["checkpoints"]:
+            assert c["params_equal"] and c["optimizer_equal"], (n, r["rank"], c)
+
+
+@pytest.mark.mpi
+def test_files_are_removed_on_close(run):
+    _, reports = run
+    for r in reports:
+        assert r["files"] == {"alive": True, "removed": True}
+        assert r["left"] == []
+
+
+# ---- one process: the state against HostAdam --------------------------------------------
+
+def _offload(path, **kw):
+    return OffloadConfig(**{"device": "nvme", "nvme_path": str(path), "buffer_size": 1024,
+                            "buffer_count": 6, **kw})
+
+
+@pytest.mark.parametrize("kw, aio_kw", [
+    ({}, {}),
+    ({"max_in_cpu": 3000}, {"thread_count": 3, "queue_depth": 2, "block_size": 4096}),
+    ({"pipeline_read": False, "pipeline_write": False, "buffer_count": 4}, {}),
+    ({"buffer_count": 12, "buffer_size": 2048}, {"block_size": 8192}),
+    ({"max_in_cpu": 10**9}, {}),  # everything in host memory: no file at all
+], ids=["default", "max_in_cpu", "no_pipeline", "wide", "all_in_cpu"])
+def test_state_steps_like_host_adam(tmp_path, kw, aio_kw):
+    n = 10_001  # not a multiple of the 4 KiB alignment: a ragged last block
+    rng = np.random.default_rng(0)
+    ledger = MemoryLedger()
+    state = NvmeOptimizerState(n, np.float32, _offload(tmp_path, **kw), AioConfig(**aio_kw),
+                               ledger)
+    init = rng.standard_normal(n).astype(np.float32)
+    state.master[...] = init
+    p, m, v = init.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    ref, opt = HostAdam(lr=1e-2, weight_decay=0.1), HostAdam(lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        grads = rng.standard_normal(n).astype(np.float16)
+        want, got = np.zeros(n, np.float16), np.zeros(n, np.float16)
+        ref.step_(p, grads, m, v, 0.5, 0.9, publish=[(0, want)])
+        state.step(opt, grads, 0.5, 0.9, publish=[(0, got[:4000]), (4000, got[4000:])])
+        assert np.array_equal(want, got)  # the parameters, published block by block
+    for a, b in zip((p, m, v), state.states, strict=True):
+        assert np.array_equal(a, np.asarray(b)), b.name
+    assert np.array_equal(state.adam_m[2999:7001], m[2999:7001])  # across blocks and tiers
+    assert opt.step_count == ref.step_count == 3
+    held = state.host_bytes()
+    assert {c: ledger.current(c, "host") for c in held} == held
+    state.close()
+    assert ledger.current(device="host") == 0 and os.listdir(tmp_path) == []
+
+
+def test_without_direct_io_the_file_is_buffered_and_synced(tmp_path, monkeypatch):
+    real_open, synced = os.open, []
+
+    def no_direct(path, flags, *mode):  # as on tmpfs
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *mode)
+
+    monkeypatch.setattr(files.os, "open", no_direct)
+    monkeypatch.setattr(nvme, "sync_and_drop", lambda *a: synced.append(a))
+    state = NvmeOptimizerState(5000, np.float32, _offload(tmp_path), None, MemoryLedger())
+    assert not state.direct
+    values = np.arange(5000, dtype=np.float32)
+    state.adam_v[...] = values
+    assert np.array_equal(np.asarray(state.adam_v), values)
+    assert len(synced) == 5  # each write request: 5 blocks of 1024 elements
+    state.close()
+
+
+def test_handles_refuse_what_would_change_a_copy(tmp_path):
+    state = NvmeOptimizerState(5000, np.float32, _offload(tmp_path), None, MemoryLedger())
+    part = state.master[10:20]
+    with pytest.raises(ValueError, match="read-only"):
+        part += 1  # an in-place update of what was read
+    with pytest.raises(TypeError, match="contiguous slices"):
+        state.master[::2]
+    with pytest.raises(TypeError, match="only the whole state"):
+        state.master[3:5] = 1.0
+    assert state.master.shape == (5000,) and "optimizer.bin" in repr(state.master)
+    state.close()
+    with pytest.raises(NVMeError, match="closed"):
+        state.master[0:1]
+
+
+# ---- one process: failures ------------------------------------------------------------------
+
+SMALL = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=2, d_model=16)
+
+
+def _engine(path, device="nvme", stage=2):
+    offload = {"device": device}
+    if device == "nvme":
+        offload.update(nvme_path=str(path), buffer_size=1024, buffer_count=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Engine(GPT(SMALL, seed=0), {
+            "train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": stage, "offload_optimizer": offload}})
+
+
+def _batches():
+    return SyntheticSource(16, 8, 4, seed=1)
+
+
+@pytest.mark.parametrize("offload, match", [
+    ({"device": "nvme"}, r"offload_optimizer\.nvme_path: required"),
+    ({"device": "nvme", "nvme_path": "/x", "buffer_count": 2}, r"buffer_count: must be >= 3"),
+    ({"device": "nvme", "nvme_path": "/x", "buffer_size": 100}, r"buffer_size: must be >= 1024"),
+    ({"device": "nvme", "nvme_path": "/x", "delay_update": True},
+     r"delay_update: is not implemented with \"device\": \"nvme\""),
+])
+def test_config_errors(offload, match):
+    with pytest.raises(ConfigError, match=match):
+        Config.from_dict({"zero_optimization": {"stage": 2, "offload_optimizer": offload}})
+    with pytest.raises(ConfigError, match=r"offload_param\.device: 'nvme' is implemented for "
+                                          "offload_optimizer only"):
+        Config.from_dict({"zero_optimization": {"stage": 3, "offload_param": {
+            "device": "nvme", "nvme_path": "/x"}}})
+    with pytest.raises(ConfigError, match=r"aio\.block_size: must be a positive multiple"):
+        Config.from_dict({"aio": {"block_size": 1000}})
+    with pytest.raises(ConfigError, match=r"aio\.single_submit: zmpi always"):
+        Config.from_dict({"aio": {"single_submit": True}})
+
+
+def test_nvme_keys_with_another_device_are_noted():
+    c = Config.from_dict({"zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "cpu", "nvme_path": "/x", "pipeline_read": True}}})
+    assert c.notes() == [
+        "zero_optimization.offload_optimizer.nvme_path: accepted without effect (the device is "
+        "'cpu', not 'nvme')",
+        "zero_optimization.offload_optimizer.pipeline_read: accepted without effect (the device "
+        "is 'cpu', not 'nvme')"]
+
+
+def test_bad_paths_are_clear_errors(tmp_path, monkeypatch):
+    afile = tmp_path / "file"
+    afile.write_text("")
+    for path in (tmp_path / "missing", afile):
+        with pytest.raises(NVMeError, match=f"nvme_path {path}: not a directory"):
+            _engine(path)
+    # root may write anywhere: the permission checks are shown by what they see
+    monkeypatch.setattr(files.os, "access", lambda path, mode: False)
+    with pytest.raises(NVMeError, match="not writable by this process"):
+        _engine(tmp_path)
+    monkeypatch.undo()
+
+    def refused(**kw):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(files.tempfile, "mkdtemp", refused)
+    with pytest.raises(NVMeError, match="cannot create a directory: Permission denied"):
+        _engine(tmp_path)
+
+
+def test_too_little_space_fails_at_start(tmp_path, monkeypatch):
+    real = os.statvfs
+
+    class Tiny:
+        f_bavail, f_frsize = 1, 4096
+
+    monkeypatch.setattr(files.os, "statvfs", lambda p: Tiny if str(p) == str(tmp_path)
+                        else real(p))
+    with pytest.raises(NVMeError, match=r"0\.0 MiB free, the optimizer state of this node's "
+                                        r"ranks needs"):
+        _engine(tmp_path)
+    monkeypatch.undo()
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.os, "posix_fallocate", full)  # the reservation itself fails
+    with pytest.raises(NVMeError, match="cannot reserve .* No space left on device"):
+        _engine(tmp_path)
+    assert os.listdir(tmp_path) == []  # nothing left behind
+
+
+def test_failed_write_raises_and_blocks_until_a_checkpoint_restores(tmp_path, monkeypatch):
+    swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
+    swap.mkdir()
+    data = _batches()
+    reference = _engine(None, device="cpu")
+    for step in range(4):
+        reference.train_step(*data.sample(step))
+    engine = _engine(swap)
+    for step in range(2):
+        engine.train_step(*data.sample(step))
+    engine.save_checkpoint(ckpt, tag="two")
+    real, calls = aio._pwrite, []
+
+    def failing(fd, view, offset):
+        calls.append(offset)
+        if len(calls) == 3:  # a block into the step: part of the state is new already
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd, view, offset)
+
+    monkeypatch.setattr(aio, "_pwrite", failing)
+    with pytest.raises(NVMeError, match=r"optimizer step 3: write of .* elements \[.*\) at byte "
+                                        r".* of .*optimizer\.bin failed: Input/output error"):
+        engine.train_step(*data.sample(2))
+    monkeypatch.undo()
+    broken = "inconsistent since optimizer step 3 failed .*: load a checkpoint"
+    with pytest.raises(NVMeError, match=broken):
+        engine.train_step(*data.sample(2))
+    with pytest.raises(CheckpointError, match=broken):  # a save would keep the torn state
+        engine.save_checkpoint(ckpt, tag="broken")
+    assert (ckpt / "latest").read_text().strip() == "two"
+    engine.load_checkpoint(ckpt, tag="two")  # writes all three states whole again
+    for step in (2, 3):
+        engine.train_step(*data.sample(step))
+    want, got = reference.gather_parameters(), engine.gather_parameters()
+    assert all(np.array_equal(want[k], got[k]) for k in want)
+    engine.close()
+    assert os.listdir(swap) == []
+
+
+def test_files_are_removed_when_the_engine_is_dropped(tmp_path):
+    engine = _engine(tmp_path)
+    engine.train_step(*_batches().sample(0))
+    assert len(os.listdir(tmp_path)) == 1
+    del engine
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.mpi
+def test_bench_at_a_tiny_size(tmp_path):
+    import subprocess
+
+    from mpi_util import REPO_ROOT
+
+    out = tmp_path / "nvme"
+    subprocess.run([sys.executable, REPO_ROOT / "experiments" / "bench_nvme.py", "--out", out,
+                    "--n-layer", "1", "--d-model", "32", "--steps", "2",
+                    "--stream-elements", "300000"], check=True, cwd=REPO_ROOT,
+                   env={**os.environ, "OMP_NUM_THREADS": "1",
+                        "PYTHONPATH": f"{REPO_ROOT}:{REPO_ROOT / 'experiments'}"},
+                   capture_output=True)
+    table = (out / "table.md").read_text()
+    assert "| nvme | " in table and table.count("| yes |") == 2  # CPU offload's bits
+    assert "threads, queue_depth" in table and (out / "run.json").is_file()

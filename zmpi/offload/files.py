@@ -1,0 +1,109 @@
+"""The files of the NVMe tier: one rank's swap file, reserved whole, opened with O_DIRECT
+where the filesystem allows it, removed on close, on collection or at exit; and the
+4 KiB-aligned host buffers direct I/O reads into and writes from (zmpi.offload.nvme says what
+goes in them).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from zmpi import backend
+
+ALIGN = 4096  # bytes: what direct I/O needs of offsets, sizes and buffer addresses
+_MiB = 2**20
+
+
+class NVMeError(RuntimeError):
+    """The NVMe tier cannot go on: its path, the free space, a failed read or write."""
+
+
+def aligned_empty(numel: int, dtype, pinned: bool) -> np.ndarray:
+    """A host array at a 4 KiB-aligned address, page-locked under CuPy if `pinned`, else
+    anonymous memory (zeroed pages, resident once touched)."""
+    if pinned and backend.is_gpu:
+        arr = backend.pinned_empty(numel, dtype)
+        if arr.ctypes.data % ALIGN == 0:
+            return arr
+    nbytes = numel * np.dtype(dtype).itemsize
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype, count=numel)
+
+
+def _remove(fds: list, directory: str) -> None:
+    for fd in fds:
+        os.close(fd)
+    fds.clear()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def drop_pages(fd: int, offset: int, nbytes: int) -> None:
+    os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+
+
+def sync_and_drop(fd: int, offset: int, nbytes: int) -> None:
+    os.fdatasync(fd)
+    drop_pages(fd, offset, nbytes)
+
+
+class SwapFile:
+    """One rank's file of `nbytes` under `nvme_path`, in a directory of its own, reserved
+    whole. `need` is what the node's ranks need together (checked against the free space
+    first). Removed by close(), on collection or at exit."""
+
+    def __init__(self, nvme_path, nbytes: int, need: int):
+        root = Path(nvme_path)
+        if not root.is_dir():
+            raise NVMeError(f"nvme_path {root}: not a directory (create it on the NVMe drive)")
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise NVMeError(f"nvme_path {root}: not writable by this process")
+        stat = os.statvfs(root)
+        free = stat.f_bavail * stat.f_frsize
+        if free < need:
+            raise NVMeError(f"nvme_path {root}: {free / _MiB:,.1f} MiB free, the optimizer "
+                            f"state of this node's ranks needs {need / _MiB:,.1f} MiB "
+                            f"({nbytes / _MiB:,.1f} MiB per rank)")
+        try:
+            self.dir = tempfile.mkdtemp(prefix="zmpi-nvme-", dir=root)
+        except OSError as e:
+            raise NVMeError(f"nvme_path {root}: cannot create a directory: "
+                            f"{e.strerror or e}") from e
+        self.path, self._fds = Path(self.dir) / "optimizer.bin", []
+        self._finalizer = weakref.finalize(self, _remove, self._fds, self.dir)
+        try:
+            self.fd, self.direct = self._open(nbytes)
+        except OSError as e:
+            self.close()
+            raise NVMeError(f"{self.path}: cannot reserve {nbytes / _MiB:,.1f} MiB: "
+                            f"{e.strerror or e}") from e
+
+    def _open(self, nbytes: int) -> tuple[int, bool]:
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        try:
+            fd = os.open(self.path, flags | os.O_DIRECT, 0o600)
+        except OSError:  # EINVAL: the filesystem has no direct I/O (tmpfs)
+            fd = os.open(self.path, flags, 0o600)
+            self._fds.append(fd)
+            os.posix_fallocate(fd, 0, nbytes)
+            return fd, False
+        self._fds.append(fd)
+        os.posix_fallocate(fd, 0, nbytes)
+        probe = aligned_empty(ALIGN, np.uint8, False)
+        try:  # some filesystems accept O_DIRECT at open and refuse the I/O
+            os.pwritev(fd, [probe], 0)
+            os.preadv(fd, [probe], 0)
+        except OSError:
+            self._fds.remove(fd)
+            os.close(fd)
+            fd = os.open(self.path, os.O_RDWR)
+            self._fds.append(fd)
+            return fd, False
+        return fd, True
+
+    def close(self) -> None:
+        self._finalizer()
