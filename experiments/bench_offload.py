@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from results import write_results
+from results import write_losses, write_results
 from zmpi.comm import Comm
 from zmpi.data import BatchSampler, CharTokenizer, load_text, train_val_split
 from zmpi.engine import Engine
@@ -32,6 +32,9 @@ MODES = {  # name: zero_optimization entries on top of stage 2
     "offload + DPU": {"offload_optimizer": {"device": "cpu", "pin_memory": True,
                                             "delay_update": True}},
 }
+
+
+TIMING_SKIP = 10  # first steps, compiling and first-touching buffers: not timed
 
 
 def train(comm, mode, args, tokens, vocab_size):
@@ -55,7 +58,7 @@ def train(comm, mode, args, tokens, vocab_size):
     engine.close()
     timing = engine.update_timing
     delayed = timing["delayed_steps"]
-    step_s = statistics.median(times[10:])
+    step_s = statistics.median(times[TIMING_SKIP:])
     return {
         "mode": mode, "params": engine.num_params, "ranks": comm.size,
         "median_step_ms": 1e3 * step_s,
@@ -89,7 +92,8 @@ def plot(rows, path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=300,
+                        help="at least 11: the first 10 are warm-up, left out of the timing")
     parser.add_argument("--warmup", type=int, default=40, help="DPU warm-up steps (paper: 40)")
     parser.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
     parser.add_argument("--batch", type=int, default=32)
@@ -98,6 +102,9 @@ def main():
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.steps <= TIMING_SKIP:
+        parser.error(f"--steps must be more than {TIMING_SKIP} (the warm-up steps the median "
+                     f"step time leaves out), got {args.steps}")
     comm = Comm()
     text = load_text()
     tokenizer = CharTokenizer(text)
@@ -117,10 +124,7 @@ def main():
     print("\n".join(md))
     if args.out:
         out = write_results(args.out, rows, md, comm, argv=sys.argv, args=vars(args))
-        with open(out / "losses.csv", "w") as f:
-            f.write("step," + ",".join(r["mode"] for r in rows) + "\n")
-            for step, values in enumerate(zip(*(r["losses"] for r in rows), strict=True)):
-                f.write(f"{step}," + ",".join(f"{v:.5f}" for v in values) + "\n")
+        write_losses(out, rows, "mode")
         plot(rows, out / "loss.png")
         print(f"wrote {out}/table.md, table.csv, losses.csv, loss.png, run.json")
 

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from results import write_results
+from results import write_losses, write_results
 from zmpi.comm import Comm
 from zmpi.data import BatchSampler, CharTokenizer, load_text, train_val_split
 from zmpi.engine import Engine
@@ -180,10 +180,7 @@ def main():
     print("\n".join(md))
     if args.out:
         out = write_results(args.out, rows, md, comm, argv=sys.argv, args=vars(args))
-        with open(out / "losses.csv", "w") as f:
-            f.write("step," + ",".join(r["run"] for r in rows) + "\n")
-            for step, values in enumerate(zip(*(r["losses"] for r in rows), strict=True)):
-                f.write(f"{step}," + ",".join(f"{v:.5f}" for v in values) + "\n")
+        write_losses(out, rows, "run")
         plot(rows, args, out / "loss.png")
         print(f"wrote {out}/table.md, table.csv, losses.csv, loss.png, run.json")
 

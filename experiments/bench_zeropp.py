@@ -26,7 +26,7 @@ import sys
 
 import numpy as np
 
-from results import write_results
+from results import write_losses, write_results
 from zmpi.comm import Comm
 from zmpi.data import BatchSampler, CharTokenizer, load_text, train_val_split
 from zmpi.engine import Engine
@@ -168,10 +168,7 @@ def main():
     if args.out:
         out = write_results(args.out, rows, md, comm, argv=sys.argv, args=vars(args),
                             reductions=factors)
-        with open(out / "losses.csv", "w") as f:
-            f.write("step," + ",".join(r["mode"] for r in rows) + "\n")
-            for step, values in enumerate(zip(*(r["losses"] for r in rows), strict=True)):
-                f.write(f"{step}," + ",".join(f"{v:.5f}" for v in values) + "\n")
+        write_losses(out, rows, "mode")
         plot(rows, out / "loss.png")
         print(f"wrote {out}/table.md, table.csv, losses.csv, loss.png, run.json")
 

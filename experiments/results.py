@@ -27,3 +27,12 @@ def write_results(out, rows: list[dict], markdown: list[str], comm, name: str = 
     (out / "run.json").write_text(json.dumps(run_metadata(comm, rows=rows, **meta), indent=2,
                                              default=str))
     return out
+
+
+def write_losses(out, rows: list[dict], label: str) -> None:
+    """OUT/losses.csv: a column of per-step losses for each row (its `label` field names the
+    column, its "losses" list the values), one line per step."""
+    with open(Path(out) / "losses.csv", "w") as f:
+        f.write("step," + ",".join(r[label] for r in rows) + "\n")
+        for step, values in enumerate(zip(*(r["losses"] for r in rows), strict=True)):
+            f.write(f"{step}," + ",".join(f"{v:.5f}" for v in values) + "\n")
