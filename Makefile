@@ -16,8 +16,8 @@ export MKL_NUM_THREADS=1
 export ZMPI_BACKEND ?= numpy
 
 .PHONY: install test test-gpu demo lint clean tables bench bench-install bench-adam \
-	bench-offload bench-nvme bench-onebit bench-zeropp bench-checkpoint bench-debug bench-tensor bench-pipeline bench-recompute \
-	bench-gpu count-gpu reproduce report
+	bench-offload bench-nvme bench-onebit bench-zeropp bench-checkpoint bench-debug bench-tensor \
+	bench-pipeline bench-recompute bench-plan bench-gpu count-gpu reproduce report
 
 install: $(STAMP)
 
@@ -50,6 +50,7 @@ bench-offload: bench-install
 
 bench-nvme: $(STAMP)
 	$(PY) experiments/bench_nvme.py --out results/nvme
+	$(PY) experiments/bench_nvme_param.py --out results/nvme_param
 
 # 1-bit Adam against Adam on 4 ranks (about 4 minutes on 2 cores): docs/onebit.md
 bench-onebit: bench-install
@@ -65,7 +66,13 @@ tables: $(STAMP)
 bench: bench-install
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_vs_torch.py --profile --out results/vs_torch_n$(NP)
 
-# Every paper table at this machine's scale (about 15 minutes on 2 cores), then
+# zmpi plan's model against the published runs and against this machine (48 layouts, about
+# 2 minutes; its timings need a quiet machine): docs/plan.md
+bench-plan: $(STAMP)
+	$(PY) experiments/plan_published.py --out results/plan_published
+	$(PY) experiments/validate_plan.py --out results/plan_validation
+
+# Every paper table at this machine's scale (about 30 minutes on 2 cores), then
 # experiments/RESULTS.md with its figures (results/figures/).
 reproduce: bench-install
 	for n in 1 2 3 4; do \
@@ -80,6 +87,10 @@ reproduce: bench-install
 	$(MAKE) bench-tensor
 	$(MAKE) bench-pipeline
 	$(MAKE) bench-recompute
+	$(MAKE) bench-plan
+	$(MAKE) bench-nvme
+	$(MAKE) bench-onebit
+	$(MAKE) bench-zeropp
 	$(MAKE) report
 
 report: $(STAMP)

@@ -42,6 +42,8 @@ from results import write_results
 
 MIB = 2**20
 POOL = {"buffer_count": 6, "buffer_size": 2**18}  # 6 x 1 MiB of fp32: the training run's cap
+PARAM_POOL = {"buffer_count": 2, "buffer_size": 2**20, "max_in_cpu": 0}  # experiments/
+# bench_nvme_param.py: 2 buffers, each the largest unit's shard
 DEFAULT_AIO = {"block_size": 2**20, "queue_depth": 8, "thread_count": 1}  # DeepSpeed's
 AIO = {"block_size": 2**20, "queue_depth": 16, "thread_count": 4}  # requests in parallel
 REPEATS = 3  # each pass, and dd, timed this many times: the best counts (a shared machine)
@@ -77,14 +79,18 @@ def train(mode: str, nvme_path: str, steps: int, n_layer: int, d_model: int) -> 
     from zmpi.engine import Engine
     from zmpi.models.gpt import GPT, GPTConfig
 
-    offload = {"device": "cpu"} if mode == "cpu" else {"device": "nvme",
-                                                       "nvme_path": nvme_path, **POOL}
+    offload = {"device": "cpu"} if mode in ("cpu", "param_cpu", "param_nvme") else {
+        "device": "nvme", "nvme_path": nvme_path, **POOL}
+    stage, zero = 2, {"offload_optimizer": offload}
+    if mode.startswith("param"):  # stage 3, its parameter shards on the host or on NVMe
+        stage, zero["offload_param"] = 3, {"device": "cpu"} if mode == "param_cpu" else {
+            "device": "nvme", "nvme_path": nvme_path, **PARAM_POOL}
     cfg = GPTConfig(vocab_size=256, seq_len=64, n_layer=n_layer, n_head=4, d_model=d_model)
     engine = Engine(GPT(cfg, seed=0), {
         "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
         "fp16": {"enabled": True, "initial_scale_power": 12},
-        "zero_optimization": {"stage": 2, "offload_optimizer": offload}, "aio": AIO}, Comm())
+        "zero_optimization": {"stage": stage, **zero}, "aio": AIO}, Comm())
     data = SyntheticSource(256, 64, 4, seed=1)
     engine.memory.reset_peaks()
     losses, times = [], []
@@ -99,11 +105,15 @@ def train(mode: str, nvme_path: str, steps: int, n_layer: int, d_model: int) -> 
            "state_bytes": 3 * s.master.nbytes,
            "host_optimizer_peak": engine.memory.peak(optimizer, "host"),
            "host_peak_total": engine.memory.peak(device="host"),
+           "host_param_peak": engine.memory.peak("param", "host"),
            "peak_rss_kib": rss_kib()["VmHWM"],
            "optimizer_digest": digest(np.asarray(a) for a in (s.master, s.adam_m, s.adam_v))}
     if s.nvme is not None:
         out.update(direct=s.nvme.direct, io_wait_s=s.nvme.io_wait_s,
                    pool_bytes=sum(s.nvme.host_bytes().values()))
+    if s.param_store is not None:
+        out.update(direct=s.param_store.direct, io_wait_s=s.param_store.io_wait_s,
+                   pool_bytes=s.param_store.host_bytes()["param"])
     params = engine.gather_parameters()
     out["params_digest"] = digest(params[k] for k in sorted(params))
     engine.close()
@@ -212,7 +222,8 @@ def main():
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--stream-elements", type=int, default=2**25)
-    ap.add_argument("--child", choices=("cpu", "nvme"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=("cpu", "nvme", "param_cpu", "param_nvme"),
+                    help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -17,6 +17,13 @@ class ExtensionSections:
                  "Made by `make bench-nvme` (`python experiments/bench_nvme.py --out "
                  "results/nvme`); what the figures mean: [docs/offload.md](../docs/offload.md"
                  "#the-nvme-tier-zero-infinity).", "")
+        params = self.results / "nvme_param"
+        if self.rows(params) is not None:  # stage 3's parameter shards on the drive
+            self.add("Stage 3's parameter shards on NVMe:", "",
+                     (params / "table.md").read_text().strip(), "",
+                     "Made by `make bench-nvme` (`python experiments/bench_nvme_param.py "
+                     "--out results/nvme_param`); what the figures mean: "
+                     "[docs/offload.md](../docs/offload.md#parameters-on-nvme).", "")
 
     # ---- 11. 1-bit Adam
     def onebit(self) -> None:

@@ -6,8 +6,10 @@ fp32 and fp16 (an overflow step, accumulation, clipping), with read-ahead and wr
 and with part of the state kept in host memory (`max_in_cpu`): parameters, master weights,
 Adam moments and losses equal CPU offload's bit for bit; the ledger's host bytes of the
 optimizer state, now and at peak, are the buffers; checkpoints go from NVMe to CPU offload
-and back exactly; the files are removed by close(). In one process: NvmeOptimizerState
-against HostAdam, the handles, and every failure (the path, the space, a failed write).
+and back exactly; the files are removed by close(). The same for stage 3's parameter shards on NVMe
+(`offload_param.device: "nvme"`, zmpi.offload.nvme_param), with the optimizer on the host and
+on NVMe. In one process: NvmeOptimizerState against HostAdam, the handles, and every failure
+(the path, the space, a failed write), of both tiers.
 """
 import errno
 import gc
@@ -53,8 +55,11 @@ def test_nvme_is_bit_identical_to_cpu_offload(run):
                 assert e[key] == want[key], f"{where}: {key} differs from CPU offload"
             assert e["skipped"] == (1 if e["dtype"] == "fp16" else 0), where
             checked += e["variant"] != "cpu"
-        assert checked == 2 * (3 + 1 + 1)
-        assert all(e["direct"] for e in r["equality"] if e["variant"] != "cpu")  # ext4 here
+        assert checked == 2 * (3 + 1 + 1 + 4)
+        assert all(e["direct"] for e in r["equality"]  # ext4 here
+                   if e["variant"] not in ("cpu", "param_cpu", "param_nvme"))
+        assert all(e["param_host"]["direct"] for e in r["equality"]
+                   if e["variant"].startswith("param_nvme"))
 
 
 @pytest.mark.mpi
@@ -66,6 +71,8 @@ def test_host_holds_the_buffers_not_the_state(run):
             assert e["host"] == e["declared_host"], where  # the ledger equals the declaration
             assert e["host_peak"] == e["host"], where  # and never held more during the steps
             state = e["state_bytes"]
+            if e["variant"].startswith("param"):
+                continue  # test_host_holds_the_parameter_buffers_not_the_shard
             if e["variant"] == "cpu":
                 assert e["host"]["master"] == state, where
             elif e["variant"] == "nvme":  # 2 slots x 1024 fp32 elements per state
@@ -79,11 +86,35 @@ def test_host_holds_the_buffers_not_the_state(run):
 
 
 @pytest.mark.mpi
+def test_host_holds_the_parameter_buffers_not_the_shard(run):
+    n, reports = run
+    for r in reports:
+        for e in r["equality"]:
+            where = f"n={n} rank {r['rank']} {e['dtype']} {e['variant']}"
+            p = e["param_host"]
+            assert p["host"] == p["declared"] == p["peak"], where  # never more in the steps
+            if e["variant"] in ("cpu", "nvme", "nvme_max_in_cpu", "param_cpu"):
+                if e["stage"] == 3 and e["variant"] == "param_cpu":
+                    assert p["host"] == p["shard_bytes"], where  # the whole shard
+                continue
+            if not e["variant"].startswith("param_nvme"):
+                continue
+            buffers, block, resident = p["pool"]
+            assert p["host"] == (buffers * block + resident) * p["itemsize"], where
+            assert block >= 4096 // p["itemsize"] and block % (4096 // p["itemsize"]) == 0
+            if e["variant"] == "param_nvme_max_in_cpu":
+                assert 0 < resident <= 400 and buffers == 3, where  # units on file: 3
+            else:
+                assert resident == 0 and buffers == 2, where  # the pool, whatever the shard
+
+
+@pytest.mark.mpi
 def test_checkpoints_cross_between_nvme_and_cpu_offload_exactly(run):
     n, reports = run
     for r in reports:
         assert [(c["stage"], c["from"], c["to"]) for c in r["checkpoints"]] == [
-            (2, "nvme", "cpu"), (3, "cpu", "nvme")]
+            (2, "nvme", "cpu"), (3, "cpu", "nvme"), (3, "nvme_param", "cpu"),
+            (3, "cpu", "nvme_param")]
         for c in r["checkpoints"]:
             assert c["params_equal"] and c["optimizer_equal"], (n, r["rank"], c)
 
@@ -201,10 +232,12 @@ def _batches():
 def test_config_errors(offload, match):
     with pytest.raises(ConfigError, match=match):
         Config.from_dict({"zero_optimization": {"stage": 2, "offload_optimizer": offload}})
-    with pytest.raises(ConfigError, match=r"offload_param\.device: 'nvme' is implemented for "
-                                          "offload_optimizer only"):
+    with pytest.raises(ConfigError, match=r"offload_param\.nvme_path: required"):
         Config.from_dict({"zero_optimization": {"stage": 3, "offload_param": {
-            "device": "nvme", "nvme_path": "/x"}}})
+            "device": "nvme"}}})
+    with pytest.raises(ConfigError, match=r"offload_param\.buffer_count: must be >= 1"):
+        Config.from_dict({"zero_optimization": {"stage": 3, "offload_param": {
+            "device": "nvme", "nvme_path": "/x", "buffer_count": 0}}})
     with pytest.raises(ConfigError, match=r"aio\.block_size: must be a positive multiple"):
         Config.from_dict({"aio": {"block_size": 1000}})
     with pytest.raises(ConfigError, match=r"aio\.single_submit: zmpi always"):

@@ -22,12 +22,14 @@ class OffloadParamConfig(_Section):
     (ZeRO-Infinity's CPU tier); a unit reaches the device only while it is gathered.
     `pin_memory`: page-locked host buffers, so that the copies to and from the GPU run
     asynchronously and overlap (true by default in zmpi, false in DeepSpeed; no effect on
-    NumPy). The NVMe keys (`nvme_path`, `buffer_count`, `buffer_size`, `max_in_cpu`) act with
-    `"device": "nvme"`, which only `offload_optimizer` implements (zmpi.offload); given with
-    another device they are noted as without effect."""
+    NumPy). With `"device": "nvme"` (ZeRO-Infinity) the shards live in a file under
+    `nvme_path`, a unit's read into one of `buffer_count` host buffers of `buffer_size` elements
+    (each must hold the largest unit's shard) when its gather starts; the leading units whose
+    shards fit in `max_in_cpu` elements stay in host memory (zmpi.offload.nvme_param). Given
+    with another device, the NVMe keys are noted as without effect."""
 
     _INERT = {"fast_init": "initialisation is on the host"}
-    _NVME = False  # whether this section implements "device": "nvme"
+    _BUFFERS = (1, " (a unit's shard in flight needs one)")  # buffer_count's minimum, why
     _NVME_KEYS = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")  # act with it only
 
     device: str = "none"
@@ -49,15 +51,11 @@ class OffloadParamConfig(_Section):
     def _validate(self):
         _check(self.device in _OFFLOAD_DEVICES, "device",
                f"must be one of {', '.join(map(repr, _OFFLOAD_DEVICES))}, got {self.device!r}")
-        _check(self._NVME or not self.nvme, "device",
-               "'nvme' is implemented for offload_optimizer only (stage 3's parameter shards "
-               "on NVMe are not); use 'cpu' or 'none'")
         _check(not self.nvme or bool(self.nvme_path), "nvme_path",
                'required with "device": "nvme": a directory on the drive (each rank swaps into '
                "a directory of its own under it)")
         if self.nvme:
-            self._at_least(3, "buffer_count", note=" (a block in flight needs one buffer for "
-                                                   "each of the master weights, Adam's m and v)")
+            self._at_least(self._BUFFERS[0], "buffer_count", note=self._BUFFERS[1])
             self._at_least(1024, "buffer_size", note=" elements (4 KiB of fp32, the unit of "
                                                      "direct I/O)")
             self._at_least(0, "max_in_cpu")
@@ -91,7 +89,8 @@ class OffloadConfig(OffloadParamConfig):
     """
 
     _ALWAYS = {"ratio": (1.0, "offloads the whole optimizer state")}
-    _NVME = True
+    _BUFFERS = (3, " (a block in flight needs one buffer for each of the master weights, "
+                   "Adam's m and v)")
     _NVME_KEYS = OffloadParamConfig._NVME_KEYS + ("pipeline_read", "pipeline_write")
 
     buffer_count: int = 6

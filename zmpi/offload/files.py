@@ -52,11 +52,13 @@ def sync_and_drop(fd: int, offset: int, nbytes: int) -> None:
 
 
 class SwapFile:
-    """One rank's file of `nbytes` under `nvme_path`, in a directory of its own, reserved
-    whole. `need` is what the node's ranks need together (checked against the free space
-    first). Removed by close(), on collection or at exit."""
+    """One rank's file `name`.bin of `nbytes` under `nvme_path`, in a directory of its own,
+    reserved whole. `need` is what the node's ranks need together (checked against the free
+    space first; `what` names it in the error). Removed by close(), on collection or at
+    exit."""
 
-    def __init__(self, nvme_path, nbytes: int, need: int):
+    def __init__(self, nvme_path, nbytes: int, need: int, name: str = "optimizer",
+                 what: str = "optimizer state"):
         root = Path(nvme_path)
         if not root.is_dir():
             raise NVMeError(f"nvme_path {root}: not a directory (create it on the NVMe drive)")
@@ -65,15 +67,15 @@ class SwapFile:
         stat = os.statvfs(root)
         free = stat.f_bavail * stat.f_frsize
         if free < need:
-            raise NVMeError(f"nvme_path {root}: {free / _MiB:,.1f} MiB free, the optimizer "
-                            f"state of this node's ranks needs {need / _MiB:,.1f} MiB "
+            raise NVMeError(f"nvme_path {root}: {free / _MiB:,.1f} MiB free, the {what} "
+                            f"of this node's ranks needs {need / _MiB:,.1f} MiB "
                             f"({nbytes / _MiB:,.1f} MiB per rank)")
         try:
             self.dir = tempfile.mkdtemp(prefix="zmpi-nvme-", dir=root)
         except OSError as e:
             raise NVMeError(f"nvme_path {root}: cannot create a directory: "
                             f"{e.strerror or e}") from e
-        self.path, self._fds = Path(self.dir) / "optimizer.bin", []
+        self.path, self._fds = Path(self.dir) / f"{name}.bin", []
         self._finalizer = weakref.finalize(self, _remove, self._fds, self.dir)
         try:
             self.fd, self.direct = self._open(nbytes)

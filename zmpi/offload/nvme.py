@@ -106,6 +106,26 @@ def _publish(pieces, block, at: int) -> None:
             backend.copy_(dst[lo - start:hi - start], block[lo - at:hi - at])
 
 
+def open_on_every_rank(comm, build):
+    """build() on every rank of `comm` (a collective): if it fails on any rank, every rank
+    raises (the failing rank its own error, the others an NVMeError naming it) and no rank
+    keeps what it built (its close() is called)."""
+    built, error = None, None
+    try:
+        built = build()
+    except Exception as e:  # handed to every rank below
+        error = e
+    messages = comm.allgather_object(None if error is None else str(error))
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if failed:
+        if built is not None:
+            built.close()
+        if error is not None:
+            raise error
+        raise NVMeError(f"the NVMe tier failed on rank {failed[0][0]}: {failed[0][1]}")
+    return built
+
+
 class NvmeOptimizerState:
     """The master weights and Adam moments of one rank, `numel` elements of `dtype` each, on
     NVMe (the module's docstring says how). `offload`: the OffloadConfig (nvme_path,
@@ -153,20 +173,8 @@ class NvmeOptimizerState:
         """Build it on every rank of `comm` (a collective): if it fails on any rank, every
         rank raises (the failing rank its own error, the others an NVMeError naming it) and no
         rank keeps a file."""
-        state, error = None, None
-        try:
-            state = cls(numel, dtype, offload, aio, ledger, comm.local_size)
-        except Exception as e:  # handed to every rank below
-            error = e
-        messages = comm.allgather_object(None if error is None else str(error))
-        failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-        if failed:
-            if state is not None:
-                state.close()
-            if error is not None:
-                raise error
-            raise NVMeError(f"the NVMe tier failed on rank {failed[0][0]}: {failed[0][1]}")
-        return state
+        return open_on_every_rank(comm, lambda: cls(numel, dtype, offload, aio, ledger,
+                                                    comm.local_size))
 
     # ---- what the host holds, and where --------------------------------------------------
     def host_bytes(self) -> dict[str, int]:

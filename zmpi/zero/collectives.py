@@ -45,6 +45,13 @@ class UnitCollectives:
     def iallgather_unit(self, u: int, buf):
         """Start the collective that fills `buf` (unit u's padded parameters) from the shards:
         an allgather; a policy may gather another way (zeropp.py). Returns a request."""
+        return self.iallgather_shard(u, buf)
+
+    def iallgather_shard(self, u: int, buf):
+        """Start the allgather of unit u's shard into `buf`: from params_shard, or with the
+        shards on NVMe (`param_store`) from the file, read first (zmpi.offload.nvme_param)."""
+        if self.param_store is not None:
+            return self.param_store.iallgather(u, buf, self.comm)
         return self.comm.iallgather(self.params_shard[self.layout.shard_slice(u)], buf)
 
     def ireduce_scatter(self, units: range, full, part):

@@ -67,6 +67,7 @@ class Declarations:
             self.master_dtype.itemsize, self.shard_optimizer, self.shard_gradients,
             self.shard_parameters, self.offload_optimizer, self.offload_param,
             self.grads_spare is not None)
-        if self.nvme is not None:
-            held["host"].update(self.nvme.host_bytes())
+        for store in (self.nvme, self.param_store):  # what the NVMe tiers keep on the host
+            if store is not None:
+                held["host"].update(store.host_bytes())
         return held

@@ -90,8 +90,7 @@ class Stage3(Strategy):
     def _refresh_persistent(self):
         """The persistent units' gathered parameters from the (updated) shards."""
         for u in self._persistent:
-            self._launch(self.comm.iallgather(self.params_shard[self.layout.shard_slice(u)],
-                                              self._gathered[u][0]))
+            self._launch(self.iallgather_shard(u, self._gathered[u][0]))
         self.wait_pending()
 
     def before_forward(self, u):
@@ -116,6 +115,8 @@ class Stage3(Strategy):
         self._release(u)
 
     def publish_targets(self):
+        if self.param_store is not None:  # written unit by unit in publish_params
+            return None
         return self._hand_out([(0, self.params_shard)])
 
     def publish_params(self):

@@ -55,8 +55,9 @@ class StateShards:
 
     def close_storage(self) -> None:
         """Remove the files of the NVMe tier, if any (engine.close()); the states are gone."""
-        if self.nvme is not None:
-            self.nvme.close()
+        for store in (self.nvme, self.param_store):
+            if store is not None:
+                store.close()
 
     def full_master(self):
         """The master weights of the whole model in the full layout (P), on every rank, in

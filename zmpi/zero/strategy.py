@@ -25,6 +25,8 @@ Buffers (1-D, model-wide; `P` = layout.full_numel, `S` = layout.shard_numel = P 
     params_full  (P, dtype)  unless shard_parameters                      device
     params_shard (S, dtype)  if shard_parameters                          device, host if
                                                                           offload_param
+                             with offload_param.device "nvme": a handle on a file
+                             (`self.param_store`, zmpi.offload.nvme_param), gathered through it
     grads_full   (P, dtype)  unless shard_gradients                       device
     grads_shard  (S, dtype)  the reduced gradient shard the optimizer     device, host if
                              reads: if shard_gradients or offload_optimizer  offload_optimizer
@@ -74,6 +76,7 @@ from zmpi.backend import array_module
 from zmpi.config import ConfigError
 from zmpi.nn.parameter import mark_grads_zeroed
 from zmpi.offload.nvme import NvmeOptimizerState
+from zmpi.offload.nvme_param import NvmeParamShard
 from zmpi.zero.buckets import BucketPlanning
 from zmpi.zero.collectives import UnitCollectives
 from zmpi.zero.context import StrategyContext
@@ -148,17 +151,26 @@ class Strategy(Declarations, BucketPlanning, UnitCollectives, StateShards):
         alloc = self.alloc  # pinned: page-locked when on the host under CuPy
         pinned = self._pinned = offload.pin_memory
         self.params_full = None if self.shard_parameters else alloc(P, dtype, "param", "params")
-        self.params_shard = alloc(S, dtype, "param", "params", "host" if self.offload_param
-                                  else "device", offload_param.pin_memory) \
-            if self.shard_parameters else None
+        # offload_param "nvme": a handle on a file, units read and gathered through a pool
+        self.param_store = NvmeParamShard.open(
+            self.comm, [(s.start, s.stop) for s in map(layout.shard_slice, range(len(units)))],
+            dtype, offload_param, ctx.aio, self.ledger) if offload_param.nvme else None
+        self.params_shard = self.param_store.handle if self.param_store else alloc(
+            S, dtype, "param", "params", "host" if self.offload_param else "device",
+            offload_param.pin_memory) if self.shard_parameters else None
         self.grads_full = None if self.shard_gradients else alloc(P, dtype, "grad", "grads")
         self.grads_shard = alloc(S, dtype, "grad", "grads", opt_dev, pinned) \
             if self.shard_gradients or self.offload_optimizer else None
         self.grads_spare = alloc(S, dtype, "grad", "grads_spare", opt_dev, pinned) \
             if offload.delay_update else None
         n_opt = S if self.shard_optimizer else P
-        self.nvme = NvmeOptimizerState.open(self.comm, n_opt, master_dtype, offload, ctx.aio,
-                                            self.ledger) if offload.nvme else None
+        self.nvme = None
+        try:
+            self.nvme = NvmeOptimizerState.open(self.comm, n_opt, master_dtype, offload,
+                                                ctx.aio, self.ledger) if offload.nvme else None
+        except BaseException:
+            self.close_storage()  # the parameters' file, if any: none is left behind
+            raise
         # on NVMe, handles that read and write block by block (zmpi.offload.nvme)
         self.master, self.adam_m, self.adam_v = self.nvme.states if self.nvme else (
             alloc(n_opt, master_dtype, c, c, opt_dev) for c in ("master", "adam_m", "adam_v"))
@@ -311,6 +323,8 @@ class Strategy(Declarations, BucketPlanning, UnitCollectives, StateShards):
                 pass
         _ABANDONED.extend(self._pending)
         _ABANDONED.extend(self._host_copies)
+        if self.param_store is not None:  # the pool's buffers MPI may still send from
+            _ABANDONED.extend(self.param_store.abandon())
         self._pending, self._host_copies = [], []
         for u, (buf, request) in list(self._gathered.items()):
             if request is not None:

@@ -109,8 +109,14 @@ class ZeroPP(Stage3):
         cfg, size = self.config, self.config.zero_hpz_partition_size
         self.qwz, self.qgz = cfg.zero_quantized_weights, cfg.zero_quantized_gradients
         if size > 1 and self.offload_param:
+            self.close_storage()  # an NVMe file, if any
             raise ConfigError(_HPZ, "hpZ keeps a secondary shard on the device, which "
                                     "offload_param is to keep free; use one of them")
+        if self.qwz and self.param_store is not None:
+            self.close_storage()
+            raise ConfigError("zero_optimization.zero_quantized_weights",
+                              'qwZ quantizes the shard in place of the allgather, which '
+                              'offload_param "device": "nvme" reads from a file; use "cpu"')
         self.intra = self.comm.split(self.rank // size) if size > 1 else None
         two_hops = self.qgz and 1 < size < self.world_size
         self.inter = self.comm.split(self.rank % size) if two_hops else None
@@ -172,11 +178,11 @@ class ZeroPP(Stage3):
     def iallgather_unit(self, u, buf):
         if u in self._secondary_at and self._backward and u in self._fresh:
             return self.intra.iallgather(self.secondary[self._secondary_at[u]], buf)
-        shard = self.params_shard[self.layout.shard_slice(u)]
         if self.qwz and u not in self._persistent:
-            request = self._quantized_allgather(shard, buf, self._cuts[u])
+            request = self._quantized_allgather(self.params_shard[self.layout.shard_slice(u)],
+                                                buf, self._cuts[u])
         else:
-            request = self.comm.iallgather(shard, buf)
+            request = self.iallgather_shard(u, buf)
         if u not in self._secondary_at:
             return request
 
