@@ -13,7 +13,7 @@ from zmpi.config import Config
 from zmpi.memory import model_state_breakdown
 from zmpi.models.gpt import GPT, GPTConfig, gpt_unit_numels
 from zmpi.parallel.pipeline.stage import PipelineStage
-from zmpi.plan.hardware import PRESETS
+from zmpi.plan.hardware import PRESETS, Hardware
 from zmpi.plan.layout import BUCKET_NUMEL, Job, Layout, layouts, to_config
 from zmpi.plan.memory import stage_memory, stage_units
 from zmpi.plan.search import model_flops_per_step, plan
@@ -106,6 +106,9 @@ def test_time_model_formulas():
     full = step_time(job, Layout(1, 8, 1, 0, "none", "full", False, 1, 64, "1f1b"), hw)
     assert full.compute > t.compute  # recompute costs a forward
     assert model_flops_per_step(job, recompute=True) > model_flops_per_step(job)
+    # a fixed cost per block and micro-batch: 1 block on the slowest stage, 71 micro-batch times
+    slower = step_time(job, base, Hardware.from_dict({**hw.to_dict(), "layer_overhead": 1e-3}))
+    assert slower.total - t.total == pytest.approx(71 * 1e-3)
 
 
 def test_plan_keeps_what_fits_fastest_first():

@@ -167,6 +167,17 @@ def test_from_dict_optional_keys():
         Hardware.from_dict([("name", "x")])
 
 
+def test_layer_figures_are_optional_and_checked():
+    hw = Hardware.from_dict(_changed("layer_overhead", "750us"))
+    assert hw.layer_overhead == pytest.approx(7.5e-4)
+    assert Hardware.from_dict(_changed("layer_overhead", 0)).layer_overhead == 0
+    assert Hardware.from_dict(_changed("elementwise_rate", "2GB/s")).elementwise_rate == 2e9
+    for key, value in (("layer_overhead", -1), ("layer_overhead", True),
+                       ("elementwise_rate", "fast")):
+        with pytest.raises(ValueError, match=key):
+            Hardware.from_dict(_changed(key, value))
+
+
 def test_fit_allreduce_link_reproduces_both_points():
     measured = {"ranks": 4, "messages": 6, "small_bytes": 8, "small_seconds": 30e-6,
                 "large_bytes": 2**25, "large_seconds": 5e-3}
@@ -215,6 +226,20 @@ def _check_measured(hw: Hardware, ranks: int) -> None:
                                           messages=allreduce["messages"])
         assert predicted == pytest.approx(allreduce[f"{size}_seconds"], rel=1e-9)
     assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+    layer = hw.measured["layer"]  # the line through both blocks' time besides the matmuls
+    assert hw.elementwise_rate > 0 and hw.layer_overhead >= 0
+    small, large = layer["shapes"]
+    if hw.layer_overhead > 0:
+        for shape in (small, large):
+            assert hw.layer_overhead + shape["layer_bytes"] / hw.elementwise_rate == \
+                pytest.approx(shape["rest_seconds"], rel=1e-9)
+    layer = hw.measured["layer"]  # the line through both blocks' time besides the matmuls
+    assert hw.elementwise_rate > 0 and hw.layer_overhead >= 0
+    small, large = layer["shapes"]
+    if hw.layer_overhead > 0:
+        for shape in (small, large):
+            assert hw.layer_overhead + shape["layer_bytes"] / hw.elementwise_rate == \
+                pytest.approx(shape["rest_seconds"], rel=1e-9)
 
 
 @pytest.mark.mpi

@@ -51,6 +51,9 @@ class Hardware:
         goes through the block's activation bytes, forward and backward together; None: the
         memory bandwidth over `zmpi.plan.time.ELEMENTWISE_PASSES` passes (a GPU's streaming
         kernels). `--hardware this` measures it (zmpi.plan.measure.measure_layer).
+    layer_overhead: seconds a transformer block's forward and backward take per micro-batch
+        whatever its size (launches, the engine's per-unit work): 0 in the presets (GPU
+        kernels queue ahead of the host); `--hardware this` measures it with elementwise_rate.
     source: where the figures come from.
     """
 
@@ -67,6 +70,7 @@ class Hardware:
     host_adam_rate: float
     cores_per_node: int | None = None
     elementwise_rate: float | None = None
+    layer_overhead: float = 0.0
     source: str = ""
     measured: dict = field(default_factory=dict)  # raw measurements, for "this"
 
@@ -92,6 +96,9 @@ class Hardware:
             raise ValueError(f"gemm_efficiency must be in (0, 1], got {d['gemm_efficiency']!r}")
         for key, kind in _QUANTITIES.items():
             values[key] = parse_size(d[key], key, kind)
+        overhead = d.get("layer_overhead", 0.0)  # seconds, or "20us"; 0 allowed
+        values["layer_overhead"] = 0.0 if overhead == 0 and not isinstance(overhead, bool) \
+            else parse_size(overhead, "layer_overhead", "latency")
         if d.get("elementwise_rate") is not None:
             values["elementwise_rate"] = parse_size(d["elementwise_rate"], "elementwise_rate",
                                                     "bandwidth")
@@ -118,7 +125,7 @@ class Hardware:
 
 
 DTYPES = ("fp32", "fp16", "bf16")
-_OPTIONAL = {"cores_per_node", "elementwise_rate", "source", "measured"}
+_OPTIONAL = {"cores_per_node", "elementwise_rate", "layer_overhead", "source", "measured"}
 _LINKS = ("intra_node", "inter_node", "host_device")
 _QUANTITIES = {"memory_bandwidth": "bandwidth", "device_memory": "bytes",
                "host_memory": "bytes", "host_adam_rate": "number"}

@@ -20,10 +20,12 @@ On a CPU a rank is a device, so every rate is one rank's, on one thread:
   2(N-1)/N n bytes from each rank: link.seconds(2(N-1)/N n, 2(N-1)) gives both measured times.
   intra_node = inter_node = that link (one node).
 - host Adam: zmpi.optim.adam.HostAdam stepping an 8 Mi-element fp32 shard on one thread.
-- elementwise rate: a GPT of LAYER_SHAPE trained by the Engine on this rank alone (fp32,
-  ZeRO-0), its blocks' forward and backward seconds from the Engine's profile; their matmuls'
-  FLOPs at the GEMM rate subtracted, the rest (LayerNorm, GELU, softmax, residuals, casts and
-  the engine's per-unit work) is the block's activation bytes at `elementwise_rate`.
+- elementwise rate and layer overhead: a 2-block GPT of each of LAYER_SHAPES (a small and a
+  larger block) trained by the Engine on this rank alone (fp32, ZeRO-0), its blocks' forward
+  and backward seconds from the Engine's profile (the least of 5 steps); their matmuls' FLOPs
+  at the GEMM rate subtracted, the rest (LayerNorm, GELU, softmax, residuals, casts and the
+  engine's per-unit work) fitted through both shapes as a fixed `layer_overhead` per block and
+  micro-batch plus the block's activation bytes at `elementwise_rate`.
 - memories: the machine's RAM (device and host are one memory); devices_per_node =
   cores_per_node = os.cpu_count().
 Under MPI with more than one rank, `measure_this` is collective over COMM_WORLD: every rank
@@ -53,8 +55,8 @@ from zmpi.plan.hardware import PRESETS, Hardware, Link
 GEMM_SHAPES = ((4096, 512, 2048), (1024, 1024, 1024))  # (m, k, n): (m x k) @ (k x n)
 STREAM_BYTES = 64 << 20  # each array of the add and the copy
 ADAM_NUMEL = 8 << 20
-LAYER_SHAPE = {"micro_batch": 4, "seq_len": 128, "d_model": 256, "n_head": 4, "n_layer": 2,
-               "vocab": 256}  # measure_layer's GPT: unlike the validation's (docs/plan.md)
+LAYER_SHAPES = ({"micro_batch": 2, "seq_len": 32, "d_model": 96, "n_head": 4},
+                {"micro_batch": 4, "seq_len": 128, "d_model": 256, "n_head": 4})  # measure_layer
 ALLREDUCE_BYTES = {"small": 8, "large": 32 << 20}  # payloads: for the latency, the bandwidth
 LAUNCH_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_SIZE")
 
@@ -131,10 +133,26 @@ def measure_allreduce(comm, repeats: int = 10) -> dict:
     return out
 
 
-def measure_layer(gemm_rate: float, steps: int = 3) -> dict:
-    """A transformer block's forward and backward as the Engine runs them, on this rank alone
-    (the module docstring): seconds per block and micro-batch, its matmul FLOPs, its
-    activation bytes and the elementwise rate they give (bytes/s)."""
+def measure_layer(gemm_rate: float, steps: int = 5) -> dict:
+    """A transformer block's forward and backward as the Engine runs them, on this rank alone,
+    at each of LAYER_SHAPES (the module docstring), and the line through the two: the
+    seconds besides the matmuls (at `gemm_rate`) = `layer_overhead` + activation bytes /
+    `elementwise_rate`. Each shape's seconds per block and micro-batch, matmul FLOPs and
+    activation bytes are kept under "shapes"."""
+    shapes = [_block_seconds(shape, gemm_rate, steps) for shape in LAYER_SHAPES]
+    (small, large) = ((x["layer_bytes"], x["rest_seconds"]) for x in shapes)
+    if large[1] > small[1] and large[0] > small[0]:
+        rate = (large[0] - small[0]) / (large[1] - small[1])
+        overhead = max(small[1] - small[0] / rate, 0.0)
+    else:  # the larger block not slower: noise; no fixed part
+        rate, overhead = large[0] / large[1], 0.0
+    return {"shapes": shapes, "elementwise_rate": rate, "layer_overhead": overhead}
+
+
+def _block_seconds(shape: dict, gemm_rate: float, steps: int) -> dict:
+    """One shape of measure_layer: a 2-block GPT of `shape` (vocabulary 256), fp32, ZeRO-0,
+    `steps` steps after a warm-up; the blocks' seconds per micro-batch (the least of the
+    steps, the Engine's profile of each)."""
     from mpi4py import MPI
 
     from zmpi.comm import Comm
@@ -143,27 +161,35 @@ def measure_layer(gemm_rate: float, steps: int = 3) -> dict:
     from zmpi.nn.attention import attention_block
     from zmpi.plan.time import causal_entries
 
-    shape = LAYER_SHAPE
     b, s, h, heads = shape["micro_batch"], shape["seq_len"], shape["d_model"], shape["n_head"]
-    model = GPT(GPTConfig(shape["vocab"], s, shape["n_layer"], heads, h), seed=0)
-    engine = Engine(model, {"train_micro_batch_size_per_gpu": b}, Comm(MPI.COMM_SELF))
+    vocab, layers = 256, 2
+    engine = Engine(GPT(GPTConfig(vocab, s, layers, heads, h), seed=0),
+                    {"train_micro_batch_size_per_gpu": b}, Comm(MPI.COMM_SELF))
     rng = np.random.default_rng(0)
+    times = []
     try:
-        for _ in range(steps + 1):  # the profile leaves out the first step
-            tokens = rng.integers(0, shape["vocab"], (b, s + 1))
+        for step in range(steps + 1):  # the first compiles and first-touches: left out
+            before = _blocks_seconds(engine.phases)
+            tokens = rng.integers(0, vocab, (b, s + 1))
             engine.train_step(tokens[:, :-1].copy(), tokens[:, 1:].copy())
-        profile = engine.phases
-        blocks = [u for name, u in zip(profile.unit_names, profile.units, strict=True)
-                  if name == "Block"]
-        seconds = sum(u["forward"] + u["backward"] for u in blocks) / len(blocks) / profile.steps
+            if step:
+                times.append((_blocks_seconds(engine.phases) - before) / layers)
     finally:
         engine.close()
+    seconds = min(times)
     scores = b * heads * causal_entries(s, attention_block(s, b * heads, False))
     flops = 3 * (2 * b * s * 12 * h * h + 4 * scores * h // heads)
-    nbytes = gpt_activation_bytes(shape["n_layer"], h, heads, shape["vocab"], s, b, 4)["layer"]
+    nbytes = gpt_activation_bytes(layers, h, heads, vocab, s, b, 4)["layer"]
     rest = max(seconds - flops / gemm_rate, 0.1 * seconds)  # a floor against a noisy GEMM
     return {**shape, "block_seconds": seconds, "matmul_flops": flops, "layer_bytes": nbytes,
-            "elementwise_rate": nbytes / rest}
+            "rest_seconds": rest}
+
+
+def _blocks_seconds(profile) -> float:
+    """The forward and backward seconds of every Block a PhaseProfile has summed so far."""
+    return sum(u["forward"] + u["backward"]
+               for name, u in zip(profile.unit_names, profile.units, strict=True)
+               if name == "Block")
 
 
 def ring_sent(nbytes: float, ranks: int) -> float:
@@ -263,9 +289,11 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
     say(f"this: host Adam {adam['params'] / adam['seconds'] / 1e9:.2f} G params/s "
         f"({adam['kernel']}, one thread)")
     layer = measure_layer(gemm["flops_per_s"])
-    say(f"this: a GPT block {layer['block_seconds'] * 1e3:.1f} ms forward and backward "
-        f"(b {layer['micro_batch']}, s {layer['seq_len']}, d {layer['d_model']}); besides its "
-        f"matmuls, {layer['elementwise_rate'] / 1e9:.2f} GB/s of its activations")
+    say("this: a GPT block forward and backward " + ", ".join(
+        f"{x['block_seconds'] * 1e3:.2f} ms (b {x['micro_batch']}, s {x['seq_len']}, d "
+        f"{x['d_model']})" for x in layer["shapes"]) + f"; besides its matmuls "
+        f"{layer['layer_overhead'] * 1e3:.2f} ms + its activations at "
+        f"{layer['elementwise_rate'] / 1e9:.2f} GB/s")
     if comm is not None:
         allreduce = measure_allreduce(comm)
     else:
@@ -277,10 +305,11 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
     rates = {"gemm": gemm["flops_per_s"], "add": memory["add_bytes"] / memory["add_seconds"],
              "copy": memory["copy_bytes"] / memory["copy_seconds"],
              "adam": adam["params"] / adam["seconds"], "elementwise": layer["elementwise_rate"]}
-    copy_latency = memory["small_copy_seconds"]
+    copy_latency, layer_overhead = memory["small_copy_seconds"], layer["layer_overhead"]
     if comm is not None:  # the slowest rank's, so that every rank gets the same Hardware
         rates = {k: comm.allreduce_scalar(r, op="min") for k, r in rates.items()}
-        copy_latency = comm.allreduce_scalar(copy_latency, op="max")
+        copy_latency, layer_overhead = (comm.allreduce_scalar(x, op="max")
+                                        for x in (copy_latency, layer_overhead))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cores = os.cpu_count() or 1
     now = datetime.now(timezone.utc)
@@ -299,6 +328,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
         host_adam_rate=rates["adam"],
         cores_per_node=cores,
         elementwise_rate=rates["elementwise"],
+        layer_overhead=layer_overhead,
         source=f"measured by zmpi.plan.measure on {now.date().isoformat()}: {cpu}, "
                f"{cores} CPUs, {ram / 2**30:.1f} GiB RAM; one thread per rank; "
                f"{'all ' + str(world) + ' ranks at once' if comm else 'one rank alone'}",

@@ -10,7 +10,8 @@ Per micro-batch on each pipeline stage (one rank's share under tensor parallelis
 - elementwise work (LayerNorm, GELU, softmax, residuals, the loss): the micro-batch's
   activation bytes without recompute at the hardware's elementwise rate (a GPU's: the memory
   bandwidth over ELEMENTWISE_PASSES passes; a CPU's measured), plus the forward's third of
-  what recompute runs again (full: every block's; selective: the attention scores');
+  what recompute runs again (full: every block's; selective: the attention scores'); and the
+  hardware's `layer_overhead` per block (a third more under full recompute);
 - tensor parallelism: 4 allreduces of b s h activations per block (2 forward, 2 backward; 6
   with full recompute), 2 for the embedding and LM head, ring cost 2 (t-1)/t n / B + 2 (t-1)
   alpha on the node's link (sequence parallelism moves the same bytes);
@@ -126,6 +127,9 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     again = {"none": 0, "selective": act["layer"] - kept["layer"], "full": act["layer"]}
     layer_bytes = act["layer"] + FORWARD_SHARE * again[layout.recompute]
     elementwise_s = 1 / elementwise_rate(hw, ranks_per_node)
+    share = 1.0 if on_gpu else min(1.0, hw.cores_per_node / ranks_per_node)
+    block_overhead = hw.layer_overhead / share * \
+        (1 + FORWARD_SHARE if layout.recompute == "full" else 1)
     b, s, h, t = layout.micro_batch, job.seq_len, job.d_model, layout.tp
     block = attention_block(s, b * job.n_head // t, on_gpu)
     scores = b * causal_entries(s, block)
@@ -148,7 +152,8 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
         tensor = allreduce * (blocks * per_block_allreduces + first + last)
         pipe = 0.0 if layout.pp == 1 else \
             links["pp"].seconds(activation_bytes, 1) * (2 - first - last)
-        micro.append((flops / rate + elementwise * elementwise_s, tensor, pipe))
+        micro.append((flops / rate + elementwise * elementwise_s + blocks * block_overhead,
+                      tensor, pipe))
     slowest = max(micro, key=lambda x: sum(x))
     m, p = layout.micro_batches, layout.pp
     compute, tensor, pipe = (m * x for x in slowest)
