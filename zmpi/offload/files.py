@@ -109,3 +109,42 @@ class SwapFile:
 
     def close(self) -> None:
         self._finalizer()
+
+
+class SwappedStore:
+    """What both NVMe tiers share (nvme.py's NvmeOptimizerState, nvme_param.py's
+    NvmeParamShard): where the data lives, whether it may be used, and closing. A subclass
+    sets `WHAT` (what it holds, for messages), `file` (a SwapFile, or None when everything
+    fits in `max_in_cpu`), `io`, `ledger`, `_closed`, `_broken` (None, or what broke it) and
+    `_host_arrays()` (the host buffers it registered with the ledger)."""
+
+    WHAT = "the state"
+
+    @property
+    def direct(self) -> bool:
+        """Whether the file bypasses the page cache (O_DIRECT)."""
+        return self.file is not None and self.file.direct
+
+    def where(self) -> str:
+        return str(self.file.path) if self.file else "host memory (max_in_cpu)"
+
+    def close(self) -> None:
+        """Finish the I/O, remove the file and its directory, release the host buffers.
+        Further use raises NVMeError."""
+        self._closed = True
+        if self.io is not None:
+            self.io.close()
+        if self.file is not None:
+            self.file.close()
+        for buf in self._host_arrays():
+            if self.ledger is not None and self.ledger.holds(buf):
+                self.ledger.release(buf)
+
+    def _usable(self, rewriting: bool = False) -> None:
+        if self._closed:
+            raise NVMeError(f"{self.WHAT} on NVMe was closed (engine.close()); its files are "
+                            "gone")
+        if self._broken is not None and not rewriting:
+            raise NVMeError(f"{self.WHAT} in {self.where()} is inconsistent since "
+                            f"{self._broken}: load a checkpoint before training on")
+

@@ -45,6 +45,7 @@ from zmpi.offload.files import (
     ALIGN,
     NVMeError,
     SwapFile,
+    SwappedStore,
     aligned_empty,
     drop_pages,
     sync_and_drop,
@@ -126,13 +127,18 @@ def open_on_every_rank(comm, build):
     return built
 
 
-class NvmeOptimizerState:
+class NvmeOptimizerState(SwappedStore):
     """The master weights and Adam moments of one rank, `numel` elements of `dtype` each, on
     NVMe (the module's docstring says how). `offload`: the OffloadConfig (nvme_path,
     buffer_count, buffer_size, max_in_cpu, pin_memory, pipeline_read/write); `aio`: the
     AioConfig; `ledger`: where the host buffers are registered; `local_ranks`: how many ranks
     of this node share the drive (for the free-space check). Build it with `open` on every
     rank. Not thread-safe: one caller at a time."""
+
+    WHAT = "the optimizer state"
+
+    def _host_arrays(self) -> list:
+        return self._resident + self._buffers
 
     def __init__(self, numel: int, dtype, offload, aio=None, ledger=None, local_ranks=1):
         aio = aio or AioConfig()
@@ -181,14 +187,6 @@ class NvmeOptimizerState:
         """{category: bytes} the host holds of each state: its resident part and its buffers."""
         held = (self.resident + len(self._buffers) // 3 * self.block) * self.dtype.itemsize
         return dict.fromkeys(STATES, held)
-
-    @property
-    def direct(self) -> bool:
-        """Whether the file bypasses the page cache (O_DIRECT)."""
-        return self.file is not None and self.file.direct
-
-    def where(self) -> str:
-        return str(self.file.path) if self.file else "host memory (max_in_cpu)"
 
     # ---- the step --------------------------------------------------------------------------
     def step(self, optimizer, grads, grad_scale=1.0, clip_coef=1.0, publish=None) -> None:
@@ -273,26 +271,6 @@ class NvmeOptimizerState:
             self._rewritten.add(state)
             if len(self._rewritten) == len(STATES):
                 self._broken = None
-
-    def close(self) -> None:
-        """Finish the I/O, remove the file and its directory, release the host buffers.
-        Further use raises NVMeError."""
-        self._closed = True
-        if self.io is not None:
-            self.io.close()
-        if self.file is not None:
-            self.file.close()
-        for buf in self._resident + self._buffers:
-            if self.ledger is not None and self.ledger.holds(buf):
-                self.ledger.release(buf)
-
-    def _usable(self, rewriting: bool = False) -> None:
-        if self._closed:
-            raise NVMeError("the optimizer state on NVMe was closed (engine.close()); its "
-                            "files are gone")
-        if self._broken is not None and not rewriting:
-            raise NVMeError(f"the optimizer state in {self.where()} is inconsistent since "
-                            f"{self._broken}: load a checkpoint before training on")
 
     # ---- streaming -----------------------------------------------------------------------
     def _extents(self, lo: int, hi: int) -> list[tuple[int, int]]:

@@ -51,6 +51,7 @@ from zmpi.offload.files import (
     ALIGN,
     NVMeError,
     SwapFile,
+    SwappedStore,
     aligned_empty,
     drop_pages,
     sync_and_drop,
@@ -92,11 +93,16 @@ class _Gather:
         self.store._free(self)
 
 
-class NvmeParamShard:
+class NvmeParamShard(SwappedStore):
     """One rank's parameter shard on NVMe (the module's docstring says how). unit_slices:
     [(start, stop)] of each unit in the shard, contiguous and in order; `offload`: the
     OffloadParamConfig; `aio`: the AioConfig; `ledger`: where the host arrays are registered;
     `local_ranks`: ranks of this node sharing the drive. Not thread-safe: one caller."""
+
+    WHAT = "the parameter shard"
+
+    def _host_arrays(self) -> list:
+        return [*self._resident.values(), *self._buffers]
 
     def __init__(self, unit_slices, dtype, offload, aio=None, ledger=None, local_ranks=1):
         aio = aio or AioConfig()
@@ -162,13 +168,6 @@ class NvmeParamShard:
     def host_bytes(self) -> dict[str, int]:
         held = sum(b.size for b in self._resident.values()) + len(self._buffers) * self.block
         return {"param": held * self.dtype.itemsize}
-
-    @property
-    def direct(self) -> bool:
-        return self.file is not None and self.file.direct
-
-    def where(self) -> str:
-        return str(self.file.path) if self.file else "host memory (max_in_cpu)"
 
     # ---- gathers ---------------------------------------------------------------------------
     def iallgather(self, u: int, out, comm) -> _Gather:
@@ -311,17 +310,6 @@ class NvmeParamShard:
         self._queue.clear()
         return kept
 
-    def close(self) -> None:
-        """Finish the I/O, remove the file and its directory, release the host arrays."""
-        self._closed = True
-        if self.io is not None:
-            self.io.close()
-        if self.file is not None:
-            self.file.close()
-        for buf in [*self._resident.values(), *self._buffers]:
-            if self.ledger is not None and self.ledger.holds(buf):
-                self.ledger.release(buf)
-
     # ---- helpers ---------------------------------------------------------------------------
     def _settle(self) -> None:
         """Finish every gather in flight (a write must not reuse a buffer one reads from)."""
@@ -340,14 +328,6 @@ class NvmeParamShard:
 
     def _offset(self, u: int) -> int:
         return self._at[u] * self.dtype.itemsize
-
-    def _usable(self, rewriting: bool = False) -> None:
-        if self._closed:
-            raise NVMeError("the parameter shard on NVMe was closed (engine.close()); its "
-                            "files are gone")
-        if self._broken is not None and not rewriting:
-            raise NVMeError(f"the parameter shard in {self.where()} is inconsistent since "
-                            f"{self._broken}: load a checkpoint before training on")
 
     def _finish(self, items, what: str) -> None:
         """Wait for (transfer, verb, u) items; raise NVMeError for the first that failed."""
