@@ -254,6 +254,17 @@ def test_nvme_keys_with_another_device_are_noted():
         "is 'cpu', not 'nvme')"]
 
 
+def test_buffers_without_effect_are_noted():
+    def notes(count):
+        return Config.from_dict({"zero_optimization": {"stage": 2, "offload_optimizer": {
+            "device": "nvme", "nvme_path": "/x", "buffer_count": count}}}).notes()
+    assert notes(6) == [] and notes(9) == []
+    assert notes(7) == ["zero_optimization.offload_optimizer.buffer_count: the last 1 of 7 "
+                        "buffers unused (a block takes three: master, m and v)"]
+    four = notes(4)  # DeepSpeed's default: one block, so nothing overlaps Adam
+    assert len(four) == 2 and "pipeline_read, pipeline_write: no effect" in four[1]
+
+
 def test_bad_paths_are_clear_errors(tmp_path, monkeypatch):
     afile = tmp_path / "file"
     afile.write_text("")
@@ -282,8 +293,8 @@ def test_too_little_space_fails_at_start(tmp_path, monkeypatch):
 
     monkeypatch.setattr(files.os, "statvfs", lambda p: Tiny if str(p) == str(tmp_path)
                         else real(p))
-    with pytest.raises(NVMeError, match=r"0\.0 MiB free, the optimizer state of this node's "
-                                        r"ranks needs"):
+    with pytest.raises(NVMeError, match=r"0\.0 MiB free, the optimizer state of this rank "
+                                        r"needs .* MiB \(this node's ranks .* together\)"):
         _engine(tmp_path)
     monkeypatch.undo()
 

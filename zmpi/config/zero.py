@@ -100,6 +100,19 @@ class OffloadConfig(OffloadParamConfig):
     delay_update: bool = False
     delay_update_warmup: int = 40
 
+    @classmethod
+    def from_dict(cls, d):
+        obj = super().from_dict(d)
+        slots, spare = divmod(obj.buffer_count, 3)
+        notes = [f"buffer_count: the last {spare} of {obj.buffer_count} buffers unused (a "
+                 "block takes three: master, m and v)"] if obj.nvme and spare else []
+        if obj.nvme and slots == 1 and (obj.pipeline_read or obj.pipeline_write):
+            notes.append("pipeline_read, pipeline_write: no effect with one block of buffers "
+                         f"(buffer_count {obj.buffer_count}): reads and writes cannot overlap "
+                         "Adam; 6 or more lets them")
+        object.__setattr__(obj, "_own_notes", obj._own_notes + tuple(notes))
+        return obj
+
     def _validate(self):
         super()._validate()
         self._at_least(0, "delay_update_warmup")

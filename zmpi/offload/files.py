@@ -53,9 +53,10 @@ def sync_and_drop(fd: int, offset: int, nbytes: int) -> None:
 
 class SwapFile:
     """One rank's file `name`.bin of `nbytes` under `nvme_path`, in a directory of its own,
-    reserved whole. `need` is what the node's ranks need together (checked against the free
-    space first; `what` names it in the error). Removed by close(), on collection or at
-    exit."""
+    reserved whole. `need` is what the node's ranks need together, named in the error when
+    the drive has less free space than this rank's `nbytes` (`what` names the data): the
+    other ranks may have reserved theirs already, so a node-wide shortage is the reservation's
+    error (ENOSPC). Removed by close(), on collection or at exit."""
 
     def __init__(self, nvme_path, nbytes: int, need: int, name: str = "optimizer",
                  what: str = "optimizer state"):
@@ -66,10 +67,10 @@ class SwapFile:
             raise NVMeError(f"nvme_path {root}: not writable by this process")
         stat = os.statvfs(root)
         free = stat.f_bavail * stat.f_frsize
-        if free < need:
+        if free < nbytes:
             raise NVMeError(f"nvme_path {root}: {free / _MiB:,.1f} MiB free, the {what} "
-                            f"of this node's ranks needs {need / _MiB:,.1f} MiB "
-                            f"({nbytes / _MiB:,.1f} MiB per rank)")
+                            f"of this rank needs {nbytes / _MiB:,.1f} MiB (this node's ranks "
+                            f"{need / _MiB:,.1f} MiB together)")
         try:
             self.dir = tempfile.mkdtemp(prefix="zmpi-nvme-", dir=root)
         except OSError as e:
@@ -88,8 +89,8 @@ class SwapFile:
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
         try:
             fd = os.open(self.path, flags | os.O_DIRECT, 0o600)
-        except OSError:  # EINVAL: the filesystem has no direct I/O (tmpfs)
-            fd = os.open(self.path, flags, 0o600)
+        except OSError:  # EINVAL: the filesystem has no direct I/O (tmpfs); it may have
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)  # made the file already
             self._fds.append(fd)
             os.posix_fallocate(fd, 0, nbytes)
             return fd, False

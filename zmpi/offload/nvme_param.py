@@ -189,7 +189,11 @@ class NvmeParamShard(SwappedStore):
             h = self._queue.popleft()
             a, b = self.slices[h.u]
             if h.transfer is not None:
-                self._finish([(h.transfer, "read", h.u)], f"gathering unit {h.u}")
+                try:
+                    self._finish([(h.transfer, "read", h.u)], f"gathering unit {h.u}")
+                except BaseException:  # first in line still: no later allgather may start
+                    self._queue.appendleft(h)  # before it (the other ranks wait in h's)
+                    raise
                 shard = self._buffers[h.slot][:b - a]
             else:
                 shard = self._resident[h.u]

@@ -152,8 +152,10 @@ class Strategy(Declarations, BucketPlanning, UnitCollectives, StateShards):
         pinned = self._pinned = offload.pin_memory
         self.params_full = None if self.shard_parameters else alloc(P, dtype, "param", "params")
         # offload_param "nvme": a handle on a file, units read and gathered through a pool
+        # agreed over the world, whose node-local ranks share the drive
+        world = self.mesh.comm if self.mesh is not None else self.comm
         self.param_store = NvmeParamShard.open(
-            self.comm, [(s.start, s.stop) for s in map(layout.shard_slice, range(len(units)))],
+            world, [(s.start, s.stop) for s in map(layout.shard_slice, range(len(units)))],
             dtype, offload_param, ctx.aio, self.ledger) if offload_param.nvme else None
         self.params_shard = self.param_store.handle if self.param_store else alloc(
             S, dtype, "param", "params", "host" if self.offload_param else "device",
@@ -166,7 +168,7 @@ class Strategy(Declarations, BucketPlanning, UnitCollectives, StateShards):
         n_opt = S if self.shard_optimizer else P
         self.nvme = None
         try:
-            self.nvme = NvmeOptimizerState.open(self.comm, n_opt, master_dtype, offload,
+            self.nvme = NvmeOptimizerState.open(world, n_opt, master_dtype, offload,
                                                 ctx.aio, self.ledger) if offload.nvme else None
         except BaseException:
             self.close_storage()  # the parameters' file, if any: none is left behind

@@ -38,6 +38,7 @@ hold no secondary shard (they are never gathered in backward).
 """
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -107,7 +108,14 @@ class ZeroPP(Stage3):
     def __init__(self, ctx):
         super().__init__(ctx)
         cfg, size = self.config, self.config.zero_hpz_partition_size
-        self.qwz, self.qgz = cfg.zero_quantized_weights, cfg.zero_quantized_gradients
+        # one rank sends nothing: quantizing would only round (as 1-bit Adam, which skips it)
+        self.qwz, self.qgz = (cfg.zero_quantized_weights and self.world_size > 1,
+                              cfg.zero_quantized_gradients and self.world_size > 1)
+        if size == self.world_size > 1 and self.rank == 0:
+            warnings.warn(f"zmpi config: {_HPZ}: {size}, every rank of the group: backward "
+                          "gathers over the same ranks and bytes, and the secondary shard "
+                          "only costs memory (hpZ pays with groups smaller than the world, "
+                          "a node's ranks)", stacklevel=2)
         if size > 1 and self.offload_param:
             self.close_storage()  # an NVMe file, if any
             raise ConfigError(_HPZ, "hpZ keeps a secondary shard on the device, which "
