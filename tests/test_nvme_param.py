@@ -209,3 +209,34 @@ def test_prefetched_units_are_read_ahead(tmp_path, prefetch):
                                                 # embedding again for the tied LM head)
     assert (max(ahead) >= 1) == prefetch, ahead  # the next unit's read already out
     engine.close()
+
+
+def test_a_failed_read_keeps_its_allgather_first(tmp_path, monkeypatch):
+    """A unit whose read failed stays first in line: asking again raises again, and the
+    allgathers of the units queued behind it never start before it (every other rank would
+    be waiting in its allgather, and would match another unit's against it)."""
+    cfg = OffloadParamConfig(device="nvme", nvme_path=str(tmp_path), buffer_size=4096,
+                             buffer_count=3, max_in_cpu=0)
+    store = NvmeParamShard(SLICES, np.float16, cfg, None, MemoryLedger())
+    store.handle[...] = np.arange(5000, dtype=np.float32)
+    real, started = aio._pread, []
+
+    def failing(fd, view, offset):
+        if offset == 0:  # unit 0's shard
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd, view, offset)
+
+    class Counting(Comm):
+        def iallgather(self, send, recv):
+            started.append(len(recv))
+            return super().iallgather(send, recv)
+
+    monkeypatch.setattr(aio, "_pread", failing)
+    comm = Counting()
+    gathers = [store.iallgather(u, np.empty(b - a, np.float16), comm)
+               for u, (a, b) in enumerate(SLICES[:3])]
+    for g in (gathers[1], gathers[0], gathers[1]):
+        with pytest.raises(NVMeError, match="read of the parameter shard of unit 0"):
+            g.wait()
+    assert started == []  # neither unit 1's nor unit 2's allgather went ahead of unit 0's
+    store.close()
