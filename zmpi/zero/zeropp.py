@@ -120,7 +120,7 @@ class ZeroPP(Stage3):
             self.close_storage()  # an NVMe file, if any
             raise ConfigError(_HPZ, "hpZ keeps a secondary shard on the device, which "
                                     "offload_param is to keep free; use one of them")
-        if self.qwz and self.param_store is not None:
+        if cfg.zero_quantized_weights and self.param_store is not None:  # any world size
             self.close_storage()
             raise ConfigError("zero_optimization.zero_quantized_weights",
                               'qwZ quantizes the shard in place of the allgather, which '
