@@ -27,7 +27,7 @@ from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
 from zmpi.memory import MemoryLedger
 from zmpi.models.gpt import GPT, GPTConfig
-from zmpi.offload import NVMeError, NvmeOptimizerState, aio, files, nvme
+from zmpi.offload import NVMeError, NvmeOptimizerState, aio, files
 from zmpi.optim.adam import HostAdam
 
 sys.path.insert(0, str(RANKS_DIR))
@@ -176,7 +176,7 @@ def test_without_direct_io_the_file_is_buffered_and_synced(tmp_path, monkeypatch
         return real_open(path, flags, *mode)
 
     monkeypatch.setattr(files.os, "open", no_direct)
-    monkeypatch.setattr(nvme, "sync_and_drop", lambda *a: synced.append(a))
+    monkeypatch.setattr(files, "sync_and_drop", lambda *a: synced.append(a))
     state = NvmeOptimizerState(5000, np.float32, _offload(tmp_path), None, MemoryLedger())
     assert not state.direct
     values = np.arange(5000, dtype=np.float32)

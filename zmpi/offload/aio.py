@@ -49,11 +49,8 @@ def _pwrite(fd: int, view, offset: int) -> None:
 class Transfer:
     """The requests of one buffer's read or write, in flight."""
 
-    def __init__(self, futures: list[Future], nbytes: int):
-        self.futures, self.nbytes = futures, nbytes
-
-    def done(self) -> bool:
-        return all(f.done() for f in self.futures)
+    def __init__(self, futures: list[Future]):
+        self.futures = futures
 
     def wait(self) -> None:
         """Return once every request finished; raise the first one's error, if any failed."""
@@ -80,16 +77,13 @@ class AsyncIO:
         self._slots = threading.BoundedSemaphore(queue_depth)
         self._pool = ThreadPoolExecutor(thread_count, thread_name_prefix="zmpi-aio")
         self._after_read, self._after_write = after_read, after_write
-        self.bytes_read = self.bytes_written = 0
 
     def read(self, fd: int, view, offset: int) -> Transfer:
         """Start reading len(view) bytes at `offset` into `view`."""
-        self.bytes_read += len(view)
         return self._submit(_pread, self._after_read, fd, view, offset)
 
     def write(self, fd: int, view, offset: int) -> Transfer:
         """Start writing `view` at `offset`."""
-        self.bytes_written += len(view)
         return self._submit(_pwrite, self._after_write, fd, view, offset)
 
     def _submit(self, op, after, fd, view, offset) -> Transfer:
@@ -105,7 +99,7 @@ class AsyncIO:
                 for f in futures:
                     f.exception()
                 raise
-        return Transfer(futures, len(view))
+        return Transfer(futures)
 
     def _run(self, op, after, fd, piece, offset) -> None:
         try:

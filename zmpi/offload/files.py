@@ -9,12 +9,14 @@ import mmap
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from pathlib import Path
 
 import numpy as np
 
 from zmpi import backend
+from zmpi.offload.aio import AsyncIO
 
 ALIGN = 4096  # bytes: what direct I/O needs of offsets, sizes and buffer addresses
 _MiB = 2**20
@@ -112,14 +114,76 @@ class SwapFile:
         self._finalizer()
 
 
+def open_on_every_rank(comm, build):
+    """build() on every rank of `comm` (a collective): if it fails on any rank, every rank
+    raises (the failing rank its own error, the others an NVMeError naming it) and no rank
+    keeps what it built (its close() is called)."""
+    built, error = None, None
+    try:
+        built = build()
+    except Exception as e:  # handed to every rank below
+        error = e
+    messages = comm.allgather_object(None if error is None else str(error))
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if failed:
+        if built is not None:
+            built.close()
+        if error is not None:
+            raise error
+        raise NVMeError(f"the NVMe tier failed on rank {failed[0][0]}: {failed[0][1]}")
+    return built
+
+
+def wait_quietly(transfers) -> None:
+    """Wait for every transfer, ignoring their errors: after another error, so that none may
+    touch a buffer later."""
+    for transfer in transfers:
+        try:
+            transfer.wait()
+        except OSError:
+            pass
+
+
 class SwappedStore:
     """What both NVMe tiers share (nvme.py's NvmeOptimizerState, nvme_param.py's
-    NvmeParamShard): where the data lives, whether it may be used, and closing. A subclass
-    sets `WHAT` (what it holds, for messages), `file` (a SwapFile, or None when everything
-    fits in `max_in_cpu`), `io`, `ledger`, `_closed`, `_broken` (None, or what broke it) and
-    `_host_arrays()` (the host buffers it registered with the ledger)."""
+    NvmeParamShard): building on every rank, the I/O threads, waiting for transfers, where
+    the data lives, whether it may be used, and closing. A subclass sets `WHAT` (what it
+    holds, for messages), `file` (a SwapFile, or None when everything fits in `max_in_cpu`),
+    `io` (None until `_start_io`), `ledger`, `_closed`, `_broken` (None, or what broke it),
+    `io_wait_s`, `_host_arrays()` (the host buffers it registered with the ledger) and
+    `_where(...)` (what a transfer moved, for its error); its constructor takes
+    `local_ranks` last."""
 
     WHAT = "the state"
+
+    @classmethod
+    def open(cls, comm, *args):
+        """Build it on every rank of `comm` (a collective; `args` the constructor's but
+        local_ranks, comm's ranks on this node): if it fails on any rank, every rank raises
+        and no rank keeps a file (open_on_every_rank)."""
+        return open_on_every_rank(comm, lambda: cls(*args, local_ranks=comm.local_size))
+
+    def _start_io(self, aio) -> None:
+        """The I/O threads of the `aio` config for `self.file` (without direct I/O, each
+        request syncs and drops its pages)."""
+        self.io = AsyncIO(aio.block_size, aio.queue_depth, aio.thread_count,
+                          *(() if self.file.direct else (drop_pages, sync_and_drop)))
+
+    def _finish(self, items, what: str) -> None:
+        """Wait for (transfer, verb, *where) items; raise NVMeError for the first that failed,
+        naming what it moved (`_where(*where)`). The wait counts in io_wait_s."""
+        start, error = time.perf_counter(), None
+        for transfer, verb, *where in items:
+            try:
+                transfer.wait()
+            except OSError as e:
+                error = error or NVMeError(
+                    f"{what}: {verb} of {self._where(*where)} of {self.file.path} failed: "
+                    f"{e.strerror or e}")
+                error.__cause__ = error.__cause__ or e
+        self.io_wait_s += time.perf_counter() - start
+        if error is not None:
+            raise error
 
     @property
     def direct(self) -> bool:

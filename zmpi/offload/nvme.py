@@ -34,21 +34,17 @@ collected, and at exit.
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from zmpi import backend
 from zmpi.config import AioConfig
-from zmpi.offload.aio import AsyncIO
 from zmpi.offload.files import (
     ALIGN,
     NVMeError,
     SwapFile,
     SwappedStore,
     aligned_empty,
-    drop_pages,
-    sync_and_drop,
+    wait_quietly,
 )
 
 STATES = ("master", "adam_m", "adam_v")
@@ -107,26 +103,6 @@ def _publish(pieces, block, at: int) -> None:
             backend.copy_(dst[lo - start:hi - start], block[lo - at:hi - at])
 
 
-def open_on_every_rank(comm, build):
-    """build() on every rank of `comm` (a collective): if it fails on any rank, every rank
-    raises (the failing rank its own error, the others an NVMeError naming it) and no rank
-    keeps what it built (its close() is called)."""
-    built, error = None, None
-    try:
-        built = build()
-    except Exception as e:  # handed to every rank below
-        error = e
-    messages = comm.allgather_object(None if error is None else str(error))
-    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-    if failed:
-        if built is not None:
-            built.close()
-        if error is not None:
-            raise error
-        raise NVMeError(f"the NVMe tier failed on rank {failed[0][0]}: {failed[0][1]}")
-    return built
-
-
 class NvmeOptimizerState(SwappedStore):
     """The master weights and Adam moments of one rank, `numel` elements of `dtype` each, on
     NVMe (the module's docstring says how). `offload`: the OffloadConfig (nvme_path,
@@ -167,20 +143,10 @@ class NvmeOptimizerState(SwappedStore):
                     self._buffers.append(ledger.register(
                         aligned_empty(self.block, self.dtype, offload.pin_memory),
                         STATES[k % 3], "host", f"nvme {STATES[k % 3]} buffer {k // 3}"))
-                buffered = None if self.file.direct else (drop_pages, sync_and_drop)
-                self.io = AsyncIO(aio.block_size, aio.queue_depth, aio.thread_count,
-                                  *(buffered or ()))
+                self._start_io(aio)
         except BaseException:
             self.close()
             raise
-
-    @classmethod
-    def open(cls, comm, numel, dtype, offload, aio=None, ledger=None):
-        """Build it on every rank of `comm` (a collective): if it fails on any rank, every
-        rank raises (the failing rank its own error, the others an NVMeError naming it) and no
-        rank keeps a file."""
-        return open_on_every_rank(comm, lambda: cls(numel, dtype, offload, aio, ledger,
-                                                    comm.local_size))
 
     # ---- what the host holds, and where --------------------------------------------------
     def host_bytes(self) -> dict[str, int]:
@@ -324,28 +290,12 @@ class NvmeOptimizerState(SwappedStore):
             for k in list(writes):
                 self._finish(writes.pop(k), what)
         except BaseException as e:
-            for item in [*reads.values(), *writes.values()]:  # none may touch a buffer later
-                for transfer, *_ in item:
-                    try:
-                        transfer.wait()
-                    except OSError:
-                        pass
+            wait_quietly(transfer for item in [*reads.values(), *writes.values()]
+                         for transfer, *_ in item)
             if write:
                 self._broken, self._rewritten = f"{what} failed ({e})", set()
             raise
 
-    def _finish(self, items, what: str) -> None:
-        """Wait for the transfers `items`; raise NVMeError for the first that failed."""
-        start, error = time.perf_counter(), None
-        for transfer, verb, s, x0, x1 in items:
-            try:
-                transfer.wait()
-            except OSError as e:
-                error = error or NVMeError(
-                    f"{what}: {verb} of {STATES[s]} elements [{self.resident + x0}, "
-                    f"{self.resident + x1}) at byte {self._offset(s, x0)} of {self.file.path} "
-                    f"failed: {e.strerror or e}")
-                error.__cause__ = error.__cause__ or e
-        self.io_wait_s += time.perf_counter() - start
-        if error is not None:
-            raise error
+    def _where(self, s: int, x0: int, x1: int) -> str:
+        return (f"{STATES[s]} elements [{self.resident + x0}, {self.resident + x1}) at byte "
+                f"{self._offset(s, x0)}")

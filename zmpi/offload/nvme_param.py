@@ -39,24 +39,14 @@ whole again (a checkpoint load).
 from __future__ import annotations
 
 import bisect
-import time
 from collections import deque
 
 import numpy as np
 
 from zmpi import backend
 from zmpi.config import AioConfig, ConfigError
-from zmpi.offload.aio import AsyncIO
-from zmpi.offload.files import (
-    ALIGN,
-    NVMeError,
-    SwapFile,
-    SwappedStore,
-    aligned_empty,
-    drop_pages,
-    sync_and_drop,
-)
-from zmpi.offload.nvme import SwappedState, open_on_every_rank
+from zmpi.offload.files import ALIGN, SwapFile, SwappedStore, aligned_empty, wait_quietly
+from zmpi.offload.nvme import SwappedState
 
 __all__ = ["NvmeParamShard"]
 
@@ -141,9 +131,7 @@ class NvmeParamShard(SwappedStore):
                         aligned_empty(self.block, self.dtype, offload.pin_memory), "param",
                         "host", f"nvme param buffer {k}"))
                 self._free_slots = list(range(len(self._buffers)))
-                buffered = None if self.file.direct else (drop_pages, sync_and_drop)
-                self.io = AsyncIO(aio.block_size, aio.queue_depth, aio.thread_count,
-                                  *(buffered or ()))
+                self._start_io(aio)
         except BaseException:
             self.close()
             raise
@@ -157,12 +145,6 @@ class NvmeParamShard(SwappedStore):
             self._at[u] = end
             end += -(-(b - a) // align) * align
         self._end = end
-
-    @classmethod
-    def open(cls, comm, unit_slices, dtype, offload, aio=None, ledger=None):
-        """Build it on every rank of `comm` (a collective; a failure anywhere fails all)."""
-        return open_on_every_rank(comm, lambda: cls(unit_slices, dtype, offload, aio, ledger,
-                                                    comm.local_size))
 
     # ---- what the host holds, and where ----------------------------------------------------
     def host_bytes(self) -> dict[str, int]:
@@ -272,12 +254,8 @@ class NvmeParamShard(SwappedStore):
             pending, writes[:] = list(writes), []
             self._finish_writes(pending)
         except BaseException as e:
-            for transfer, _, slot in writes:  # none may touch a buffer later
-                try:
-                    transfer.wait()
-                except OSError:
-                    pass
-                self._free_slots.append(slot)
+            wait_quietly(transfer for transfer, _, _ in writes)  # none may touch a buffer
+            self._free_slots.extend(slot for _, _, slot in writes)  # later
             self._free_slots.extend(slot for slot, _ in staged.values())
             self._broken = f"writing the parameter shard failed ({e})"
             raise
@@ -297,11 +275,7 @@ class NvmeParamShard(SwappedStore):
         is replaced by a new one and returned, for the caller to keep alive."""
         kept = []
         for g in list(self._holders):
-            if g.transfer is not None:
-                try:
-                    g.transfer.wait()
-                except OSError:
-                    pass
+            wait_quietly([g.transfer] if g.transfer is not None else [])
             if g.request is not None and not g.request.test():
                 old = self._buffers[g.slot]
                 self.ledger.release(old)
@@ -333,18 +307,6 @@ class NvmeParamShard(SwappedStore):
     def _offset(self, u: int) -> int:
         return self._at[u] * self.dtype.itemsize
 
-    def _finish(self, items, what: str) -> None:
-        """Wait for (transfer, verb, u) items; raise NVMeError for the first that failed."""
-        start, error = time.perf_counter(), None
-        for transfer, verb, u in items:
-            try:
-                transfer.wait()
-            except OSError as e:
-                a, b = self.slices[u]
-                error = error or NVMeError(
-                    f"{what}: {verb} of the parameter shard of unit {u} (elements [{a}, {b})) "
-                    f"at byte {self._offset(u)} of {self.file.path} failed: {e.strerror or e}")
-                error.__cause__ = error.__cause__ or e
-        self.io_wait_s += time.perf_counter() - start
-        if error is not None:
-            raise error
+    def _where(self, u: int) -> str:
+        a, b = self.slices[u]
+        return f"the parameter shard of unit {u} (elements [{a}, {b})) at byte {self._offset(u)}"

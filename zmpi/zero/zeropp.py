@@ -89,10 +89,17 @@ class ZeroPP(Stage3):
 
     @classmethod
     def process_groups(cls, comm, zero_config):
-        size = zero_config.zero_hpz_partition_size
+        size, offload = zero_config.zero_hpz_partition_size, zero_config.offload_param
         if comm.size % size:
             raise ConfigError(_HPZ, f"{size} does not divide the {comm.size} data-parallel "
                                     "ranks into equal groups")
+        if size > 1 and offload.enabled:  # refused before any buffer or file is made
+            raise ConfigError(_HPZ, "hpZ keeps a secondary shard on the device, which "
+                                    "offload_param is to keep free; use one of them")
+        if zero_config.zero_quantized_weights and offload.nvme:  # at any world size
+            raise ConfigError("zero_optimization.zero_quantized_weights",
+                              'qwZ quantizes the shard in place of the allgather, which '
+                              'offload_param "device": "nvme" reads from a file; use "cpu"')
         return super().process_groups(comm, zero_config)
 
     @classmethod
@@ -116,15 +123,6 @@ class ZeroPP(Stage3):
                           "gathers over the same ranks and bytes, and the secondary shard "
                           "only costs memory (hpZ pays with groups smaller than the world, "
                           "a node's ranks)", stacklevel=2)
-        if size > 1 and self.offload_param:
-            self.close_storage()  # an NVMe file, if any
-            raise ConfigError(_HPZ, "hpZ keeps a secondary shard on the device, which "
-                                    "offload_param is to keep free; use one of them")
-        if cfg.zero_quantized_weights and self.param_store is not None:  # any world size
-            self.close_storage()
-            raise ConfigError("zero_optimization.zero_quantized_weights",
-                              'qwZ quantizes the shard in place of the allgather, which '
-                              'offload_param "device": "nvme" reads from a file; use "cpu"')
         self.intra = self.comm.split(self.rank // size) if size > 1 else None
         two_hops = self.qgz and 1 < size < self.world_size
         self.inter = self.comm.split(self.rank % size) if two_hops else None
