@@ -75,6 +75,6 @@ def declared_traffic(engine) -> dict[str, int]:
     Comm counts them: the strategy's `expected_traffic`, or after 1-bit Adam's warm-up its
     compressed allreduce (zmpi.comm.compressed: 2 (N - 1) / N x n / 8 + 2 (N - 1) s bytes,
     n = Psi padded to a multiple of 8 N, s the master dtype's itemsize)."""
-    if getattr(engine.optimizer, "reduces_gradients", True):
+    if engine.optimizer.reduces_gradients:
         return engine.strategy.expected_traffic()
     return {"world": engine.optimizer.average.sent_bytes()}

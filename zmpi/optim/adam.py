@@ -148,10 +148,12 @@ def _check_shapes(param, grads, m, v) -> None:
                          f"m {m.shape}, v {v.shape}")
 
 
-def _publish_pieces(publish, n) -> tuple | None:
-    """step_'s `publish` checked and sorted: (starts, [(start, dst), ...]), or None."""
+def _publish_pieces(publish, param) -> tuple | None:
+    """step_'s `publish` for `param` checked and sorted: (starts, [(start, dst), ...]), or
+    None. Only a host `param` publishes chunk by chunk."""
     if not publish:
         return None
+    n = param.shape[0]
     pieces = sorted(((int(start), dst) for start, dst in publish), key=lambda p: p[0])
     end = 0
     for start, dst in pieces:
@@ -159,6 +161,9 @@ def _publish_pieces(publish, n) -> tuple | None:
             raise ValueError(f"publish: 1-D, disjoint pieces of [0, {n}) expected, got one of "
                              f"shape {dst.shape} at {start} (the one before ends at {end})")
         end = start + dst.shape[0]
+    if backend.is_device_array(param):
+        raise ValueError("publish: the parameters are written chunk by chunk on the host "
+                         "only; a device shard is published by the strategy")
     return [start for start, _ in pieces], pieces
 
 
@@ -250,13 +255,10 @@ class Adam:
         that streams one step's state in blocks (zmpi.offload.nvme), one call per block after
         counting the step. The rule is elementwise, so blocks change no bit."""
         _check_shapes(param, grads, m, v)
-        pieces = _publish_pieces(publish, param.shape[0])
+        pieces = _publish_pieces(publish, param)
         hyper = (self.step_count, self.lr, self.betas, self.eps, self.weight_decay,
                  self.decoupled, grad_scale, clip_coef, self.bias_correction)
         if backend.is_device_array(param):  # one fused kernel over the shard, no scratch
-            if pieces:
-                raise ValueError("publish: the parameters are written chunk by chunk on the "
-                                 "host only; a device shard is published by the strategy")
             _adam_device(param, grads, m, v, AdamCoefficients.of(
                 param.dtype, *hyper[:-3], grad_scale * clip_coef, self.bias_correction))
             return

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zmpi import backend
 from zmpi.backend import array_module
 from zmpi.config.onebit import DEFAULT_FREEZE_STEP
 from zmpi.optim.adam import (
@@ -96,10 +95,7 @@ class OneBitAdam(Adam):
             super().step_(param, grads, m, v, grad_scale, clip_coef, publish)
             return
         _check_shapes(param, grads, m, v)
-        pieces = _publish_pieces(publish, param.shape[0])
-        if pieces and backend.is_device_array(param):
-            raise ValueError("publish: the parameters are written chunk by chunk on the host "
-                             "only; a device shard is published by the strategy")
+        pieces = _publish_pieces(publish, param)
         self.step_count += 1
         scale, _, beta1, one_minus_beta1, _, _, eps, decay, step_size = AdamCoefficients.of(
             param.dtype, self.step_count, self.lr, self.betas, self.eps, self.weight_decay,
