@@ -33,8 +33,7 @@ from zmpi.models.gpt import gpt_num_params  # noqa: E402
 from zmpi.plan.hardware import PRESETS  # noqa: E402
 from zmpi.plan.layout import Job, Layout  # noqa: E402
 from zmpi.plan.memory import layout_memory  # noqa: E402
-from zmpi.plan.search import RESERVE, model_flops_per_step  # noqa: E402
-from zmpi.plan.time import step_time  # noqa: E402
+from zmpi.plan.search import RESERVE, evaluate, model_flops_per_step  # noqa: E402
 
 ASSUMED_SEQ_LEN = 1024  # the ZeRO papers do not state theirs; GPT-2's
 ASSUMED_VOCAB = 50257  # nor their vocabulary; GPT-2's
@@ -42,8 +41,8 @@ ASSUMED_VOCAB = 50257  # nor their vocabulary; GPT-2's
 
 def predict(name, job, layout, hw, published, recompute_flops=True):
     """One row: the planner's memory and time for a published run of `job` as `layout`."""
-    memory = max(layout_memory(job, layout, on_gpu=True), key=lambda m: m.device)
-    t = step_time(job, layout, hw)
+    candidate = evaluate(job, layout, hw)
+    memory, t = candidate.memory, candidate.time
     flops = model_flops_per_step(job, recompute=recompute_flops)
     tflops = flops / t.total / job.world_size / 1e12
     return {"run": name, "layout": layout.describe(), "gpus": job.world_size,

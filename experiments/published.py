@@ -143,36 +143,6 @@ MEGATRON_2021_TABLE1 = {
     "gpt3_175b_1024_gpus_tflops_per_gpu": 140,
 }
 
-# [MEG21] Table 2: "Comparison of PTD Parallelism to ZeRO-3 (without model parallelism)."
-# A100 80GB, same cluster as Table 1. The batch and model-parallel columns are merged cells in
-# the paper. Each row below repeats the value of its group. "*": "The 530-billion-parameter
-# GPT model did not fit on 560 GPUs when using a microbatch size of 4 with ZeRO-3, so we
-# increased the number of GPUs used to 640 and global batch size to 2560".
-MEGATRON_2021_TABLE2_ZERO3 = {
-    "source": "[MEG21] Table 2 (and Fig. 10)",
-    "columns": ("scheme", "params_billion", "model_parallel", "batch", "gpus", "micro_batch",
-                "tflops_per_gpu", "days_for_300B_tokens"),
-    "rows": [
-        ("zero3", 174.6, 1, 1536, 384, 4, 144, 90),
-        ("zero3", 174.6, 1, 1536, 768, 2, 88, 74),
-        ("zero3", 174.6, 1, 1536, 1536, 1, 44, 74),
-        ("zero3", 529.6, 1, 2560, 640, 4, 138, 169),  # the "*" row
-        ("zero3", 529.6, 1, 2240, 1120, 2, 98, 137),
-        ("zero3", 529.6, 1, 2240, 2240, 1, 48, 140),
-        ("ptd-p", 174.6, 96, 1536, 384, 1, 153, 84),
-        ("ptd-p", 174.6, 96, 1536, 768, 1, 149, 43),
-        ("ptd-p", 174.6, 96, 1536, 1536, 1, 141, 23),
-        ("ptd-p", 529.6, 280, 2240, 560, 1, 171, 156),
-        ("ptd-p", 529.6, 280, 2240, 1120, 1, 167, 80),
-        ("ptd-p", 529.6, 280, 2240, 2240, 1, 159, 42),
-    ],
-    # Sec. 5.2: the 174.6B model is "the standard GPT-3 model architecture" (Sec. 5.3.2: 96 layers,
-    # 96 attention heads, hidden size 12288); 529.6B is the Table 1 row (105 layers, h=20480).
-    # Not restated for Table 2. (The "standard GPT-3 model architecture" suggests 2048, but the
-    # paper does not say so for these runs.)
-    "seq_len": None,
-}
-
 # ---------------------------------------------------------------------------------------------
 # [ZERO20] ZeRO-100B running the 100B-parameter model (Fig. 2's 100B point).
 # ---------------------------------------------------------------------------------------------

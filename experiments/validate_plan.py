@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zmpi.plan.layout import OFFLOADS, RECOMPUTES, SCHEDULES, Job, Layout, layouts, to_config
+from zmpi.plan.layout import RECOMPUTES, SCHEDULES, Job, Layout, layouts, stage_offloads, to_config
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -68,8 +68,7 @@ def pick_layouts(args) -> list[tuple[str, Layout]]:
             continue  # not asked for, or not a layout of this job
         per_rank = args.global_batch // dp
         for k in range(4):
-            allowed = [o for o in OFFLOADS if not (o != "none" and k == 0)
-                       and not (o == "optimizer+param" and k != 3)]
+            allowed = stage_offloads(k)
             m = (2, 4)[(k + k // 2 + i) % 2]
             layout = Layout(dp, pp, tp, k, allowed[(i + k) % len(allowed)],
                             RECOMPUTES[(i + k) % 3], tp > 1 and (i + k) % 2 == 0,
@@ -82,9 +81,12 @@ def pick_layouts(args) -> list[tuple[str, Layout]]:
             per_rank = args.global_batch // dp
             picked.append((precision, Layout(dp, pp, tp, k, "optimizer" if k == 2 else "none",
                                              "none", False, per_rank // 2, 2, "1f1b")))
+    known = {}  # (world, precision): every layout of that job
     for precision, layout in picked:
         world = layout.dp * layout.pp * layout.tp
-        assert layout in set(layouts(job_for(args, world, precision))), layout
+        if (world, precision) not in known:
+            known[world, precision] = set(layouts(job_for(args, world, precision)))
+        assert layout in known[world, precision], layout
     return picked
 
 
@@ -187,7 +189,7 @@ def ratio(measured: float, predicted: float) -> float:
 
 def compare(item: dict, hw) -> dict:
     """A row: the layout, its worst rank's memory (predicted / measured) and the step time."""
-    from zmpi.plan.memory import stage_memory
+    from zmpi.plan.memory import layout_memory
     from zmpi.plan.time import step_time
 
     job, layout = Job(**item["job"]), Layout(**item["layout"])
@@ -196,8 +198,9 @@ def compare(item: dict, hw) -> dict:
     if "error" in item["ranks"][0]:
         return {**row, "error": item["ranks"][0]["error"]}
     per_rank, exact = [], True
+    stages = layout_memory(job, layout, on_gpu=False)
     for r in item["ranks"]:
-        pred = stage_memory(job, layout, r["pp_rank"], on_gpu=False)
+        pred = stages[r["pp_rank"]]
         measured_transient = r["peak_not_activation"]["device"] - r["model_state"]["device"]
         ms_ok = all(r["model_state"][d] == pred.model_state[d] for d in ("device", "host"))
         exact &= ms_ok

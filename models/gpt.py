@@ -128,7 +128,7 @@ def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: in
         block = A.attention_block(s, b * a // tp, backend.is_gpu)
     p, f = act_bytes, max(4, act_bytes)
     n = b * s  # positions
-    rows = sum((min(i + block, s) - i) * min(i + block, s) for i in range(0, s, block))
+    rows = A.causal_entries(s, block)
     probs = 0 if recompute == "selective" else f * (a // tp) * b * rows
     layernorm = f * (n // shard) * (h + 1)  # xhat (b, s, h) and rstd (b, s, 1), or the shard
     # ln1, ln2; the inputs of qkv and fc, whole (gathered under sequence parallelism); this

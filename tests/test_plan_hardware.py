@@ -10,7 +10,8 @@ from mpi_util import launch_mpi
 
 from zmpi.plan import measure
 from zmpi.plan.hardware import PRESETS, Hardware, Link, parse_size
-from zmpi.plan.measure import fit_allreduce_link, load_hardware, measure_this, ring_sent
+from zmpi.plan.measure import fit_allreduce_link, load_hardware, measure_this
+from zmpi.plan.time import ring_sent
 
 
 @pytest.mark.parametrize("text, kind, value", [

@@ -47,6 +47,13 @@ def attention_block(T: int, batch_heads: int, on_device: bool) -> int:
 
 
 @functools.cache
+def causal_entries(T: int, block: int) -> int:
+    """Score entries causal attention computes per sequence and head over T positions, in
+    query blocks of `block` rows each against the keys up to the block's end."""
+    return sum((min(i + block, T) - i) * min(i + block, T) for i in range(0, T, block))
+
+
+@functools.cache
 def _head_scales(xp, dtype, hd: int):
     """(3, 1, 1, 1, 1) array [1/sqrt(hd), 1, 1] in `dtype` in xp's memory: scales q (not k, v)
     as the heads are laid out (made once per dtype and head size)."""

@@ -92,6 +92,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def stage_offloads(stage: int) -> list[str]:
+    """The OFFLOADS a ZeRO stage takes: none at stage 0 (nothing is sharded), the parameters
+    only at stage 3 (only it shards them)."""
+    return [o for o in OFFLOADS if not (o != "none" and stage == 0)
+            and not (o == "optimizer+param" and stage != 3)]
+
+
 def layouts(job: Job, max_tp: int | None = None):
     """Every Layout zmpi can run `job` with (a generator): tp divides the heads (at most
     `max_tp`, default a node's GPUs: tensor parallelism stays inside a node), pp at most the
@@ -113,10 +120,7 @@ def layouts(job: Job, max_tp: int | None = None):
             for micro_batch in _divisors(per_rank):
                 m = per_rank // micro_batch
                 for stage in range(4):
-                    for offload in OFFLOADS:
-                        if (offload != "none" and stage == 0) or \
-                                (offload == "optimizer+param" and stage != 3):
-                            continue
+                    for offload in stage_offloads(stage):
                         for recompute in RECOMPUTES:
                             for sp in ((False, True) if tp > 1 and job.seq_len % tp == 0
                                        else (False,)):

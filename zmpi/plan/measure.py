@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from zmpi.plan.hardware import PRESETS, Hardware, Link
+from zmpi.plan.time import ring_sent
 
 GEMM_SHAPES = ((4096, 512, 2048), (1024, 1024, 1024))  # (m, k, n): (m x k) @ (k x n)
 STREAM_BYTES = 64 << 20  # each array of the add and the copy
@@ -158,8 +159,7 @@ def _block_seconds(shape: dict, gemm_rate: float, steps: int) -> dict:
     from zmpi.comm import Comm
     from zmpi.engine import Engine
     from zmpi.models.gpt import GPT, GPTConfig, gpt_activation_bytes
-    from zmpi.nn.attention import attention_block
-    from zmpi.plan.time import causal_entries
+    from zmpi.nn.attention import attention_block, causal_entries
 
     b, s, h, heads = shape["micro_batch"], shape["seq_len"], shape["d_model"], shape["n_head"]
     vocab, layers = 256, 2
@@ -190,11 +190,6 @@ def _blocks_seconds(profile) -> float:
     return sum(u["forward"] + u["backward"]
                for name, u in zip(profile.unit_names, profile.units, strict=True)
                if name == "Block")
-
-
-def ring_sent(nbytes: float, ranks: int) -> float:
-    """Bytes each rank sends in a ring allreduce of `nbytes` over `ranks` ranks."""
-    return 2 * (ranks - 1) / ranks * nbytes
 
 
 def fit_allreduce_link(allreduce: dict) -> Link:

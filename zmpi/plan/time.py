@@ -29,10 +29,9 @@ each gather's shard too).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict, dataclass
 
-from zmpi.nn.attention import attention_block
+from zmpi.nn.attention import attention_block, causal_entries
 from zmpi.plan.hardware import Hardware, Link
 from zmpi.plan.layout import Job, Layout
 from zmpi.plan.memory import micro_batch_activation, padded, stage_blocks, stage_units
@@ -66,11 +65,16 @@ class StepTime:
         return {**asdict(self), "total": self.total}
 
 
+def ring_sent(nbytes: float, ranks: int) -> float:
+    """Bytes each rank sends in a ring allreduce of `nbytes` over `ranks` ranks."""
+    return 2 * (ranks - 1) / ranks * nbytes
+
+
 def ring_allreduce(link: Link, nbytes: float, ranks: int, messages: int = 1) -> float:
     """Seconds of a ring allreduce of `nbytes` over `ranks`: 2 (n-1)/n of it sent per rank."""
     if ranks == 1:
         return 0.0
-    return link.seconds(2 * (ranks - 1) / ranks * nbytes, 2 * (ranks - 1) * messages)
+    return link.seconds(ring_sent(nbytes, ranks), 2 * (ranks - 1) * messages)
 
 
 def ring_pass(link: Link, nbytes: float, ranks: int, messages: int = 1) -> float:
@@ -162,14 +166,6 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     data, optimizer = _data_and_optimizer(job, layout, hw, stages[heaviest], links["dp"],
                                           slowest, bandwidth, ranks_per_node)
     return StepTime(compute, tensor, pipe, bubble, data, optimizer)
-
-
-@functools.cache
-def causal_entries(seq_len: int, block: int) -> int:
-    """Score entries causal attention computes per sequence and head, in query blocks of
-    `block` rows each against the keys up to the block's end (zmpi.nn.attention)."""
-    return sum((min(i + block, seq_len) - i) * min(i + block, seq_len)
-               for i in range(0, seq_len, block))
 
 
 def _data_and_optimizer(job, layout, hw, units, link, slowest, bandwidth, ranks_per_node):
