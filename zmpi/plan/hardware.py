@@ -74,6 +74,15 @@ class Hardware:
     source: str = ""
     measured: dict = field(default_factory=dict)  # raw measurements, for "this"
 
+    @property
+    def on_gpu(self) -> bool:
+        return self.cores_per_node is None
+
+    def core_share(self, ranks_per_node: int) -> float:
+        """The share of a device's rates one rank gets: 1 on a GPU, cores / ranks on a CPU
+        whose ranks outnumber its cores."""
+        return 1.0 if self.on_gpu else min(1.0, self.cores_per_node / ranks_per_node)
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -59,7 +59,7 @@ def model_flops_per_step(job: Job, recompute: bool = False) -> float:
 
 def evaluate(job: Job, layout: Layout, hw: Hardware) -> Candidate:
     """The memory and predicted time of one layout (whether it fits is the caller's)."""
-    stages = layout_memory(job, layout, hw.cores_per_node is None)
+    stages = layout_memory(job, layout, hw.on_gpu)
     memory = max(stages, key=lambda m: (m.device, m.host))
     time = step_time(job, layout, hw)
     return Candidate(layout, memory, time, job.global_batch * job.seq_len / time.total,
@@ -76,7 +76,7 @@ def plan(job: Job, hw: Hardware, device_memory: float | None = None,
     device_memory = hw.device_memory if device_memory is None else device_memory
     host_memory = hw.host_memory if host_memory is None else host_memory
     ranks_per_node = min(job.gpus_per_node, job.world_size)
-    on_gpu = hw.cores_per_node is None
+    on_gpu = hw.on_gpu
     fitting, considered, rejected = [], 0, {"device memory": 0, "host memory": 0}
     for layout in layouts(job):
         considered += 1

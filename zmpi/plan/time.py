@@ -97,32 +97,28 @@ def _links(job: Job, layout: Layout, hw: Hardware) -> dict[str, Link]:
 
 def matmul_rate(job: Job, hw: Hardware, ranks_per_node: int) -> float:
     """FLOP/s one rank's matmuls reach."""
-    on_gpu = hw.cores_per_node is None
-    dtype = "fp16" if job.precision == "fp16" and on_gpu else "fp32"
-    share = 1.0 if on_gpu else min(1.0, hw.cores_per_node / ranks_per_node)
-    return hw.peak_flops[dtype] * hw.gemm_efficiency * share
+    dtype = "fp16" if job.precision == "fp16" and hw.on_gpu else "fp32"
+    return hw.peak_flops[dtype] * hw.gemm_efficiency * hw.core_share(ranks_per_node)
 
 
 def elementwise_rate(hw: Hardware, ranks_per_node: int) -> float:
     """Activation bytes per second one rank's elementwise work goes through (forward and
     backward), a CPU rank getting cores / ranks of it when oversubscribed."""
     rate = hw.elementwise_rate or hw.memory_bandwidth / ELEMENTWISE_PASSES
-    return rate * (1.0 if hw.cores_per_node is None else
-                   min(1.0, hw.cores_per_node / ranks_per_node))
+    return rate * hw.core_share(ranks_per_node)
 
 
 def can_overlap(hw: Hardware, ranks_per_node: int) -> bool:
     """Whether communication proceeds while a rank computes: on a GPU, or with a spare core."""
-    return hw.cores_per_node is None or ranks_per_node < hw.cores_per_node
+    return hw.on_gpu or ranks_per_node < hw.cores_per_node
 
 
 def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     """The predicted StepTime of `layout` (see the module docstring)."""
-    on_gpu = hw.cores_per_node is None
+    on_gpu = hw.on_gpu
     ranks_per_node = min(job.gpus_per_node, job.world_size)
     rate = matmul_rate(job, hw, ranks_per_node)
-    bandwidth = hw.memory_bandwidth * (1.0 if on_gpu else
-                                       min(1.0, hw.cores_per_node / ranks_per_node))
+    bandwidth = hw.memory_bandwidth * hw.core_share(ranks_per_node)
     links = _links(job, layout, hw)
     act = micro_batch_activation(job, layout.tp, layout.sequence_parallel, "none",
                                  layout.micro_batch, on_gpu)
@@ -131,8 +127,7 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     again = {"none": 0, "selective": act["layer"] - kept["layer"], "full": act["layer"]}
     layer_bytes = act["layer"] + FORWARD_SHARE * again[layout.recompute]
     elementwise_s = 1 / elementwise_rate(hw, ranks_per_node)
-    share = 1.0 if on_gpu else min(1.0, hw.cores_per_node / ranks_per_node)
-    block_overhead = hw.layer_overhead / share * \
+    block_overhead = hw.layer_overhead / hw.core_share(ranks_per_node) * \
         (1 + FORWARD_SHARE if layout.recompute == "full" else 1)
     b, s, h, t = layout.micro_batch, job.seq_len, job.d_model, layout.tp
     block = attention_block(s, b * job.n_head // t, on_gpu)
