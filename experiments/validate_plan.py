@@ -13,8 +13,8 @@ world size (`--worker`), which runs the layouts one after another: Mesh, GPT, En
 `to_config(job, layout)`, `--steps` steps on random token batches (the first a warm-up), and
 per rank the ledger (`engine.memory`): model-state bytes per device after the first step,
 each category's and each group's peak over the steps (peaks reset after the engine is
-built), and the step times (the slowest rank's, after a barrier). Compared per rank with the
-prediction for its pipeline stage:
+built), the step times (the slowest rank's, after a barrier) and the Engine's phase
+profile. Compared per rank with the prediction for its pipeline stage:
 
 - model states, device and host: predicted exactly (the ledger's bytes after the first step);
 - device total: the ledger's device peak vs StageMemory.device (model states + ZeRO's
@@ -137,9 +137,17 @@ def run_layout(comm, job: Job, layout: Layout, steps: int, seed: int) -> dict:
         "peak_model_state": {d: memory.peak("model_state", d) for d in ("device", "host")},
         "init_peak": init_peak,
         "times": times, "loss": losses[-1], "skipped_steps": engine.scaler.skipped_steps,
+        "phases": _phases_per_step(engine.phases),
     }
     engine.close()
     return out
+
+
+def _phases_per_step(profile) -> dict:
+    """The Engine's PhaseProfile (forward, backward, step, optimizer, waited), seconds per
+    step after the first."""
+    steps, seconds, _ = profile.counted()
+    return {phase: value / max(steps, 1) for phase, value in seconds.items()}
 
 
 def worker(args) -> None:
@@ -215,6 +223,7 @@ def compare(item: dict, hw) -> dict:
             "device_pred": pred.device, "device_meas": r["peak"]["device"],
             "device_ratio": ratio(r["peak"]["device"], pred.device),
             "host_pred": pred.host, "host_meas": r["peak"]["host"],
+            "phases": r["phases"],
         })
     # the worst rank: the device total furthest from its prediction
     worst = max(per_rank, key=lambda p: abs(p["device_ratio"] - 1))
@@ -232,6 +241,7 @@ def compare(item: dict, hw) -> dict:
             "device_pred": worst["device_pred"], "device_meas": worst["device_meas"],
             "device_ratio": worst["device_ratio"],
             "time_pred_s": predicted.total, "time_meas_s": measured_s,
+            "waited_s": max(p["phases"]["waited"] for p in per_rank),
             "time_ratio": measured_s / predicted.total,
             "time_parts": predicted.to_dict(), "skipped_steps": item["ranks"][0]["skipped_steps"],
             "loss": item["ranks"][0]["loss"], "per_rank": per_rank}
@@ -249,27 +259,36 @@ def markdown(rows: list[dict], args, hw) -> list[str]:
         f"{args.steps} steps per layout, the first a warm-up; hardware measured here "
         f"(`measure_this`: GEMM {hw.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, memory "
         f"{hw.memory_bandwidth / 1e9:.1f} GB/s, link {hw.intra_node.bandwidth / 1e9:.2f} GB/s "
-        f"{hw.intra_node.latency * 1e6:.1f} us, {hw.cores_per_node} cores). Per layout its "
+        f"{hw.intra_node.latency * 1e6:.1f} us"
+        + (f", oversubscribed {hw.oversubscribed.bandwidth / 1e9:.2f} GB/s "
+           f"{hw.oversubscribed.latency * 1e6:.0f} us" if hw.oversubscribed else "")
+        + (f", float16 sums {hw.half_reduction_rate / 1e6:.0f} MB/s"
+           if hw.half_reduction_rate else "")
+        + f", {hw.cores_per_node} cores). Per layout its "
         "rank whose device peak is furthest from the prediction for its pipeline stage; KiB. "
         "ms: model states (device / host), exact = the ledger's bytes after the first step "
         "equal the prediction on every rank; transient: the device peak of everything but "
         "activations, less the model states; act: the activation group's device peak; "
         "device: the ledger's device peak (all categories at once) vs StageMemory.device; "
-        "time: the median step (the slowest rank's) vs StepTime.total.",
+        "time: the median step (the slowest rank's) vs StepTime.total; waited: the most any "
+        "rank spent blocked in MPI per step (the Engine's profile).",
         "",
         f"Model states exact on every rank: {exact}/{len(ok)} layouts; device peak within 5%: "
-        f"{within5}/{len(ok)}; step time within 20%: {within20}/{len(ok)}.",
+        f"{within5}/{len(ok)}; step time within 20%: {within20}/{len(ok)}; by ranks "
+        + ", ".join(f"{n}: {sum(abs(r['time_ratio'] - 1) <= 0.2 for r in group)}/{len(group)} "
+                    f"(median meas/pred {statistics.median(r['time_ratio'] for r in group):.2f})"
+                    for n, group in _by_world(ok).items()) + ".",
         "",
         "| layout | prec | ms device pred / meas | ms host pred / meas | exact | transient "
         "pred / meas | act pred / meas | device pred / meas | meas/pred | time pred / meas ms "
-        "| meas/pred |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| meas/pred | waited ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     k = 1024
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['layout']} | {r['precision']} | error: {r['error']} |"
-                         + " |" * 8)
+                         + " |" * 9)
             continue
         lines.append(
             f"| {r['layout']} | {r['precision']} | {r['ms_device_pred'] / k:.1f} / "
@@ -279,8 +298,17 @@ def markdown(rows: list[dict], args, hw) -> list[str]:
             f"{r['act_pred'] / k:.1f} / {r['act_meas'] / k:.1f} | "
             f"{r['device_pred'] / k:.1f} / {r['device_meas'] / k:.1f} | "
             f"{r['device_ratio']:.3f} | {r['time_pred_s'] * 1e3:.0f} / "
-            f"{r['time_meas_s'] * 1e3:.0f} | {r['time_ratio']:.2f} |")
+            f"{r['time_meas_s'] * 1e3:.0f} | {r['time_ratio']:.2f} | "
+            f"{r['waited_s'] * 1e3:.0f} |")
     return lines
+
+
+def _by_world(rows: list[dict]) -> dict[int, list[dict]]:
+    """The rows grouped by their world size, smallest first."""
+    groups = {}
+    for r in rows:
+        groups.setdefault(r["world"], []).append(r)
+    return dict(sorted(groups.items()))
 
 
 def main(argv=None) -> None:
@@ -294,7 +322,7 @@ def main(argv=None) -> None:
     parser.add_argument("--precision", default="fp16", choices=("fp16", "bf16", "fp32"))
     parser.add_argument("--other-precisions", nargs="*", default=["bf16", "fp32"],
                         help="a few layouts in these precisions too (model states)")
-    parser.add_argument("--steps", type=int, default=4, help="per layout, the first a warm-up")
+    parser.add_argument("--steps", type=int, default=8, help="per layout, the first a warm-up")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worlds", type=int, nargs="*", default=[1, 2, 4])
     parser.add_argument("--only", type=int, default=None,

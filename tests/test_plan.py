@@ -111,6 +111,31 @@ def test_time_model_formulas():
     assert slower.total - t.total == pytest.approx(71 * 1e-3)
 
 
+def test_time_model_mpi_terms_on_a_cpu():
+    """MPI's float16 sums cost a data-parallel fp16 job its reduced bytes at
+    half_reduction_rate (the ranks' core share of it); ranks beyond the cores send over the
+    oversubscribed link, or else at their share of the link's bandwidth."""
+    cpu = {**PRESETS["cpu"].to_dict(), "cores_per_node": 4}  # a core per rank: no overlap
+    job = Job(4, 64, 4, 65, 32, 16, 1, 4, "fp16")
+    dp = Layout(4, 1, 1, 2, "none", "none", False, 1, 4, "1f1b")
+    base = step_time(job, dp, Hardware.from_dict(cpu))
+    summed = step_time(job, dp, Hardware.from_dict({**cpu, "half_reduction_rate": 1e8}))
+    units = stage_units(job, 1, 1)[0]
+    nbytes = sum(-(-n // 4) * 4 for n in units) * 2  # padded fp16 gradients
+    assert summed.data - base.data == pytest.approx(4 * 0.75 * nbytes / 1e8)  # m = 4 sums
+    bf16 = Job(4, 64, 4, 65, 32, 16, 1, 4, "bf16")
+    assert step_time(bf16, dp, Hardware.from_dict({**cpu, "half_reduction_rate": 1e8})) == \
+        step_time(bf16, dp, Hardware.from_dict(cpu))
+    two_cores = {**cpu, "cores_per_node": 2, "devices_per_node": 2}
+    tp = Layout(1, 1, 4, 0, "none", "none", False, 4, 4, "1f1b")
+    shared = step_time(job, tp, Hardware.from_dict(two_cores))
+    slow = {"bandwidth": 1e8, "latency": 1e-3}
+    crowded = step_time(job, tp, Hardware.from_dict({**two_cores, "oversubscribed": slow}))
+    assert crowded.tensor > 10 * shared.tensor
+    alone = step_time(job, tp, Hardware.from_dict({**cpu, "oversubscribed": slow}))
+    assert alone == step_time(job, tp, Hardware.from_dict(cpu))  # a core each: not crowded
+
+
 def test_plan_keeps_what_fits_fastest_first():
     job = Job(24, 2304, 24, 51200, 2048, 512, 4, 8)
     result = plan(job, PRESETS["a100"], top=5)

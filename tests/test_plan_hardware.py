@@ -179,6 +179,36 @@ def test_layer_figures_are_optional_and_checked():
             Hardware.from_dict(_changed(key, value))
 
 
+def test_mpi_figures_are_optional_and_checked():
+    hw = Hardware.from_dict(_changed("half_reduction_rate", "130MB/s"))
+    assert hw.half_reduction_rate == 1.3e8 and hw.oversubscribed is None
+    hw = Hardware.from_dict(_changed("oversubscribed", {"bandwidth": "1.5GB/s",
+                                                        "latency": "130us"}))
+    assert hw.oversubscribed == Link(1.5e9, 1.3e-4)
+    assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+    for key, value, message in (("half_reduction_rate", 0, "half_reduction_rate: must be"),
+                                ("oversubscribed", 1e9, "oversubscribed: expected an object"),
+                                ("oversubscribed", {"bandwidth": 1e9},
+                                 "oversubscribed: missing key 'latency'")):
+        with pytest.raises(ValueError, match=message):
+            Hardware.from_dict(_changed(key, value))
+
+
+def test_fit_half_reduction_rate():
+    link = Link(2e9, 7e-6)
+    measured = {"ranks": 4, "messages": 6, "half_bytes": 2**20}
+    sent = link.seconds(ring_sent(2**20, 4), 6)
+    rate = measure.fit_half_reduction_rate({**measured, "half_seconds": sent + 6e-3}, link)
+    assert rate == pytest.approx(0.75 * 2**20 / 6e-3)  # each rank sums 3/4 of the buffer
+    assert measure.fit_half_reduction_rate({**measured, "half_seconds": sent}, link) is None
+
+
+def test_compute_between_is_a_mode_of_comm(capsys):
+    with pytest.raises(SystemExit):
+        measure.main(["--compute-between"])
+    assert "--compute-between is a mode of --comm" in capsys.readouterr().err
+
+
 def test_fit_allreduce_link_reproduces_both_points():
     measured = {"ranks": 4, "messages": 6, "small_bytes": 8, "small_seconds": 30e-6,
                 "large_bytes": 2**25, "large_seconds": 5e-3}
@@ -227,13 +257,33 @@ def _check_measured(hw: Hardware, ranks: int) -> None:
                                           messages=allreduce["messages"])
         assert predicted == pytest.approx(allreduce[f"{size}_seconds"], rel=1e-9)
     assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
-    layer = hw.measured["layer"]  # the line through both blocks' time besides the matmuls
+    if hw.half_reduction_rate is not None:  # the float16 allreduce: link + its sums
+        extra = (ranks - 1) / ranks * allreduce["half_bytes"] / hw.half_reduction_rate
+        assert hw.inter_node.seconds(ring_sent(allreduce["half_bytes"], ranks),
+                                     messages=allreduce["messages"]) + extra == \
+            pytest.approx(allreduce["half_seconds"], rel=1e-9)
+    crowded = hw.measured["oversubscribed_allreduce"]
+    assert (crowded is None) == (hw.oversubscribed is None)
+    if crowded is not None:  # 2 x cores ranks, a GEMM between calls; the same ring fit
+        assert crowded["ranks"] > hw.cores_per_node and crowded["compute_between"]
+        for size in ("small", "large"):
+            predicted = hw.oversubscribed.seconds(ring_sent(crowded[f"{size}_bytes"],
+                                                            crowded["ranks"]),
+                                                  messages=crowded["messages"])
+            assert predicted == pytest.approx(crowded[f"{size}_seconds"], rel=1e-9)
+    assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+    # the least-squares line through the blocks' time besides the matmuls: with a fixed
+    # part its residuals sum to zero and are uncorrelated with the bytes
+    shapes = hw.measured["layer"]["shapes"]
+    assert len(shapes) == len(measure.LAYER_SHAPES) >= 3
     assert hw.elementwise_rate > 0 and hw.layer_overhead >= 0
-    small, large = layer["shapes"]
     if hw.layer_overhead > 0:
-        for shape in (small, large):
-            assert hw.layer_overhead + shape["layer_bytes"] / hw.elementwise_rate == \
-                pytest.approx(shape["rest_seconds"], rel=1e-9)
+        residuals = [s["rest_seconds"] - hw.layer_overhead - s["layer_bytes"] /
+                     hw.elementwise_rate for s in shapes]
+        scale = max(s["rest_seconds"] for s in shapes)
+        assert abs(sum(residuals)) < 1e-9 * scale
+        assert abs(sum(r * s["layer_bytes"] for r, s in zip(residuals, shapes, strict=True))) < \
+            1e-9 * scale * max(s["layer_bytes"] for s in shapes)
 
 
 @pytest.mark.mpi

@@ -54,6 +54,14 @@ class Hardware:
     layer_overhead: seconds a transformer block's forward and backward take per micro-batch
         whatever its size (launches, the engine's per-unit work): 0 in the presets (GPU
         kernels queue ahead of the host); `--hardware this` measures it with elementwise_rate.
+    half_reduction_rate: bytes/s at which the MPI sums float16 data beyond the link's time
+        (MPICH sums MPIX_C_FLOAT16 in software on the CPU); None: no extra cost (the presets:
+        GPU kernels). `--hardware this` measures it.
+    oversubscribed: on a CPU, the link as a rank sees it when the node's ranks outnumber its
+        cores and compute between collectives: each collective then also waits for peers the
+        OS has descheduled. Used instead of intra_node / inter_node for such jobs; None: those
+        links at cores / ranks of their bandwidth. `--hardware this` measures it on a machine
+        of at most 8 cores (2 x cores ranks).
     source: where the figures come from.
     """
 
@@ -71,6 +79,8 @@ class Hardware:
     cores_per_node: int | None = None
     elementwise_rate: float | None = None
     layer_overhead: float = 0.0
+    half_reduction_rate: float | None = None
+    oversubscribed: Link | None = None
     source: str = ""
     measured: dict = field(default_factory=dict)  # raw measurements, for "this"
 
@@ -108,11 +118,13 @@ class Hardware:
         overhead = d.get("layer_overhead", 0.0)  # seconds, or "20us"; 0 allowed
         values["layer_overhead"] = 0.0 if overhead == 0 and not isinstance(overhead, bool) \
             else parse_size(overhead, "layer_overhead", "latency")
-        if d.get("elementwise_rate") is not None:
-            values["elementwise_rate"] = parse_size(d["elementwise_rate"], "elementwise_rate",
-                                                    "bandwidth")
-        for key in _LINKS:
-            link = d[key]
+        for key in ("elementwise_rate", "half_reduction_rate"):
+            if d.get(key) is not None:
+                values[key] = parse_size(d[key], key, "bandwidth")
+        for key in (*_LINKS, "oversubscribed"):
+            link = d.get(key)
+            if key == "oversubscribed" and link is None:
+                continue
             _check_keys(link, {"bandwidth", "latency"}, set(), key)
             values[key] = Link(parse_size(link["bandwidth"], f"{key}.bandwidth", "bandwidth"),
                                parse_size(link["latency"], f"{key}.latency", "latency"))
@@ -134,7 +146,8 @@ class Hardware:
 
 
 DTYPES = ("fp32", "fp16", "bf16")
-_OPTIONAL = {"cores_per_node", "elementwise_rate", "layer_overhead", "source", "measured"}
+_OPTIONAL = {"cores_per_node", "elementwise_rate", "layer_overhead", "half_reduction_rate",
+             "oversubscribed", "source", "measured"}
 _LINKS = ("intra_node", "inter_node", "host_device")
 _QUANTITIES = {"memory_bandwidth": "bandwidth", "device_memory": "bytes",
                "host_memory": "bytes", "host_adam_rate": "number"}

@@ -57,20 +57,26 @@ GEMM_SHAPES = ((4096, 512, 2048), (1024, 1024, 1024))  # (m, k, n): (m x k) @ (k
 STREAM_BYTES = 64 << 20  # each array of the add and the copy
 ADAM_NUMEL = 8 << 20
 LAYER_SHAPES = ({"micro_batch": 2, "seq_len": 32, "d_model": 96, "n_head": 4},
+                {"micro_batch": 4, "seq_len": 64, "d_model": 160, "n_head": 4},
                 {"micro_batch": 4, "seq_len": 128, "d_model": 256, "n_head": 4})  # measure_layer
 ALLREDUCE_BYTES = {"small": 8, "large": 32 << 20}  # payloads: for the latency, the bandwidth
+HALF_BYTES = 1 << 20  # a float16 allreduce's payload: MPI's float16 reduction rate
+BETWEEN_SHAPE = (512, 256, 256)  # the GEMM each rank runs before a call, oversubscribed
+MAX_OVERSUBSCRIBED_CORES = 8  # the oversubscribed link is measured on 2 x cores ranks
 LAUNCH_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_SIZE")
 
 
-def best_seconds(call, repeats: int) -> float:
-    """The least wall time of `repeats` calls of `call()`, after one untimed call."""
+def typical_seconds(call, repeats: int) -> float:
+    """The median wall time of `repeats` calls of `call()`, after one untimed call: the
+    typical time, as the step times the model is compared with are medians (the least would
+    be the machine at its quietest)."""
     call()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
-    return max(min(times), 1e-9)
+    return max(statistics.median(times), 1e-9)
 
 
 def measure_gemm(repeats: int = 3) -> dict:
@@ -81,7 +87,7 @@ def measure_gemm(repeats: int = 3) -> dict:
         a = rng.standard_normal((m, k), dtype=np.float32)
         b = rng.standard_normal((k, n), dtype=np.float32)
         c = np.empty((m, n), np.float32)
-        seconds = best_seconds(partial(np.matmul, a, b, out=c), repeats)
+        seconds = typical_seconds(partial(np.matmul, a, b, out=c), repeats)
         shapes.append({"shape": [m, k, n], "flops": 2 * m * k * n, "seconds": seconds})
     rate = sum(s["flops"] for s in shapes) / sum(s["seconds"] for s in shapes)
     return {"flops_per_s": rate, "shapes": shapes}
@@ -92,10 +98,10 @@ def measure_memory(repeats: int = 5) -> dict:
     copied), and the seconds of an 8-byte copy."""
     n = STREAM_BYTES // 4
     a, b, c = np.ones(n, np.float32), np.ones(n, np.float32), np.empty(n, np.float32)
-    add = best_seconds(lambda: np.add(a, b, out=c), repeats)
-    copy = best_seconds(lambda: np.copyto(c, a), repeats)
+    add = typical_seconds(lambda: np.add(a, b, out=c), repeats)
+    copy = typical_seconds(lambda: np.copyto(c, a), repeats)
     tiny_src, tiny_dst = np.ones(2, np.float32), np.empty(2, np.float32)
-    tiny = best_seconds(lambda: np.copyto(tiny_dst, tiny_src), 100)
+    tiny = typical_seconds(lambda: np.copyto(tiny_dst, tiny_src), 100)
     return {"add_bytes": 3 * a.nbytes, "add_seconds": add, "copy_bytes": a.nbytes,
             "copy_seconds": copy, "small_copy_bytes": tiny_src.nbytes,
             "small_copy_seconds": tiny}
@@ -111,21 +117,33 @@ def measure_adam(repeats: int = 3) -> dict:
     grads = rng.standard_normal(ADAM_NUMEL, dtype=np.float32)
     m, v = np.zeros_like(param), np.zeros_like(param)
     opt = HostAdam(lr=1e-3, weight_decay=0.01, threads=1)
-    seconds = best_seconds(lambda: opt.step_(param, grads, m, v), repeats)
+    seconds = typical_seconds(lambda: opt.step_(param, grads, m, v), repeats)
     return {"params": ADAM_NUMEL, "seconds": seconds,
             "kernel": "numba" if host_kernels.adam is not None else "numpy"}
 
 
-def measure_allreduce(comm, repeats: int = 10) -> dict:
+def measure_allreduce(comm, repeats: int = 10, compute_between: bool = False) -> dict:
     """Collective: the slowest rank's median seconds of a float32 allreduce of each of
-    ALLREDUCE_BYTES on `comm` (a zmpi.comm.Comm), the ranks starting each call together."""
-    out = {"ranks": comm.size, "messages": 2 * (comm.size - 1), "repeats": repeats}
-    for name, nbytes in ALLREDUCE_BYTES.items():
-        buf = np.ones(nbytes // 4, np.float32)
+    ALLREDUCE_BYTES and of a float16 one of HALF_BYTES on `comm` (a zmpi.comm.Comm, so
+    float16 goes as zmpi sends it: MPI's own float16, or float32 where the MPI has none), the
+    ranks starting each call together (a barrier before it). With `compute_between` (for
+    ranks that outnumber the cores) each rank instead runs a GEMM of BETWEEN_SHAPE before
+    each call, as training computes between collectives, and the float16 one is left out."""
+    out = {"ranks": comm.size, "messages": 2 * (comm.size - 1), "repeats": repeats,
+           "compute_between": compute_between}
+    m, k, n = BETWEEN_SHAPE
+    a, b = np.ones((m, k), np.float32), np.ones((k, n), np.float32)
+    c = np.empty((m, n), np.float32)
+    before = partial(np.matmul, a, b, out=c) if compute_between else comm.barrier
+    payloads = [(name, nbytes, np.float32) for name, nbytes in ALLREDUCE_BYTES.items()]
+    if not compute_between:
+        payloads.append(("half", HALF_BYTES, np.float16))
+    for name, nbytes, dtype in payloads:
+        buf = np.zeros(nbytes // np.dtype(dtype).itemsize, dtype)  # zeros: no overflow
         comm.allreduce(buf)
         times = []
-        for _ in range(repeats if name == "large" else 5 * repeats):
-            comm.barrier()
+        for _ in range(5 * repeats if name == "small" else repeats):
+            before()
             start = time.perf_counter()
             comm.allreduce(buf)
             times.append(time.perf_counter() - start)
@@ -134,20 +152,21 @@ def measure_allreduce(comm, repeats: int = 10) -> dict:
     return out
 
 
-def measure_layer(gemm_rate: float, steps: int = 5) -> dict:
+def measure_layer(gemm_rate: float, steps: int = 9) -> dict:
     """A transformer block's forward and backward as the Engine runs them, on this rank alone,
-    at each of LAYER_SHAPES (the module docstring), and the line through the two: the
-    seconds besides the matmuls (at `gemm_rate`) = `layer_overhead` + activation bytes /
-    `elementwise_rate`. Each shape's seconds per block and micro-batch, matmul FLOPs and
-    activation bytes are kept under "shapes"."""
+    at each of LAYER_SHAPES (the module docstring), and the least-squares line through them:
+    the seconds besides the matmuls (at `gemm_rate`) = `layer_overhead` + activation bytes /
+    `elementwise_rate` (through the origin where the line would start below it). Each
+    shape's seconds per block and micro-batch, matmul FLOPs and activation bytes are kept
+    under "shapes"."""
     shapes = [_block_seconds(shape, gemm_rate, steps) for shape in LAYER_SHAPES]
-    (small, large) = ((x["layer_bytes"], x["rest_seconds"]) for x in shapes)
-    if large[1] > small[1] and large[0] > small[0]:
-        rate = (large[0] - small[0]) / (large[1] - small[1])
-        overhead = max(small[1] - small[0] / rate, 0.0)
-    else:  # the larger block not slower: noise; no fixed part
-        rate, overhead = large[0] / large[1], 0.0
-    return {"shapes": shapes, "elementwise_rate": rate, "layer_overhead": overhead}
+    x = np.array([s["layer_bytes"] for s in shapes], float)
+    y = np.array([s["rest_seconds"] for s in shapes])
+    slope = float(np.cov(x, y, bias=True)[0, 1] / np.var(x))
+    overhead = float(y.mean() - slope * x.mean())
+    if slope <= 0 or overhead < 0:  # noise: no fixed part
+        slope, overhead = float(x @ y / (x @ x)), 0.0
+    return {"shapes": shapes, "elementwise_rate": 1 / slope, "layer_overhead": overhead}
 
 
 def _block_seconds(shape: dict, gemm_rate: float, steps: int) -> dict:
@@ -176,7 +195,7 @@ def _block_seconds(shape: dict, gemm_rate: float, steps: int) -> dict:
                 times.append((_blocks_seconds(engine.phases) - before) / layers)
     finally:
         engine.close()
-    seconds = min(times)
+    seconds = statistics.median(times)
     scores = b * heads * causal_entries(s, attention_block(s, b * heads, False))
     flops = 3 * (2 * b * s * 12 * h * h + 4 * scores * h // heads)
     nbytes = gpt_activation_bytes(layers, h, heads, vocab, s, b, 4)["layer"]
@@ -206,6 +225,17 @@ def fit_allreduce_link(allreduce: dict) -> Link:
     return Link(bandwidth=bandwidth, latency=latency)
 
 
+def fit_half_reduction_rate(allreduce: dict, link: Link) -> float | None:
+    """Bytes/s at which the MPI reduces float16 beyond `link`'s time: a ring allreduce of n
+    bytes over N ranks reduces (N-1)/N n of them on each rank, and the float16 allreduce
+    measured took that long more than link.seconds gives for its bytes. None where it took
+    no longer (an MPI whose float16 sums cost nothing extra)."""
+    ranks, nbytes = allreduce["ranks"], allreduce["half_bytes"]
+    extra = allreduce["half_seconds"] - link.seconds(ring_sent(nbytes, ranks),
+                                                     allreduce["messages"])
+    return (ranks - 1) / ranks * nbytes / extra if extra > 0 else None
+
+
 def _world_size() -> int:
     """COMM_WORLD's size when this process is an MPI rank already (launched as one, or MPI
     imported); 1 otherwise, without initialising MPI."""
@@ -225,11 +255,12 @@ def _mpiexec() -> str:
     return found
 
 
-def launch_allreduce(ranks: int, timeout: float) -> dict:
-    """`measure_allreduce` on `ranks` fresh ranks (`python -m zmpi.plan.measure --comm` under
-    mpiexec, one BLAS thread each), killed after `timeout` seconds; a RuntimeError with the
-    command and its output if it fails."""
-    cmd = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "zmpi.plan.measure", "--comm"]
+def launch_allreduce(ranks: int, timeout: float, compute_between: bool = False) -> dict:
+    """`measure_allreduce` on `ranks` fresh ranks (`python -m zmpi.plan.measure --comm
+    [--compute-between]` under mpiexec, one BLAS thread each), killed after `timeout` seconds;
+    a RuntimeError with the command and its output if it fails."""
+    cmd = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "zmpi.plan.measure", "--comm",
+           *(["--compute-between"] if compute_between else [])]
     root = str(Path(__file__).resolve().parents[2])  # where `zmpi` is importable from
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -289,14 +320,26 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
         f"{x['d_model']})" for x in layer["shapes"]) + f"; besides its matmuls "
         f"{layer['layer_overhead'] * 1e3:.2f} ms + its activations at "
         f"{layer['elementwise_rate'] / 1e9:.2f} GB/s")
+    cores = os.cpu_count() or 1
     if comm is not None:
         allreduce = measure_allreduce(comm)
+        crowded = measure_allreduce(comm, compute_between=True) if comm.size > cores else None
     else:
         say(f"this: allreduce on {ranks} ranks (mpiexec) ...")
         allreduce = launch_allreduce(ranks, timeout)
+        crowded = None
+        if cores <= MAX_OVERSUBSCRIBED_CORES:
+            say(f"this: allreduce on {2 * cores} ranks, a GEMM between calls (mpiexec) ...")
+            crowded = launch_allreduce(2 * cores, timeout, compute_between=True)
     link = fit_allreduce_link(allreduce)
+    half_rate = fit_half_reduction_rate(allreduce, link)
     say(f"this: allreduce link {link.bandwidth / 1e9:.2f} GB/s, {link.latency * 1e6:.1f} us "
-        f"per message ({allreduce['ranks']} ranks)")
+        f"per message ({allreduce['ranks']} ranks); float16 reduced at "
+        + (f"{half_rate / 1e6:.0f} MB/s" if half_rate else "no extra cost"))
+    oversubscribed = None if crowded is None else fit_allreduce_link(crowded)
+    if oversubscribed is not None:
+        say(f"this: oversubscribed link {oversubscribed.bandwidth / 1e9:.2f} GB/s, "
+            f"{oversubscribed.latency * 1e6:.1f} us per message ({crowded['ranks']} ranks)")
     rates = {"gemm": gemm["flops_per_s"], "add": memory["add_bytes"] / memory["add_seconds"],
              "copy": memory["copy_bytes"] / memory["copy_seconds"],
              "adam": adam["params"] / adam["seconds"], "elementwise": layer["elementwise_rate"]}
@@ -306,7 +349,6 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
         copy_latency, layer_overhead = (comm.allreduce_scalar(x, op="max")
                                         for x in (copy_latency, layer_overhead))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cores = os.cpu_count() or 1
     now = datetime.now(timezone.utc)
     cpu = _cpu_model()
     return Hardware(
@@ -324,13 +366,15 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
         cores_per_node=cores,
         elementwise_rate=rates["elementwise"],
         layer_overhead=layer_overhead,
+        half_reduction_rate=half_rate,
+        oversubscribed=oversubscribed,
         source=f"measured by zmpi.plan.measure on {now.date().isoformat()}: {cpu}, "
                f"{cores} CPUs, {ram / 2**30:.1f} GiB RAM; one thread per rank; "
                f"{'all ' + str(world) + ' ranks at once' if comm else 'one rank alone'}",
         measured={"date": now.isoformat(timespec="seconds"), "cpu": cpu,
                   "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                   "gemm": gemm, "memory": memory, "adam": adam, "layer": layer,
-                  "allreduce": allreduce,
+                  "allreduce": allreduce, "oversubscribed_allreduce": crowded,
                   "rates": rates},
     )
 
@@ -366,15 +410,19 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--comm", action="store_true",
                         help="only the allreduce, on COMM_WORLD (run under mpiexec)")
+    parser.add_argument("--compute-between", action="store_true",
+                        help="with --comm: a GEMM before each call instead of a barrier")
     parser.add_argument("--ranks", type=int, default=2, help="ranks for the allreduce")
     args = parser.parse_args(argv)
+    if args.compute_between and not args.comm:
+        parser.error("--compute-between is a mode of --comm")
     if args.comm:
         from zmpi.comm import Comm
 
         comm = Comm()
         if comm.size < 2:
             parser.error("--comm measures an allreduce: run it on >= 2 ranks (mpiexec -n 2)")
-        result = measure_allreduce(comm)
+        result = measure_allreduce(comm, compute_between=args.compute_between)
         if comm.rank == 0:
             print(json.dumps(result), flush=True)
         return

@@ -86,11 +86,18 @@ def ring_pass(link: Link, nbytes: float, ranks: int, messages: int = 1) -> float
 
 def _links(job: Job, layout: Layout, hw: Hardware) -> dict[str, Link]:
     """The link each dimension's collectives cross: tensor ranks are neighbours, then data,
-    then pipeline (zmpi.parallel.mesh); a group inside one node uses intra_node."""
+    then pipeline (zmpi.parallel.mesh); a group inside one node uses intra_node. On a CPU
+    whose ranks outnumber its cores: the hardware's `oversubscribed` link, else the link at
+    cores / ranks of its bandwidth (MPI copies through shared memory on the cores that
+    compute)."""
     g = job.gpus_per_node
+    share = hw.core_share(min(g, job.world_size))
 
     def link(span):
-        return hw.intra_node if span <= g else hw.inter_node
+        chosen = hw.intra_node if span <= g else hw.inter_node
+        if share == 1:
+            return chosen
+        return hw.oversubscribed or Link(chosen.bandwidth * share, chosen.latency)
     return {"tp": link(layout.tp), "dp": link(layout.tp * layout.dp),
             "pp": link(layout.tp * layout.dp * layout.pp) if layout.pp > 1 else hw.intra_node}
 
@@ -174,6 +181,10 @@ def _data_and_optimizer(job, layout, hw, units, link, slowest, bandwidth, ranks_
              1: ring_pass(link, nbytes, d, count),
              2: m * ring_pass(link, nbytes, d, count),
              3: 3 * m * ring_pass(link, nbytes, d, count)}[layout.stage]
+    if job.precision == "fp16" and hw.half_reduction_rate and d > 1:  # MPI's float16 sums
+        reductions = 1 if layout.stage <= 1 else m
+        grads += reductions * (d - 1) / d * nbytes / (hw.half_reduction_rate
+                                                      * hw.core_share(ranks_per_node))
     params = ring_pass(link, nbytes, d, count) if layout.stage in (1, 2) else 0.0
     if can_overlap(hw, ranks_per_node):
         hidden = sum(slowest) * (m if layout.stage >= 2 else 1) * 2 / 3  # backward's share
