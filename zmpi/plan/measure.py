@@ -4,10 +4,12 @@ the measurement of this machine (`measure_this`), in a few seconds.
     hw = measure_this(ranks=2, progress=print)
     python -m zmpi.plan.measure            # the whole Hardware as JSON on stdout
     mpiexec -n 2 python -m zmpi.plan.measure --comm   # the allreduce only, JSON on rank 0
+    mpiexec -n 4 python -m zmpi.plan.measure --comm --compute-between  # a GEMM between calls
 
-On a CPU a rank is a device, so every rate is one rank's, on one thread:
-- GEMM: float32 matmuls of a GPT layer's shapes, the best of a few calls each; the rate is
-  their FLOPs over the sum of their best times. fp32 = fp16 = bf16 = that rate (zmpi computes
+On a CPU a rank is a device, so every rate is one rank's, on one thread. Every timing is a
+median (the model predicts a typical step, and is compared with median steps):
+- GEMM: float32 matmuls of a GPT layer's shapes, a few calls each; the rate is their FLOPs
+  over the sum of their median times. fp32 = fp16 = bf16 = that rate (zmpi computes
   16-bit floats in fp32 on a CPU) and gemm_efficiency = 1 (the rate is what matmuls reach).
   BLAS threads are the caller's environment's to set (OMP_NUM_THREADS=1, as zmpi runs ranks;
   `measured["omp_num_threads"]` records it).
@@ -18,18 +20,25 @@ On a CPU a rank is a device, so every rate is one rank's, on one thread:
   (mpiexec beside sys.executable, else on PATH), the slowest rank's median. The link is fitted
   to the ring model, in which an allreduce of n bytes over N ranks is 2(N-1) messages carrying
   2(N-1)/N n bytes from each rank: link.seconds(2(N-1)/N n, 2(N-1)) gives both measured times.
-  intra_node = inter_node = that link (one node).
+  intra_node = inter_node = that link (one node). A float16 allreduce of HALF_BYTES on the
+  same ranks gives half_reduction_rate: the time beyond the link's is the MPI summing (N-1)/N
+  of its bytes on each rank (MPICH sums float16 in software).
+- oversubscribed link: on a machine of at most MAX_OVERSUBSCRIBED_CORES cores, the same two
+  allreduces on 2 x cores ranks with a GEMM of BETWEEN_SHAPE before each call (as training
+  computes between collectives, so a call waits for peers the OS has descheduled), fitted the
+  same way.
 - host Adam: zmpi.optim.adam.HostAdam stepping an 8 Mi-element fp32 shard on one thread.
-- elementwise rate and layer overhead: a 2-block GPT of each of LAYER_SHAPES (a small and a
-  larger block) trained by the Engine on this rank alone (fp32, ZeRO-0), its blocks' forward
-  and backward seconds from the Engine's profile (the least of 5 steps); their matmuls' FLOPs
+- elementwise rate and layer overhead: a 2-block GPT of each of LAYER_SHAPES (three block
+  sizes) trained by the Engine on this rank alone (fp32, ZeRO-0), its blocks' forward and
+  backward seconds from the Engine's profile (the median of 9 steps); their matmuls' FLOPs
   at the GEMM rate subtracted, the rest (LayerNorm, GELU, softmax, residuals, casts and the
-  engine's per-unit work) fitted through both shapes as a fixed `layer_overhead` per block and
+  engine's per-unit work) fitted by least squares as a fixed `layer_overhead` per block and
   micro-batch plus the block's activation bytes at `elementwise_rate`.
 - memories: the machine's RAM (device and host are one memory); devices_per_node =
   cores_per_node = os.cpu_count().
 Under MPI with more than one rank, `measure_this` is collective over COMM_WORLD: every rank
-measures at once (so the rates are under the others' load) and gets the slowest rank's rates.
+measures at once (so the rates are under the others' load) and gets the slowest rank's rates;
+the oversubscribed link is then measured on COMM_WORLD if it outnumbers the cores.
 `measured` keeps the raw figures.
 """
 from __future__ import annotations
@@ -171,7 +180,7 @@ def measure_layer(gemm_rate: float, steps: int = 9) -> dict:
 
 def _block_seconds(shape: dict, gemm_rate: float, steps: int) -> dict:
     """One shape of measure_layer: a 2-block GPT of `shape` (vocabulary 256), fp32, ZeRO-0,
-    `steps` steps after a warm-up; the blocks' seconds per micro-batch (the least of the
+    `steps` steps after a warm-up; the blocks' seconds per micro-batch (the median of the
     steps, the Engine's profile of each)."""
     from mpi4py import MPI
 
@@ -307,7 +316,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
     say = (lambda message: None) if quiet else progress
     gemm = measure_gemm()
     say(f"this: GEMM fp32 {gemm['flops_per_s'] / 1e9:.1f} GFLOP/s per rank "
-        f"({', '.join('x'.join(map(str, s['shape'])) for s in gemm['shapes'])}, best of 3)")
+        f"({', '.join('x'.join(map(str, s['shape'])) for s in gemm['shapes'])}, median of 3)")
     memory = measure_memory()
     say(f"this: memory {memory['add_bytes'] / memory['add_seconds'] / 1e9:.1f} GB/s (add), "
         f"copy {memory['copy_bytes'] / memory['copy_seconds'] / 1e9:.1f} GB/s")

@@ -15,12 +15,16 @@ Per micro-batch on each pipeline stage (one rank's share under tensor parallelis
 - tensor parallelism: 4 allreduces of b s h activations per block (2 forward, 2 backward; 6
   with full recompute), 2 for the embedding and LM head, ring cost 2 (t-1)/t n / B + 2 (t-1)
   alpha on the node's link (sequence parallelism moves the same bytes);
-- pipeline: the stage's output forward and its gradient backward, alpha + n / B each.
+- pipeline: the stage's output forward and its gradient backward, alpha + n / B each;
+- on a CPU whose ranks outnumber its cores every collective crosses the hardware's
+  `oversubscribed` link, or the node's link at cores / ranks of its bandwidth.
 
 The pipeline runs (m + p - 1) micro-batch times of its slowest stage (the bubble is
 (p - 1) / (m + p - 1) of it). Data parallelism: the ZeRO stage's ring passes over the stage's
 padded parameters (stages 0-1 once a step; stage 2 reduce-scatters every micro-step, stage 3
-also gathers twice), latency 2 (d-1) or (d-1) alpha per unit and pass; with overlap (a GPU, or
+also gathers twice), latency 2 (d-1) or (d-1) alpha per unit and pass; in fp16 each gradient
+reduction also sums (d-1)/d of its bytes at the hardware's `half_reduction_rate` (a CPU rank
+its core share of it); with overlap (a GPU, or
 a CPU with a core to spare) the gradient passes hide behind backward (all micro-steps' for
 stages 2-3, the last one's for 0-1) except the last unit's. The optimizer: Adam over the
 rank's master elements at the memory bandwidth, or at the host Adam's rate with offload plus
