@@ -140,12 +140,13 @@ def measure_allreduce(comm, repeats: int = 10, compute_between: bool = False) ->
     each call, as training computes between collectives, and the float16 one is left out."""
     out = {"ranks": comm.size, "messages": 2 * (comm.size - 1), "repeats": repeats,
            "compute_between": compute_between}
-    m, k, n = BETWEEN_SHAPE
-    a, b = np.ones((m, k), np.float32), np.ones((k, n), np.float32)
-    c = np.empty((m, n), np.float32)
-    before = partial(np.matmul, a, b, out=c) if compute_between else comm.barrier
     payloads = [(name, nbytes, np.float32) for name, nbytes in ALLREDUCE_BYTES.items()]
-    if not compute_between:
+    if compute_between:
+        m, k, n = BETWEEN_SHAPE
+        before = partial(np.matmul, np.ones((m, k), np.float32), np.ones((k, n), np.float32),
+                         out=np.empty((m, n), np.float32))
+    else:
+        before = comm.barrier
         payloads.append(("half", HALF_BYTES, np.float16))
     for name, nbytes, dtype in payloads:
         buf = np.zeros(nbytes // np.dtype(dtype).itemsize, dtype)  # zeros: no overflow
