@@ -15,7 +15,7 @@ export OPENBLAS_NUM_THREADS=1
 export MKL_NUM_THREADS=1
 export ZMPI_BACKEND ?= numpy
 
-.PHONY: install test test-gpu demo lint clean tables bench bench-install bench-adam \
+.PHONY: install test test-gpu demo lint clean tables bench bench-install bench-adam bench-host-kernels \
 	bench-offload bench-nvme bench-onebit bench-zeropp bench-checkpoint bench-debug bench-tensor \
 	bench-pipeline bench-recompute bench-plan bench-gpu count-gpu reproduce report
 
@@ -44,6 +44,9 @@ bench-install: $(STAMP)
 
 bench-adam: bench-install
 	$(PY) experiments/bench_adam.py --out results/bench_adam
+
+bench-host-kernels: bench-install
+	$(PY) experiments/bench_host_kernels.py --out results/host_kernels
 
 bench-offload: bench-install
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_offload.py --out results/offload_n$(NP)

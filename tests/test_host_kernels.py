@@ -49,6 +49,29 @@ def test_float_to_half_rounds_as_numpy():
 
 
 @needs_loops
+def test_float16_add_rounds_as_numpy():
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    rng = np.random.default_rng(2)
+    dst = np.concatenate([halves, halves, rng.permutation(halves)])  # 3 x 2^16: 12 blocks
+    src = np.concatenate([halves[::-1], rng.permutation(halves), rng.permutation(halves)])
+    dst, src = dst[:-5], src[:-5]  # a last block shorter than the others
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = dst + src
+    out = dst.copy()
+    assert host_kernels.add_(out, src) is out
+    assert _bits_equal(expected, out)
+    assert np.isinf(out).sum() > 0 and np.isnan(out).sum() > 0  # overflow and NaN met, quietly
+
+
+def test_add_falls_back_for_other_dtypes_and_layouts():
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    for dst in (np.ones((4, 3), np.float16).T, np.ones((3, 4), BFLOAT16),
+                np.ones((3, 4), np.float32)):  # non-contiguous, and dtypes without a loop
+        host_kernels.add_(dst, x.astype(dst.dtype))
+        assert np.array_equal(dst.astype(np.float32), x + 1)
+
+
+@needs_loops
 @pytest.mark.parametrize("master", [np.float32, np.float64])
 @pytest.mark.parametrize("grad_dtype", ["master", np.float16, BFLOAT16])
 @pytest.mark.parametrize("decoupled", [True, False])

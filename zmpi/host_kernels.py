@@ -3,16 +3,20 @@
     from zmpi import host_kernels
     y = host_kernels.astype(x, np.float32)     # x.astype(...), float16 <-> float32 compiled
     host_kernels.cast_(out, x)                 # out[...] = x, the same
+    host_kernels.add_(dst, x)                  # dst += x, float16 compiled
     host_kernels.adam                          # the fused Adam loop, or None (zmpi.optim.adam)
     with host_kernels.disabled(): ...          # NumPy only, as ZMPI_NUMBA=0
 
-Two places where NumPy is far from what the memory allows on the host, measured on one
-thread by experiments/bench_adam.py and tests/test_host_kernels.py:
+Three places where NumPy is far from what the memory allows on the host, measured on one
+thread by experiments/bench_adam.py:
 - Adam as ufuncs makes about a dozen passes over p, g, m, v and two scratch arrays; the loop
   reads p, g, m, v once and writes p, m, v once (3x NumPy's speed for cached shards).
 - NumPy casts float16 <-> float32 one element at a time (0.3-0.5 G elements/s here); the
   loops below read a table (float16 -> float32, 5x) or round with integer arithmetic that
   vectorises (float32 -> float16, 3x).
+- NumPy adds float16 arrays at 5.5 ns an element; the loops (each sum in float32, then the
+  rounding above) take 1.3-1.5 ns. ZeRO-2/3 add every micro-step's gradient shard into the
+  accumulated one this way.
 These are what ZeRO-Offload's host side runs (fp16 gradients in, Adam, fp16 parameters out)
 and what a mixed-precision CPU run does at every layer.
 
@@ -36,6 +40,7 @@ import numpy as np
 
 # every float16 bit pattern -> its float32 value, by NumPy's own cast (so exact, NaN payloads
 # included): a 256 KiB table that stays in L2, 5x faster than NumPy's cast loop
+ADD_BLOCK = 1 << 14  # elements summed per pass of add_: 64 KiB of float32 scratch
 _HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16) \
     .astype(np.float32)
 
@@ -61,6 +66,13 @@ def _half_to_float(bits, out, table):
         out[i] = table[bits[i]]
 
 
+def _add_halves(a, b, out, table):
+    """a, b (n,) uint16, float16 patterns -> out (n,) float32: their sum in float32, as NumPy
+    adds float16 (then rounded by _float_to_half); table: _HALF_TO_FLOAT."""
+    for i in range(a.shape[0]):
+        out[i] = table[a[i]] + table[b[i]]
+
+
 def _float_to_half(src, bits, out):
     """src (n,) float32 and bits, the same memory as uint32 -> out (n,) uint16: float16
     patterns rounded to nearest even (F. Giesen's float_to_half_fast3_rtne)."""
@@ -80,8 +92,9 @@ def _float_to_half(src, bits, out):
 
 
 def load(setting: str | None):
-    """The compiled loops (adam, half_to_float, float_to_half), or None if `setting` is "0"
-    or numba is not installed. ValueError for a setting other than None, "0" or "1"."""
+    """The compiled loops (adam, half_to_float, float_to_half, add_halves), or None if
+    `setting` is "0" or numba is not installed. ValueError for a setting other than None,
+    "0" or "1"."""
     if setting not in (None, "0", "1"):
         raise ValueError(f"ZMPI_NUMBA must be 0 (NumPy) or 1 (Numba when installed), got "
                          f"{setting!r}")
@@ -94,7 +107,7 @@ def load(setting: str | None):
     # error_model="numpy": x/0 gives inf as in NumPy, and no zero check blocks vectorising
     jit = numba.njit(nogil=True, cache=True, error_model="numpy")
     return SimpleNamespace(adam=jit(_adam), half_to_float=jit(_half_to_float),
-                           float_to_half=jit(_float_to_half))
+                           float_to_half=jit(_float_to_half), add_halves=jit(_add_halves))
 
 
 _loops = load(os.environ.get("ZMPI_NUMBA"))
@@ -128,6 +141,25 @@ def cast_(out, src):
             return out
     out[...] = src
     return out
+
+
+def add_(dst, src):
+    """dst += src for NumPy arrays, rounded as NumPy rounds (float16: each sum in float32,
+    rounded once); float16 arrays of one shape through the compiled loops in blocks of
+    ADD_BLOCK elements (a float32 scratch that stays in cache), 5x NumPy's float16 add. An
+    overflow to inf is not reported (the loss scaler looks for it). Returns dst."""
+    if (_loops is not None and dst.dtype == src.dtype == np.float16 and dst.shape == src.shape
+            and dst.flags.c_contiguous and src.flags.c_contiguous):
+        a, b = dst.reshape(-1).view(np.uint16), src.reshape(-1).view(np.uint16)
+        scratch = np.empty(min(a.shape[0], ADD_BLOCK), np.float32)
+        for start in range(0, a.shape[0], ADD_BLOCK):
+            block = slice(start, start + ADD_BLOCK)
+            sums = scratch[:len(a[block])]
+            _loops.add_halves(a[block], b[block], sums, _HALF_TO_FLOAT)
+            _loops.float_to_half(sums, sums.view(np.uint32), a[block])
+        return dst
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.add(dst, src, out=dst)
 
 
 def astype(a, dtype):
