@@ -136,6 +136,34 @@ def test_time_model_mpi_terms_on_a_cpu():
     assert alone == step_time(job, tp, Hardware.from_dict(cpu))  # a core each: not crowded
 
 
+def test_time_model_engine_terms_on_a_cpu():
+    """ZeRO-2/3's per-unit work costs each micro-batch its units' overhead, and fp16 storage
+    on a CPU its parameters at half_storage_rate (a third more under full recompute), each at
+    the ranks' core share; neither on a GPU, nor at ZeRO-0/1, nor fp16 storage in fp32."""
+    cpu = {**PRESETS["cpu"].to_dict(), "cores_per_node": 2, "devices_per_node": 4}
+    engine = {**cpu, "stage2_unit_overhead": 2e-4, "stage3_unit_overhead": 5e-4,
+              "half_storage_rate": 1e8}
+    job = Job(4, 64, 4, 65, 32, 16, 1, 4, "fp16")
+    units = stage_units(job, 2, 1)  # each pipeline stage's units (parameter counts)
+    for stage, per_unit in ((0, 0), (1, 0), (2, 2e-4), (3, 5e-4)):
+        for recompute, share in (("none", 1), ("full", 4 / 3)):
+            layout = Layout(2, 2, 1, stage, "none", recompute, False, 2, 4, "1f1b")
+            base, more = (step_time(job, layout, Hardware.from_dict(d)) for d in (cpu, engine))
+            per_micro = [len(u) * per_unit * 2 + sum(u) / 1e8 * 2 * share for u in units]
+            # m + p - 1 = 5 micro-batch times of the slowest stage; 4 ranks on 2 cores: x 2
+            assert more.compute + more.bubble - base.compute - base.bubble == \
+                pytest.approx(5 * max(per_micro))
+            assert more.data == base.data and more.optimizer == base.optimizer
+    fp32 = Job(4, 64, 4, 65, 32, 16, 1, 4, "fp32")
+    layout = Layout(2, 2, 1, 0, "none", "none", False, 2, 4, "1f1b")
+    assert step_time(fp32, layout, Hardware.from_dict(engine)) == \
+        step_time(fp32, layout, Hardware.from_dict(cpu))
+    gpu = PRESETS["a100"].to_dict()
+    gpu_job = Job(4, 64, 4, 65, 32, 16, 1, 8, "fp16")
+    assert step_time(gpu_job, layout, Hardware.from_dict({**gpu, "half_storage_rate": 1e8})) \
+        == step_time(gpu_job, layout, Hardware.from_dict(gpu))
+
+
 def test_plan_keeps_what_fits_fastest_first():
     job = Job(24, 2304, 24, 51200, 2048, 512, 4, 8)
     result = plan(job, PRESETS["a100"], top=5)

@@ -173,8 +173,14 @@ def test_layer_figures_are_optional_and_checked():
     assert hw.layer_overhead == pytest.approx(7.5e-4)
     assert Hardware.from_dict(_changed("layer_overhead", 0)).layer_overhead == 0
     assert Hardware.from_dict(_changed("elementwise_rate", "2GB/s")).elementwise_rate == 2e9
+    hw = Hardware.from_dict({**_changed("stage2_unit_overhead", "200us"),
+                             "stage3_unit_overhead": 5e-4, "half_storage_rate": "3e8"})
+    assert (hw.stage2_unit_overhead, hw.stage3_unit_overhead, hw.half_storage_rate) == \
+        (pytest.approx(2e-4), 5e-4, 3e8)
+    assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
     for key, value in (("layer_overhead", -1), ("layer_overhead", True),
-                       ("elementwise_rate", "fast")):
+                       ("elementwise_rate", "fast"), ("stage2_unit_overhead", "1GB"),
+                       ("stage3_unit_overhead", -1e-4), ("half_storage_rate", 0)):
         with pytest.raises(ValueError, match=key):
             Hardware.from_dict(_changed(key, value))
 
@@ -284,6 +290,19 @@ def _check_measured(hw: Hardware, ranks: int) -> None:
         assert abs(sum(residuals)) < 1e-9 * scale
         assert abs(sum(r * s["layer_bytes"] for r, s in zip(residuals, shapes, strict=True))) < \
             1e-9 * scale * max(s["layer_bytes"] for s in shapes)
+    # the engine's overheads reproduce the steps they came from (or were noise: 0 / None)
+    engine = hw.measured["engine"]
+    steps, per_step = engine["steps"], engine["micro_batches"] * engine["units"]
+    for k in (2, 3):
+        extra = steps[f"fp32 stage {k}"] - steps["fp32 stage 0"]
+        assert getattr(hw, f"stage{k}_unit_overhead") * per_step == \
+            pytest.approx(max(extra, 0.0), rel=1e-9, abs=1e-15)
+    extra = steps["fp16 stage 0"] - steps["fp32 stage 0"]
+    if hw.half_storage_rate is None:
+        assert extra <= 0
+    else:
+        assert engine["micro_batches"] * engine["params"] / hw.half_storage_rate == \
+            pytest.approx(extra, rel=1e-9)
 
 
 @pytest.mark.mpi

@@ -54,6 +54,13 @@ class Hardware:
     layer_overhead: seconds a transformer block's forward and backward take per micro-batch
         whatever its size (launches, the engine's per-unit work): 0 in the presets (GPU
         kernels queue ahead of the host); `--hardware this` measures it with elementwise_rate.
+    stage2_unit_overhead, stage3_unit_overhead: seconds per unit and micro-batch that ZeRO-2's
+        (ZeRO-3's) per-unit work adds to ZeRO-0's on a CPU rank (a full gradient allocated,
+        reduced into the shard and freed; ZeRO-3 also gathers and releases the parameters): 0
+        in the presets (GPU kernels queue ahead of the host); `--hardware this` measures both.
+    half_storage_rate: on a CPU, the parameters per second that fp16 storage costs each
+        micro-batch (every weight cast to float32 at each use, every gradient back); None: no
+        cost (the presets: GPUs compute in fp16). `--hardware this` measures it.
     half_reduction_rate: bytes/s at which the MPI sums float16 data beyond the link's time
         (MPICH sums MPIX_C_FLOAT16 in software on the CPU); None: no extra cost (the presets:
         GPU kernels). `--hardware this` measures it.
@@ -79,6 +86,9 @@ class Hardware:
     cores_per_node: int | None = None
     elementwise_rate: float | None = None
     layer_overhead: float = 0.0
+    stage2_unit_overhead: float = 0.0
+    stage3_unit_overhead: float = 0.0
+    half_storage_rate: float | None = None
     half_reduction_rate: float | None = None
     oversubscribed: Link | None = None
     source: str = ""
@@ -115,12 +125,14 @@ class Hardware:
             raise ValueError(f"gemm_efficiency must be in (0, 1], got {d['gemm_efficiency']!r}")
         for key, kind in _QUANTITIES.items():
             values[key] = parse_size(d[key], key, kind)
-        overhead = d.get("layer_overhead", 0.0)  # seconds, or "20us"; 0 allowed
-        values["layer_overhead"] = 0.0 if overhead == 0 and not isinstance(overhead, bool) \
-            else parse_size(overhead, "layer_overhead", "latency")
-        for key in ("elementwise_rate", "half_reduction_rate"):
+        for key in _OVERHEADS:  # seconds, or "20us"; 0 allowed
+            overhead = d.get(key, 0.0)
+            values[key] = 0.0 if overhead == 0 and not isinstance(overhead, bool) \
+                else parse_size(overhead, key, "latency")
+        for key in ("elementwise_rate", "half_reduction_rate", "half_storage_rate"):
             if d.get(key) is not None:
-                values[key] = parse_size(d[key], key, "bandwidth")
+                values[key] = parse_size(d[key], key,
+                                         "number" if key == "half_storage_rate" else "bandwidth")
         for key in (*_LINKS, "oversubscribed"):
             link = d.get(key)
             if key == "oversubscribed" and link is None:
@@ -146,8 +158,9 @@ class Hardware:
 
 
 DTYPES = ("fp32", "fp16", "bf16")
-_OPTIONAL = {"cores_per_node", "elementwise_rate", "layer_overhead", "half_reduction_rate",
-             "oversubscribed", "source", "measured"}
+_OVERHEADS = ("layer_overhead", "stage2_unit_overhead", "stage3_unit_overhead")
+_OPTIONAL = {"cores_per_node", "elementwise_rate", *_OVERHEADS, "half_storage_rate",
+             "half_reduction_rate", "oversubscribed", "source", "measured"}
 _LINKS = ("intra_node", "inter_node", "host_device")
 _QUANTITIES = {"memory_bandwidth": "bandwidth", "device_memory": "bytes",
                "host_memory": "bytes", "host_adam_rate": "number"}

@@ -34,6 +34,11 @@ median (the model predicts a typical step, and is compared with median steps):
   at the GEMM rate subtracted, the rest (LayerNorm, GELU, softmax, residuals, casts and the
   engine's per-unit work) fitted by least squares as a fixed `layer_overhead` per block and
   micro-batch plus the block's activation bytes at `elementwise_rate`.
+- the engine's per-unit and per-parameter work (measure_engine): a 2-block GPT of
+  ENGINE_SHAPE, 4 micro-batches a step, on this rank alone at ZeRO-0, -2 and -3 in fp32 and
+  at ZeRO-0 in fp16; the steps' excess over fp32 ZeRO-0 gives `stage2_unit_overhead` and
+  `stage3_unit_overhead` (per unit and micro-batch) and `half_storage_rate` (parameters per
+  second of fp16 storage, per micro-batch).
 - memories: the machine's RAM (device and host are one memory); devices_per_node =
   cores_per_node = os.cpu_count().
 Under MPI with more than one rank, `measure_this` is collective over COMM_WORLD: every rank
@@ -68,6 +73,8 @@ ADAM_NUMEL = 8 << 20
 LAYER_SHAPES = ({"micro_batch": 2, "seq_len": 32, "d_model": 96, "n_head": 4},
                 {"micro_batch": 4, "seq_len": 64, "d_model": 160, "n_head": 4},
                 {"micro_batch": 4, "seq_len": 128, "d_model": 256, "n_head": 4})  # measure_layer
+ENGINE_SHAPE = LAYER_SHAPES[1]  # measure_engine's GPT
+ENGINE_MICRO_BATCHES = 4
 ALLREDUCE_BYTES = {"small": 8, "large": 32 << 20}  # payloads: for the latency, the bandwidth
 HALF_BYTES = 1 << 20  # a float16 allreduce's payload: MPI's float16 reduction rate
 BETWEEN_SHAPE = (512, 256, 256)  # the GEMM each rank runs before a call, oversubscribed
@@ -214,6 +221,61 @@ def _block_seconds(shape: dict, gemm_rate: float, steps: int) -> dict:
             "rest_seconds": rest}
 
 
+def measure_engine(steps: int = 15) -> dict:
+    """The engine's work that scales with its units and parameters rather than with the
+    activations, on this rank alone: a 2-block GPT of ENGINE_SHAPE, ENGINE_MICRO_BATCHES
+    micro-batches a step, trained at ZeRO-0, -2 and -3 in fp32 and at ZeRO-0 in fp16 (the
+    median step of `steps` after a warm-up each). Against fp32 ZeRO-0: a stage's extra
+    seconds per unit and micro-batch (`stage2_unit_overhead`, `stage3_unit_overhead`: a full
+    gradient allocated, reduced into the shard and freed, ZeRO-3 also gathering and releasing
+    the parameters), and the parameters per second that fp16 storage costs per micro-batch
+    (`half_storage_rate`: the weights cast to float32 at each use and the gradients back);
+    0 and None where noise hid the difference. The four engines take turns, a step each, so
+    that the machine's drift touches them alike. The step seconds are kept under "steps"."""
+    from mpi4py import MPI
+
+    from zmpi.comm import Comm
+    from zmpi.engine import Engine
+    from zmpi.models.gpt import GPT, GPTConfig
+    from zmpi.plan.layout import Job, Layout, to_config
+    from zmpi.plan.memory import stage_units
+
+    b, s, h, heads = (ENGINE_SHAPE[k] for k in ("micro_batch", "seq_len", "d_model", "n_head"))
+    m, layers, vocab = ENGINE_MICRO_BATCHES, 2, 256
+    units = stage_units(Job(layers, h, heads, vocab, s, b * m, 1, 1, "fp32"), 1, 1)[0]
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, (b * m, s + 1))
+    inputs, targets = tokens[:, :-1].copy(), tokens[:, 1:].copy()
+    engines = {}
+    try:
+        for name, precision, stage in (("fp32 stage 0", "fp32", 0), ("fp32 stage 2", "fp32", 2),
+                                       ("fp32 stage 3", "fp32", 3), ("fp16 stage 0", "fp16", 0)):
+            job = Job(layers, h, heads, vocab, s, b * m, 1, 1, precision)
+            config = to_config(job, Layout(1, 1, 1, stage, "none", "none", False, b, m, "1f1b"))
+            del config["model"]  # the model is built here
+            engines[name] = Engine(GPT(GPTConfig(vocab, s, layers, heads, h), seed=0), config,
+                                   Comm(MPI.COMM_SELF))
+        times = {name: [] for name in engines}
+        for step in range(steps + 1):  # the first compiles and first-touches: left out
+            for name, engine in engines.items():
+                start = time.perf_counter()
+                engine.train_step(inputs, targets)
+                if step:
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    seconds = {name: statistics.median(t) for name, t in times.items()}
+    base = seconds["fp32 stage 0"]
+    per_unit = {k: max(seconds[f"fp32 stage {k}"] - base, 0.0) / (m * len(units))
+                for k in (2, 3)}
+    half = seconds["fp16 stage 0"] - base
+    return {"shape": ENGINE_SHAPE, "micro_batches": m, "units": len(units),
+            "params": sum(units), "steps": seconds,
+            "stage2_unit_overhead": per_unit[2], "stage3_unit_overhead": per_unit[3],
+            "half_storage_rate": m * sum(units) / half if half > 0 else None}
+
+
 def _blocks_seconds(profile) -> float:
     """The forward and backward seconds of every Block a PhaseProfile has summed so far."""
     return sum(u["forward"] + u["backward"]
@@ -330,6 +392,12 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
         f"{x['d_model']})" for x in layer["shapes"]) + f"; besides its matmuls "
         f"{layer['layer_overhead'] * 1e3:.2f} ms + its activations at "
         f"{layer['elementwise_rate'] / 1e9:.2f} GB/s")
+    engine = measure_engine()
+    say(f"this: the engine per unit and micro-batch at ZeRO-2 "
+        f"{engine['stage2_unit_overhead'] * 1e3:.2f} ms, ZeRO-3 "
+        f"{engine['stage3_unit_overhead'] * 1e3:.2f} ms; fp16 storage "
+        + (f"{engine['half_storage_rate'] / 1e6:.0f} M params/s" if engine["half_storage_rate"]
+           else "no extra cost"))
     cores = os.cpu_count() or 1
     if comm is not None:
         allreduce = measure_allreduce(comm)
@@ -353,11 +421,14 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
     rates = {"gemm": gemm["flops_per_s"], "add": memory["add_bytes"] / memory["add_seconds"],
              "copy": memory["copy_bytes"] / memory["copy_seconds"],
              "adam": adam["params"] / adam["seconds"], "elementwise": layer["elementwise_rate"]}
-    copy_latency, layer_overhead = memory["small_copy_seconds"], layer["layer_overhead"]
+    if engine["half_storage_rate"]:
+        rates["half_storage"] = engine["half_storage_rate"]
+    overheads = {"copy_latency": memory["small_copy_seconds"],
+                 "layer_overhead": layer["layer_overhead"],
+                 **{k: engine[k] for k in ("stage2_unit_overhead", "stage3_unit_overhead")}}
     if comm is not None:  # the slowest rank's, so that every rank gets the same Hardware
         rates = {k: comm.allreduce_scalar(r, op="min") for k, r in rates.items()}
-        copy_latency, layer_overhead = (comm.allreduce_scalar(x, op="max")
-                                        for x in (copy_latency, layer_overhead))
+        overheads = {k: comm.allreduce_scalar(x, op="max") for k, x in overheads.items()}
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     now = datetime.now(timezone.utc)
     cpu = _cpu_model()
@@ -371,11 +442,14 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
         devices_per_node=cores,
         intra_node=link,
         inter_node=link,
-        host_device=Link(rates["copy"], copy_latency),
+        host_device=Link(rates["copy"], overheads["copy_latency"]),
         host_adam_rate=rates["adam"],
         cores_per_node=cores,
         elementwise_rate=rates["elementwise"],
-        layer_overhead=layer_overhead,
+        layer_overhead=overheads["layer_overhead"],
+        stage2_unit_overhead=overheads["stage2_unit_overhead"],
+        stage3_unit_overhead=overheads["stage3_unit_overhead"],
+        half_storage_rate=rates.get("half_storage"),
         half_reduction_rate=half_rate,
         oversubscribed=oversubscribed,
         source=f"measured by zmpi.plan.measure on {now.date().isoformat()}: {cpu}, "
@@ -384,6 +458,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
         measured={"date": now.isoformat(timespec="seconds"), "cpu": cpu,
                   "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                   "gemm": gemm, "memory": memory, "adam": adam, "layer": layer,
+                  "engine": engine,
                   "allreduce": allreduce, "oversubscribed_allreduce": crowded,
                   "rates": rates},
     )

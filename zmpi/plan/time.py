@@ -10,8 +10,11 @@ Per micro-batch on each pipeline stage (one rank's share under tensor parallelis
 - elementwise work (LayerNorm, GELU, softmax, residuals, the loss): the micro-batch's
   activation bytes without recompute at the hardware's elementwise rate (a GPU's: the memory
   bandwidth over ELEMENTWISE_PASSES passes; a CPU's measured), plus the forward's third of
-  what recompute runs again (full: every block's; selective: the attention scores'); and the
-  hardware's `layer_overhead` per block (a third more under full recompute);
+  what recompute runs again (full: every block's; selective: the attention scores'); the
+  hardware's `layer_overhead` per block (a third more under full recompute); at ZeRO-2 / 3
+  its `stage2_unit_overhead` / `stage3_unit_overhead` per unit of the stage; in fp16 on a
+  CPU the stage's parameters at its `half_storage_rate` (a third more under full
+  recompute);
 - tensor parallelism: 4 allreduces of b s h activations per block (2 forward, 2 backward; 6
   with full recompute), 2 for the embedding and LM head, ring cost 2 (t-1)/t n / B + 2 (t-1)
   alpha on the node's link (sequence parallelism moves the same bytes);
@@ -138,8 +141,12 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     again = {"none": 0, "selective": act["layer"] - kept["layer"], "full": act["layer"]}
     layer_bytes = act["layer"] + FORWARD_SHARE * again[layout.recompute]
     elementwise_s = 1 / elementwise_rate(hw, ranks_per_node)
-    block_overhead = hw.layer_overhead / hw.core_share(ranks_per_node) * \
-        (1 + FORWARD_SHARE if layout.recompute == "full" else 1)
+    again_share = 1 + FORWARD_SHARE if layout.recompute == "full" else 1
+    block_overhead = hw.layer_overhead / hw.core_share(ranks_per_node) * again_share
+    unit_overhead = {2: hw.stage2_unit_overhead, 3: hw.stage3_unit_overhead}.get(
+        layout.stage, 0.0) / hw.core_share(ranks_per_node)
+    half_storage = again_share / (hw.half_storage_rate * hw.core_share(ranks_per_node)) \
+        if job.precision == "fp16" and hw.half_storage_rate and not on_gpu else 0.0
     b, s, h, t = layout.micro_batch, job.seq_len, job.d_model, layout.tp
     block = attention_block(s, b * job.n_head // t, on_gpu)
     scores = b * causal_entries(s, block)
@@ -153,8 +160,9 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     per_block_allreduces = 6 if layout.recompute == "full" else 4
     stages = stage_units(job, layout.pp, layout.tp)
     micro = []
-    kinds = {(st == 0, st == layout.pp - 1, len(units)) for st, units in enumerate(stages)}
-    for first, last, n_units in kinds:  # stages alike in what they run take alike times
+    kinds = {(st == 0, st == layout.pp - 1, len(units), sum(units))
+             for st, units in enumerate(stages)}
+    for first, last, n_units, params in kinds:  # stages alike in what they run: alike times
         blocks = stage_blocks(n_units, first, last, layout.pp)
         flops = blocks * (3 * block_forward + block_extra[layout.recompute]) \
             + (3 * head_forward if last else 0)
@@ -162,8 +170,8 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
         tensor = allreduce * (blocks * per_block_allreduces + first + last)
         pipe = 0.0 if layout.pp == 1 else \
             links["pp"].seconds(activation_bytes, 1) * (2 - first - last)
-        micro.append((flops / rate + elementwise * elementwise_s + blocks * block_overhead,
-                      tensor, pipe))
+        engine = blocks * block_overhead + n_units * unit_overhead + params * half_storage
+        micro.append((flops / rate + elementwise * elementwise_s + engine, tensor, pipe))
     slowest = max(micro, key=lambda x: sum(x))
     m, p = layout.micro_batches, layout.pp
     compute, tensor, pipe = (m * x for x in slowest)
