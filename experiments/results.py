@@ -16,6 +16,8 @@ from zmpi.runinfo import run_metadata
 def write_results(out, rows: list[dict], markdown: list[str], comm, name: str = "table",
                   **meta) -> Path:
     """Write OUT/<name>.md, OUT/<name>.csv (scalar columns of `rows`) and OUT/run.json."""
+    # the revision before the files change: rewriting a committed table is not "+dirty"
+    metadata = json.dumps(run_metadata(comm, rows=rows, **meta), indent=2, default=str)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text("\n".join(markdown) + "\n")
@@ -24,8 +26,7 @@ def write_results(out, rows: list[dict], markdown: list[str], comm, name: str = 
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    (out / "run.json").write_text(json.dumps(run_metadata(comm, rows=rows, **meta), indent=2,
-                                             default=str))
+    (out / "run.json").write_text(metadata)
     return out
 
 
