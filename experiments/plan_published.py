@@ -1,8 +1,10 @@
 """zmpi plan's model against published results: the runs of Megatron-LM 2021 (Table 1), the ZeRO
 paper's 100B model and ZeRO-Offload on one V100, each predicted on the hardware of the paper
-(zmpi.plan.hardware presets a100, v100) with the presets' one efficiency constant
-(gemm_efficiency, fixed before comparing), and the model-state memory against DeepSpeed's
-estimators. A benchmark of the planner's formulas, not a test.
+(zmpi.plan.hardware presets a100, v100) with one efficiency constant per platform fixed before
+comparing (gemm_efficiency: the a100 preset's 0.75; on the V100s, the fraction of the tensor-core
+peak at which the model reproduces Megatron-LM 2019's single-V100 baseline, the software the
+V100 papers ran; the v100 preset's 0.75 is shown beside it), and the model-state memory
+against DeepSpeed's estimators. A benchmark of the planner's formulas, not a test.
 
     python experiments/plan_published.py --out results/plan_published
 
@@ -17,6 +19,7 @@ DeepSpeed's estimate_zero2/3_model_states_mem_needs beside zmpi's formulas, term
 import argparse
 import os
 import sys
+from dataclasses import replace
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
@@ -24,7 +27,12 @@ from deepspeed_estimates import (  # noqa: E402
     estimate_zero2_model_states_mem_needs,
     estimate_zero3_model_states_mem_needs,
 )
-from published import MEGATRON_2021_TABLE1, ZERO_100B, ZERO_OFFLOAD  # noqa: E402
+from published import (  # noqa: E402
+    MEGATRON_2019_BASELINE,
+    MEGATRON_2021_TABLE1,
+    ZERO_100B,
+    ZERO_OFFLOAD,
+)
 
 from results import write_results  # noqa: E402
 from zmpi.comm import Comm  # noqa: E402
@@ -39,20 +47,54 @@ ASSUMED_SEQ_LEN = 1024  # the ZeRO papers do not state theirs; GPT-2's
 ASSUMED_VOCAB = 50257  # nor their vocabulary; GPT-2's
 
 
-def predict(name, job, layout, hw, published, recompute_flops=True):
-    """One row: the planner's memory and time for a published run of `job` as `layout`."""
+def predicted_tflops(job, layout, hw) -> float:
+    """TFLOP/s per GPU the planner predicts for `job` as `layout` on `hw`, counted as the
+    papers count (Megatron-LM's eq. 3, recompute included)."""
+    step = evaluate(job, layout, hw).time.total
+    return model_flops_per_step(job, recompute=True) / step / job.world_size / 1e12
+
+
+def predict(name, job, layout, hw, published, preset=None):
+    """One row: the planner's memory and time for a published run of `job` as `layout` on
+    `hw`; with `preset` (the hardware `hw` was calibrated from) its ratio there too."""
     candidate = evaluate(job, layout, hw)
     memory, t = candidate.memory, candidate.time
-    flops = model_flops_per_step(job, recompute=recompute_flops)
-    tflops = flops / t.total / job.world_size / 1e12
+    tflops = predicted_tflops(job, layout, hw)
+    at_preset = predicted_tflops(job, layout, preset) if preset else tflops
     return {"run": name, "layout": layout.describe(), "gpus": job.world_size,
             "device_GB": round(memory.device / 1e9, 1),
             "fits": memory.device <= hw.device_memory,
+            "gemm_efficiency": round(hw.gemm_efficiency, 3),
             "predicted_tflops": round(tflops, 1), "published_tflops": published,
             "ratio": round(tflops / published, 3),
+            "preset_ratio": round(at_preset / published, 3),
             "bubble_share": round(t.bubble / t.total, 3),
             "tensor_share": round(t.tensor / t.total, 3),
             "data_share": round(t.data / t.total, 3)}
+
+
+def v100_of_2019(v100):
+    """`v100` with the gemm_efficiency of the software the V100 papers ran (PyTorch 1.2-1.5,
+    apex, Megatron-LM of Sept 2019), fixed from a run outside the rows compared: the fraction
+    of the tensor-core peak at which the model predicts Megatron-LM 2019's single-V100
+    baseline (1.2B GPT, batch 8, activation checkpointing; 39 TFLOP/s, "30% of the
+    theoretical peak" of a DGX-2H's V100, so that peak is 130 TFLOP/s), counted with eq. 3 as
+    the compared rows are. Returns (hardware, the baseline's job, layout and DGX-2H)."""
+    b = MEGATRON_2019_BASELINE
+    job = Job(b["layers"], b["hidden"], b["heads"], b["vocab"], b["seq_len"], b["batch"], 1, 1,
+              "fp16")
+    layout = Layout(1, 1, 1, 0, "none", "full", False, b["batch"], 1, "1f1b")
+    dgx2h = replace(v100, name="v100 (DGX-2H)", peak_flops={
+        **v100.peak_flops, "fp16": b["tflops_per_gpu"] * 1e12 / (b["peak_percent"] / 100)})
+    low, high = 1e-3, 1.0  # the predicted rate grows with the efficiency: bisect
+    for _ in range(60):
+        middle = (low + high) / 2
+        fast = predicted_tflops(job, layout, replace(dgx2h, gemm_efficiency=middle)) \
+            > b["tflops_per_gpu"]
+        low, high = (low, middle) if fast else (middle, high)
+    efficiency = (low + high) / 2
+    return (replace(v100, gemm_efficiency=efficiency),
+            (job, layout, replace(dgx2h, gemm_efficiency=efficiency)))
 
 
 def megatron_rows(hw):
@@ -69,7 +111,7 @@ def megatron_rows(hw):
     return rows
 
 
-def zero_100b_row(hw):
+def zero_100b_row(hw, preset=None):
     z = ZERO_100B
     dp, tp = z["data_parallel"], z["model_parallel"]
     job = Job(z["layers"], z["hidden"], z["heads"], ASSUMED_VOCAB, ASSUMED_SEQ_LEN,
@@ -78,10 +120,10 @@ def zero_100b_row(hw):
     # parallel ranks (P_a): zmpi's sequence parallelism keeps the same 1/tp share of each;
     # a batch of 32 per data-parallel rank
     layout = Layout(dp, 1, tp, 2, "none", "full", True, z["batch_per_dp_rank"], 1, "1f1b")
-    return predict("ZeRO 100B (stage 2)", job, layout, hw, z["tflops_per_gpu"])
+    return predict("ZeRO 100B (stage 2)", job, layout, hw, z["tflops_per_gpu"], preset)
 
 
-def zero_offload_rows(hw):
+def zero_offload_rows(hw, preset=None):
     rows = []
     z = ZERO_OFFLOAD
     for params, micro, mp, layers, hidden in z["table3"]:
@@ -92,7 +134,7 @@ def zero_offload_rows(hw):
                   1, 1, "fp16")
         layout = Layout(1, 1, 1, 2, "optimizer", "full", False, micro, m, "1f1b")
         rows.append(predict(f"ZeRO-Offload {params}B, one V100", job, layout, hw,
-                            z["single_gpu_tflops"][params]))
+                            z["single_gpu_tflops"][params], preset))
     return rows
 
 
@@ -139,17 +181,27 @@ def deepspeed_rows():
     return out
 
 
-def markdown(rows, largest, ds, a100, v100) -> list[str]:
+def markdown(rows, largest, ds, a100, v100, v100_2019, baseline) -> list[str]:
+    job, _, dgx2h = baseline
+    measured, peak = MEGATRON_2019_BASELINE["tflops_per_gpu"], dgx2h.peak_flops["fp16"] / 1e12
     md = [f"Efficiency constants, fixed before comparing: gemm_efficiency {a100.gemm_efficiency} "
-          f"(a100), {v100.gemm_efficiency} (v100). TFLOP/s per GPU by Megatron-LM's eq. 3 "
-          "(recompute counted).", "",
-          "| run | layout | GPUs | device GB | predicted TFLOP/s | published | ratio | bubble "
-          "| tensor comm | data comm |", "|---|---|---|---|---|---|---|---|---|---|"]
+          f"on the A100s (the a100 preset); {v100_2019.gemm_efficiency:.3f} on the V100s, the "
+          "fraction of the tensor-core peak at which the model predicts Megatron-LM 2019's "
+          f"single-V100 baseline ({job.n_layer} layers, d {job.d_model}, batch "
+          f"{job.global_batch}, activation checkpointing: {measured} TFLOP/s on a DGX-2H V100 "
+          f"of {peak:.0f} TFLOP/s peak), "
+          "the software the V100 papers ran; the last column is the ratio at the v100 preset's "
+          f"{v100.gemm_efficiency}. TFLOP/s per GPU by Megatron-LM's eq. 3 (recompute counted).",
+          "",
+          "| run | layout | GPUs | device GB | gemm eff. | predicted TFLOP/s | published | ratio "
+          "| bubble | tensor comm | data comm | ratio at preset |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['run']} | {r['layout']} | {r['gpus']} | {r['device_GB']}"
-                  f"{'' if r['fits'] else ' (does not fit)'} | {r['predicted_tflops']} | "
-                  f"{r['published_tflops']} | {r['ratio']:.2f} | {r['bubble_share']:.1%} | "
-                  f"{r['tensor_share']:.1%} | {r['data_share']:.1%} |")
+                  f"{'' if r['fits'] else ' (does not fit)'} | {r['gemm_efficiency']} | "
+                  f"{r['predicted_tflops']} | {r['published_tflops']} | {r['ratio']:.2f} | "
+                  f"{r['bubble_share']:.1%} | {r['tensor_share']:.1%} | {r['data_share']:.1%} | "
+                  f"{r['preset_ratio']:.2f} |")
     md += ["", f"Largest ZeRO-Offload-shaped model one V100 fits (ZeRO-2, optimizer offload, "
            f"recompute, micro-batch 4): {largest / 1e9:.1f} B parameters (the paper: "
            f"{ZERO_OFFLOAD['largest_single_gpu_params_billion']} B).", "",
@@ -168,13 +220,18 @@ def main():
     ap.add_argument("--out", default="results/plan_published")
     args = ap.parse_args()
     a100, v100 = PRESETS["a100"], PRESETS["v100"]
-    rows = megatron_rows(a100) + [zero_100b_row(v100)] + zero_offload_rows(v100)
+    v100_2019, baseline = v100_of_2019(v100)
+    rows = megatron_rows(a100) + [zero_100b_row(v100_2019, v100)] \
+        + zero_offload_rows(v100_2019, v100)
     largest = largest_offload_model(v100)
     ds = deepspeed_rows()
-    md = markdown(rows, largest, ds, a100, v100)
+    md = markdown(rows, largest, ds, a100, v100, v100_2019, baseline)
     print("\n".join(md))
     write_results(args.out, rows, md, Comm(), argv=sys.argv,
-                  hardware={"a100": a100.to_dict(), "v100": v100.to_dict()},
+                  hardware={"a100": a100.to_dict(), "v100": v100.to_dict(),
+                            "v100_2019": v100_2019.to_dict()},
+                  calibration={"run": MEGATRON_2019_BASELINE, "hardware": baseline[2].to_dict(),
+                               "predicted_tflops": predicted_tflops(*baseline)},
                   largest_offload_params=largest, deepspeed=ds,
                   assumed_seq_len=ASSUMED_SEQ_LEN, assumed_vocab=ASSUMED_VOCAB)
 

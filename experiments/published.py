@@ -18,6 +18,12 @@ Sources
     checked against the table image in NVIDIA/Megatron-LM's README (images/cases_april2021.png at
     commit 2d767f4886, 2022-01-26). That image has every Table 1 number except the attention heads,
     and it gives t*p as a single "model-parallel size" column. All rows agree.
+[MEG19] Mohammad Shoeybi, Mostofa Patwary, Raul Puri, Patrick LeGresley, Jared Casper, Bryan
+    Catanzaro. "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
+    Parallelism". arXiv:1909.08053 (v4), 2019-2020.
+    Used: abstract, Sec. 4.2 (mixed precision, activation checkpointing), Sec. 5 (hardware),
+    Sec. 5.1 and Table 1 (the single-GPU baseline). Read from the paper's text (a public
+    transcription of v4). It states no FLOP-counting formula.
 [ZERO20] Samyam Rajbhandari, Jeff Rasley, Olatunji Ruwase, Yuxiong He. "ZeRO: Memory
     Optimizations Toward Training Trillion Parameter Models". SC '20, 2020. arXiv:1910.02054.
     Used: Sec. 1 ("Speed"), Sec. 6.1, Sec. 10.1-10.4 (numbered Sec. X.A-D in the SC'20 version),
@@ -141,6 +147,39 @@ MEGATRON_2021_TABLE1 = {
     # Sec. 5.1 worked example: GPT-3 175B on 1024 A100s with batch 1536 reaches 140 TFLOP/s per GPU
     # (34 days for 300B tokens). 1T on 3072 GPUs at 163 TFLOP/s: 84 days for 450B tokens.
     "gpt3_175b_1024_gpus_tflops_per_gpu": 140,
+}
+
+# ---------------------------------------------------------------------------------------------
+# [MEG19] The single-V100 baseline of Megatron-LM 2019: the software the ZeRO paper ran on
+# ("Megatron-LM (Sept 2019)", [ZERO20] AE appendix) measured on one V100 alone.
+# ---------------------------------------------------------------------------------------------
+MEGATRON_2019_BASELINE = {
+    "source": "[MEG19] abstract, Sec. 4.2, Sec. 5, Sec. 5.1, Table 1",
+    # Table 1, first row: hidden 1536, 16 heads, 40 layers, 1.2B parameters, 1 model-parallel
+    # GPU. Sec. 5.1: "The configuration with 1.2 billion parameters fits on a single GPU".
+    "params_billion": 1.2,
+    "layers": 40,
+    "hidden": 1536,
+    "heads": 16,
+    # Sec. 5.1: the vocabulary padded from 50,257 to 51,200; Sec. 4.2: sequences of 1024.
+    "vocab": 51200,
+    "seq_len": 1024,
+    # Sec. 5.1: "For the model parallel scaling, a fixed batch size of 8 is used across all
+    # configurations"; the baseline is that configuration on one GPU.
+    "batch": 8,
+    # Sec. 4.2: "we utilize activation checkpointing (Chen et al., 2016) after every
+    # transformer layer"; mixed precision with dynamic loss scaling on the Tensor Cores.
+    "activation_checkpointing": True,
+    "precision": "fp16 mixed precision",
+    # Sec. 5.1: "it achieves 39 TeraFLOPS during the overall training process, which is 30% of
+    # the theoretical peak FLOPS for a single GPU in a DGX-2H server" (abstract: the same).
+    "tflops_per_gpu": 39,
+    "peak_percent": 30,
+    "flops_formula": None,  # not stated
+    # Sec. 5: "up to 32 DGX-2H servers (a total of 512 Tesla V100 SXM3 32GB GPUs)", 300 GB/s
+    # NVSwitch, 100 GB/s between servers over 8 InfiniBand adapters.
+    "hardware": {"node": "NVIDIA DGX-2H", "gpu": "NVIDIA Tesla V100 SXM3 32GB",
+                 "gpus_per_node": 16},
 }
 
 # ---------------------------------------------------------------------------------------------

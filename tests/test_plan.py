@@ -164,6 +164,37 @@ def test_time_model_engine_terms_on_a_cpu():
         == step_time(gpu_job, layout, Hardware.from_dict(gpu))
 
 
+def test_time_model_offload_traffic():
+    """Optimizer offload copies the reduced gradient shard down once a step at stage 1 and
+    every micro-step at stages 2-3 (each but the first added on the host, 3 x its bytes at
+    host_adam_rate x 28 bytes), the parameter shard up once, or at both of stage 3's gathers
+    per micro-step with parameter offload; a CPU rank does all of it, a GPU all but the last
+    gradient's copy and add and the update's copy beside its compute."""
+    def optimizer(job, layout, hw):
+        return step_time(job, layout, hw).optimizer
+    cpu = Hardware.from_dict({**PRESETS["cpu"].to_dict(), "cores_per_node": 2,
+                              "devices_per_node": 2})
+    job = Job(4, 64, 4, 65, 32, 16, 1, 2, "fp16")
+    shard = sum(-(-n // 2) for n in stage_units(job, 1, 1)[0])  # elements per rank
+    copy = cpu.host_device.seconds(2 * shard)
+    add = 3 * 2 * shard / (cpu.host_adam_rate * 28)
+    adam = shard / cpu.host_adam_rate
+    for stage, offload, copies, adds in ((1, "optimizer", 2, 0), (2, "optimizer", 5, 3),
+                                         (3, "optimizer", 5, 3),
+                                         (3, "optimizer+param", 4 + 8, 3)):
+        layout = Layout(2, 1, 1, stage, offload, "none", False, 2, 4, "1f1b")
+        assert optimizer(job, layout, cpu) == pytest.approx(adam + copies * copy + adds * add)
+    gpu = PRESETS["v100"]
+    big = Job(24, 2048, 16, 50257, 1024, 512, 1, 1, "fp16")
+    layout = Layout(1, 1, 1, 2, "optimizer", "none", False, 32, 16, "1f1b")
+    n = sum(stage_units(big, 1, 1)[0])
+    copy, add = gpu.host_device.seconds(2 * n), 6 * n / (gpu.host_adam_rate * 28)
+    hidden = optimizer(big, layout, gpu)
+    assert hidden == pytest.approx(n / gpu.host_adam_rate + 2 * copy + add)  # compute hides 15
+    slow_host = Hardware.from_dict({**gpu.to_dict(), "host_adam_rate": 1e6})
+    assert optimizer(big, layout, slow_host) > 15 * n / 1e6 * 6 / 28  # adds beyond compute
+
+
 def test_plan_keeps_what_fits_fastest_first():
     job = Job(24, 2304, 24, 51200, 2048, 512, 4, 8)
     result = plan(job, PRESETS["a100"], top=5)

@@ -31,8 +31,9 @@ its core share of it); with overlap (a GPU, or
 a CPU with a core to spare) the gradient passes hide behind backward (all micro-steps' for
 stages 2-3, the last one's for 0-1) except the last unit's. The optimizer: Adam over the
 rank's master elements at the memory bandwidth, or at the host Adam's rate with offload plus
-the gradient shard down and the parameters up over the host link (stage 3 parameter offload:
-each gather's shard too).
+the gradient shard down (every micro-step at stages 2-3, each added into the accumulated one on
+the host) and the parameters up over the host link (stage 3 parameter offload: each gather's
+shard), beside the device's compute on a GPU except the last gradient's and the update's.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ ELEMENTWISE_PASSES = 6  # activation bytes touched per micro-batch: written and 
 #                         read with their gradients written and read backward
 FORWARD_SHARE = 2 / ELEMENTWISE_PASSES  # of those passes, the forward's (recompute repeats it)
 ADAM_BYTES = 24  # fp32 master, m, v read and written per element (+ gradient and parameter)
+HOST_ADAM_BYTES = 28  # what host_adam_rate moves per parameter (hardware.py): its streaming rate
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,27 @@ def _data_and_optimizer(job, layout, hw, units, link, slowest, bandwidth, ranks_
     if layout.offload == "none":
         optimizer = owned * (ADAM_BYTES + 2 * pb) / bandwidth
     else:
-        copies = 2 * shard * pb * (1 + (2 * m if layout.offload == "optimizer+param" else 0))
-        optimizer = owned / hw.host_adam_rate + hw.host_device.seconds(copies, 2)
+        optimizer = owned / hw.host_adam_rate + _offload_copies(layout, hw, shard * pb,
+                                                                m * sum(slowest))
     return grads + params, optimizer
+
+
+def _offload_copies(layout, hw, shard_bytes, compute) -> float:
+    """Exposed seconds per step of offload's host traffic for a rank's `shard_bytes`: the
+    reduced gradient shard down once a step (stage 1) or every micro-step (stages 2-3, each
+    added on the host into the accumulated one, 3 x its bytes at the host Adam's streaming
+    rate), the parameter shard up once (the update) or at each of stage 3's two gathers per
+    micro-step with parameter offload. On a GPU the copies and host adds run beside the
+    device's `compute` (seconds per step) except the last gradient's and the update's; on a CPU
+    the rank's thread does them."""
+    m = layout.micro_batches
+    down = 1 if layout.stage == 1 else m
+    up = 2 * m if layout.offload == "optimizer+param" else 1
+    copy = hw.host_device.seconds(shard_bytes)
+    add = 3 * shard_bytes / (hw.host_adam_rate * HOST_ADAM_BYTES)
+    total = (down + up) * copy + (down - 1) * add
+    if not hw.on_gpu:
+        return total
+    last = copy + (add if down > 1 else 0) + (copy if up == 1 else 0)  # the last gradient
+    #                                          down and added, the update up: after the compute
+    return last + max(0.0, total - last - compute)
