@@ -262,8 +262,8 @@ def describe_hardware(hw) -> str:
                f"{hw.oversubscribed.latency * 1e6:.0f} us" if hw.oversubscribed else "")
             + (f", float16 sums {hw.half_reduction_rate / 1e6:.0f} MB/s"
                if hw.half_reduction_rate else "")
-            + f", elementwise {hw.elementwise_rate / 1e9:.2f} GB/s + "
-            f"{hw.layer_overhead * 1e3:.2f} ms a block")
+            + (f", elementwise {hw.elementwise_rate / 1e9:.2f} GB/s + "
+               f"{hw.layer_overhead * 1e3:.2f} ms a block" if hw.elementwise_rate else ""))
 
 
 def within(ratio: float, tolerance: float) -> bool:

@@ -279,9 +279,10 @@ def test_optimizer_refuses_what_1bit_adam_is_not():
 @pytest.mark.mpi
 def test_docs_example_runs_as_written(tmp_path):
     """docs/onebit.md's example under mpiexec -n 2 prints what the page shows: the phases and
-    the bytes exactly, the losses to 0.01 (0.05 in the 1-bit phase: the signs of near-zero
-    entries follow the BLAS kernel's rounding, AVX2 or AVX-512, and each flip moves a weight by
-    the scale, so the compressed steps' losses differ in the second decimal across CPUs)."""
+    the bytes exactly, the losses to 0.01, 0.03 after the first compressed update (steps 4
+    and 5: the signs of near-zero entries follow the BLAS kernels' rounding, which differs
+    between CPUs, and each flip moves a weight by the whole scale: 4.172 for the page's 4.191
+    on an AVX2-only CPU)."""
     import re
 
     from mpi_util import launch_mpi
@@ -296,7 +297,7 @@ def test_docs_example_runs_as_written(tmp_path):
     assert len(got) == len(want) == 6, result.stdout
     for g, w in zip(got, want, strict=True):
         assert (g[0], g[1], g[3]) == (w[0], w[1], w[3]), (g, w)
-        assert abs(float(g[2]) - float(w[2])) <= (0.05 if g[1] == "1-bit" else 0.01), (g, w)
+        assert abs(float(g[2]) - float(w[2])) <= (0.03 if int(g[0]) > 3 else 0.01), (g, w)
 
 
 @pytest.mark.mpi

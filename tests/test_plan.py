@@ -17,7 +17,7 @@ from zmpi.plan.hardware import PRESETS, Hardware
 from zmpi.plan.layout import BUCKET_NUMEL, Job, Layout, layouts, to_config
 from zmpi.plan.memory import stage_memory, stage_units
 from zmpi.plan.search import model_flops_per_step, plan
-from zmpi.plan.time import ring_allreduce, step_time
+from zmpi.plan.time import offload_transfers, ring_allreduce, step_time
 
 SMALL = Job(n_layer=4, d_model=64, n_head=4, vocab_size=65, seq_len=32, global_batch=8,
             nodes=1, gpus_per_node=4, precision="fp32")
@@ -164,20 +164,56 @@ def test_time_model_engine_terms_on_a_cpu():
         == step_time(gpu_job, layout, Hardware.from_dict(gpu))
 
 
+def test_offload_transfers_are_the_engines(monkeypatch):
+    """The gradient shards the model copies down and adds on the host per step are what a
+    one-rank Engine does with optimizer offload: per unit, one copy at stage 1 (the whole
+    shard in one bucket), m copies and m - 1 adds at stages 2-3."""
+    import numpy as np
+    from mpi4py import MPI
+
+    import zmpi.zero.collectives as collectives
+    from zmpi.comm import Comm
+    from zmpi.engine import Engine
+
+    counts = {"copy": 0, "add": 0}
+    real_copy, real_add = collectives.HostCopy, collectives._add_
+
+    def counted(name, call):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return call(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(collectives, "HostCopy", counted("copy", real_copy))
+    monkeypatch.setattr(collectives, "_add_", counted("add", real_add))
+    job = Job(2, 32, 2, 65, 16, 12, 1, 1, "fp16")
+    units = len(stage_units(job, 1, 1)[0])
+    tokens = np.random.default_rng(0).integers(0, 65, (12, 17))
+    for stage, offload in ((1, "optimizer"), (2, "optimizer"), (3, "optimizer+param")):
+        layout = Layout(1, 1, 1, stage, offload, "none", False, 4, 3, "1f1b")
+        config = to_config(job, layout)
+        del config["model"]
+        engine = Engine(GPT(GPTConfig(65, 16, 2, 2, 32), seed=0), config, Comm(MPI.COMM_SELF))
+        for _ in range(2):  # the second step: every unit's part written once before
+            counts.update(copy=0, add=0)
+            engine.train_step(tokens[:, :-1].copy(), tokens[:, 1:].copy())
+        engine.close()
+        down, _, adds = offload_transfers(layout)
+        assert counts == ({"copy": 1, "add": 0} if stage == 1 else
+                          {"copy": down * units, "add": adds * units}), (stage, counts)
+
+
 def test_time_model_offload_traffic():
-    """Optimizer offload copies the reduced gradient shard down once a step at stage 1 and
-    every micro-step at stages 2-3 (each but the first added on the host, 3 x its bytes at
-    host_adam_rate x 28 bytes), the parameter shard up once, or at both of stage 3's gathers
-    per micro-step with parameter offload; a CPU rank does all of it, a GPU all but the last
-    gradient's copy and add and the update's copy beside its compute."""
+    """Offload's host traffic in seconds: on a CPU rank every copy (a shard each,
+    offload_transfers) and every host add at host_add_rate, beside the host Adam at
+    host_adam_rate x devices / ranks of the node; on a GPU only the last unit's gradient copy
+    and add and the update's copy, unless the rest outlasts the backward."""
     def optimizer(job, layout, hw):
         return step_time(job, layout, hw).optimizer
     cpu = Hardware.from_dict({**PRESETS["cpu"].to_dict(), "cores_per_node": 2,
-                              "devices_per_node": 2})
+                              "devices_per_node": 2, "host_add_rate": 3e8})
     job = Job(4, 64, 4, 65, 32, 16, 1, 2, "fp16")
     shard = sum(-(-n // 2) for n in stage_units(job, 1, 1)[0])  # elements per rank
-    copy = cpu.host_device.seconds(2 * shard)
-    add = 3 * 2 * shard / (cpu.host_adam_rate * 28)
+    copy, add = cpu.host_device.seconds(2 * shard), shard / 3e8
     adam = shard / cpu.host_adam_rate
     for stage, offload, copies, adds in ((1, "optimizer", 2, 0), (2, "optimizer", 5, 3),
                                          (3, "optimizer", 5, 3),
@@ -185,14 +221,16 @@ def test_time_model_offload_traffic():
         layout = Layout(2, 1, 1, stage, offload, "none", False, 2, 4, "1f1b")
         assert optimizer(job, layout, cpu) == pytest.approx(adam + copies * copy + adds * add)
     gpu = PRESETS["v100"]
-    big = Job(24, 2048, 16, 50257, 1024, 512, 1, 1, "fp16")
+    big = Job(24, 2048, 16, 50257, 1024, 512, 1, 1, "fp16")  # one rank: the node's host Adam
     layout = Layout(1, 1, 1, 2, "optimizer", "none", False, 32, 16, "1f1b")
-    n = sum(stage_units(big, 1, 1)[0])
-    copy, add = gpu.host_device.seconds(2 * n), 6 * n / (gpu.host_adam_rate * 28)
-    hidden = optimizer(big, layout, gpu)
-    assert hidden == pytest.approx(n / gpu.host_adam_rate + 2 * copy + add)  # compute hides 15
-    slow_host = Hardware.from_dict({**gpu.to_dict(), "host_adam_rate": 1e6})
-    assert optimizer(big, layout, slow_host) > 15 * n / 1e6 * 6 / 28  # adds beyond compute
+    units = stage_units(big, 1, 1)[0]
+    n = sum(units)
+    copy, add = gpu.host_device.seconds(2 * n), n / (gpu.host_adam_rate * 28 / 6)
+    adam = n / (gpu.host_adam_rate * 16)
+    # 16 copies down, 15 adds, 1 up: hidden but the last unit's copy and add, and the update
+    assert optimizer(big, layout, gpu) == pytest.approx(adam + (copy + add) / len(units) + copy)
+    slow_host = Hardware.from_dict({**gpu.to_dict(), "host_add_rate": 1e6})
+    assert optimizer(big, layout, slow_host) > 14 * n / 1e6  # adds beyond the backward
 
 
 def test_plan_keeps_what_fits_fastest_first():

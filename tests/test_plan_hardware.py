@@ -174,13 +174,15 @@ def test_layer_figures_are_optional_and_checked():
     assert Hardware.from_dict(_changed("layer_overhead", 0)).layer_overhead == 0
     assert Hardware.from_dict(_changed("elementwise_rate", "2GB/s")).elementwise_rate == 2e9
     hw = Hardware.from_dict({**_changed("stage2_unit_overhead", "200us"),
-                             "stage3_unit_overhead": 5e-4, "half_storage_rate": "3e8"})
-    assert (hw.stage2_unit_overhead, hw.stage3_unit_overhead, hw.half_storage_rate) == \
-        (pytest.approx(2e-4), 5e-4, 3e8)
+                             "stage3_unit_overhead": 5e-4, "half_storage_rate": "3e8",
+                             "host_add_rate": 7e8})
+    assert (hw.stage2_unit_overhead, hw.stage3_unit_overhead, hw.half_storage_rate,
+            hw.host_add_rate) == (pytest.approx(2e-4), 5e-4, 3e8, 7e8)
     assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
     for key, value in (("layer_overhead", -1), ("layer_overhead", True),
                        ("elementwise_rate", "fast"), ("stage2_unit_overhead", "1GB"),
-                       ("stage3_unit_overhead", -1e-4), ("half_storage_rate", 0)):
+                       ("stage3_unit_overhead", -1e-4), ("half_storage_rate", 0),
+                       ("host_add_rate", "1GB/s")):
         with pytest.raises(ValueError, match=key):
             Hardware.from_dict(_changed(key, value))
 
@@ -278,6 +280,8 @@ def _check_measured(hw: Hardware, ranks: int) -> None:
                                                   messages=crowded["messages"])
             assert predicted == pytest.approx(crowded[f"{size}_seconds"], rel=1e-9)
     assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+    adam = hw.measured["adam"]  # the host add, float16, one thread
+    assert hw.host_add_rate == pytest.approx(adam["params"] / adam["add_seconds"], rel=1e-9)
     # the least-squares line through the blocks' time besides the matmuls: with a fixed
     # part its residuals sum to zero and are uncorrelated with the bytes
     shapes = hw.measured["layer"]["shapes"]

@@ -45,7 +45,11 @@ class Hardware:
     intra_node: between the devices of a node (tensor parallelism); inter_node: per device,
         between nodes (data and pipeline parallelism across nodes); host_device: device <->
         host copies (offload), per device.
-    host_adam_rate: fp32 parameters per second one rank's host Adam updates.
+    host_adam_rate: fp32 parameters per second one rank's host Adam updates while every
+        device of the node has its rank (fewer ranks spread the node's cores over theirs).
+    host_add_rate: gradient elements per second one rank's thread adds into its accumulated
+        host shard (offload at ZeRO-2/3, every micro-step; measured on float16); None: the
+        host Adam's streaming rate at 6 bytes an element. `--hardware this` measures it.
     elementwise_rate: bytes/s at which a transformer block's work besides its matmuls
         (LayerNorm, GELU, softmax, residual adds, casts, and the engine's own per-unit work)
         goes through the block's activation bytes, forward and backward together; None: the
@@ -89,6 +93,7 @@ class Hardware:
     stage2_unit_overhead: float = 0.0
     stage3_unit_overhead: float = 0.0
     half_storage_rate: float | None = None
+    host_add_rate: float | None = None
     half_reduction_rate: float | None = None
     oversubscribed: Link | None = None
     source: str = ""
@@ -129,10 +134,11 @@ class Hardware:
             overhead = d.get(key, 0.0)
             values[key] = 0.0 if overhead == 0 and not isinstance(overhead, bool) \
                 else parse_size(overhead, key, "latency")
-        for key in ("elementwise_rate", "half_reduction_rate", "half_storage_rate"):
+        for key in ("elementwise_rate", "half_reduction_rate", "half_storage_rate",
+                    "host_add_rate"):
             if d.get(key) is not None:
-                values[key] = parse_size(d[key], key,
-                                         "number" if key == "half_storage_rate" else "bandwidth")
+                values[key] = parse_size(d[key], key, "bandwidth" if key in (
+                    "elementwise_rate", "half_reduction_rate") else "number")
         for key in (*_LINKS, "oversubscribed"):
             link = d.get(key)
             if key == "oversubscribed" and link is None:
@@ -160,7 +166,7 @@ class Hardware:
 DTYPES = ("fp32", "fp16", "bf16")
 _OVERHEADS = ("layer_overhead", "stage2_unit_overhead", "stage3_unit_overhead")
 _OPTIONAL = {"cores_per_node", "elementwise_rate", *_OVERHEADS, "half_storage_rate",
-             "half_reduction_rate", "oversubscribed", "source", "measured"}
+             "host_add_rate", "half_reduction_rate", "oversubscribed", "source", "measured"}
 _LINKS = ("intra_node", "inter_node", "host_device")
 _QUANTITIES = {"memory_bandwidth": "bandwidth", "device_memory": "bytes",
                "host_memory": "bytes", "host_adam_rate": "number"}

@@ -27,7 +27,8 @@ median (the model predicts a typical step, and is compared with median steps):
   allreduces on 2 x cores ranks with a GEMM of BETWEEN_SHAPE before each call (as training
   computes between collectives, so a call waits for peers the OS has descheduled), fitted the
   same way.
-- host Adam: zmpi.optim.adam.HostAdam stepping an 8 Mi-element fp32 shard on one thread.
+- host Adam: zmpi.optim.adam.HostAdam stepping an 8 Mi-element fp32 shard on one thread; the
+  host add: zmpi.host_kernels.add_ of two 8 Mi-element float16 arrays (offload's accumulation).
 - elementwise rate and layer overhead: a 2-block GPT of each of LAYER_SHAPES (three block
   sizes) trained by the Engine on this rank alone (fp32, ZeRO-0), its blocks' forward and
   backward seconds from the Engine's profile (the median of 9 steps); their matmuls' FLOPs
@@ -124,7 +125,9 @@ def measure_memory(repeats: int = 5) -> dict:
 
 
 def measure_adam(repeats: int = 3) -> dict:
-    """Parameters per second of one HostAdam step on one thread (fp32 shard and grads)."""
+    """Parameters per second of one HostAdam step on one thread (fp32 shard and grads), and
+    float16 elements per second of the host add that accumulates an offloaded gradient shard
+    (`host_kernels.add_`, what ZeRO-2/3 run every micro-step)."""
     from zmpi import host_kernels
     from zmpi.optim.adam import HostAdam
 
@@ -134,7 +137,10 @@ def measure_adam(repeats: int = 3) -> dict:
     m, v = np.zeros_like(param), np.zeros_like(param)
     opt = HostAdam(lr=1e-3, weight_decay=0.01, threads=1)
     seconds = typical_seconds(lambda: opt.step_(param, grads, m, v), repeats)
-    return {"params": ADAM_NUMEL, "seconds": seconds,
+    total, part = (rng.standard_normal(ADAM_NUMEL, dtype=np.float32).astype(np.float16)
+                   for _ in range(2))
+    add = typical_seconds(lambda: host_kernels.add_(total, part), repeats)
+    return {"params": ADAM_NUMEL, "seconds": seconds, "add_seconds": add,
             "kernel": "numba" if host_kernels.adam is not None else "numpy"}
 
 
@@ -384,8 +390,9 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
     say(f"this: memory {memory['add_bytes'] / memory['add_seconds'] / 1e9:.1f} GB/s (add), "
         f"copy {memory['copy_bytes'] / memory['copy_seconds'] / 1e9:.1f} GB/s")
     adam = measure_adam()
-    say(f"this: host Adam {adam['params'] / adam['seconds'] / 1e9:.2f} G params/s "
-        f"({adam['kernel']}, one thread)")
+    say(f"this: host Adam {adam['params'] / adam['seconds'] / 1e9:.2f} G params/s, float16 "
+        f"add {adam['params'] / adam['add_seconds'] / 1e9:.2f} G elements/s ({adam['kernel']}, "
+        "one thread)")
     layer = measure_layer(gemm["flops_per_s"])
     say("this: a GPT block forward and backward " + ", ".join(
         f"{x['block_seconds'] * 1e3:.2f} ms (b {x['micro_batch']}, s {x['seq_len']}, d "
@@ -420,7 +427,9 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
             f"{oversubscribed.latency * 1e6:.1f} us per message ({crowded['ranks']} ranks)")
     rates = {"gemm": gemm["flops_per_s"], "add": memory["add_bytes"] / memory["add_seconds"],
              "copy": memory["copy_bytes"] / memory["copy_seconds"],
-             "adam": adam["params"] / adam["seconds"], "elementwise": layer["elementwise_rate"]}
+             "adam": adam["params"] / adam["seconds"],
+             "host_add": adam["params"] / adam["add_seconds"],
+             "elementwise": layer["elementwise_rate"]}
     if engine["half_storage_rate"]:
         rates["half_storage"] = engine["half_storage_rate"]
     overheads = {"copy_latency": memory["small_copy_seconds"],
@@ -444,6 +453,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
         inter_node=link,
         host_device=Link(rates["copy"], overheads["copy_latency"]),
         host_adam_rate=rates["adam"],
+        host_add_rate=rates["host_add"],
         cores_per_node=cores,
         elementwise_rate=rates["elementwise"],
         layer_overhead=overheads["layer_overhead"],

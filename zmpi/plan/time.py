@@ -32,8 +32,10 @@ a CPU with a core to spare) the gradient passes hide behind backward (all micro-
 stages 2-3, the last one's for 0-1) except the last unit's. The optimizer: Adam over the
 rank's master elements at the memory bandwidth, or at the host Adam's rate with offload plus
 the gradient shard down (every micro-step at stages 2-3, each added into the accumulated one on
-the host) and the parameters up over the host link (stage 3 parameter offload: each gather's
-shard), beside the device's compute on a GPU except the last gradient's and the update's.
+the host at the hardware's host_add_rate) and the parameters up over the host link (stage 3 parameter offload: each gather's
+shard), hidden behind backward on a GPU except the last unit's gradient and the update. The
+host Adam's rate is the node's share per device spread over the node's ranks (a rank alone
+on a node uses every core's thread).
 """
 from __future__ import annotations
 
@@ -207,27 +209,48 @@ def _data_and_optimizer(job, layout, hw, units, link, slowest, bandwidth, ranks_
     if layout.offload == "none":
         optimizer = owned * (ADAM_BYTES + 2 * pb) / bandwidth
     else:
-        optimizer = owned / hw.host_adam_rate + _offload_copies(layout, hw, shard * pb,
-                                                                m * sum(slowest))
+        host_adam = hw.host_adam_rate * hw.devices_per_node / ranks_per_node
+        backward = m * sum(slowest) * 2 / 3
+        optimizer = owned / host_adam + _offload_copies(layout, hw, shard, pb, count, backward,
+                                                        ranks_per_node)
     return grads + params, optimizer
 
 
-def _offload_copies(layout, hw, shard_bytes, compute) -> float:
-    """Exposed seconds per step of offload's host traffic for a rank's `shard_bytes`: the
-    reduced gradient shard down once a step (stage 1) or every micro-step (stages 2-3, each
-    added on the host into the accumulated one, 3 x its bytes at the host Adam's streaming
-    rate), the parameter shard up once (the update) or at each of stage 3's two gathers per
-    micro-step with parameter offload. On a GPU the copies and host adds run beside the
-    device's `compute` (seconds per step) except the last gradient's and the update's; on a CPU
-    the rank's thread does them."""
+def host_add_rate(hw: Hardware, ranks_per_node: int) -> float:
+    """Gradient elements per second one rank's thread adds into its accumulated host shard:
+    the hardware's `host_add_rate`, else the host Adam's streaming share at 6 bytes an
+    element (float16 read twice, written once) against Adam's 28; a CPU rank gets its core
+    share of it."""
+    rate = hw.host_add_rate or hw.host_adam_rate * HOST_ADAM_BYTES / 6
+    return rate * hw.core_share(ranks_per_node)
+
+
+def offload_transfers(layout: Layout) -> tuple[int, int, int]:
+    """Per step, in whole shards of a rank with optimizer offload: (gradient shards copied
+    device -> host, parameter shards copied host -> device, gradient shards added on the
+    host). Stage 1 reduces once a step and copies the shard down; stages 2-3 reduce and copy
+    every micro-step, adding all but the step's first into the accumulated shard; the update
+    goes up once, or with stage 3's parameter offload each of a micro-step's two gathers reads
+    the host shard."""
     m = layout.micro_batches
     down = 1 if layout.stage == 1 else m
-    up = 2 * m if layout.offload == "optimizer+param" else 1
-    copy = hw.host_device.seconds(shard_bytes)
-    add = 3 * shard_bytes / (hw.host_adam_rate * HOST_ADAM_BYTES)
-    total = (down + up) * copy + (down - 1) * add
+    return down, 2 * m if layout.offload == "optimizer+param" else 1, down - 1
+
+
+def _offload_copies(layout, hw, shard, pb, units, backward, ranks_per_node) -> float:
+    """Exposed seconds per step of offload's host traffic for a rank's `shard` elements of
+    `pb` bytes in `units` units: the reduced gradient shard down once a step (stage 1) or
+    every micro-step (stages 2-3; each but the step's first added on the host into the
+    accumulated one, at `host_add_rate`), the parameter shard up once (the update) or at each
+    of stage 3's two gathers per micro-step with parameter offload. On a GPU the copies and
+    adds of a unit run while the device computes the units after it in backward, so all but
+    the last unit's gradient and the update hide behind the `backward` seconds of the step; on
+    a CPU the rank's thread does them all."""
+    down, up, adds = offload_transfers(layout)
+    copy = hw.host_device.seconds(shard * pb)
+    add = shard / host_add_rate(hw, ranks_per_node)
+    total = (down + up) * copy + adds * add
     if not hw.on_gpu:
         return total
-    last = copy + (add if down > 1 else 0) + (copy if up == 1 else 0)  # the last gradient
-    #                                          down and added, the update up: after the compute
-    return last + max(0.0, total - last - compute)
+    last = (copy + (add if adds else 0)) / units + (copy if up == 1 else 0)
+    return last + max(0.0, total - last - backward)
