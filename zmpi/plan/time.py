@@ -31,11 +31,11 @@ its core share of it); with overlap (a GPU, or
 a CPU with a core to spare) the gradient passes hide behind backward (all micro-steps' for
 stages 2-3, the last one's for 0-1) except the last unit's. The optimizer: Adam over the
 rank's master elements at the memory bandwidth, or at the host Adam's rate with offload plus
-the gradient shard down (every micro-step at stages 2-3, each added into the accumulated one on
-the host at the hardware's host_add_rate) and the parameters up over the host link (stage 3 parameter offload: each gather's
-shard), hidden behind backward on a GPU except the last unit's gradient and the update. The
-host Adam's rate is the node's share per device spread over the node's ranks (a rank alone
-on a node uses every core's thread).
+the gradient shard down (every micro-step at stages 2-3, each added into the accumulated one
+on the host at the hardware's host_add_rate) and the parameters up over the host link (stage
+3 parameter offload: each gather's shard), hidden behind backward on a GPU except the last
+unit's gradient and the update. The host Adam's rate is the node's share per device spread
+over the node's ranks (a rank alone on a node uses every core's thread).
 """
 from __future__ import annotations
 
