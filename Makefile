@@ -69,8 +69,8 @@ tables: $(STAMP)
 bench: bench-install
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_vs_torch.py --profile --out results/vs_torch_n$(NP)
 
-# zmpi plan's model against the published runs and against this machine (48 layouts, about
-# 2 minutes; its timings need a quiet machine): docs/plan.md
+# zmpi plan's model against the published runs and against this machine (48 layouts in 3
+# rounds, about 5 minutes; its timings need a quiet machine): docs/plan.md
 bench-plan: $(STAMP)
 	$(PY) experiments/plan_published.py --out results/plan_published
 	$(PY) experiments/validate_plan.py --out results/plan_validation
