@@ -25,7 +25,9 @@ profile. Compared per rank with the prediction for its pipeline stage:
 The whole run (the hardware measured, then every layout) is repeated `--rounds` times (3): on
 a shared machine both the calibration and the steps move with the neighbours' load, by 20-30%
 within minutes here, so a layout's step time is judged by its median round (the round whose
-measured / predicted is the median of its rounds), with every round's ratio beside it.
+measured / predicted is the median of its rounds), with every round's ratio beside it. A
+round after the first that fails (an mpiexec that dies or times out) ends the run with the
+rounds before it, saying so under the table.
 
 Writes OUT/table.md, table.csv (a row per layout: its median round, its worst rank) and
 run.json (every round's hardware, every rank's figures); prints a summary. Timings on this
@@ -345,6 +347,28 @@ def median_round(rows: list[dict]) -> dict:
             "round": middle + 1, "round_ratios": ratios}
 
 
+def run_round(args, picked):
+    """One round: the hardware (measured, or args.hardware's file), then every picked layout,
+    one mpiexec per world size. Returns (hardware, its rows, [{"world", "layouts"}, ...])."""
+    from zmpi.plan.hardware import Hardware
+    from zmpi.plan.measure import measure_this
+
+    hw = measure_this(ranks=2, progress=print) if args.hardware == "this" else \
+        Hardware.from_dict(json.loads(Path(args.hardware).read_text()))
+    rows, raw = [], []
+    for world in args.worlds:
+        items = [{"job": asdict(job_for(args, world, p)), "layout": layout.to_dict()}
+                 for p, layout in picked if layout.dp * layout.pp * layout.tp == world]
+        items = items[:args.only] if args.only else items
+        if not items:
+            continue
+        print(f"world {world}: {len(items)} layouts", flush=True)
+        done = launch(args, world, items)
+        raw.append({"world": world, "layouts": done})
+        rows.extend(compare(item, hw) for item in done)
+    return hw, rows, raw
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n-layer", type=int, default=4)
@@ -378,36 +402,31 @@ def main(argv=None) -> None:
         worker(args)
         return
 
-    from zmpi.plan.hardware import Hardware
-    from zmpi.plan.measure import measure_this
-
     sys.path.insert(0, str(HERE))
     from results import write_results
 
     t0 = time.perf_counter()
     load = {"before": os.getloadavg()}  # the machine is shared: its load beside the timings
     picked = pick_layouts(args)
-    hardware, rounds, raw = [], [], []
+    hardware, rounds, raw, failed = [], [], [], None
     for k in range(args.rounds):
         print(f"round {k + 1} of {args.rounds}", flush=True)
-        hw = measure_this(ranks=2, progress=print) if args.hardware == "this" else \
-            Hardware.from_dict(json.loads(Path(args.hardware).read_text()))
+        try:
+            hw, rows, done = run_round(args, picked)
+        except (RuntimeError, subprocess.SubprocessError) as error:
+            if not rounds:
+                raise
+            failed = f"Round {k + 1} failed ({error}): the table holds the {len(rounds)} " \
+                     "round(s) before it."
+            print(failed, file=sys.stderr, flush=True)
+            break
         hardware.append(hw)
-        rows = []
-        for world in args.worlds:
-            items = [{"job": asdict(job_for(args, world, p)), "layout": layout.to_dict()}
-                     for p, layout in picked if layout.dp * layout.pp * layout.tp == world]
-            items = items[:args.only] if args.only else items
-            if not items:
-                continue
-            print(f"world {world}: {len(items)} layouts", flush=True)
-            done = launch(args, world, items)
-            raw.append({"round": k + 1, "world": world, "layouts": done})
-            rows.extend(compare(item, hw) for item in done)
         rounds.append(rows)
+        raw.extend({"round": k + 1, **world} for world in done)
     rows = [median_round(list(same)) for same in zip(*rounds, strict=True)]
     load["after"] = os.getloadavg()
     lines = markdown(rows, args, hardware)
+    lines += ["", failed] if failed else []
     lines.append("")
     lines.append("Load average (1, 5, 15 min) before "
                  f"{', '.join(f'{x:.2f}' for x in load['before'])}, after "
