@@ -8,7 +8,7 @@ import math
 import pytest
 from mpi_util import launch_mpi
 
-from zmpi.plan import measure
+from zmpi.plan import engine_rates, measure
 from zmpi.plan.hardware import PRESETS, Hardware, Link, parse_size
 from zmpi.plan.measure import fit_allreduce_link, load_hardware, measure_this
 from zmpi.plan.time import ring_sent
@@ -285,7 +285,7 @@ def _check_measured(hw: Hardware, ranks: int) -> None:
     # the least-squares line through the blocks' time besides the matmuls: with a fixed
     # part its residuals sum to zero and are uncorrelated with the bytes
     shapes = hw.measured["layer"]["shapes"]
-    assert len(shapes) == len(measure.LAYER_SHAPES) >= 3
+    assert len(shapes) == len(engine_rates.LAYER_SHAPES) >= 3
     assert hw.elementwise_rate > 0 and hw.layer_overhead >= 0
     if hw.layer_overhead > 0:
         residuals = [s["rest_seconds"] - hw.layer_overhead - s["layer_bytes"] /

@@ -54,7 +54,7 @@ class Hardware:
         (LayerNorm, GELU, softmax, residual adds, casts, and the engine's own per-unit work)
         goes through the block's activation bytes, forward and backward together; None: the
         memory bandwidth over `zmpi.plan.time.ELEMENTWISE_PASSES` passes (a GPU's streaming
-        kernels). `--hardware this` measures it (zmpi.plan.measure.measure_layer).
+        kernels). `--hardware this` measures it (zmpi.plan.engine_rates.measure_layer).
     layer_overhead: seconds a transformer block's forward and backward take per micro-batch
         whatever its size (launches, the engine's per-unit work): 0 in the presets (GPU
         kernels queue ahead of the host); `--hardware this` measures it with elementwise_rate.

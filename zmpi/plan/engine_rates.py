@@ -1,0 +1,137 @@
+"""The rates of zmpi's own Engine on this machine, for `measure_this`: small GPTs trained on
+this rank alone, their steps timed and fitted.
+
+- `measure_layer(gemm_rate)`: a transformer block's time besides its matmuls, as a fixed
+  `layer_overhead` per block and micro-batch plus its activation bytes at `elementwise_rate`
+  (LAYER_SHAPES, fp32, ZeRO-0);
+- `measure_engine()`: what ZeRO-2 and ZeRO-3 add per unit and micro-batch, and what fp16
+  storage costs per parameter (ENGINE_SHAPE, ENGINE_MICRO_BATCHES micro-batches a step).
+
+Every figure is a median of steps after a warm-up (the model predicts a typical step).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+LAYER_SHAPES = ({"micro_batch": 2, "seq_len": 32, "d_model": 96, "n_head": 4},
+                {"micro_batch": 4, "seq_len": 64, "d_model": 160, "n_head": 4},
+                {"micro_batch": 4, "seq_len": 128, "d_model": 256, "n_head": 4})  # measure_layer
+ENGINE_SHAPE = LAYER_SHAPES[1]  # measure_engine's GPT
+ENGINE_MICRO_BATCHES = 4
+
+
+def measure_layer(gemm_rate: float, steps: int = 9) -> dict:
+    """A transformer block's forward and backward as the Engine runs them, on this rank alone,
+    at each of LAYER_SHAPES (the module docstring), and the least-squares line through them:
+    the seconds besides the matmuls (at `gemm_rate`) = `layer_overhead` + activation bytes /
+    `elementwise_rate` (through the origin where the line would start below it). Each
+    shape's seconds per block and micro-batch, matmul FLOPs and activation bytes are kept
+    under "shapes"."""
+    shapes = [_block_seconds(shape, gemm_rate, steps) for shape in LAYER_SHAPES]
+    x = np.array([s["layer_bytes"] for s in shapes], float)
+    y = np.array([s["rest_seconds"] for s in shapes])
+    slope = float(np.cov(x, y, bias=True)[0, 1] / np.var(x))
+    overhead = float(y.mean() - slope * x.mean())
+    if slope <= 0 or overhead < 0:  # noise: no fixed part
+        slope, overhead = float(x @ y / (x @ x)), 0.0
+    return {"shapes": shapes, "elementwise_rate": 1 / slope, "layer_overhead": overhead}
+
+
+def _block_seconds(shape: dict, gemm_rate: float, steps: int) -> dict:
+    """One shape of measure_layer: a 2-block GPT of `shape` (vocabulary 256), fp32, ZeRO-0,
+    `steps` steps after a warm-up; the blocks' seconds per micro-batch (the median of the
+    steps, the Engine's profile of each)."""
+    from mpi4py import MPI
+
+    from zmpi.comm import Comm
+    from zmpi.engine import Engine
+    from zmpi.models.gpt import GPT, GPTConfig, gpt_activation_bytes
+    from zmpi.nn.attention import attention_block, causal_entries
+
+    b, s, h, heads = shape["micro_batch"], shape["seq_len"], shape["d_model"], shape["n_head"]
+    vocab, layers = 256, 2
+    engine = Engine(GPT(GPTConfig(vocab, s, layers, heads, h), seed=0),
+                    {"train_micro_batch_size_per_gpu": b}, Comm(MPI.COMM_SELF))
+    rng = np.random.default_rng(0)
+    times = []
+    try:
+        for step in range(steps + 1):  # the first compiles and first-touches: left out
+            before = _blocks_seconds(engine.phases)
+            tokens = rng.integers(0, vocab, (b, s + 1))
+            engine.train_step(tokens[:, :-1].copy(), tokens[:, 1:].copy())
+            if step:
+                times.append((_blocks_seconds(engine.phases) - before) / layers)
+    finally:
+        engine.close()
+    seconds = statistics.median(times)
+    scores = b * heads * causal_entries(s, attention_block(s, b * heads, False))
+    flops = 3 * (2 * b * s * 12 * h * h + 4 * scores * h // heads)
+    nbytes = gpt_activation_bytes(layers, h, heads, vocab, s, b, 4)["layer"]
+    rest = max(seconds - flops / gemm_rate, 0.1 * seconds)  # a floor against a noisy GEMM
+    return {**shape, "block_seconds": seconds, "matmul_flops": flops, "layer_bytes": nbytes,
+            "rest_seconds": rest}
+
+
+def measure_engine(steps: int = 15) -> dict:
+    """The engine's work that scales with its units and parameters rather than with the
+    activations, on this rank alone: a 2-block GPT of ENGINE_SHAPE, ENGINE_MICRO_BATCHES
+    micro-batches a step, trained at ZeRO-0, -2 and -3 in fp32 and at ZeRO-0 in fp16 (the
+    median step of `steps` after a warm-up each). Against fp32 ZeRO-0: a stage's extra
+    seconds per unit and micro-batch (`stage2_unit_overhead`, `stage3_unit_overhead`: a full
+    gradient allocated, reduced into the shard and freed, ZeRO-3 also gathering and releasing
+    the parameters), and the parameters per second that fp16 storage costs per micro-batch
+    (`half_storage_rate`: the weights cast to float32 at each use and the gradients back);
+    0 and None where noise hid the difference. The four engines take turns, a step each, so
+    that the machine's drift touches them alike. The step seconds are kept under "steps"."""
+    from mpi4py import MPI
+
+    from zmpi.comm import Comm
+    from zmpi.engine import Engine
+    from zmpi.models.gpt import GPT, GPTConfig
+    from zmpi.plan.layout import Job, Layout, to_config
+    from zmpi.plan.memory import stage_units
+
+    b, s, h, heads = (ENGINE_SHAPE[k] for k in ("micro_batch", "seq_len", "d_model", "n_head"))
+    m, layers, vocab = ENGINE_MICRO_BATCHES, 2, 256
+    units = stage_units(Job(layers, h, heads, vocab, s, b * m, 1, 1, "fp32"), 1, 1)[0]
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, (b * m, s + 1))
+    inputs, targets = tokens[:, :-1].copy(), tokens[:, 1:].copy()
+    engines = {}
+    try:
+        for name, precision, stage in (("fp32 stage 0", "fp32", 0), ("fp32 stage 2", "fp32", 2),
+                                       ("fp32 stage 3", "fp32", 3), ("fp16 stage 0", "fp16", 0)):
+            job = Job(layers, h, heads, vocab, s, b * m, 1, 1, precision)
+            config = to_config(job, Layout(1, 1, 1, stage, "none", "none", False, b, m, "1f1b"))
+            del config["model"]  # the model is built here
+            engines[name] = Engine(GPT(GPTConfig(vocab, s, layers, heads, h), seed=0), config,
+                                   Comm(MPI.COMM_SELF))
+        times = {name: [] for name in engines}
+        for step in range(steps + 1):  # the first compiles and first-touches: left out
+            for name, engine in engines.items():
+                start = time.perf_counter()
+                engine.train_step(inputs, targets)
+                if step:
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    seconds = {name: statistics.median(t) for name, t in times.items()}
+    base = seconds["fp32 stage 0"]
+    per_unit = {k: max(seconds[f"fp32 stage {k}"] - base, 0.0) / (m * len(units))
+                for k in (2, 3)}
+    half = seconds["fp16 stage 0"] - base
+    return {"shape": ENGINE_SHAPE, "micro_batches": m, "units": len(units),
+            "params": sum(units), "steps": seconds,
+            "stage2_unit_overhead": per_unit[2], "stage3_unit_overhead": per_unit[3],
+            "half_storage_rate": m * sum(units) / half if half > 0 else None}
+
+
+def _blocks_seconds(profile) -> float:
+    """The forward and backward seconds of every Block a PhaseProfile has summed so far."""
+    return sum(u["forward"] + u["backward"]
+               for name, u in zip(profile.unit_names, profile.units, strict=True)
+               if name == "Block")
