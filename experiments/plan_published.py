@@ -47,11 +47,15 @@ ASSUMED_SEQ_LEN = 1024  # the ZeRO papers do not state theirs; GPT-2's
 ASSUMED_VOCAB = 50257  # nor their vocabulary; GPT-2's
 
 
+def paper_tflops(job, step_seconds: float) -> float:
+    """TFLOP/s per GPU of `job` at `step_seconds` a step, counted as the papers count
+    (Megatron-LM's eq. 3, recompute included)."""
+    return model_flops_per_step(job, recompute=True) / step_seconds / job.world_size / 1e12
+
+
 def predicted_tflops(job, layout, hw) -> float:
-    """TFLOP/s per GPU the planner predicts for `job` as `layout` on `hw`, counted as the
-    papers count (Megatron-LM's eq. 3, recompute included)."""
-    step = evaluate(job, layout, hw).time.total
-    return model_flops_per_step(job, recompute=True) / step / job.world_size / 1e12
+    """paper_tflops at the step time the planner predicts for `job` as `layout` on `hw`."""
+    return paper_tflops(job, evaluate(job, layout, hw).time.total)
 
 
 def predict(name, job, layout, hw, published, preset=None):
@@ -59,7 +63,7 @@ def predict(name, job, layout, hw, published, preset=None):
     `hw`; with `preset` (the hardware `hw` was calibrated from) its ratio there too."""
     candidate = evaluate(job, layout, hw)
     memory, t = candidate.memory, candidate.time
-    tflops = predicted_tflops(job, layout, hw)
+    tflops = paper_tflops(job, t.total)
     at_preset = predicted_tflops(job, layout, preset) if preset else tflops
     return {"run": name, "layout": layout.describe(), "gpus": job.world_size,
             "device_GB": round(memory.device / 1e9, 1),

@@ -134,11 +134,9 @@ class Hardware:
             overhead = d.get(key, 0.0)
             values[key] = 0.0 if overhead == 0 and not isinstance(overhead, bool) \
                 else parse_size(overhead, key, "latency")
-        for key in ("elementwise_rate", "half_reduction_rate", "half_storage_rate",
-                    "host_add_rate"):
+        for key, kind in _OPTIONAL_RATES.items():
             if d.get(key) is not None:
-                values[key] = parse_size(d[key], key, "bandwidth" if key in (
-                    "elementwise_rate", "half_reduction_rate") else "number")
+                values[key] = parse_size(d[key], key, kind)
         for key in (*_LINKS, "oversubscribed"):
             link = d.get(key)
             if key == "oversubscribed" and link is None:
@@ -165,8 +163,10 @@ class Hardware:
 
 DTYPES = ("fp32", "fp16", "bf16")
 _OVERHEADS = ("layer_overhead", "stage2_unit_overhead", "stage3_unit_overhead")
-_OPTIONAL = {"cores_per_node", "elementwise_rate", *_OVERHEADS, "half_storage_rate",
-             "host_add_rate", "half_reduction_rate", "oversubscribed", "source", "measured"}
+_OPTIONAL_RATES = {"elementwise_rate": "bandwidth", "half_reduction_rate": "bandwidth",
+                   "half_storage_rate": "number", "host_add_rate": "number"}  # None: unset
+_OPTIONAL = {"cores_per_node", *_OVERHEADS, *_OPTIONAL_RATES, "oversubscribed", "source",
+             "measured"}
 _LINKS = ("intra_node", "inter_node", "host_device")
 _QUANTITIES = {"memory_bandwidth": "bandwidth", "device_memory": "bytes",
                "host_memory": "bytes", "host_adam_rate": "number"}

@@ -49,6 +49,7 @@ from zmpi.plan.memory import micro_batch_activation, padded, stage_blocks, stage
 ELEMENTWISE_PASSES = 6  # activation bytes touched per micro-batch: written and read forward,
 #                         read with their gradients written and read backward
 FORWARD_SHARE = 2 / ELEMENTWISE_PASSES  # of those passes, the forward's (recompute repeats it)
+BACKWARD_SHARE = 2 / 3  # of a micro-batch's compute, the backward's (twice the forward)
 ADAM_BYTES = 24  # fp32 master, m, v read and written per element (+ gradient and parameter)
 HOST_ADAM_BYTES = 28  # what host_adam_rate moves per parameter (hardware.py): its streaming rate
 
@@ -203,14 +204,14 @@ def _data_and_optimizer(job, layout, hw, units, link, slowest, bandwidth, ranks_
                                                       * hw.core_share(ranks_per_node))
     params = ring_pass(link, nbytes, d, count) if layout.stage in (1, 2) else 0.0
     if can_overlap(hw, ranks_per_node):
-        hidden = sum(slowest) * (m if layout.stage >= 2 else 1) * 2 / 3  # backward's share
+        hidden = sum(slowest) * (m if layout.stage >= 2 else 1) * BACKWARD_SHARE
         grads = max(grads - hidden, grads / count)
     owned = shard if layout.stage >= 1 else full
     if layout.offload == "none":
         optimizer = owned * (ADAM_BYTES + 2 * pb) / bandwidth
     else:
         host_adam = hw.host_adam_rate * hw.devices_per_node / ranks_per_node
-        backward = m * sum(slowest) * 2 / 3
+        backward = m * sum(slowest) * BACKWARD_SHARE
         optimizer = owned / host_adam + _offload_copies(layout, hw, shard, pb, count, backward,
                                                         ranks_per_node)
     return grads + params, optimizer
