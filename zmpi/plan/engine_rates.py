@@ -27,10 +27,14 @@ def measure_layer(gemm_rate: float, steps: int = 9) -> dict:
     """A transformer block's forward and backward as the Engine runs them, on this rank alone,
     at each of LAYER_SHAPES (the module docstring), and the least-squares line through them:
     the seconds besides the matmuls (at `gemm_rate`) = `layer_overhead` + activation bytes /
-    `elementwise_rate` (through the origin where the line would start below it). Each
-    shape's seconds per block and micro-batch, matmul FLOPs and activation bytes are kept
+    `elementwise_rate` (through the origin where the line would start below it). The shapes'
+    engines take turns, a step each, so that the machine's drift touches every point of the
+    line alike (measured one after another, a slower minute under one shape tilted the line).
+    Each shape's seconds per block and micro-batch, matmul FLOPs and activation bytes are kept
     under "shapes"."""
-    shapes = [_block_seconds(shape, gemm_rate, steps) for shape in LAYER_SHAPES]
+    seconds = _blocks_seconds_interleaved(LAYER_SHAPES, steps)
+    shapes = [_block_figures(shape, s, gemm_rate) for shape, s in zip(LAYER_SHAPES, seconds,
+                                                                       strict=True)]
     x = np.array([s["layer_bytes"] for s in shapes], float)
     y = np.array([s["rest_seconds"] for s in shapes])
     slope = float(np.cov(x, y, bias=True)[0, 1] / np.var(x))
@@ -40,36 +44,52 @@ def measure_layer(gemm_rate: float, steps: int = 9) -> dict:
     return {"shapes": shapes, "elementwise_rate": 1 / slope, "layer_overhead": overhead}
 
 
-def _block_seconds(shape: dict, gemm_rate: float, steps: int) -> dict:
-    """One shape of measure_layer: a 2-block GPT of `shape` (vocabulary 256), fp32, ZeRO-0,
-    `steps` steps after a warm-up; the blocks' seconds per micro-batch (the median of the
-    steps, the Engine's profile of each)."""
+LAYER_VOCAB, LAYER_BLOCKS = 256, 2  # measure_layer's GPTs: fp32, ZeRO-0
+
+
+def _blocks_seconds_interleaved(shapes, steps: int) -> list[float]:
+    """Per shape, the median over `steps` steps (after a warm-up step) of its GPT's blocks'
+    seconds per block and micro-batch (the Engine's profile), the shapes' engines stepping in
+    turn."""
     from mpi4py import MPI
 
     from zmpi.comm import Comm
     from zmpi.engine import Engine
-    from zmpi.models.gpt import GPT, GPTConfig, gpt_activation_bytes
+    from zmpi.models.gpt import GPT, GPTConfig
+
+    rng = np.random.default_rng(0)
+    engines, batches = [], []
+    try:
+        for shape in shapes:
+            b, s = shape["micro_batch"], shape["seq_len"]
+            engines.append(Engine(GPT(GPTConfig(LAYER_VOCAB, s, LAYER_BLOCKS, shape["n_head"],
+                                                shape["d_model"]), seed=0),
+                                  {"train_micro_batch_size_per_gpu": b}, Comm(MPI.COMM_SELF)))
+            tokens = rng.integers(0, LAYER_VOCAB, (b, s + 1))
+            batches.append((tokens[:, :-1].copy(), tokens[:, 1:].copy()))
+        times = [[] for _ in shapes]
+        for step in range(steps + 1):  # the first compiles and first-touches: left out
+            for engine, batch, spent in zip(engines, batches, times, strict=True):
+                before = _blocks_seconds(engine.phases)
+                engine.train_step(*batch)
+                if step:
+                    spent.append((_blocks_seconds(engine.phases) - before) / LAYER_BLOCKS)
+    finally:
+        for engine in engines:
+            engine.close()
+    return [statistics.median(t) for t in times]
+
+
+def _block_figures(shape: dict, seconds: float, gemm_rate: float) -> dict:
+    """One shape of measure_layer: its block's `seconds`, matmul FLOPs and activation bytes,
+    and the seconds besides the matmuls at `gemm_rate`."""
+    from zmpi.models.gpt import gpt_activation_bytes
     from zmpi.nn.attention import attention_block, causal_entries
 
     b, s, h, heads = shape["micro_batch"], shape["seq_len"], shape["d_model"], shape["n_head"]
-    vocab, layers = 256, 2
-    engine = Engine(GPT(GPTConfig(vocab, s, layers, heads, h), seed=0),
-                    {"train_micro_batch_size_per_gpu": b}, Comm(MPI.COMM_SELF))
-    rng = np.random.default_rng(0)
-    times = []
-    try:
-        for step in range(steps + 1):  # the first compiles and first-touches: left out
-            before = _blocks_seconds(engine.phases)
-            tokens = rng.integers(0, vocab, (b, s + 1))
-            engine.train_step(tokens[:, :-1].copy(), tokens[:, 1:].copy())
-            if step:
-                times.append((_blocks_seconds(engine.phases) - before) / layers)
-    finally:
-        engine.close()
-    seconds = statistics.median(times)
     scores = b * heads * causal_entries(s, attention_block(s, b * heads, False))
     flops = 3 * (2 * b * s * 12 * h * h + 4 * scores * h // heads)
-    nbytes = gpt_activation_bytes(layers, h, heads, vocab, s, b, 4)["layer"]
+    nbytes = gpt_activation_bytes(LAYER_BLOCKS, h, heads, LAYER_VOCAB, s, b, 4)["layer"]
     rest = max(seconds - flops / gemm_rate, 0.1 * seconds)  # a floor against a noisy GEMM
     return {**shape, "block_seconds": seconds, "matmul_flops": flops, "layer_bytes": nbytes,
             "rest_seconds": rest}
