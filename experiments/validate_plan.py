@@ -20,7 +20,9 @@ profile. Compared per rank with the prediction for its pipeline stage:
 - device total: the ledger's device peak vs StageMemory.device (model states + ZeRO's
   transients + activations); the parts beside it (transient: the peak of the device bytes
   other than activations, minus the model states; activation: the activation group's peak);
-- the step time: the median after the warm-up vs StepTime.total.
+- the step time: the least step after the warm-up (each step the slowest rank's) vs
+  StepTime.total, the model's step on the quiet machine `measure_this` measures (its timings
+  are each the least of a few).
 
 The whole run (the hardware measured, then every layout) is repeated `--rounds` times (3): on
 a shared machine both the calibration and the steps move with the neighbours' load, by 20-30%
@@ -28,14 +30,6 @@ within minutes here, so a layout's step time is judged by its median round (the 
 measured / predicted is the median of its rounds), with every round's ratio beside it. A
 round after the first that fails (an mpiexec that dies or times out) ends the run with the
 rounds before it, saying so under the table.
-
-The machine's drift is also measured: a fixed probe (`speed_probe`: a transformer Block's
-forward and backward on one rank, about 0.3 s) runs before and after the hardware's
-measurement and before and after every layout. A layout's `speed` (its probes' mean over the
-measurement's) scales its prediction in a second ratio, `tracked` = measured / (predicted x
-speed), reported beside the plain one: how far the model is from the engine when the
-machine's speed since its measurement is taken out. The model's rates are never fitted to
-the probe or to the layouts.
 
 Writes OUT/table.md, table.csv (a row per layout: its median round, its worst rank) and
 run.json (every round's hardware, every rank's figures); prints a summary. Timings on this
@@ -65,8 +59,6 @@ REPO = HERE.parent
 MESHES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (4, 1, 1), (2, 2, 1), (2, 1, 2),
           (1, 2, 2), (1, 4, 1), (1, 1, 4)]  # (dp, pp, tp), every one with dp pp tp <= 4
 MIB = 2**20
-PROBE_SHAPE = (4, 64, 128, 4)  # speed_probe's Block: batch, sequence, d_model, heads
-PROBE_REPEATS = 30  # its forward and backward, about 0.3 s here
 
 
 def job_for(args, world: int, precision: str) -> Job:
@@ -106,36 +98,6 @@ def pick_layouts(args) -> list[tuple[str, Layout]]:
             known[world, precision] = set(layouts(job_for(args, world, precision)))
         assert layout in known[world, precision], layout
     return picked
-
-
-# -- the machine's speed now: a probe beside the hardware's measurement and every layout ---
-
-def speed_probe() -> float:
-    """Seconds of a fixed piece of the engine's kind of work on this process alone: a
-    transformer Block (fp32, PROBE_SHAPE) forward and backward PROBE_REPEATS times, its GEMMs,
-    elementwise passes and Python calls. Timed around the hardware's measurement and around
-    each layout, its ratio (`speed`) says how much slower the shared machine ran the layout
-    than it ran the measurement; the model's rates are not fitted to it."""
-    from zmpi.nn import Block
-
-    b, s, h, heads = PROBE_SHAPE
-    block = Block(h, heads, rng=0, dtype=np.float32)
-    x = np.random.default_rng(0).standard_normal((b, s, h)).astype(np.float32)
-    block.backward(block.forward(x))  # first touch, outside the time
-    start = time.perf_counter()
-    for _ in range(PROBE_REPEATS):
-        block.backward(block.forward(x))
-    return time.perf_counter() - start
-
-
-def probe_alone(comm) -> float | None:
-    """speed_probe on rank 0 while the other ranks wait asleep (an MPI rank waiting in a
-    barrier spins, taking a core): rank 0's seconds, None on the others."""
-    seconds = speed_probe() if comm.rank == 0 else None
-    request = comm.mpi.Ibarrier()
-    while not request.Test():
-        time.sleep(0.005)
-    return seconds
 
 
 # -- the worker: one mpiexec per world size, the layouts one after another ------------------
@@ -207,16 +169,13 @@ def worker(args) -> None:
     for item in todo:
         job, layout = Job(**item["job"]), Layout(**item["layout"])
         t0 = time.perf_counter()
-        before = probe_alone(comm)
         try:
             mine = run_layout(comm, job, layout, args.steps, args.seed)
         except ValueError as e:  # a config the engine refuses: alike on every rank
             mine = {"rank": comm.rank, "error": str(e)}
         ranks = comm.allgather_object(mine)
-        after = probe_alone(comm)
         if comm.rank == 0:
-            results.append({**item, "ranks": ranks, "probe": [before, after],
-                            "seconds": time.perf_counter() - t0})
+            results.append({**item, "ranks": ranks, "seconds": time.perf_counter() - t0})
             print(f"  {layout.describe()} [{job.precision}]: "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
     if comm.rank == 0:
@@ -246,10 +205,8 @@ def ratio(measured: float, predicted: float) -> float:
     return measured / predicted if predicted else (1.0 if measured == 0 else float("inf"))
 
 
-def compare(item: dict, hw, probe: float) -> dict:
-    """A row: the layout, its worst rank's memory (predicted / measured) and the step time,
-    also against the prediction scaled by the machine's speed (`speed`: the mean of the
-    item's probes over `probe`, the probe's seconds around the hardware's measurement)."""
+def compare(item: dict, hw) -> dict:
+    """A row: the layout, its worst rank's memory (predicted / measured) and the step time."""
     from zmpi.plan.memory import layout_memory
     from zmpi.plan.time import step_time
 
@@ -282,9 +239,8 @@ def compare(item: dict, hw, probe: float) -> dict:
     worst = max(per_rank, key=lambda p: abs(p["device_ratio"] - 1))
     per_step = zip(*(r["times"] for r in item["ranks"]), strict=True)
     times = [max(ts) for ts in per_step][1:]  # the slowest rank's, without the warm-up
-    measured_s = statistics.median(times)
+    measured_s = min(times)  # the machine at its quietest, as measure_this times it
     predicted = step_time(job, layout, hw)
-    speed = statistics.mean(item["probe"]) / probe
     return {**row, "ms_exact": exact,
             "ms_device_pred": worst["ms_pred"]["device"], "ms_device_meas":
                 worst["ms_meas"]["device"],
@@ -296,8 +252,7 @@ def compare(item: dict, hw, probe: float) -> dict:
             "device_ratio": worst["device_ratio"],
             "time_pred_s": predicted.total, "time_meas_s": measured_s,
             "waited_s": max(p["phases"]["waited"] for p in per_rank),
-            "time_ratio": measured_s / predicted.total, "speed": speed,
-            "time_ratio_tracked": measured_s / (predicted.total * speed),
+            "time_ratio": measured_s / predicted.total,
             "time_parts": predicted.to_dict(), "skipped_steps": item["ranks"][0]["skipped_steps"],
             "loss": item["ranks"][0]["loss"], "per_rank": per_rank}
 
@@ -325,10 +280,6 @@ def markdown(rows: list[dict], args, hardware: list) -> list[str]:
     within5 = sum(within(r["device_ratio"], 0.05) for r in ok)
     within20 = sum(within(r["time_ratio"], 0.20) for r in ok)
     per_round = [sum(within(r["round_ratios"][k], 0.20) for r in ok) for k in range(len(hardware))]
-    tracked20 = sum(within(r["tracked_ratio"], 0.20) for r in ok)
-    tracked_round = [sum(within(r["round_ratios_tracked"][k], 0.20) for r in ok)
-                     for k in range(len(hardware))]
-    speeds = [x for r in ok for x in r["round_speeds"]]
     lines = [
         f"GPT {args.n_layer} layers, d_model {args.d_model}, {args.n_head} heads, vocabulary "
         f"{args.vocab}, sequence {args.seq_len}, global batch {args.global_batch}; "
@@ -343,12 +294,9 @@ def markdown(rows: list[dict], args, hardware: list) -> list[str]:
         "equal the prediction on every rank in every round; transient: the device peak of "
         "everything but activations, less the model states; act: the activation group's device "
         "peak; device: the ledger's device peak (all categories at once) vs StageMemory.device; "
-        "time: the median step (the slowest rank's) vs StepTime.total; rounds: every round's "
-        "meas/pred; speed: the median round's probe (speed_probe, a Block's forward and "
-        "backward on one rank, before and after the layout) over the probe around that round's "
-        "hardware measurement; tracked: every round's meas / (pred x speed), the machine's "
-        "drift since its measurement taken out, and their median; waited: the most any rank "
-        "spent blocked in MPI per step (the Engine's profile).",
+        "time: the least step (each the slowest rank's) vs StepTime.total; rounds: every round's "
+        "meas/pred; waited: the most any rank spent blocked in MPI per step (the Engine's "
+        "profile).",
         "",
         f"Model states exact on every rank: {exact}/{len(ok)} layouts; device peak within 5%: "
         f"{within5}/{len(ok)}; step time within 20%: {within20}/{len(ok)} (the median round; "
@@ -357,21 +305,16 @@ def markdown(rows: list[dict], args, hardware: list) -> list[str]:
                     f"(median meas/pred {statistics.median(r['time_ratio'] for r in group):.2f})"
                     for n, group in _by_world(ok).items()) + ".",
         "",
-        f"With the machine's speed tracked: step time within 20%: {tracked20}/{len(ok)} (the "
-        f"median of the rounds; round by round {', '.join(map(str, tracked_round))}); median "
-        f"meas / (pred x speed) {statistics.median(r['tracked_ratio'] for r in ok):.2f}; the "
-        f"probe ran {min(speeds):.2f}-{max(speeds):.2f} times its time at the measurement.",
-        "",
         "| layout | prec | ms device pred / meas | ms host pred / meas | exact | transient "
         "pred / meas | act pred / meas | device pred / meas | meas/pred | time pred / meas ms "
-        "| meas/pred | rounds | speed | tracked | waited ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| meas/pred | rounds | waited ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     k = 1024
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['layout']} | {r['precision']} | error: {r['error']} |"
-                         + " |" * 12)
+                         + " |" * 10)
             continue
         lines.append(
             f"| {r['layout']} | {r['precision']} | {r['ms_device_pred'] / k:.1f} / "
@@ -382,9 +325,7 @@ def markdown(rows: list[dict], args, hardware: list) -> list[str]:
             f"{r['device_pred'] / k:.1f} / {r['device_meas'] / k:.1f} | "
             f"{r['device_ratio']:.3f} | {r['time_pred_s'] * 1e3:.0f} / "
             f"{r['time_meas_s'] * 1e3:.0f} | {r['time_ratio']:.2f} | "
-            f"{' '.join(f'{x:.2f}' for x in r['round_ratios'])} | {r['speed']:.2f} | "
-            f"{' '.join(f'{x:.2f}' for x in r['round_ratios_tracked'])}: "
-            f"**{r['tracked_ratio']:.2f}** | {r['waited_s'] * 1e3:.0f} |")
+            f"{' '.join(f'{x:.2f}' for x in r['round_ratios'])} | {r['waited_s'] * 1e3:.0f} |")
     return lines
 
 
@@ -399,32 +340,23 @@ def _by_world(rows: list[dict]) -> dict[int, list[dict]]:
 def median_round(rows: list[dict]) -> dict:
     """One layout's rows of every round as one: the round whose measured / predicted step time
     is the median (the lower middle of an even count), with every round's ratio
-    (`round_ratios`), every round's ratio to the speed-tracked prediction
-    (`round_ratios_tracked`) and their median (`tracked_ratio`, the lower middle), and the
-    model states exact only if they were in every round."""
+    (`round_ratios`) and the model states exact only if they were in every round."""
     if any("error" in r for r in rows):
         return next(r for r in rows if "error" in r)
     ratios = [r["time_ratio"] for r in rows]
-    tracked = [r["time_ratio_tracked"] for r in rows]
-    speeds = [r["speed"] for r in rows]
     middle = sorted(range(len(rows)), key=ratios.__getitem__)[(len(rows) - 1) // 2]
     return {**rows[middle], "ms_exact": all(r["ms_exact"] for r in rows),
-            "round": middle + 1, "round_ratios": ratios, "round_ratios_tracked": tracked,
-            "round_speeds": speeds,
-            "tracked_ratio": statistics.median_low(tracked)}
+            "round": middle + 1, "round_ratios": ratios}
 
 
 def run_round(args, picked):
     """One round: the hardware (measured, or args.hardware's file), then every picked layout,
-    one mpiexec per world size, with speed_probe before and after the hardware. Returns
-    (hardware, the probe's mean seconds, its rows, [{"world", "layouts"}, ...])."""
+    one mpiexec per world size. Returns (hardware, its rows, [{"world", "layouts"}, ...])."""
     from zmpi.plan.hardware import Hardware
     from zmpi.plan.measure import measure_this
 
-    before = speed_probe()
     hw = measure_this(ranks=2, progress=print) if args.hardware == "this" else \
         Hardware.from_dict(json.loads(Path(args.hardware).read_text()))
-    probe = (before + speed_probe()) / 2
     rows, raw = [], []
     for world in args.worlds:
         items = [{"job": asdict(job_for(args, world, p)), "layout": layout.to_dict()}
@@ -435,8 +367,8 @@ def run_round(args, picked):
         print(f"world {world}: {len(items)} layouts", flush=True)
         done = launch(args, world, items)
         raw.append({"world": world, "layouts": done})
-        rows.extend(compare(item, hw, probe) for item in done)
-    return hw, probe, rows, raw
+        rows.extend(compare(item, hw) for item in done)
+    return hw, rows, raw
 
 
 def main(argv=None) -> None:
@@ -478,11 +410,11 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     load = {"before": os.getloadavg()}  # the machine is shared: its load beside the timings
     picked = pick_layouts(args)
-    hardware, probes, rounds, raw, failed = [], [], [], [], None
+    hardware, rounds, raw, failed = [], [], [], None
     for k in range(args.rounds):
         print(f"round {k + 1} of {args.rounds}", flush=True)
         try:
-            hw, probe, rows, done = run_round(args, picked)
+            hw, rows, done = run_round(args, picked)
         except (RuntimeError, subprocess.SubprocessError) as error:
             if not rounds:
                 raise
@@ -491,7 +423,6 @@ def main(argv=None) -> None:
             print(failed, file=sys.stderr, flush=True)
             break
         hardware.append(hw)
-        probes.append(probe)
         rounds.append(rows)
         raw.extend({"round": k + 1, **world} for world in done)
     rows = [median_round(list(same)) for same in zip(*rounds, strict=True)]
@@ -505,7 +436,6 @@ def main(argv=None) -> None:
     print("\n".join(lines))
     write_results(args.out, rows, lines, types.SimpleNamespace(size=max(args.worlds)),
                   argv=sys.argv, args=vars(args), hardware=[hw.to_dict() for hw in hardware],
-                  probe_seconds=probes,
                   load=load, ranks=raw, seconds=time.perf_counter() - t0)
     print(f"wrote {args.out}/table.md, table.csv, run.json ({time.perf_counter() - t0:.0f} s)")
 

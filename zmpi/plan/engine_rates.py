@@ -7,11 +7,11 @@ this rank alone, their steps timed and fitted.
 - `measure_engine()`: what ZeRO-2 and ZeRO-3 add per unit and micro-batch, and what fp16
   storage costs per parameter (ENGINE_SHAPE, ENGINE_MICRO_BATCHES micro-batches a step).
 
-Every figure is a median of steps after a warm-up (the model predicts a typical step).
+Every figure is the least of its steps after a warm-up (the machine at its quietest, as
+zmpi.plan.measure.fastest_seconds).
 """
 from __future__ import annotations
 
-import statistics
 import time
 
 import numpy as np
@@ -48,7 +48,7 @@ LAYER_VOCAB, LAYER_BLOCKS = 256, 2  # measure_layer's GPTs: fp32, ZeRO-0
 
 
 def _blocks_seconds_interleaved(shapes, steps: int) -> list[float]:
-    """Per shape, the median over `steps` steps (after a warm-up step) of its GPT's blocks'
+    """Per shape, the least over `steps` steps (after a warm-up step) of its GPT's blocks'
     seconds per block and micro-batch (the Engine's profile), the shapes' engines stepping in
     turn."""
     from mpi4py import MPI
@@ -77,7 +77,7 @@ def _blocks_seconds_interleaved(shapes, steps: int) -> list[float]:
     finally:
         for engine in engines:
             engine.close()
-    return [statistics.median(t) for t in times]
+    return [min(t) for t in times]
 
 
 def _block_figures(shape: dict, seconds: float, gemm_rate: float) -> dict:
@@ -99,7 +99,7 @@ def measure_engine(steps: int = 15) -> dict:
     """The engine's work that scales with its units and parameters rather than with the
     activations, on this rank alone: a 2-block GPT of ENGINE_SHAPE, ENGINE_MICRO_BATCHES
     micro-batches a step, trained at ZeRO-0, -2 and -3 in fp32 and at ZeRO-0 in fp16 (the
-    median step of `steps` after a warm-up each). Against fp32 ZeRO-0: a stage's extra
+    least step of `steps` after a warm-up each). Against fp32 ZeRO-0: a stage's extra
     seconds per unit and micro-batch (`stage2_unit_overhead`, `stage3_unit_overhead`: a full
     gradient allocated, reduced into the shard and freed, ZeRO-3 also gathering and releasing
     the parameters), and the parameters per second that fp16 storage costs per micro-batch
@@ -139,7 +139,7 @@ def measure_engine(steps: int = 15) -> dict:
     finally:
         for engine in engines.values():
             engine.close()
-    seconds = {name: statistics.median(t) for name, t in times.items()}
+    seconds = {name: min(t) for name, t in times.items()}
     base = seconds["fp32 stage 0"]
     per_unit = {k: max(seconds[f"fp32 stage {k}"] - base, 0.0) / (m * len(units))
                 for k in (2, 3)}

@@ -6,10 +6,12 @@ the measurement of this machine (`measure_this`), in a few seconds.
     mpiexec -n 2 python -m zmpi.plan.measure --comm   # the allreduce only, JSON on rank 0
     mpiexec -n 4 python -m zmpi.plan.measure --comm --compute-between  # a GEMM between calls
 
-On a CPU a rank is a device, so every rate is one rank's, on one thread. Every timing is a
-median (the model predicts a typical step, and is compared with median steps):
+On a CPU a rank is a device, so every rate is one rank's, on one thread. Every timing is the
+least of a few (`fastest_seconds`: the machine at its quietest, where a shared machine's
+neighbours have added nothing; the model predicts that step and is compared with the least of
+a layout's steps):
 - GEMM: float32 matmuls of a GPT layer's shapes, a few calls each; the rate is their FLOPs
-  over the sum of their median times. fp32 = fp16 = bf16 = that rate (zmpi computes
+  over the sum of their least times. fp32 = fp16 = bf16 = that rate (zmpi computes
   16-bit floats in fp32 on a CPU) and gemm_efficiency = 1 (the rate is what matmuls reach).
   BLAS threads are the caller's environment's to set (OMP_NUM_THREADS=1, as zmpi runs ranks;
   `measured["omp_num_threads"]` records it).
@@ -17,7 +19,7 @@ median (the model predicts a typical step, and is compared with median steps):
 - host_device: a 64 MiB copy (bytes copied per second) and an 8-byte copy (the latency):
   host and device are the same memory on a CPU.
 - allreduce: float32 allreduces of 8 B and 32 MiB through zmpi.comm.Comm over `ranks` ranks
-  (mpiexec beside sys.executable, else on PATH), the slowest rank's median. The link is fitted
+  (mpiexec beside sys.executable, else on PATH), the slowest rank's least. The link is fitted
   to the ring model, in which an allreduce of n bytes over N ranks is 2(N-1) messages carrying
   2(N-1)/N n bytes from each rank: link.seconds(2(N-1)/N n, 2(N-1)) gives both measured times.
   intra_node = inter_node = that link (one node). A float16 allreduce of HALF_BYTES on the
@@ -32,7 +34,8 @@ median (the model predicts a typical step, and is compared with median steps):
 - elementwise rate and layer overhead (zmpi.plan.engine_rates): a 2-block GPT of each of
   LAYER_SHAPES (three block
   sizes) trained by the Engine on this rank alone (fp32, ZeRO-0), its blocks' forward and
-  backward seconds from the Engine's profile (the median of 9 steps); their matmuls' FLOPs
+  backward seconds from the Engine's profile (the least of 9 steps, the shapes stepping in
+  turn); their matmuls' FLOPs
   at the GEMM rate subtracted, the rest (LayerNorm, GELU, softmax, residuals, casts and the
   engine's per-unit work) fitted by least squares as a fixed `layer_overhead` per block and
   micro-batch plus the block's activation bytes at `elementwise_rate`.
@@ -56,7 +59,6 @@ import os
 import platform
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -80,17 +82,19 @@ MAX_OVERSUBSCRIBED_CORES = 8  # the oversubscribed link is measured on 2 x cores
 LAUNCH_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_SIZE")
 
 
-def typical_seconds(call, repeats: int) -> float:
-    """The median wall time of `repeats` calls of `call()`, after one untimed call: the
-    typical time, as the step times the model is compared with are medians (the least would
-    be the machine at its quietest)."""
+def fastest_seconds(call, repeats: int) -> float:
+    """The least wall time of `repeats` calls of `call()`, after one untimed call: the machine
+    at its quietest. What a shared machine's neighbours do only adds time (Chen and Revels,
+    "Robust benchmarking in noisy environments", 2016), so the least is the estimate that
+    does not move with them; the step times validate_plan compares the model with are the
+    least of their steps too."""
     call()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
-    return max(statistics.median(times), 1e-9)
+    return max(min(times), 1e-9)
 
 
 def measure_gemm(repeats: int = 3) -> dict:
@@ -101,7 +105,7 @@ def measure_gemm(repeats: int = 3) -> dict:
         a = rng.standard_normal((m, k), dtype=np.float32)
         b = rng.standard_normal((k, n), dtype=np.float32)
         c = np.empty((m, n), np.float32)
-        seconds = typical_seconds(partial(np.matmul, a, b, out=c), repeats)
+        seconds = fastest_seconds(partial(np.matmul, a, b, out=c), repeats)
         shapes.append({"shape": [m, k, n], "flops": 2 * m * k * n, "seconds": seconds})
     rate = sum(s["flops"] for s in shapes) / sum(s["seconds"] for s in shapes)
     return {"flops_per_s": rate, "shapes": shapes}
@@ -112,10 +116,10 @@ def measure_memory(repeats: int = 5) -> dict:
     copied), and the seconds of an 8-byte copy."""
     n = STREAM_BYTES // 4
     a, b, c = np.ones(n, np.float32), np.ones(n, np.float32), np.empty(n, np.float32)
-    add = typical_seconds(lambda: np.add(a, b, out=c), repeats)
-    copy = typical_seconds(lambda: np.copyto(c, a), repeats)
+    add = fastest_seconds(lambda: np.add(a, b, out=c), repeats)
+    copy = fastest_seconds(lambda: np.copyto(c, a), repeats)
     tiny_src, tiny_dst = np.ones(2, np.float32), np.empty(2, np.float32)
-    tiny = typical_seconds(lambda: np.copyto(tiny_dst, tiny_src), 100)
+    tiny = fastest_seconds(lambda: np.copyto(tiny_dst, tiny_src), 100)
     return {"add_bytes": 3 * a.nbytes, "add_seconds": add, "copy_bytes": a.nbytes,
             "copy_seconds": copy, "small_copy_bytes": tiny_src.nbytes,
             "small_copy_seconds": tiny}
@@ -133,16 +137,16 @@ def measure_adam(repeats: int = 3) -> dict:
     grads = rng.standard_normal(ADAM_NUMEL, dtype=np.float32)
     m, v = np.zeros_like(param), np.zeros_like(param)
     opt = HostAdam(lr=1e-3, weight_decay=0.01, threads=1)
-    seconds = typical_seconds(lambda: opt.step_(param, grads, m, v), repeats)
+    seconds = fastest_seconds(lambda: opt.step_(param, grads, m, v), repeats)
     total, part = (rng.standard_normal(ADAM_NUMEL, dtype=np.float32).astype(np.float16)
                    for _ in range(2))
-    add = typical_seconds(lambda: host_kernels.add_(total, part), repeats)
+    add = fastest_seconds(lambda: host_kernels.add_(total, part), repeats)
     return {"params": ADAM_NUMEL, "seconds": seconds, "add_seconds": add,
             "kernel": "numba" if host_kernels.adam is not None else "numpy"}
 
 
 def measure_allreduce(comm, repeats: int = 10, compute_between: bool = False) -> dict:
-    """Collective: the slowest rank's median seconds of a float32 allreduce of each of
+    """Collective: the slowest rank's least seconds of a float32 allreduce of each of
     ALLREDUCE_BYTES and of a float16 one of HALF_BYTES on `comm` (a zmpi.comm.Comm, so
     float16 goes as zmpi sends it: MPI's own float16, or float32 where the MPI has none), the
     ranks starting each call together (a barrier before it). With `compute_between` (for
@@ -168,7 +172,7 @@ def measure_allreduce(comm, repeats: int = 10, compute_between: bool = False) ->
             comm.allreduce(buf)
             times.append(time.perf_counter() - start)
         out[f"{name}_bytes"] = buf.nbytes
-        out[f"{name}_seconds"] = comm.allreduce_scalar(statistics.median(times), op="max")
+        out[f"{name}_seconds"] = comm.allreduce_scalar(min(times), op="max")
     return out
 
 
@@ -268,7 +272,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
     say = (lambda message: None) if quiet else progress
     gemm = measure_gemm()
     say(f"this: GEMM fp32 {gemm['flops_per_s'] / 1e9:.1f} GFLOP/s per rank "
-        f"({', '.join('x'.join(map(str, s['shape'])) for s in gemm['shapes'])}, median of 3)")
+        f"({', '.join('x'.join(map(str, s['shape'])) for s in gemm['shapes'])}, least of 3)")
     memory = measure_memory()
     say(f"this: memory {memory['add_bytes'] / memory['add_seconds'] / 1e9:.1f} GB/s (add), "
         f"copy {memory['copy_bytes'] / memory['copy_seconds'] / 1e9:.1f} GB/s")
