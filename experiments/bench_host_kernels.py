@@ -12,6 +12,7 @@ after one warm-up call.
 """
 import argparse
 import os
+import statistics
 import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -21,7 +22,12 @@ import numpy as np  # noqa: E402
 from results import write_results  # noqa: E402
 from zmpi import host_kernels  # noqa: E402
 from zmpi.comm import Comm  # noqa: E402
-from zmpi.plan.measure import fastest_seconds  # noqa: E402
+from zmpi.plan.measure import call_seconds  # noqa: E402
+
+
+def median_seconds(call, repeats: int) -> float:
+    """The median of `repeats` timed calls (after a warm-up): a benchmark's typical figure."""
+    return statistics.median(call_seconds(call, repeats))
 
 
 def operations(n):
@@ -78,9 +84,9 @@ def main():
         n = size << 20
         for name, (compiled, numpy_call, torch_call) in operations(n).items():
             with host_kernels.disabled():
-                numpy_s = fastest_seconds(numpy_call, args.repeats)
-            compiled_s = fastest_seconds(compiled, args.repeats)
-            torch_s = fastest_seconds(torch_call, args.repeats) if torch_call else float("nan")
+                numpy_s = median_seconds(numpy_call, args.repeats)
+            compiled_s = median_seconds(compiled, args.repeats)
+            torch_s = median_seconds(torch_call, args.repeats) if torch_call else float("nan")
             rows.append({"M_elements": size, "operation": name,
                          "compiled_ns": compiled_s / n * 1e9, "numpy_ns": numpy_s / n * 1e9,
                          "torch_ns": torch_s / n * 1e9, "speedup_vs_numpy": numpy_s / compiled_s,

@@ -83,19 +83,23 @@ MAX_OVERSUBSCRIBED_CORES = 8  # the oversubscribed link is measured on 2 x cores
 LAUNCH_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_SIZE")
 
 
-def fastest_seconds(call, repeats: int) -> float:
-    """The least wall time of `repeats` calls of `call()`, after one untimed call: the machine
-    at its quietest. What a shared machine's neighbours do only adds time (Chen and Revels,
-    "Robust benchmarking in noisy environments", 2016), so the least is the estimate that
-    does not move with them; the step times validate_plan compares the model with are the
-    least of their steps too."""
+def call_seconds(call, repeats: int) -> list[float]:
+    """The wall times of `repeats` calls of `call()`, after one untimed call."""
     call()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
-    return max(min(times), 1e-9)
+    return times
+
+
+def fastest_seconds(call, repeats: int) -> float:
+    """The least of call_seconds: the machine at its quietest. What a shared machine's
+    neighbours do only adds time (Chen and Revels, "Robust benchmarking in noisy
+    environments", 2016), so the least is the estimate that does not move with them; the
+    step times validate_plan compares the model with are the least of their steps too."""
+    return max(min(call_seconds(call, repeats)), 1e-9)
 
 
 def measure_gemm(repeats: int = 3) -> dict:
