@@ -116,7 +116,7 @@ def time_gpu(args, comm) -> list[dict]:
     for stage in args.stages:
         model = GPT(cfg, seed=0)
         engine = Engine(model, engine_config(stage, "fp16", args.batch), comm)
-        flops = 6 * engine.num_params() + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
+        flops = 6 * engine.num_params + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
         data = SyntheticSource(cfg.vocab_size, cfg.seq_len, args.batch * comm.size, comm.rank,
                                comm.size, seed=1)
         times = []

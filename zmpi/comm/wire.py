@@ -53,7 +53,24 @@ class _Wire:
     as_words: bool  # no MPI type: moved as 2-byte words (uint16), reduced as float32
 
 
-_FLOAT16_T = getattr(MPI, "FLOAT16_T", MPI.DATATYPE_NULL)
+
+
+def _native_float16() -> MPI.Datatype:
+    """MPI's 16-bit float if this library both names and reduces it, else DATATYPE_NULL.
+    mpi4py may name FLOAT16_T where the library refuses it at the call (MPI_ERR_TYPE, seen
+    with a system MPI on an H100 machine), so one element is summed on COMM_SELF first."""
+    datatype = getattr(MPI, "FLOAT16_T", MPI.DATATYPE_NULL)
+    if datatype == MPI.DATATYPE_NULL:
+        return datatype
+    one, out = np.ones(1, np.float16), np.zeros(1, np.float16)
+    try:
+        MPI.COMM_SELF.Allreduce([one, datatype], [out, datatype], MPI.SUM)
+    except MPI.Exception:
+        return MPI.DATATYPE_NULL
+    return datatype if out[0] == 1 else MPI.DATATYPE_NULL
+
+
+_FLOAT16_T = _native_float16()
 _WIRES = {
     np.dtype(np.float64): _Wire(MPI.DOUBLE, False),
     np.dtype(np.float32): _Wire(MPI.FLOAT, False),
