@@ -53,8 +53,6 @@ class _Wire:
     as_words: bool  # no MPI type: moved as 2-byte words (uint16), reduced as float32
 
 
-
-
 def _native_float16() -> MPI.Datatype:
     """MPI's 16-bit float if this library both names and reduces it, else DATATYPE_NULL.
     mpi4py may name FLOAT16_T where the library refuses it at the call (MPI_ERR_TYPE, seen

@@ -67,16 +67,25 @@ def _blocks_seconds_interleaved(shapes, steps: int) -> list[float]:
                                   {"train_micro_batch_size_per_gpu": b}, Comm(MPI.COMM_SELF)))
             tokens = rng.integers(0, LAYER_VOCAB, (b, s + 1))
             batches.append((tokens[:, :-1].copy(), tokens[:, 1:].copy()))
-        times = [[] for _ in shapes]
-        for step in range(steps + 1):  # the first compiles and first-touches: left out
-            for engine, batch, spent in zip(engines, batches, times, strict=True):
-                before = _blocks_seconds(engine.phases)
-                engine.train_step(*batch)
-                if step:
-                    spent.append((_blocks_seconds(engine.phases) - before) / LAYER_BLOCKS)
+        return _least_in_turns(engines, batches, steps,
+                               lambda engine: _blocks_seconds(engine.phases) / LAYER_BLOCKS)
     finally:
         for engine in engines:
             engine.close()
+
+
+def _least_in_turns(engines: list, batches: list, steps: int, clock) -> list[float]:
+    """Per engine, the least over `steps` train_steps on its batch (inputs, targets) of what
+    `clock(engine)` (a running total of seconds) gains across one, after an untimed first
+    step (it compiles and first-touches); the engines take turns, a step each, so that the
+    machine's drift touches them alike."""
+    times = [[] for _ in engines]
+    for step in range(steps + 1):
+        for engine, batch, spent in zip(engines, batches, times, strict=True):
+            before = clock(engine)
+            engine.train_step(*batch)
+            if step:
+                spent.append(clock(engine) - before)
     return [min(t) for t in times]
 
 
@@ -129,17 +138,12 @@ def measure_engine(steps: int = 15) -> dict:
             del config["model"]  # the model is built here
             engines[name] = Engine(GPT(GPTConfig(vocab, s, layers, heads, h), seed=0), config,
                                    Comm(MPI.COMM_SELF))
-        times = {name: [] for name in engines}
-        for step in range(steps + 1):  # the first compiles and first-touches: left out
-            for name, engine in engines.items():
-                start = time.perf_counter()
-                engine.train_step(inputs, targets)
-                if step:
-                    times[name].append(time.perf_counter() - start)
+        least = _least_in_turns(list(engines.values()), [(inputs, targets)] * len(engines),
+                                steps, lambda engine: time.perf_counter())
     finally:
         for engine in engines.values():
             engine.close()
-    seconds = {name: min(t) for name, t in times.items()}
+    seconds = dict(zip(engines, least, strict=True))
     base = seconds["fp32 stage 0"]
     per_unit = {k: max(seconds[f"fp32 stage {k}"] - base, 0.0) / (m * len(units))
                 for k in (2, 3)}
