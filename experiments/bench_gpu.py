@@ -121,6 +121,8 @@ def time_gpu(args, comm) -> list[dict]:
                                comm.size, seed=1)
         times = []
         for i in range(args.warmup + args.steps):
+            if i == args.warmup:
+                staged = sum(comm.staged_bytes.values())
             start = time.perf_counter()
             engine.train_step(*data.sample(i))
             backend.synchronize()
@@ -128,7 +130,9 @@ def time_gpu(args, comm) -> list[dict]:
         step = statistics.median(times[args.warmup:])
         rows.append({"stage": stage, "peer": "zmpi", "step_s": step,
                      "tokens_per_s": tokens / step,
-                     "mfu": tokens / step * flops / (args.peak_tflops * 1e12)})
+                     "mfu": tokens / step * flops / (args.peak_tflops * 1e12),
+                     "staged_mb_per_step": (sum(comm.staged_bytes.values()) - staged)
+                     / args.steps / 1e6})
         engine.close()
     torch_row = time_torch(args, cfg) if comm.rank == 0 else None
     if torch_row is not None:
@@ -146,19 +150,21 @@ def time_torch(args, cfg) -> dict | None:
         return None
     from bench_vs_torch import torch_gpt
 
+    from zmpi import backend
     from zmpi.models.gpt import GPT
 
-    model = torch_gpt(cfg, GPT(cfg, seed=0).state_dict()).cuda()
+    weights = {name: backend.to_host(p.data) for name, p in GPT(cfg, seed=0).named_parameters()}
+    model = torch_gpt(cfg, weights).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     scaler = torch.amp.GradScaler("cuda")
     rng = np.random.default_rng(1)
     times = []
     for _ in range(args.warmup + args.steps):
-        x = torch.as_tensor(rng.integers(0, cfg.vocab_size, (args.batch, cfg.seq_len)),
-                            device="cuda")
+        x, y = (torch.as_tensor(rng.integers(0, cfg.vocab_size, (args.batch, cfg.seq_len)),
+                                device="cuda") for _ in range(2))
         start = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.float16):
-            loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
+            loss = model(x, y)
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -179,6 +185,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--count", action="store_true",
                         help="count launches and syncs on the CuPy stand-in (any machine)")
+    parser.add_argument("--no-count", action="store_true",
+                        help="timing: leave out the counts (they are the same on every machine)")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seq-len", type=int, default=None,
                         help="T (default: 256 counting, 1024 timing)")
@@ -192,6 +200,8 @@ def main():
     parser.add_argument("--out", default=None, help="directory for the results")
     args = parser.parse_args()
     args.seq_len = args.seq_len or (256 if args.count else 1024)
+    if args.count and args.no_count:
+        parser.error("--count and --no-count contradict each other")
 
     from zmpi import backend
     from zmpi.comm import Comm
@@ -209,7 +219,7 @@ def main():
             sys.exit("bench_gpu: timing needs CuPy and a GPU (this process computes with "
                      f"{backend.name}); --count runs anywhere")
         else:
-            rows = time_gpu(args, comm) + count_on_standin(args)
+            rows = time_gpu(args, comm) + ([] if args.no_count else count_on_standin(args))
     if comm.rank == 0:
         print("\n".join(markdown(rows)))
     if args.out and comm.rank == 0:
@@ -218,20 +228,29 @@ def main():
         write_results(args.out, rows, markdown(rows), comm, name="gpu")
 
 
+def _staged(row) -> str:
+    return f"{row['staged_mb_per_step']:.0f}" if "staged_mb_per_step" in row else "-"
+
+
 def markdown(rows) -> list[str]:
     """The timings (if any) and the counts as Markdown tables."""
     lines = []
     timed = [r for r in rows if "step_s" in r]
     if timed:
-        lines += ["| peer | stage | s/step | tokens/s per rank | MFU |", "|---|---|---|---|---|"]
+        lines += ["| peer | stage | s/step | tokens/s per rank | MFU | MB staged per step |",
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {r['peer']} | {r['stage']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} "
-                  f"| {r['mfu']:.1%} |" for r in timed]
+                  f"| {r['mfu']:.1%} | {_staged(r)} |" for r in timed]
+    counted = [r for r in rows if "launches_per_layer" in r]
+    if not counted:
+        return lines
+    if timed:
         lines.append("")
     lines += ["| kernels | stage | precision | launches per layer | launches outside | "
               "syncs per step |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['kernels']} | {r['stage']} | {r['precision']} | {r['launches_per_layer']:g} "
               f"| {r['launches_outside']:g} | {r['syncs_per_step']} |"
-              for r in rows if "launches_per_layer" in r]
+              for r in counted]
     return lines
 
 

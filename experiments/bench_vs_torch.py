@@ -85,7 +85,7 @@ def torch_gpt(cfg, weights):
             self.ln_f = nn.LayerNorm(cfg.d_model)
 
         def forward(self, idx, targets):
-            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
             for block in self.blocks:
                 x = block(x)
             logits = self.ln_f(x) @ self.wte.weight.T

@@ -312,6 +312,32 @@ def test_size_one_messages_to_itself(comm):
             bad.wait()
 
 
+class _NoAttributes:
+    """An MPI communicator that answers None to every attribute, as Open MPI does for TAG_UB
+    on a communicator split from MPI_COMM_WORLD (MPI attaches it to the world only)."""
+
+    def __init__(self, mpi_comm):
+        self._comm = mpi_comm
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def Get_attr(self, key):  # noqa: N802 (mpi4py's name)
+        return None
+
+
+def test_messages_on_a_communicator_without_attributes_bound_tags_by_the_world():
+    comm = Comm(_NoAttributes(MPI.COMM_SELF.Dup()))
+    sent, got = np.arange(3, dtype=np.float32), np.zeros(3, np.float32)
+    req = comm.isend(sent, 0, tag=5)
+    comm.recv(got, 0, tag=5)
+    req.wait()
+    assert np.array_equal(got, sent)
+    top = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) - 1) // 2
+    with pytest.raises(ValueError, match=rf"tag {top + 1} not in \[0, {top}\]"):
+        comm.isend(sent, 0, tag=top + 1)
+
+
 def test_mpi_ring_exchange(reports):
     """send/recv around the ring, then isend/irecv both ways on two tags: values, results,
     and counters (bytes = payload; sent = payload for send, 0 for recv; nothing else)."""

@@ -190,14 +190,20 @@ def polled(req):  # start the collective and wait until the thread polled while 
     return req
 
 
+def message():  # a receive in flight (one rank's collectives never reach MPI), then its send
+    req = polled(comm.irecv(got, 0))
+    comm.send(buf, 0)
+    req.wait()
+
+
 comm = Comm()
-buf = backend.xp.ones(4, np.float32)
-polled(comm.iallreduce(buf)).wait()
+buf, got = backend.xp.ones(4, np.float32), backend.xp.zeros(4, np.float32)
+message()
 if backend.is_gpu:
     import cupy
     first = cupy.cuda.thread_devices().get(_PROGRESS._thread.ident, 0)
     backend.select_device(1)  # the engine's fallback, after the thread started
-    polled(comm.iallreduce(buf)).wait()
+    message()
     then = cupy.cuda.thread_devices().get(_PROGRESS._thread.ident, 0)
     print(first, then, cupy.cuda.runtime.getDevice())
 else:

@@ -98,7 +98,7 @@ def test_each_rank_picks_its_device_from_the_launcher_before_mpi_starts(runs):
 
 def test_device_choice_follows_the_launchers_variable():
     code = ("from zmpi import backend; import cupy; "
-            "print(backend.device_source, cupy.cuda.Device.current)")
+            "print(backend.device_source, cupy.cuda.runtime.getDevice())")
     env = {**STANDIN, "ZMPI_STANDIN_DEVICES": "4", "SLURM_LOCALID": "3"}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT,
                          capture_output=True, text=True, check=True).stdout.split()
@@ -146,6 +146,7 @@ def test_collectives_on_device_buffers(n):
         assert rep["allgather"] == [float(rr) for rr in range(n) for _ in range(2)]
         assert rep["bf16_allgather_inplace"] == [rr + 0.5 for rr in range(n) for _ in range(3)]
         assert rep["broadcast"] == [n - 1.0] * 3
+        assert rep["inplace_allgather_staged"] == {"to_host": 1024, "to_device": 1024 * n}
         assert rep["no_new_staging"] and rep["two_in_flight"] == [[n] * 8, [2.0 * n] * 8]
         assert rep["aware_allreduce"] == [n] * 4
         assert (rep["aware_fp32_staged"], rep["aware_bf16_staged"]) == (0, 0)
@@ -198,15 +199,31 @@ with F.ids_checked():
     subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, check=True)
 
 
-def test_staged_inplace_allgather_copies_only_this_ranks_block():
+def test_one_rank_collectives_stay_on_the_device():
+    """On one rank a collective's result is its input: nothing is staged through the host
+    (a single GPU would send every gradient bucket over PCIe and back), and 16-bit
+    reductions come back unchanged."""
     code = """
 import numpy as np, cupy
+from ml_dtypes import bfloat16
 from zmpi.comm import Comm
 comm = Comm()
-buf = cupy.zeros(1024, np.float32)
-comm.allgather_inplace(buf)
-assert comm.staged_bytes == {"to_host": 1024 * 4 // comm.size, "to_device": 1024 * 4}, \\
-    comm.staged_bytes
+x = np.arange(6, dtype=np.float32) - 2.5
+for dtype in (np.float32, np.float16, bfloat16):
+    d = cupy.asarray(x.astype(dtype))
+    assert comm.allreduce(d) is d and (d.get() == x.astype(dtype)).all()
+    out = cupy.zeros(6, dtype)
+    assert (comm.reduce_scatter(d, out).get() == x.astype(dtype)).all()
+    out = cupy.zeros(6, dtype)
+    assert (comm.allgather(d, out).get() == x.astype(dtype)).all()
+    out = cupy.zeros(6, dtype)
+    assert (comm.alltoall(d, out).get() == x.astype(dtype)).all()
+    assert (comm.allgather_inplace(d).get() == x.astype(dtype)).all()
+    assert (comm.broadcast(d).get() == x.astype(dtype)).all()
+    req = comm.iallreduce(d)
+    assert req.done and req.wait() is d
+assert comm.staged_bytes == {"to_host": 0, "to_device": 0}, comm.staged_bytes
+assert comm.counters["allreduce"].calls == 6 and comm.counters["allreduce"].sent == 0
 """
     env = {**STANDIN, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, check=True)

@@ -21,6 +21,30 @@ from zmpi.engine import Engine
 from zmpi.models.gpt import GPT
 
 
+def device_peak_while(build):
+    """(device bytes at the highest while `build()` runs, above those in use before; its result).
+
+    CuPy's memory pool keeps no peak, so every allocation meanwhile goes through a wrapper of
+    the current allocator that notes the pool's bytes in use (a peak only rises at an allocation).
+    """
+    xp = backend.xp
+    pool, inner = xp.get_default_memory_pool(), xp.cuda.get_allocator()
+    before = pool.used_bytes()
+    peak = [before]
+
+    def noting_malloc(size):
+        mem = inner(size)
+        peak[0] = max(peak[0], pool.used_bytes())
+        return mem
+
+    xp.cuda.set_allocator(noting_malloc)
+    try:
+        result = build()
+    finally:
+        xp.cuda.set_allocator(inner)
+    return peak[0] - before, result
+
+
 def main(out):
     comm = Comm()
     cases = {}
@@ -41,20 +65,18 @@ def main(out):
                 cases[name] = losses
     init = {}
     if backend.is_gpu:
-        pool = backend.xp.get_default_memory_pool()
         del engine
         gc.collect()  # nothing of the engines above may count in the peak below
-        pool.reset_peak()
-        before = pool.used_bytes()
-        engine = Engine(GPT(GPT_CONFIG, seed=0), config(3, "fp16", n=comm.size), comm)
-        init = {"peak_device_bytes": pool.peak_bytes() - before,
+        peak, engine = device_peak_while(
+            lambda: Engine(GPT(GPT_CONFIG, seed=0), config(3, "fp16", n=comm.size), comm))
+        init = {"peak_device_bytes": peak,
                 "ledger_device_bytes": engine.memory.peak(device="device"),
                 "padded_params": engine.layout.full_numel}
     from zmpi.comm import staging_nbytes
 
     device = None
     if backend.is_gpu:
-        device = (backend.device_source, backend.xp.cuda.Device.current)
+        device = (backend.device_source, backend.xp.cuda.runtime.getDevice())
     report({"backend": backend.name, "cuda_aware": comm.is_cuda_aware, "device": device,
             "staging_in_ledger": engine.memory.current("comm_buffer", "host") == staging_nbytes(),
             "cuda_aware_source": comm.cuda_aware_source, "staged": comm.staged_bytes,

@@ -84,6 +84,11 @@ out["bf16_allgather_inplace"] = comm.allgather_inplace(cupy.asarray(bf)).get().a
 out["broadcast"] = comm.broadcast(cupy.asarray(np.full(3, float(r), np.float32)), root=n - 1
                                   ).get().tolist()
 
+# An in-place allgather stages only this rank's block to the host, and the whole buffer back.
+before = dict(comm.staged_bytes)
+comm.allgather_inplace(cupy.zeros(256 * n, np.float32))
+out["inplace_allgather_staged"] = {k: comm.staged_bytes[k] - before[k] for k in before}
+
 # Staging buffers are reused: the same shapes again take no new pinned memory; two requests
 # of one shape in flight at once take two buffers.
 pooled = zcomm.staging_nbytes()

@@ -185,13 +185,17 @@ class Comm:
         or recv None is passed as MPI.IN_PLACE. `result` is what wait() returns; `narrow`,
         the ((float32 recv, caller's output), ...) to round back when it completes. A device
         buffer is staged unless MPI is CUDA-aware, and a collective on it runs blocking where
-        the MPI's non-blocking collectives do not support device memory (Open MPI).
+        the MPI's non-blocking collectives do not support device memory (Open MPI). On one
+        rank a collective's result is its input: it completes at once, copying send into recv
+        where they differ, and neither MPI nor the host sees the buffers (a single GPU would
+        otherwise send every gradient bucket over PCIe and back).
         """
         wire = _wire(recv.dtype if recv is not None else send.dtype)
         keep = (send, recv, result)
-        on_device = any(backend.is_device_array(a) for a in (send, recv))
+        local = collective and self.size == 1  # the result is the input: no MPI, no staging
+        on_device = not local and any(backend.is_device_array(a) for a in (send, recv))
         staged = on_device and not self.is_cuda_aware
-        if on_device and not staged and not self.nonblocking_on_device and collective:
+        if local or (on_device and not staged and not self.nonblocking_on_device and collective):
             blocking = True
         inputs, held, copy_back = [], [], []
         if on_device and not staged:
@@ -199,9 +203,13 @@ class Comm:
         if staged:
             send, recv, inputs, held, copy_back = stage(send, recv, copy_recv_in,
                                                         self.staged_bytes, block)
-        call = calls[0] if blocking else calls[1]
-        req = Request(self, op, lambda: call(_spec(send, wire), _spec(recv, wire)), blocking,
-                      result, keep, inputs, copy_back, held, what=what, narrow=narrow)
+        if local:
+            start = (lambda: None) if send is None else (lambda: backend.copy_(recv, send))
+        else:
+            call = calls[0] if blocking else calls[1]
+            start = lambda: call(_spec(send, wire), _spec(recv, wire))  # noqa: E731
+        req = Request(self, op, start, blocking, result, keep, inputs, copy_back, held,
+                      what=what, narrow=narrow)
         self._queue.append(req)
         if blocking:
             req.wait()
@@ -389,7 +397,9 @@ class Comm:
         flat = _flat(buf, "buf")
         if not 0 <= peer < self.size:
             raise ValueError(f"{op}: rank {peer} not in [0, {self.size})")
-        top = (self.mpi.Get_attr(MPI.TAG_UB) - 1) // 2
+        # MPI attaches TAG_UB to MPI_COMM_WORLD, where every communicator's tags are bounded;
+        # Open MPI answers None when a communicator split from it is asked
+        top = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) - 1) // 2
         if not 0 <= tag <= top:
             raise ValueError(f"{op}: tag {tag} not in [0, {top}]")
         calls = message_calls(self.mpi, op, flat, peer, tag)

@@ -10,8 +10,10 @@ NumPy on the host. What it enforces is CuPy's discipline where zmpi could get it
 - host <-> device copies are explicit: `cupy.asarray(host)`, `d.get()`, `d.set(host)`;
 - streams and events exist (`cuda.Stream`, `record`, `wait_event`, `Event.done`) and pinned
   host memory (`cuda.alloc_pinned_memory`, `cupyx.empty_pinned`) is counted;
-- the default memory pool counts the bytes of live device arrays, now and at peak
-  (`get_default_memory_pool().used_bytes()`, `total_bytes()`, `peak_bytes()` (stand-in only)).
+- every array that owns device memory takes it from the current allocator
+  (`cuda.get_allocator()`, `cuda.set_allocator(f)`; the default is the pool's `malloc`), and the
+  default memory pool counts the bytes of live ones (`get_default_memory_pool().used_bytes()`,
+  `total_bytes()`). Like CuPy's, the pool keeps no peak: wrap the allocator to watch one.
 
 It also counts what a GPU would pay for (stand-in only): `LAUNCHES[0]`, the device operations
 a GPU runs as one kernel launch or copy each (a ufunc, a reduction, an operator, a copy that
@@ -64,25 +66,34 @@ def _copied(src, result):
     return 0 if _np.may_share_memory(src, result) else 1
 
 
+class _Memory:
+    """A block of device memory (CuPy's MemoryPointer, reduced to its size); the pool counts
+    it until it is collected."""
+
+    __slots__ = ("size", "__weakref__")
+
+    def __init__(self, size):
+        self.size = size
+
+
 class _Pool:
     def __init__(self):
-        self.used = self.peak = 0
+        self.used = 0
 
     def _add(self, n):
         self.used += n
-        self.peak = max(self.peak, self.used)
+
+    def malloc(self, size):
+        mem = _Memory(size)
+        self._add(size)
+        weakref.finalize(mem, self._add, -size)
+        return mem
 
     def used_bytes(self):
         return self.used
 
     def total_bytes(self):
         return self.used
-
-    def peak_bytes(self):
-        return self.peak
-
-    def reset_peak(self):
-        self.peak = self.used
 
     def free_all_blocks(self):
         pass
@@ -131,13 +142,12 @@ class ndarray:  # noqa: N801 (CuPy's name)
     """A device array: a NumPy array behind a wall."""
 
     __array_ufunc__ = None  # NumPy ufuncs refuse it
-    __slots__ = ("_a", "__weakref__")
+    __slots__ = ("_a", "_mem", "__weakref__")
 
     def __init__(self, a):
         self._a = a
-        if a.base is None:  # owns its memory: count it in the pool while it lives
-            _POOL._add(a.nbytes)
-            weakref.finalize(self, _POOL._add, -a.nbytes)
+        # owns its memory: take it from the allocator (the pool counts it while it lives)
+        self._mem = cuda.get_allocator()(a.nbytes) if a.base is None else None
 
     def __array__(self, *args, **kwargs):
         raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use "

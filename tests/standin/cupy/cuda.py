@@ -32,14 +32,7 @@ def thread_devices():
     return dict(_THREAD_DEVICES)
 
 
-class _DeviceType(type):
-    @property
-    def current(cls):
-        """Stand-in only: the calling thread's current device id."""
-        return runtime.getDevice()
-
-
-class Device(metaclass=_DeviceType):
+class Device:
     """A CUDA device; `Device()` is the calling thread's current one."""
 
     def __init__(self, device=None):
@@ -139,6 +132,24 @@ _current = _NULL
 
 def get_current_stream():
     return _current
+
+
+_ALLOCATOR = [None]  # None: the default pool's malloc
+
+
+def get_allocator():
+    """The callable that gives device memory: size -> memory (the default pool's `malloc`)."""
+    if _ALLOCATOR[0] is None:
+        from cupy import get_default_memory_pool
+
+        return get_default_memory_pool().malloc
+    return _ALLOCATOR[0]
+
+
+def set_allocator(allocator=None):
+    """Allocate device memory with `allocator` from now on (None: the default pool; in CuPy,
+    None means plain cudaMalloc, so restore what `get_allocator()` gave instead)."""
+    _ALLOCATOR[0] = allocator
 
 
 def alloc_pinned_memory(nbytes):
