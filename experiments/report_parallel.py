@@ -167,6 +167,12 @@ class ParallelSections:
         if self.rows(here) is None:
             return self.missing("the validation on this machine", "python "
                                 "experiments/validate_plan.py --out results/plan_validation")
-        self.add((here / "table.md").read_text().strip(), "",
-                 "What each column means and why the step times differ: "
+        self.add((here / "table.md").read_text().strip(), "")
+        quiet = self.results / "plan_validation_h100_host"
+        if self.rows(quiet) is not None:
+            self.add("The same validation on a quiet machine: the 16-core host of a GPU "
+                     "machine, a core per rank, Open MPI (`python experiments/validate_plan.py "
+                     "--out results/plan_validation_h100_host` there):", "",
+                     (quiet / "table.md").read_text().strip(), "")
+        self.add("What each column means and why the step times differ: "
                  "[docs/plan.md](../docs/plan.md#validation).", "")

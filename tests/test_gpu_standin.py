@@ -5,6 +5,7 @@ MPI), equal to the NumPy backend; CUDA-aware detection through the MPI library; 
 precision policy of the kernels. A test double, not a GPU: GPU figures come only from
 `make test-gpu` on a real device.
 """
+import json
 import subprocess
 import sys
 
@@ -103,6 +104,15 @@ def test_device_choice_follows_the_launchers_variable():
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT,
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == ["SLURM_LOCALID", "3"]
+
+
+def test_run_outputs_name_the_gpu_and_cupy():
+    code = ("import json; from zmpi.runinfo import environment; "
+            "print(json.dumps(environment()['device']))")
+    out = subprocess.run([sys.executable, "-c", code], env={**STANDIN, "OMP_NUM_THREADS": "1"},
+                         cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
+    assert json.loads(out.splitlines()[-1]) == {"name": "zmpi CuPy stand-in", "count": 1,
+                                                "chosen_by": None, "cupy": "13.0.0-standin"}
 
 
 @pytest.mark.mpi

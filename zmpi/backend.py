@@ -168,6 +168,14 @@ def device_count() -> int:
     return xp.cuda.runtime.getDeviceCount() if is_gpu else 0
 
 
+def device_name() -> str | None:
+    """The current GPU's name as CUDA gives it (e.g. "NVIDIA H100 80GB HBM3"); None on NumPy."""
+    if not is_gpu:
+        return None
+    name = xp.cuda.runtime.getDeviceProperties(xp.cuda.runtime.getDevice())["name"]
+    return name.decode() if isinstance(name, bytes) else name
+
+
 if is_gpu and launcher_local_rank() is not None:
     select_device(*launcher_local_rank())
 

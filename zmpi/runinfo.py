@@ -43,11 +43,12 @@ def environment() -> dict:
     return {
         "mpi_flavour": mpi_flavour(), "mpi_cuda_aware": cuda_aware, "mpi_cuda_aware_source": how,
         "device": None if not backend.is_gpu else {
-            "count": backend.device_count(), "chosen_by": backend.device_source},
+            "name": backend.device_name(), "count": backend.device_count(),
+            "chosen_by": backend.device_source, "cupy": backend.xp.__version__},
         "python": sys.version.split()[0],
         "numpy": np.__version__,
         "mpi4py": __import__("mpi4py").__version__,
-        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(" \t\x00"),
         "backend": backend.name,
         "host_memory_kept": backend.host_memory_kept,
         "platform": platform.platform(),
