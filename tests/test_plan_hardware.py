@@ -8,6 +8,7 @@ import math
 import pytest
 from mpi_util import launch_mpi
 
+from zmpi.comm import mpi_flavour
 from zmpi.plan import engine_rates, measure
 from zmpi.plan.hardware import PRESETS, Hardware, Link, parse_size
 from zmpi.plan.measure import fit_allreduce_link, load_hardware, measure_this
@@ -270,6 +271,10 @@ def _check_measured(hw: Hardware, ranks: int) -> None:
         assert hw.inter_node.seconds(ring_sent(allreduce["half_bytes"], ranks),
                                      messages=allreduce["messages"]) + extra == \
             pytest.approx(allreduce["half_seconds"], rel=1e-9)
+    sends = allreduce["send_progress"]  # recorded, not modelled
+    assert sends["bytes"] == measure.SEND_PROGRESS_BYTES and sends["receive_seconds"] > 0
+    assert sends["moves_while_sender_computes"] == \
+        (sends["receive_seconds"] < sends["sender_busy_seconds"] / 2)
     crowded = hw.measured["oversubscribed_allreduce"]
     assert (crowded is None) == (hw.oversubscribed is None)
     if crowded is not None:  # 2 x cores ranks, a GEMM between calls; the same ring fit
@@ -307,6 +312,29 @@ def _check_measured(hw: Hardware, ranks: int) -> None:
     else:
         assert engine["micro_batches"] * engine["params"] / hw.half_storage_rate == \
             pytest.approx(extra, rel=1e-9)
+
+
+def test_send_progress_is_described_with_its_remedy():
+    moves = {"bytes": 1 << 20, "sender_busy_seconds": 0.02, "receive_seconds": 0.0005,
+             "moves_while_sender_computes": True}
+    assert measure.describe_send_progress(moves) == \
+        "a 1024 KiB message moves while its sender computes (received in 0.50 ms)"
+    waits = {**moves, "receive_seconds": 0.021, "moves_while_sender_computes": False}
+    said = measure.describe_send_progress(waits)
+    assert said.startswith("a 1024 KiB message waited 21.0 ms, until its sender's next MPI "
+                           "call (20 ms of compute)")
+    assert "CMA" in said and "MPIR_CVAR_ASYNC_PROGRESS=1" in said
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(mpi_flavour() != "MPICH", reason="MPICH's switch for CMA")
+def test_send_progress_sees_a_message_wait_for_its_sender_without_cma(monkeypatch):
+    """MPICH without its single-copy path (CMA off) moves a 1 MiB message only inside MPI
+    calls on both ranks: it arrives when the sender, computing 20 ms, next calls MPI."""
+    monkeypatch.setenv("MPIR_CVAR_CH4_CMA_ENABLE", "0")
+    sends = measure.launch_allreduce(2, timeout=120)["send_progress"]
+    assert not sends["moves_while_sender_computes"], sends
+    assert sends["receive_seconds"] >= 0.9 * sends["sender_busy_seconds"], sends
 
 
 @pytest.mark.mpi

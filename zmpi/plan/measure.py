@@ -25,6 +25,9 @@ a layout's steps):
   intra_node = inter_node = that link (one node). A float16 allreduce of HALF_BYTES on the
   same ranks gives half_reduction_rate: the time beyond the link's is the MPI summing (N-1)/N
   of its bytes on each rank (MPICH sums float16 in software).
+- send progress (`measure_send_progress`, on the same ranks): whether a 1 MiB message reaches
+  its receiver while its sender computes for 20 ms. Recorded and said, not modelled: where it
+  does not, pipeline messages and bucketed reductions wait for their sender's compute.
 - oversubscribed link: on a machine of at most MAX_OVERSUBSCRIBED_CORES cores, the same two
   allreduces on 2 x cores ranks with a GEMM of BETWEEN_SHAPE before each call (as training
   computes between collectives, so a call waits for peers the OS has descheduled), fitted the
@@ -80,6 +83,8 @@ ALLREDUCE_BYTES = {"small": 8, "large": 32 << 20}  # payloads: for the latency, 
 HALF_BYTES = 1 << 20  # a float16 allreduce's payload: MPI's float16 reduction rate
 BETWEEN_SHAPE = (512, 256, 256)  # the GEMM each rank runs before a call, oversubscribed
 MAX_OVERSUBSCRIBED_CORES = 8  # the oversubscribed link is measured on 2 x cores ranks
+SEND_PROGRESS_BYTES = 1 << 20  # the message of `measure_send_progress`
+SENDER_BUSY_SECONDS = 0.02  # how long its sender computes after starting it
 LAUNCH_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_SIZE")
 
 
@@ -182,6 +187,51 @@ def measure_allreduce(comm, repeats: int = 10, compute_between: bool = False) ->
         typical = statistics.median(times) if compute_between else min(times)
         out[f"{name}_seconds"] = comm.allreduce_scalar(typical, op="max")
     return out
+
+
+def measure_send_progress(comm, nbytes: int = SEND_PROGRESS_BYTES,
+                          busy: float = SENDER_BUSY_SECONDS, repeats: int = 3) -> dict:
+    """Collective: whether a message moves while its sender computes. Rank 0 starts a
+    non-blocking send of `nbytes` to rank 1 and then runs GEMMs for `busy` seconds without
+    calling MPI; rank 1 times its blocking receive (the least of `repeats`). Where MPI has a
+    single-copy path between processes (CMA, XPMEM) the receiver takes the message at once;
+    without one, a message above the eager limit moves only inside MPI calls on both ranks,
+    so it arrives when the sender next calls MPI (here: after `busy`). A pipeline's
+    activations and a bucket's reduction then wait for their sender's compute, which the
+    time model does not charge."""
+    buf = np.zeros(nbytes, np.uint8)
+    m, k, n = BETWEEN_SHAPE
+    a, b = np.ones((m, k), np.float32), np.ones((k, n), np.float32)
+    times = []
+    for _ in range(repeats):
+        comm.barrier()
+        if comm.rank == 0:
+            request = comm.isend(buf, 1)
+            start = time.perf_counter()
+            while time.perf_counter() - start < busy:
+                np.matmul(a, b)
+            request.wait()
+        elif comm.rank == 1:
+            start = time.perf_counter()
+            comm.recv(buf, 0)
+            times.append(time.perf_counter() - start)
+    received = comm.allreduce_scalar(min(times) if times else 0.0, op="max")
+    return {"bytes": nbytes, "sender_busy_seconds": busy, "receive_seconds": received,
+            "moves_while_sender_computes": received < busy / 2}
+
+
+def describe_send_progress(sends: dict) -> str:
+    """A line on `measure_send_progress`'s result, with the remedy where messages wait."""
+    size, got, busy = sends["bytes"] >> 10, sends["receive_seconds"], sends["sender_busy_seconds"]
+    if sends["moves_while_sender_computes"]:
+        return (f"a {size} KiB message moves while its sender computes (received in "
+                f"{got * 1e3:.2f} ms)")
+    return (f"a {size} KiB message waited {got * 1e3:.1f} ms, until its sender's next MPI "
+            f"call ({busy * 1e3:.0f} ms of compute): without a single-copy path between "
+            "processes (CMA, XPMEM; a container may forbid CMA), pipeline messages and "
+            "bucketed reductions wait for their sender's compute, which the time model does "
+            "not charge. Allow CMA, or give MPI a progress thread of its own (MPICH: "
+            "MPIR_CVAR_ASYNC_PROGRESS=1)")
 
 
 def fit_allreduce_link(allreduce: dict) -> Link:
@@ -302,7 +352,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
            else "no extra cost"))
     cores = os.cpu_count() or 1
     if comm is not None:
-        allreduce = measure_allreduce(comm)
+        allreduce = {**measure_allreduce(comm), "send_progress": measure_send_progress(comm)}
         crowded = measure_allreduce(comm, compute_between=True) if comm.size > cores else None
     else:
         say(f"this: allreduce on {ranks} ranks (mpiexec) ...")
@@ -316,6 +366,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
     say(f"this: allreduce link {link.bandwidth / 1e9:.2f} GB/s, {link.latency * 1e6:.1f} us "
         f"per message ({allreduce['ranks']} ranks); float16 reduced at "
         + (f"{half_rate / 1e6:.0f} MB/s" if half_rate else "no extra cost"))
+    say("this: " + describe_send_progress(allreduce["send_progress"]))
     oversubscribed = None if crowded is None else fit_allreduce_link(crowded)
     if oversubscribed is not None:
         say(f"this: oversubscribed link {oversubscribed.bandwidth / 1e9:.2f} GB/s, "
@@ -413,6 +464,8 @@ def main(argv=None) -> None:
         if comm.size < 2:
             parser.error("--comm measures an allreduce: run it on >= 2 ranks (mpiexec -n 2)")
         result = measure_allreduce(comm, compute_between=args.compute_between)
+        if not args.compute_between:
+            result["send_progress"] = measure_send_progress(comm)
         if comm.rank == 0:
             print(json.dumps(result), flush=True)
         return
