@@ -267,7 +267,18 @@ def describe_hardware(hw) -> str:
             + (f", float16 sums {hw.half_reduction_rate / 1e6:.0f} MB/s"
                if hw.half_reduction_rate else "")
             + (f", elementwise {hw.elementwise_rate / 1e9:.2f} GB/s + "
-               f"{hw.layer_overhead * 1e3:.2f} ms a block" if hw.elementwise_rate else ""))
+               f"{hw.layer_overhead * 1e3:.2f} ms a block" if hw.elementwise_rate else "")
+            + _send_progress(hw))
+
+
+def _send_progress(hw) -> str:
+    """Whether a message moved while its sender computed (measure_send_progress), if known."""
+    sends = ((hw.measured or {}).get("allreduce") or {}).get("send_progress")
+    if sends is None:
+        return ""
+    return ", a message " + ("moves while its sender computes"
+                             if sends["moves_while_sender_computes"] else
+                             "waits for its computing sender (no single copy)")
 
 
 def within(ratio: float, tolerance: float) -> bool:

@@ -137,6 +137,9 @@ def test_progress_thread_polls_while_a_collective_is_in_flight(reports, monkeypa
             assert progress["in_flight"] == 1 and progress["sum_ok"], progress
             assert (progress["polls"] > 0) == expected, (mode, progress)
             assert progress["in_flight_after"] == 0
+    for rep in reports:  # without the thread, the engine's call between units probes MPI
+        assert rep["pokes"]["sum_ok"], rep["pokes"]
+        assert rep["pokes"]["pokes"] == (0 if rep["pokes"]["thread"] else 1), rep["pokes"]
     monkeypatch.setenv("ZMPI_PROGRESS_THREAD", "yes")
     with pytest.raises(ValueError, match="ZMPI_PROGRESS_THREAD must be auto, 0 or 1"):
         zcomm._Progress()

@@ -206,6 +206,16 @@ def main():
     comm.reset_counters()
     out["counters_after_reset"] = comm.counters_snapshot()
 
+    # make_progress (the engine's call between units) probes MPI from this thread while a
+    # request is in flight and no progress thread runs, and does nothing otherwise.
+    pokes = zcomm._PROGRESS.pokes
+    zcomm.make_progress()  # nothing in flight
+    req = comm.iallreduce(np.full(1 << 20, r + 1.0, np.float32))
+    zcomm.make_progress()
+    out["pokes"] = {"thread": zcomm._PROGRESS._thread is not None,
+                    "pokes": zcomm._PROGRESS.pokes - pokes,
+                    "sum_ok": bool((req.wait() == n * (n + 1) / 2).all())}
+
     # While a non-blocking collective is in flight and this thread makes no MPI call (it
     # sleeps), the progress thread polls MPI; once the collective completed it rests. First
     # as chosen by default (a thread only with a spare core per rank), then forced on.

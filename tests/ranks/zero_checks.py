@@ -15,7 +15,7 @@ import numpy as np
 from _report import report
 
 from zmpi import backend
-from zmpi.comm import Comm
+from zmpi.comm import _PROGRESS, Comm
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
 from zmpi.memory import MODEL_STATE
@@ -92,14 +92,17 @@ def parity(comm, out_dir, cases):
             engine = engine_for(model, zero, config(0, dtype, accumulation, clip, overlap,
                                                     comm.size), comm)
             data = gpt_data(comm, accumulation)
+            pokes = _PROGRESS.pokes
             losses = [engine.train_step(*data.sample(step)) for step in range(STEPS)]
+            pokes = _PROGRESS.pokes - pokes  # the engine's MPI probes between units
             params = engine.gather_parameters()
             resident = engine.strategy.params_full
             if comm.rank == 0:
                 np.savez(f"{out_dir}/{label}__{variant}.npz", **params)
             results.append({"strategy": label, "variant": variant, "losses": losses,
                     "gathered": digest(params[k] for k in sorted(params)),
-                    "resident": None if resident is None else digest([resident])})
+                    "resident": None if resident is None else digest([resident]),
+                    "pokes": pokes, "progress_thread": _PROGRESS._thread is not None})
     return results
 
 

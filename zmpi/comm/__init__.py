@@ -10,7 +10,8 @@ The modules, one concept each (communicator imports the others; none imports it)
 
     communicator.py   Comm: collectives, send/recv/isend/irecv, counters, split/free,
                       object collectives
-    requests.py       Request, wait_all, the request queue, the progress thread
+    requests.py       Request, wait_all, the request queue, the progress thread and
+                      make_progress (the same from the caller's thread)
     staging.py        the host staging pool for device buffers (and its ledger accounting)
     wire.py           MPI datatypes and reduction ops (16-bit floats without an MPI type
                       reduced as float32), the buffer checks, the message header, OPS and
@@ -52,7 +53,7 @@ from zmpi.comm.faults import (
     waited_seconds,
 )
 from zmpi.comm.mpi_info import _libmpi, cuda_support, mpi_flavour
-from zmpi.comm.requests import _PROGRESS, _QUEUES, Request, _Progress, wait_all
+from zmpi.comm.requests import _PROGRESS, _QUEUES, Request, _Progress, make_progress, wait_all
 from zmpi.comm.staging import _POOL, _StagingPool, account_staging_in, staging_nbytes
 from zmpi.comm.wire import (
     _NATIVE_OPS,
@@ -68,5 +69,5 @@ from zmpi.comm.wire import (
 )
 
 __all__ = ["MPI", "Comm", "CollectiveMismatch", "OPS", "OpCounter", "Request", "wait_all",
-           "account_staging_in", "staging_nbytes", "cuda_support", "mpi_flavour",
+           "make_progress", "account_staging_in", "staging_nbytes", "cuda_support", "mpi_flavour",
            "install_abort_on_exception", "waited_seconds"]

@@ -154,6 +154,8 @@ class _Progress:
         if self.mode not in ("auto", "0", "1"):
             raise ValueError(f"ZMPI_PROGRESS_THREAD must be auto, 0 or 1, got {self.mode!r}")
         self.polls = 0  # Iprobe calls made (for tests)
+        self.pokes = 0  # Iprobe calls `poke` made from the caller's thread (for tests)
+        self._poke_comm = None
         self.ranks_on_node = 1  # set by Comm()
 
     def wanted(self) -> bool:
@@ -179,6 +181,16 @@ class _Progress:
         """A non-blocking collective completed."""
         with self._cond:
             self._in_flight -= 1
+
+    def poke(self) -> None:
+        """Drive MPI's progress once from the calling thread, if anything non-blocking is in
+        flight and no progress thread does it (see `make_progress`)."""
+        if self._in_flight <= 0 or self._thread is not None:
+            return
+        if self._poke_comm is None:
+            self._poke_comm = MPI.COMM_SELF.Dup()
+        self._poke_comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+        self.pokes += 1
 
     def stop(self) -> None:
         with self._cond:
@@ -220,6 +232,19 @@ def wait_all(requests):
             r._mpi = None  # completed; wait() below only finishes (copies back, frees)
     return [r.wait() for r in requests]
 
+
+def make_progress() -> None:
+    """Let MPI move what is in flight, once, from this thread, where no progress thread does
+    (one MPI_Iprobe; nothing when nothing is in flight). The engine calls it between units.
+    Without a single-copy path between processes (CMA, XPMEM; a container's seccomp profile
+    often forbids CMA) MPI moves a message above its eager limit only inside MPI calls on
+    both ranks: a pipeline's activation waited for its sender's next op, a bucket's reduction
+    for the end of backward. Measured on 2 ranks with Open MPI 5 and single copy off: a 1 MiB
+    message behind 20 ms of compute arrived after 21 ms, with a call between matmuls after
+    9 ms (64 KiB: 1.5 ms), and pipeline steps went from 1.2-1.5x slower than with single copy
+    to as fast. MPICH moves only a few KiB per call there (its own progress thread helps:
+    MPIR_CVAR_ASYNC_PROGRESS=1)."""
+    _PROGRESS.poke()
 
 
 def start_queued(queue: list, through: Request | None = None, block: bool = True) -> None:

@@ -36,6 +36,7 @@ import numpy as np
 from zmpi import backend, kernels
 from zmpi.checkpoint.sharded import Checkpointer
 from zmpi.checkpoint.tensor import TensorSplits
+from zmpi.comm import make_progress
 from zmpi.engine.checks import (
     as_one_unit,
     check_mesh,
@@ -181,6 +182,7 @@ class Engine(EngineTraffic):
 
     # ---- model hooks: unit object -> strategy hook on its index --------------------------
     def before_forward(self, unit):
+        make_progress()  # messages in flight move between units (zmpi.comm.make_progress)
         self.phases.unit_begins()
         self.strategy.before_forward(self._unit_index[id(unit)])
 
@@ -190,6 +192,7 @@ class Engine(EngineTraffic):
         self.phases.unit_ends(u, "forward")
 
     def before_backward(self, unit):
+        make_progress()
         self.phases.unit_begins()
         self.strategy.before_backward(self._unit_index[id(unit)])
 
@@ -199,6 +202,7 @@ class Engine(EngineTraffic):
         self.phases.unit_ends(u, "backward")
 
     def before_recompute(self, unit):
+        make_progress()
         self.strategy.before_recompute(self._unit_index[id(unit)])
 
     def after_recompute(self, unit):

@@ -196,9 +196,9 @@ def measure_send_progress(comm, nbytes: int = SEND_PROGRESS_BYTES,
     calling MPI; rank 1 times its blocking receive (the least of `repeats`). Where MPI has a
     single-copy path between processes (CMA, XPMEM) the receiver takes the message at once;
     without one, a message above the eager limit moves only inside MPI calls on both ranks,
-    so it arrives when the sender next calls MPI (here: after `busy`). A pipeline's
-    activations and a bucket's reduction then wait for their sender's compute, which the
-    time model does not charge."""
+    so it arrives when the sender next calls MPI (here: after `busy`; the engine's calls
+    between units, `zmpi.comm.make_progress`, are left out). A pipeline's activations and a
+    bucket's reduction then wait for their sender's compute."""
     buf = np.zeros(nbytes, np.uint8)
     m, k, n = BETWEEN_SHAPE
     a, b = np.ones((m, k), np.float32), np.ones((k, n), np.float32)
@@ -227,11 +227,11 @@ def describe_send_progress(sends: dict) -> str:
         return (f"a {size} KiB message moves while its sender computes (received in "
                 f"{got * 1e3:.2f} ms)")
     return (f"a {size} KiB message waited {got * 1e3:.1f} ms, until its sender's next MPI "
-            f"call ({busy * 1e3:.0f} ms of compute): without a single-copy path between "
-            "processes (CMA, XPMEM; a container may forbid CMA), pipeline messages and "
-            "bucketed reductions wait for their sender's compute, which the time model does "
-            "not charge. Allow CMA, or give MPI a progress thread of its own (MPICH: "
-            "MPIR_CVAR_ASYNC_PROGRESS=1)")
+            f"call ({busy * 1e3:.0f} ms of compute): there is no single-copy path between "
+            "processes (CMA, XPMEM; a container may forbid CMA). The engine probes MPI between "
+            "units, which moves such messages with Open MPI but only a few KiB a call with "
+            "MPICH; the time model does not charge what is left. Allow CMA, or give MPI a "
+            "progress thread of its own (MPICH: MPIR_CVAR_ASYNC_PROGRESS=1)")
 
 
 def fit_allreduce_link(allreduce: dict) -> Link:
