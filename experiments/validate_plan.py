@@ -351,13 +351,15 @@ def _by_world(rows: list[dict]) -> dict[int, list[dict]]:
 def median_round(rows: list[dict]) -> dict:
     """One layout's rows of every round as one: the round whose measured / predicted step time
     is the median (the lower middle of an even count), with every round's ratio
-    (`round_ratios`) and the model states exact only if they were in every round."""
+    (`round_ratios`, and as text for table.csv: `rounds`) and the model states exact only if
+    they were in every round."""
     if any("error" in r for r in rows):
         return next(r for r in rows if "error" in r)
     ratios = [r["time_ratio"] for r in rows]
     middle = sorted(range(len(rows)), key=ratios.__getitem__)[(len(rows) - 1) // 2]
     return {**rows[middle], "ms_exact": all(r["ms_exact"] for r in rows),
-            "round": middle + 1, "round_ratios": ratios}
+            "round": middle + 1, "round_ratios": ratios,
+            "rounds": " ".join(f"{x:.3f}" for x in ratios)}
 
 
 def run_round(args, picked):

@@ -6,10 +6,11 @@ gradients in flight over the micro-steps, stage 1's shard when activations are f
 LM-head caches under full recompute. experiments/validate_plan.py runs the full set of
 layouts (docs/plan.md, "Validation")."""
 import json
+import sys
 from dataclasses import asdict
 
 import pytest
-from mpi_util import RANKS_DIR, run_mpi
+from mpi_util import RANKS_DIR, REPO_ROOT, run_mpi
 
 from zmpi.plan.layout import Job, Layout
 from zmpi.plan.memory import stage_memory
@@ -54,3 +55,20 @@ def test_device_peak_within_5_percent(reports, name):
         predicted = stage_memory(JOB, layout, r["pp_rank"], on_gpu=False).device
         measured = r["peak"]["device"]
         assert abs(measured / predicted - 1) <= 0.05, (name, r["rank"], measured, predicted)
+
+
+def test_a_layouts_rounds_are_judged_by_the_median_and_all_kept():
+    """validate_plan's median round: the round whose measured / predicted time is the median,
+    every round's ratio beside it (also as text, for table.csv), the model states exact only
+    if they were in every round."""
+    sys.path.insert(0, str(REPO_ROOT / "experiments"))
+    from validate_plan import median_round
+
+    rows = [{"time_ratio": ratio, "ms_exact": exact, "at": k}
+            for k, (ratio, exact) in enumerate([(1.3, True), (1.0, True), (1.1, False)])]
+    row = median_round(rows)
+    assert (row["at"], row["round"], row["time_ratio"]) == (2, 3, 1.1)
+    assert row["round_ratios"] == [1.3, 1.0, 1.1] and row["rounds"] == "1.300 1.000 1.100"
+    assert row["ms_exact"] is False
+    assert median_round([{**rows[0], "error": "boom"}, rows[1]])["error"] == "boom"
+
