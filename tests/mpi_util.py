@@ -30,6 +30,23 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RANKS_DIR = Path(__file__).resolve().parent / "ranks"
 CLI = REPO_ROOT / "zmpi" / "cli" / "__main__.py"  # `python -m zmpi.cli`, launched by path
 PREFIX = "ZMPI_REPORT "
+# kept in a child's minimal environment: Open MPI does not start (even a singleton) without
+# HOME and PATH, nor as root without OMPI_ALLOW_RUN_AS_ROOT*; MCA / CVAR settings the caller
+# chose stay in force
+KEPT_IN_CHILDREN = ("HOME", "PATH", "OMPI_ALLOW_RUN_AS_ROOT", "OMPI_MCA_", "PRTE_MCA_",
+                    "MPIR_CVAR_")
+
+
+def child_env(**env) -> dict:
+    """The environment of a Python a test starts directly (not under mpiexec): `env`, one
+    BLAS thread, and what MPI needs from this process's (KEPT_IN_CHILDREN), nothing else."""
+    kept = {k: v for k, v in os.environ.items() if k.startswith(KEPT_IN_CHILDREN)}
+    return {**kept, "OMP_NUM_THREADS": "1", **env}
+
+
+# the strict CuPy stand-in (tests/standin) in place of CuPy
+STANDIN = child_env(PYTHONPATH=f"{REPO_ROOT / 'tests' / 'standin'}:{REPO_ROOT}",
+                    ZMPI_BACKEND="cupy")
 
 
 def mpiexec_path() -> str:

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_util import RANKS_DIR, REPO_ROOT, launch_mpi, run_mpi
+from mpi_util import RANKS_DIR, REPO_ROOT, STANDIN, launch_mpi, run_mpi
 
 from zmpi import backend
 from zmpi import comm as zcomm
@@ -413,9 +413,7 @@ print(json.dumps(out))
 def test_messages_of_device_buffers_staged_and_cuda_aware():
     """On the strict CuPy stand-in: device buffers are staged through the host (MPI not
     CUDA-aware) or handed to MPI directly, as in the collectives."""
-    env = {"PYTHONPATH": f"{REPO_ROOT / 'tests' / 'standin'}:{REPO_ROOT}",
-           "ZMPI_BACKEND": "cupy", "OMP_NUM_THREADS": "1"}
-    out = json.loads(subprocess.run([sys.executable, "-c", STANDIN_MESSAGES], env=env,
+    out = json.loads(subprocess.run([sys.executable, "-c", STANDIN_MESSAGES], env=STANDIN,
                                     cwd=REPO_ROOT, capture_output=True, text=True,
                                     check=True).stdout)
     for aware, staged in (("0", {"to_host": 72, "to_device": 68}),

@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 import pytest
-from mpi_util import RANKS_DIR, REPO_ROOT, run_mpi
+from mpi_util import RANKS_DIR, REPO_ROOT, STANDIN, child_env, run_mpi
 
 from zmpi import backend
 from zmpi.comm import mpi_info
@@ -24,8 +24,6 @@ from zmpi.memory import ring_bytes
 sys.path.insert(0, str(RANKS_DIR))
 import gpu_comm_checks as checks  # noqa: E402
 
-STANDIN = {"PYTHONPATH": f"{REPO_ROOT / 'tests' / 'standin'}:{REPO_ROOT}",
-           "ZMPI_BACKEND": "cupy", "OMP_NUM_THREADS": "1"}
 NUMPY = {"ZMPI_BACKEND": "numpy"}
 N = 3  # ranks: with 3, rounding after every pairwise step differs from rounding once
 
@@ -162,7 +160,7 @@ def test_offload_copies_go_through_pinned_host_buffers_by_default(where):
     host parameter shard, and the delayed update's second gradient shard (stage 1) are
     page-locked, and so is every buffer a gradient copy lands in while gradients accumulate
     (stages 2 and 3). Under NumPy nothing is (there is no device to copy from)."""
-    env = STANDIN if where == "standin" else {**NUMPY, "OMP_NUM_THREADS": "1"}
+    env = STANDIN if where == "standin" else child_env(**NUMPY)
     out = subprocess.run([sys.executable, "-c", OFFLOAD], env=env, cwd=REPO_ROOT,
                          capture_output=True, text=True, check=True).stdout
     rows = [list(map(int, line.split())) for line in out.splitlines()]

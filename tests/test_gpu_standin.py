@@ -11,10 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from mpi_util import RANKS_DIR, REPO_ROOT, run_mpi
-
-STANDIN = {"PYTHONPATH": f"{REPO_ROOT / 'tests' / 'standin'}:{REPO_ROOT}",
-           "ZMPI_BACKEND": "cupy"}
+from mpi_util import RANKS_DIR, REPO_ROOT, STANDIN, child_env, run_mpi
 
 
 def _train(tmp_path, name, n, env):
@@ -270,7 +267,7 @@ print(err_ln, err_gelu, float(np.abs(att.sum(-1) - 1).max()), bool(np.isfinite(a
 def test_fp16_normalisation_gelu_softmax_run_in_fp32(backend):
     """Inputs that overflow fp16 inside LayerNorm (x^2), GELU (x^3) and the attention scores
     give fp32-accurate results, on the host and on the (stand-in) device alike."""
-    env = STANDIN if backend == "standin" else {"ZMPI_BACKEND": "numpy"}
+    env = STANDIN if backend == "standin" else child_env(ZMPI_BACKEND="numpy")
     out = subprocess.run([sys.executable, "-c", KERNELS], env={**env, "OMP_NUM_THREADS": "1"},
                          cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
     err_ln, err_gelu, softmax_sum, finite = out.split()

@@ -9,19 +9,15 @@ for bit, and the fused one must be one launch (two or three where the docstrings
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from mpi_util import REPO_ROOT, STANDIN
 
 from zmpi import kernels
 from zmpi.config import Config, ConfigError
 from zmpi.nn import attention as A
 from zmpi.nn import functional as F
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-STANDIN = {"PYTHONPATH": f"{REPO_ROOT / 'tests' / 'standin'}:{REPO_ROOT}",
-           "ZMPI_BACKEND": "cupy", "OMP_NUM_THREADS": "1"}
 
 # Each fused op, run on the stand-in under both modes: (launches when fused, its results).
 OPS = """

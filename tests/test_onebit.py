@@ -22,16 +22,13 @@ import warnings
 
 import numpy as np
 import pytest
-from mpi_util import RANKS_DIR, REPO_ROOT, run_mpi
+from mpi_util import RANKS_DIR, REPO_ROOT, STANDIN, run_mpi
 
 from zmpi import backend
 from zmpi.config import Config, ConfigError
 
 sys.path.insert(0, str(RANKS_DIR))
 import onebit_reference  # noqa: E402
-
-STANDIN = {"PYTHONPATH": f"{REPO_ROOT / 'tests' / 'standin'}:{REPO_ROOT}",
-           "ZMPI_BACKEND": "cupy"}
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"n{n}")

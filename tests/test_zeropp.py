@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 import pytest
-from mpi_util import RANKS_DIR, REPO_ROOT, run_mpi
+from mpi_util import RANKS_DIR, REPO_ROOT, STANDIN, run_mpi
 
 from zmpi import backend
 from zmpi.config import Config, ConfigError
@@ -24,8 +24,6 @@ from zmpi.models.gpt import GPT, GPTConfig
 from zmpi.zero import zeropp
 from zmpi.zero.quantize import QMAX, dequantize, n_blocks, quantize, row_nbytes
 
-STANDIN = {"PYTHONPATH": f"{REPO_ROOT / 'tests' / 'standin'}:{REPO_ROOT}",
-           "ZMPI_BACKEND": "cupy"}
 # Training on Tiny Shakespeare, 40 steps at lr 3e-3 (loss 4.19 -> 3.14: the early, noisy
 # stretch of a small model); the worst relative difference from stage 3's loss measured over
 # 2 and 4 ranks, fp16 and fp32 (the 300-step figures are experiments/bench_zeropp.py's):
