@@ -9,9 +9,10 @@ import pytest
 from mpi_util import launch_mpi
 
 from zmpi.comm import mpi_flavour
-from zmpi.plan import engine_rates, measure
+from zmpi.plan import engine_rates, link_rates, measure
 from zmpi.plan.hardware import PRESETS, Hardware, Link, parse_size
-from zmpi.plan.measure import fit_allreduce_link, load_hardware, measure_this
+from zmpi.plan.link_rates import fit_allreduce_link
+from zmpi.plan.measure import load_hardware, measure_this
 from zmpi.plan.time import ring_sent
 
 
@@ -207,9 +208,9 @@ def test_fit_half_reduction_rate():
     link = Link(2e9, 7e-6)
     measured = {"ranks": 4, "messages": 6, "half_bytes": 2**20}
     sent = link.seconds(ring_sent(2**20, 4), 6)
-    rate = measure.fit_half_reduction_rate({**measured, "half_seconds": sent + 6e-3}, link)
+    rate = link_rates.fit_half_reduction_rate({**measured, "half_seconds": sent + 6e-3}, link)
     assert rate == pytest.approx(0.75 * 2**20 / 6e-3)  # each rank sums 3/4 of the buffer
-    assert measure.fit_half_reduction_rate({**measured, "half_seconds": sent}, link) is None
+    assert link_rates.fit_half_reduction_rate({**measured, "half_seconds": sent}, link) is None
 
 
 def test_compute_between_is_a_mode_of_comm(capsys):
@@ -272,7 +273,7 @@ def _check_measured(hw: Hardware, ranks: int) -> None:
                                      messages=allreduce["messages"]) + extra == \
             pytest.approx(allreduce["half_seconds"], rel=1e-9)
     sends = allreduce["send_progress"]  # recorded, not modelled
-    assert sends["bytes"] == measure.SEND_PROGRESS_BYTES and sends["receive_seconds"] > 0
+    assert sends["bytes"] == link_rates.SEND_PROGRESS_BYTES and sends["receive_seconds"] > 0
     assert sends["moves_while_sender_computes"] == \
         (sends["receive_seconds"] < sends["sender_busy_seconds"] / 2)
     crowded = hw.measured["oversubscribed_allreduce"]
@@ -317,10 +318,10 @@ def _check_measured(hw: Hardware, ranks: int) -> None:
 def test_send_progress_is_described_with_its_remedy():
     moves = {"bytes": 1 << 20, "sender_busy_seconds": 0.02, "receive_seconds": 0.0005,
              "moves_while_sender_computes": True}
-    assert measure.describe_send_progress(moves) == \
+    assert link_rates.describe_send_progress(moves) == \
         "a 1024 KiB message moves while its sender computes (received in 0.50 ms)"
     waits = {**moves, "receive_seconds": 0.021, "moves_while_sender_computes": False}
-    said = measure.describe_send_progress(waits)
+    said = link_rates.describe_send_progress(waits)
     assert said.startswith("a 1024 KiB message waited 21.0 ms, until its sender's next MPI "
                            "call (20 ms of compute)")
     assert "CMA" in said and "MPIR_CVAR_ASYNC_PROGRESS=1" in said and "between units" in said

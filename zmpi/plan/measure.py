@@ -18,8 +18,9 @@ a layout's steps):
 - memory bandwidth: numpy.add of two 64 MiB float32 arrays into a third, 3 x 64 MiB moved.
 - host_device: a 64 MiB copy (bytes copied per second) and an 8-byte copy (the latency):
   host and device are the same memory on a CPU.
-- allreduce: float32 allreduces of 8 B and 32 MiB through zmpi.comm.Comm over `ranks` ranks
-  (mpiexec beside sys.executable, else on PATH), the slowest rank's least. The link is fitted
+- allreduce (zmpi.plan.link_rates): float32 allreduces of 8 B and 32 MiB through
+  zmpi.comm.Comm over `ranks` ranks (mpiexec beside sys.executable, else on PATH), the
+  slowest rank's least. The link is fitted
   to the ring model, in which an allreduce of n bytes over N ranks is 2(N-1) messages carrying
   2(N-1)/N n bytes from each rank: link.seconds(2(N-1)/N n, 2(N-1)) gives both measured times.
   intra_node = inter_node = that link (one node). A float16 allreduce of HALF_BYTES on the
@@ -35,13 +36,12 @@ a layout's steps):
 - host Adam: zmpi.optim.adam.HostAdam stepping an 8 Mi-element fp32 shard on one thread; the
   host add: zmpi.host_kernels.add_ of two 8 Mi-element float16 arrays (offload's accumulation).
 - elementwise rate and layer overhead (zmpi.plan.engine_rates): a 2-block GPT of each of
-  LAYER_SHAPES (three block
-  sizes) trained by the Engine on this rank alone (fp32, ZeRO-0), its blocks' forward and
-  backward seconds from the Engine's profile (the least of 9 steps, the shapes stepping in
-  turn); their matmuls' FLOPs
-  at the GEMM rate subtracted, the rest (LayerNorm, GELU, softmax, residuals, casts and the
-  engine's per-unit work) fitted by least squares as a fixed `layer_overhead` per block and
-  micro-batch plus the block's activation bytes at `elementwise_rate`.
+  LAYER_SHAPES (three block sizes) trained by the Engine on this rank alone (fp32, ZeRO-0),
+  its blocks' forward and backward seconds from the Engine's profile (the least of 9 steps,
+  the shapes stepping in turn); their matmuls' FLOPs at the GEMM rate subtracted, the rest
+  (LayerNorm, GELU, softmax, residuals, casts and the engine's per-unit work) fitted by least
+  squares as a fixed `layer_overhead` per block and micro-batch plus the block's activation
+  bytes at `elementwise_rate`.
 - the engine's per-unit and per-parameter work (engine_rates.measure_engine): a 2-block GPT of
   ENGINE_SHAPE, 4 micro-batches a step, on this rank alone at ZeRO-0, -2 and -3 in fp32 and
   at ZeRO-0 in fp16; the steps' excess over fp32 ZeRO-0 gives `stage2_unit_overhead` and
@@ -62,7 +62,6 @@ import os
 import platform
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -74,17 +73,18 @@ import numpy as np
 
 from zmpi.plan.engine_rates import measure_engine, measure_layer
 from zmpi.plan.hardware import PRESETS, Hardware, Link
-from zmpi.plan.time import ring_sent
+from zmpi.plan.link_rates import (
+    describe_send_progress,
+    fit_allreduce_link,
+    fit_half_reduction_rate,
+    measure_allreduce,
+    measure_send_progress,
+)
 
 GEMM_SHAPES = ((4096, 512, 2048), (1024, 1024, 1024))  # (m, k, n): (m x k) @ (k x n)
 STREAM_BYTES = 64 << 20  # each array of the add and the copy
 ADAM_NUMEL = 8 << 20
-ALLREDUCE_BYTES = {"small": 8, "large": 32 << 20}  # payloads: for the latency, the bandwidth
-HALF_BYTES = 1 << 20  # a float16 allreduce's payload: MPI's float16 reduction rate
-BETWEEN_SHAPE = (512, 256, 256)  # the GEMM each rank runs before a call, oversubscribed
 MAX_OVERSUBSCRIBED_CORES = 8  # the oversubscribed link is measured on 2 x cores ranks
-SEND_PROGRESS_BYTES = 1 << 20  # the message of `measure_send_progress`
-SENDER_BUSY_SECONDS = 0.02  # how long its sender computes after starting it
 LAUNCH_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_SIZE")
 
 
@@ -153,110 +153,6 @@ def measure_adam(repeats: int = 3) -> dict:
     add = fastest_seconds(lambda: host_kernels.add_(total, part), repeats)
     return {"params": ADAM_NUMEL, "seconds": seconds, "add_seconds": add,
             "kernel": "numba" if host_kernels.adam is not None else "numpy"}
-
-
-def measure_allreduce(comm, repeats: int = 10, compute_between: bool = False) -> dict:
-    """Collective: the slowest rank's least seconds of a float32 allreduce of each of
-    ALLREDUCE_BYTES and of a float16 one of HALF_BYTES on `comm` (a zmpi.comm.Comm, so
-    float16 goes as zmpi sends it: MPI's own float16, or float32 where the MPI has none), the
-    ranks starting each call together (a barrier before it). With `compute_between` (for
-    ranks that outnumber the cores) each rank instead runs a GEMM of BETWEEN_SHAPE before
-    each call, as training computes between collectives, the float16 one is left out, and
-    the time is the median: there a call's wait for a peer the OS has descheduled is what is
-    measured, not a neighbour's noise, and the least call is the one that escaped it."""
-    out = {"ranks": comm.size, "messages": 2 * (comm.size - 1), "repeats": repeats,
-           "compute_between": compute_between}
-    payloads = [(name, nbytes, np.float32) for name, nbytes in ALLREDUCE_BYTES.items()]
-    if compute_between:
-        m, k, n = BETWEEN_SHAPE
-        before = partial(np.matmul, np.ones((m, k), np.float32), np.ones((k, n), np.float32),
-                         out=np.empty((m, n), np.float32))
-    else:
-        before = comm.barrier
-        payloads.append(("half", HALF_BYTES, np.float16))
-    for name, nbytes, dtype in payloads:
-        buf = np.zeros(nbytes // np.dtype(dtype).itemsize, dtype)  # zeros: no overflow
-        comm.allreduce(buf)
-        times = []
-        for _ in range(5 * repeats if name == "small" else repeats):
-            before()
-            start = time.perf_counter()
-            comm.allreduce(buf)
-            times.append(time.perf_counter() - start)
-        out[f"{name}_bytes"] = buf.nbytes
-        typical = statistics.median(times) if compute_between else min(times)
-        out[f"{name}_seconds"] = comm.allreduce_scalar(typical, op="max")
-    return out
-
-
-def measure_send_progress(comm, nbytes: int = SEND_PROGRESS_BYTES,
-                          busy: float = SENDER_BUSY_SECONDS, repeats: int = 3) -> dict:
-    """Collective: whether a message moves while its sender computes. Rank 0 starts a
-    non-blocking send of `nbytes` to rank 1 and then runs GEMMs for `busy` seconds without
-    calling MPI; rank 1 times its blocking receive (the least of `repeats`). Where MPI has a
-    single-copy path between processes (CMA, XPMEM) the receiver takes the message at once;
-    without one, a message above the eager limit moves only inside MPI calls on both ranks,
-    so it arrives when the sender next calls MPI (here: after `busy`; the engine's calls
-    between units, `zmpi.comm.make_progress`, are left out). A pipeline's activations and a
-    bucket's reduction then wait for their sender's compute."""
-    buf = np.zeros(nbytes, np.uint8)
-    m, k, n = BETWEEN_SHAPE
-    a, b = np.ones((m, k), np.float32), np.ones((k, n), np.float32)
-    times = []
-    for _ in range(repeats):
-        comm.barrier()
-        if comm.rank == 0:
-            request = comm.isend(buf, 1)
-            start = time.perf_counter()
-            while time.perf_counter() - start < busy:
-                np.matmul(a, b)
-            request.wait()
-        elif comm.rank == 1:
-            start = time.perf_counter()
-            comm.recv(buf, 0)
-            times.append(time.perf_counter() - start)
-    received = comm.allreduce_scalar(min(times) if times else 0.0, op="max")
-    return {"bytes": nbytes, "sender_busy_seconds": busy, "receive_seconds": received,
-            "moves_while_sender_computes": received < busy / 2}
-
-
-def describe_send_progress(sends: dict) -> str:
-    """A line on `measure_send_progress`'s result, with the remedy where messages wait."""
-    size, got, busy = sends["bytes"] >> 10, sends["receive_seconds"], sends["sender_busy_seconds"]
-    if sends["moves_while_sender_computes"]:
-        return (f"a {size} KiB message moves while its sender computes (received in "
-                f"{got * 1e3:.2f} ms)")
-    return (f"a {size} KiB message waited {got * 1e3:.1f} ms, until its sender's next MPI "
-            f"call ({busy * 1e3:.0f} ms of compute): there is no single-copy path between "
-            "processes (CMA, XPMEM; a container may forbid CMA). The engine probes MPI between "
-            "units, which moves such messages with Open MPI but only a few KiB a call with "
-            "MPICH; the time model does not charge what is left. Allow CMA, or give MPI a "
-            "progress thread of its own (MPICH: MPIR_CVAR_ASYNC_PROGRESS=1)")
-
-
-def fit_allreduce_link(allreduce: dict) -> Link:
-    """The Link with which link.seconds(ring_sent(n, N), 2(N-1)) equals both measured
-    allreduce times of `measure_allreduce` (two points, two unknowns)."""
-    ranks, messages = allreduce["ranks"], allreduce["messages"]
-    small = ring_sent(allreduce["small_bytes"], ranks), allreduce["small_seconds"]
-    large = ring_sent(allreduce["large_bytes"], ranks), allreduce["large_seconds"]
-    if large[1] <= small[1]:
-        raise RuntimeError(f"allreduce of {allreduce['large_bytes']} bytes took no longer "
-                           f"than one of {allreduce['small_bytes']}: {allreduce}")
-    bandwidth = (large[0] - small[0]) / (large[1] - small[1])
-    latency = max(small[1] - small[0] / bandwidth, 1e-12) / messages
-    return Link(bandwidth=bandwidth, latency=latency)
-
-
-def fit_half_reduction_rate(allreduce: dict, link: Link) -> float | None:
-    """Bytes/s at which the MPI reduces float16 beyond `link`'s time: a ring allreduce of n
-    bytes over N ranks reduces (N-1)/N n of them on each rank, and the float16 allreduce
-    measured took that long more than link.seconds gives for its bytes. None where it took
-    no longer (an MPI whose float16 sums cost nothing extra)."""
-    ranks, nbytes = allreduce["ranks"], allreduce["half_bytes"]
-    extra = allreduce["half_seconds"] - link.seconds(ring_sent(nbytes, ranks),
-                                                     allreduce["messages"])
-    return (ranks - 1) / ranks * nbytes / extra if extra > 0 else None
 
 
 def _world_size() -> int:

@@ -1,0 +1,133 @@
+"""MPI's rates on this machine, for `measure_this`: collective over a zmpi.comm.Comm, each
+rank's figure the slowest rank's.
+
+- `measure_allreduce`: float32 allreduces of ALLREDUCE_BYTES (latency, bandwidth) and a
+  float16 one of HALF_BYTES, the least of a few after a barrier each; or, for ranks that
+  outnumber the cores, with a GEMM of BETWEEN_SHAPE before each call, the median;
+- `fit_allreduce_link`, `fit_half_reduction_rate`: the ring model's Link through both
+  allreduces, and the rate at which the MPI sums float16 beyond it;
+- `measure_send_progress`, `describe_send_progress`: whether a message moves while its
+  sender computes (recorded and said, not modelled).
+
+`zmpi.plan.measure` runs them under mpiexec (`python -m zmpi.plan.measure --comm`).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from functools import partial
+
+import numpy as np
+
+from zmpi.plan.hardware import Link
+from zmpi.plan.time import ring_sent
+
+ALLREDUCE_BYTES = {"small": 8, "large": 32 << 20}  # payloads: for the latency, the bandwidth
+HALF_BYTES = 1 << 20  # a float16 allreduce's payload: MPI's float16 reduction rate
+BETWEEN_SHAPE = (512, 256, 256)  # the GEMM each rank runs before a call, oversubscribed
+SEND_PROGRESS_BYTES = 1 << 20  # the message of `measure_send_progress`
+SENDER_BUSY_SECONDS = 0.02  # how long its sender computes after starting it
+
+
+def measure_allreduce(comm, repeats: int = 10, compute_between: bool = False) -> dict:
+    """Collective: the slowest rank's least seconds of a float32 allreduce of each of
+    ALLREDUCE_BYTES and of a float16 one of HALF_BYTES on `comm` (a zmpi.comm.Comm, so
+    float16 goes as zmpi sends it: MPI's own float16, or float32 where the MPI has none), the
+    ranks starting each call together (a barrier before it). With `compute_between` (for
+    ranks that outnumber the cores) each rank instead runs a GEMM of BETWEEN_SHAPE before
+    each call, as training computes between collectives, the float16 one is left out, and
+    the time is the median: there a call's wait for a peer the OS has descheduled is what is
+    measured, not a neighbour's noise, and the least call is the one that escaped it."""
+    out = {"ranks": comm.size, "messages": 2 * (comm.size - 1), "repeats": repeats,
+           "compute_between": compute_between}
+    payloads = [(name, nbytes, np.float32) for name, nbytes in ALLREDUCE_BYTES.items()]
+    if compute_between:
+        m, k, n = BETWEEN_SHAPE
+        before = partial(np.matmul, np.ones((m, k), np.float32), np.ones((k, n), np.float32),
+                         out=np.empty((m, n), np.float32))
+    else:
+        before = comm.barrier
+        payloads.append(("half", HALF_BYTES, np.float16))
+    for name, nbytes, dtype in payloads:
+        buf = np.zeros(nbytes // np.dtype(dtype).itemsize, dtype)  # zeros: no overflow
+        comm.allreduce(buf)
+        times = []
+        for _ in range(5 * repeats if name == "small" else repeats):
+            before()
+            start = time.perf_counter()
+            comm.allreduce(buf)
+            times.append(time.perf_counter() - start)
+        out[f"{name}_bytes"] = buf.nbytes
+        typical = statistics.median(times) if compute_between else min(times)
+        out[f"{name}_seconds"] = comm.allreduce_scalar(typical, op="max")
+    return out
+
+
+def measure_send_progress(comm, nbytes: int = SEND_PROGRESS_BYTES,
+                          busy: float = SENDER_BUSY_SECONDS, repeats: int = 3) -> dict:
+    """Collective: whether a message moves while its sender computes. Rank 0 starts a
+    non-blocking send of `nbytes` to rank 1 and then runs GEMMs for `busy` seconds without
+    calling MPI; rank 1 times its blocking receive (the least of `repeats`). Where MPI has a
+    single-copy path between processes (CMA, XPMEM) the receiver takes the message at once;
+    without one, a message above the eager limit moves only inside MPI calls on both ranks,
+    so it arrives when the sender next calls MPI (here: after `busy`; the engine's calls
+    between units, `zmpi.comm.make_progress`, are left out). A pipeline's activations and a
+    bucket's reduction then wait for their sender's compute."""
+    buf = np.zeros(nbytes, np.uint8)
+    m, k, n = BETWEEN_SHAPE
+    a, b = np.ones((m, k), np.float32), np.ones((k, n), np.float32)
+    times = []
+    for _ in range(repeats):
+        comm.barrier()
+        if comm.rank == 0:
+            request = comm.isend(buf, 1)
+            start = time.perf_counter()
+            while time.perf_counter() - start < busy:
+                np.matmul(a, b)
+            request.wait()
+        elif comm.rank == 1:
+            start = time.perf_counter()
+            comm.recv(buf, 0)
+            times.append(time.perf_counter() - start)
+    received = comm.allreduce_scalar(min(times) if times else 0.0, op="max")
+    return {"bytes": nbytes, "sender_busy_seconds": busy, "receive_seconds": received,
+            "moves_while_sender_computes": received < busy / 2}
+
+
+def describe_send_progress(sends: dict) -> str:
+    """A line on `measure_send_progress`'s result, with the remedy where messages wait."""
+    size, got, busy = sends["bytes"] >> 10, sends["receive_seconds"], sends["sender_busy_seconds"]
+    if sends["moves_while_sender_computes"]:
+        return (f"a {size} KiB message moves while its sender computes (received in "
+                f"{got * 1e3:.2f} ms)")
+    return (f"a {size} KiB message waited {got * 1e3:.1f} ms, until its sender's next MPI "
+            f"call ({busy * 1e3:.0f} ms of compute): there is no single-copy path between "
+            "processes (CMA, XPMEM; a container may forbid CMA). The engine probes MPI between "
+            "units, which moves such messages with Open MPI but only a few KiB a call with "
+            "MPICH; the time model does not charge what is left. Allow CMA, or give MPI a "
+            "progress thread of its own (MPICH: MPIR_CVAR_ASYNC_PROGRESS=1)")
+
+
+def fit_allreduce_link(allreduce: dict) -> Link:
+    """The Link with which link.seconds(ring_sent(n, N), 2(N-1)) equals both measured
+    allreduce times of `measure_allreduce` (two points, two unknowns)."""
+    ranks, messages = allreduce["ranks"], allreduce["messages"]
+    small = ring_sent(allreduce["small_bytes"], ranks), allreduce["small_seconds"]
+    large = ring_sent(allreduce["large_bytes"], ranks), allreduce["large_seconds"]
+    if large[1] <= small[1]:
+        raise RuntimeError(f"allreduce of {allreduce['large_bytes']} bytes took no longer "
+                           f"than one of {allreduce['small_bytes']}: {allreduce}")
+    bandwidth = (large[0] - small[0]) / (large[1] - small[1])
+    latency = max(small[1] - small[0] / bandwidth, 1e-12) / messages
+    return Link(bandwidth=bandwidth, latency=latency)
+
+
+def fit_half_reduction_rate(allreduce: dict, link: Link) -> float | None:
+    """Bytes/s at which the MPI reduces float16 beyond `link`'s time: a ring allreduce of n
+    bytes over N ranks reduces (N-1)/N n of them on each rank, and the float16 allreduce
+    measured took that long more than link.seconds gives for its bytes. None where it took
+    no longer (an MPI whose float16 sums cost nothing extra)."""
+    ranks, nbytes = allreduce["ranks"], allreduce["half_bytes"]
+    extra = allreduce["half_seconds"] - link.seconds(ring_sent(nbytes, ranks),
+                                                     allreduce["messages"])
+    return (ranks - 1) / ranks * nbytes / extra if extra > 0 else None
