@@ -155,7 +155,7 @@ class _Progress:
             raise ValueError(f"ZMPI_PROGRESS_THREAD must be auto, 0 or 1, got {self.mode!r}")
         self.polls = 0  # Iprobe calls made (for tests)
         self.pokes = 0  # Iprobe calls `poke` made from the caller's thread (for tests)
-        self._poke_comm = None
+        self._probe = None  # the private communicator probed (made at the first probe)
         self.ranks_on_node = 1  # set by Comm()
 
     def wanted(self) -> bool:
@@ -170,7 +170,6 @@ class _Progress:
             self._in_flight += 1
             if self._thread is None and not self._stopping and self.wanted() \
                     and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
-                self._probe = MPI.COMM_SELF.Dup()
                 self._thread = threading.Thread(target=self._run, name="zmpi-progress",
                                                 daemon=True)
                 self._thread.start()
@@ -187,10 +186,14 @@ class _Progress:
         flight and no progress thread does it (see `make_progress`)."""
         if self._in_flight <= 0 or self._thread is not None:
             return
-        if self._poke_comm is None:
-            self._poke_comm = MPI.COMM_SELF.Dup()
-        self._poke_comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+        self._probe_once()
         self.pokes += 1
+
+    def _probe_once(self) -> None:
+        """One MPI_Iprobe on a private communicator (nothing matches): MPI's progress runs."""
+        if self._probe is None:
+            self._probe = MPI.COMM_SELF.Dup()
+        self._probe.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
 
     def stop(self) -> None:
         with self._cond:
@@ -211,7 +214,7 @@ class _Progress:
             if backend.is_gpu and backend.device_id not in (None, bound):
                 bound = backend.device_id
                 backend.xp.cuda.Device(bound).use()
-            self._probe.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+            self._probe_once()
             self.polls += 1
             time.sleep(self.interval)
 
