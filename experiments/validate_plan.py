@@ -190,8 +190,10 @@ def launch(args, world: int, items: list[dict]) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="validate-plan-") as tmp:
         todo, done = Path(tmp) / "todo.json", Path(tmp) / "done.json"
         todo.write_text(json.dumps(items))
+        # the model is this machine's CPU (`measure_this`): its layouts run on NumPy even
+        # where CuPy and a GPU are found
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-                   MKL_NUM_THREADS="1",
+                   MKL_NUM_THREADS="1", ZMPI_BACKEND="numpy",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
                                                             os.environ.get("PYTHONPATH")])))
         cmd = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(world),

@@ -232,7 +232,8 @@ def test_fit_allreduce_link_reproduces_both_points():
 
 @pytest.mark.parametrize("body, timeout, message", [
     ("echo broken >&2; exit 3", 30, "failed (exit code 3)"),
-    ("echo no json here", 30, "failed (exit code 0)"),
+    ("echo no json here", 30, "failed (exit code 0, no result written)"),
+    ('printf \'\\033[0m{"ranks": 2}\\n\'', 30, "no result written"),  # stdout is not read
     ("sleep 30", 0.5, "did not finish in 0.5 s"),
 ])
 def test_launch_allreduce_failures(tmp_path, monkeypatch, body, timeout, message):
@@ -243,6 +244,22 @@ def test_launch_allreduce_failures(tmp_path, monkeypatch, body, timeout, message
     with pytest.raises(RuntimeError, match="zmpi.plan.measure --comm") as info:
         measure.launch_allreduce(2, timeout)
     assert message in str(info.value)
+
+
+def test_launch_allreduce_reads_the_result_file_not_stdout(tmp_path, monkeypatch):
+    fake = tmp_path / "mpiexec"  # a launcher that puts a terminal escape on the ranks' stdout
+    fake.write_text('#!/bin/sh\nfor last; do :; done\nprintf \'\\033[0m{"bad": 1}\\n\'\n'
+                    'echo \'{"ranks": 2, "small_seconds": 1e-05}\' > "$last"\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(measure, "_mpiexec", lambda: str(fake))
+    assert measure.launch_allreduce(2, 30) == {"ranks": 2, "small_seconds": 1e-05}
+
+
+def test_measure_this_refuses_the_cupy_backend(monkeypatch):
+    from zmpi import backend
+    monkeypatch.setattr(backend, "is_gpu", True)
+    with pytest.raises(ValueError, match="ZMPI_BACKEND=numpy"):
+        measure_this(ranks=2)
 
 
 def test_measure_this_needs_two_ranks():

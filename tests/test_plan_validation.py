@@ -72,3 +72,25 @@ def test_a_layouts_rounds_are_judged_by_the_median_and_all_kept():
     assert row["ms_exact"] is False
     assert median_round([{**rows[0], "error": "boom"}, rows[1]])["error"] == "boom"
 
+
+
+def test_validate_plans_ranks_run_on_numpy(monkeypatch, tmp_path):
+    """The model it checks is this machine's CPU (`measure_this`): its layouts run on NumPy
+    even where CuPy and a GPU are found (on a GPU machine they once ran on the GPU)."""
+    import subprocess
+    import types
+    sys.path.insert(0, str(REPO_ROOT / "experiments"))
+    import validate_plan
+
+    seen = {}
+
+    def run(cmd, env, **kwargs):
+        seen.update(env)
+        done = cmd[cmd.index("--results") + 1]
+        with open(done, "w") as f:
+            json.dump([], f)
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setenv("ZMPI_BACKEND", "cupy")
+    args = types.SimpleNamespace(steps=2, seed=0, timeout=10)
+    assert validate_plan.launch(args, 2, []) == []
+    assert seen["ZMPI_BACKEND"] == "numpy" and seen["OMP_NUM_THREADS"] == "1"

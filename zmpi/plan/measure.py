@@ -64,6 +64,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from functools import partial
@@ -176,27 +177,32 @@ def _mpiexec() -> str:
 
 def launch_allreduce(ranks: int, timeout: float, compute_between: bool = False) -> dict:
     """`measure_allreduce` on `ranks` fresh ranks (`python -m zmpi.plan.measure --comm
-    [--compute-between]` under mpiexec, one BLAS thread each), killed after `timeout` seconds;
-    a RuntimeError with the command and its output if it fails."""
-    cmd = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "zmpi.plan.measure", "--comm",
-           *(["--compute-between"] if compute_between else [])]
+    [--compute-between] --out FILE` under mpiexec, one BLAS thread each), killed after
+    `timeout` seconds; a RuntimeError with the command and its output if it fails. The
+    result comes back in a file, not on stdout: a launcher may put its own bytes on the
+    ranks' output (Open MPI forwarded a terminal escape before the JSON, once in three)."""
     root = str(Path(__file__).resolve().parents[2])  # where `zmpi` is importable from
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and its ranks
-        out, err = proc.communicate()
-        raise RuntimeError(f"`{' '.join(cmd)}` did not finish in {timeout:g} s\n"
-                           f"{out[-2000:]}{err[-2000:]}") from None
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"`{' '.join(cmd)}` failed (exit code {proc.returncode})\n"
-                           f"{out[-2000:]}{err[-2000:]}")
-    return json.loads(lines[-1])
+    with tempfile.TemporaryDirectory(prefix="zmpi-measure-") as tmp:
+        result = Path(tmp) / "allreduce.json"
+        cmd = [_mpiexec(), "-n", str(ranks), sys.executable, "-m", "zmpi.plan.measure",
+               "--comm", *(["--compute-between"] if compute_between else []),
+               "--out", str(result)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and its ranks
+            out, err = proc.communicate()
+            raise RuntimeError(f"`{' '.join(cmd)}` did not finish in {timeout:g} s\n"
+                               f"{out[-2000:]}{err[-2000:]}") from None
+        if proc.returncode != 0 or not result.exists():
+            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit code {proc.returncode}"
+                               f"{', no result written' if proc.returncode == 0 else ''})\n"
+                               f"{out[-2000:]}{err[-2000:]}")
+        return json.loads(result.read_text())
 
 
 def _cpu_model() -> str:
@@ -216,6 +222,12 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
     told each measurement."""
     if ranks < 2:
         raise ValueError(f"measure_this: ranks must be >= 2 (an allreduce), got {ranks}")
+    from zmpi import backend
+
+    if backend.is_gpu:  # its layer and engine timings would be the GPU's, its GEMM the CPU's
+        raise ValueError("--hardware this measures this machine's CPU ranks (NumPy), but the "
+                         "backend here is CuPy: run with ZMPI_BACKEND=numpy, or name a GPU's "
+                         "hardware file (a100, h100, v100, or FILE)")
     world = _world_size()
     comm = None
     if world > 1:
@@ -349,10 +361,14 @@ def main(argv=None) -> None:
                         help="only the allreduce, on COMM_WORLD (run under mpiexec)")
     parser.add_argument("--compute-between", action="store_true",
                         help="with --comm: a GEMM before each call instead of a barrier")
+    parser.add_argument("--out", default=None,
+                        help="with --comm: write the result (JSON) to this file, not stdout")
     parser.add_argument("--ranks", type=int, default=2, help="ranks for the allreduce")
     args = parser.parse_args(argv)
     if args.compute_between and not args.comm:
         parser.error("--compute-between is a mode of --comm")
+    if args.out and not args.comm:
+        parser.error("--out is a mode of --comm (the hardware goes to stdout)")
     if args.comm:
         from zmpi.comm import Comm
 
@@ -363,7 +379,10 @@ def main(argv=None) -> None:
         if not args.compute_between:
             result["send_progress"] = measure_send_progress(comm)
         if comm.rank == 0:
-            print(json.dumps(result), flush=True)
+            if args.out:
+                Path(args.out).write_text(json.dumps(result))
+            else:
+                print(json.dumps(result), flush=True)
         return
     hardware = measure_this(args.ranks, progress=lambda m: print(m, file=sys.stderr))
     print(json.dumps(hardware.to_dict(), indent=2))
