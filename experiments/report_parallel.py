@@ -174,5 +174,13 @@ class ParallelSections:
                      "machine, a core per rank, Open MPI (`python experiments/validate_plan.py "
                      "--out results/plan_validation_h100_host` there):", "",
                      (quiet / "table.md").read_text().strip(), "")
+        busy = self.results / "plan_validation_h100_host_busy"
+        if self.rows(busy) is not None:
+            self.add("A host of the same kind later that day, busy (its GEMM rate 55-66 "
+                     "GFLOP/s against 152-155 in the run above), with the engine's MPI probes "
+                     "between "
+                     "units (code of e33c044; run.json names the session's first commit, "
+                     "264990a+dirty, as the machine received a copy of the working tree):", "",
+                     (busy / "table.md").read_text().strip(), "")
         self.add("What each column means and why the step times differ: "
                  "[docs/plan.md](../docs/plan.md#validation).", "")
