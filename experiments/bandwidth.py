@@ -5,7 +5,9 @@ machine.
     mpiexec -n 2 python experiments/bandwidth.py --out results/bandwidth_n2
 
 For each op (allreduce, reduce_scatter, allgather) and payload size (float32), the median
-time of --repeats calls through `Comm`, the algorithm bandwidth (payload / time) and the bus
+time of --repeats calls through `Comm` and of the same MPI call made directly through mpi4py
+(the peer: what `Comm`'s checks, counting, queue and watchdog cost beyond MPI), the
+algorithm bandwidth (payload / time) and the bus
 bandwidth as nccl-tests defines it: algbw x 2(N-1)/N for allreduce, x (N-1)/N for
 reduce-scatter and allgather, i.e. the bytes each rank sends per second under the ring model
 that `Comm` counts.
@@ -23,22 +25,30 @@ import sys
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from results import write_results
 from zmpi.comm import Comm
 
 
-def median_seconds(comm, call, repeats):
+def median_seconds(comm, call, repeats, *others):
     """The slowest rank's median seconds of `call()` over `repeats` calls (after one untimed),
-    the ranks starting each call together."""
-    call()
-    times = []
-    for _ in range(repeats):
-        comm.barrier()
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return comm.allreduce_scalar(statistics.median(times), op="max")
+    the ranks starting each call together; with `others`, a list of such medians, one per
+    call, the calls taking turns, each first as often (a shared machine's speed moves from
+    second to second)."""
+    calls = (call, *others)
+    for c in calls:
+        c()
+    times = [[] for _ in calls]
+    for k in range(repeats):
+        turns = list(zip(calls, times, strict=True))
+        for c, kept in turns[::-1] if k % 2 else turns:  # each first as often (warm caches)
+            comm.barrier()
+            start = time.perf_counter()
+            c()
+            kept.append(time.perf_counter() - start)
+    medians = [comm.allreduce_scalar(statistics.median(t), op="max") for t in times]
+    return medians if others else medians[0]
 
 
 def measure(comm, op, nbytes, repeats):
@@ -48,11 +58,15 @@ def measure(comm, op, nbytes, repeats):
     call = {"allreduce": lambda: comm.allreduce(full),
             "reduce_scatter": lambda: comm.reduce_scatter(full, part),
             "allgather": lambda: comm.allgather(part, full)}[op]
-    seconds = median_seconds(comm, call, repeats)
+    raw = {"allreduce": lambda: comm.mpi.Allreduce(MPI.IN_PLACE, full),
+           "reduce_scatter": lambda: comm.mpi.Reduce_scatter_block(full, part),
+           "allgather": lambda: comm.mpi.Allgather(part, full)}[op]
+    seconds, mpi4py_seconds = median_seconds(comm, call, repeats, raw)
     algbw = full.nbytes / seconds
     factor = (2 if op == "allreduce" else 1) * (comm.size - 1) / comm.size
     return {"op": op, "bytes": full.nbytes, "seconds": seconds, "algbw_GBps": algbw / 1e9,
-            "busbw_GBps": algbw * factor / 1e9}
+            "busbw_GBps": algbw * factor / 1e9, "mpi4py_seconds": mpi4py_seconds,
+            "beyond_mpi_seconds": seconds - mpi4py_seconds}
 
 
 def measure_packing(comm, unit_numel, units, repeats):
@@ -89,7 +103,7 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--sizes", type=int, nargs="+",
                         default=[2**10, 2**14, 2**18, 2**22, 2**24])
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--unit-numels", type=int, nargs="+",
                         default=[2**10, 2**12, 2**13, 2**14, 2**15, 2**16, 2**18, 2**20])
     parser.add_argument("--bucket-units", type=int, default=4)
@@ -103,10 +117,13 @@ def main():
         return
     md = [f"Collectives through zmpi.comm.Comm on this MPI, N = {comm.size}, float32, median "
           f"of {args.repeats} (the slowest rank's)", "",
-          "| op | bytes | time | algbw GB/s | busbw GB/s |", "|---|---|---|---|---|"]
+          "| op | bytes | time | algbw GB/s | busbw GB/s | mpi4py alone | Comm beyond it |",
+          "|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['op']} | {r['bytes']:,} | {1e6 * r['seconds']:,.0f} us | "
-                  f"{r['algbw_GBps']:.2f} | {r['busbw_GBps']:.2f} |")
+                  f"{r['algbw_GBps']:.2f} | {r['busbw_GBps']:.2f} | "
+                  f"{1e6 * r['mpi4py_seconds']:,.0f} us | "
+                  f"{1e6 * r['beyond_mpi_seconds']:,.0f} us |")
     pack_md = [f"Allgather of a bucket of {args.bucket_units} units, N = {comm.size}, float32: "
                "one in-place collective per unit, or packed into one (copies in and out)", "",
                "| elements per unit | per unit | packed | packed / per unit |",

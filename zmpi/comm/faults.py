@@ -299,7 +299,7 @@ class _Watchdog:
         self._thread = threading.Thread(target=self._run, name="zmpi-watchdog", daemon=True)
         self._thread.start()
 
-    def begin(self, what: str, frame) -> object:
+    def begin(self, what, frame) -> object:
         token = object()
         self._waits[token] = (what, frame, time.monotonic())
         return token
@@ -320,6 +320,7 @@ class _Watchdog:
     @staticmethod
     def _expire(what, frame, waited):
         site = _call_site(frame)
+        what = what() if callable(what) else what
         world = MPI.COMM_WORLD
         sys.stderr.write(f"[rank {world.Get_rank()}] zmpi watchdog: waited {waited:.0f} s "
                          f"(ZMPI_COLLECTIVE_TIMEOUT) in {what}, called at {site}; a rank "
@@ -357,7 +358,8 @@ def waited_seconds() -> float:
 
 
 class _watched:  # noqa: N801 (used as a function-like context manager)
-    """`with _watched(what):` around a blocking MPI wait: the watchdog's view of it (the frame
+    """`with _watched(what):` around a blocking MPI wait (`what`: its name, or a callable
+    that makes it, called only if the watchdog shows it): the watchdog's view of it (the frame
     of the function holding the `with` is kept for the call site; it is alive meanwhile), and
     the time it takes, added to `waited_seconds()`."""
 

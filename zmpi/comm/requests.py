@@ -45,7 +45,7 @@ class Request:
     def __init__(self, comm, op, start, blocking, result, keep=(), inputs=(), copy_back=(),
                  held=(), what=None, narrow=()):
         self.op = op
-        self._what = what or op  # for the watchdog: the op, dtype, size
+        self._what = what or op  # for the watchdog: the op, dtype, size (or () -> that)
         self._comm = comm
         self._start_mpi = start  # () -> the MPI call's Request (None when blocking)
         self._blocking = blocking
