@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -26,10 +27,19 @@ from pathlib import Path
 
 import pytest
 
+from zmpi.comm import mpi_flavour
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RANKS_DIR = Path(__file__).resolve().parent / "ranks"
 CLI = REPO_ROOT / "zmpi" / "cli" / "__main__.py"  # `python -m zmpi.cli`, launched by path
 PREFIX = "ZMPI_REPORT "
+
+# what the suite's MPI (and its launcher) is called where the tests name it: MPICH's (the
+# `mpich` wheel's Hydra) or Open MPI's
+OPEN_MPI = mpi_flavour() == "Open MPI"
+LOCAL_RANK_VARIABLE = "OMPI_COMM_WORLD_LOCAL_RANK" if OPEN_MPI else "MPI_LOCALRANKID"
+CUDA_QUERY = "MPIX_Query_cuda_support" if OPEN_MPI else "MPIX_GPU_query_support"
+OPEN_MPI_RUNTIME = re.compile(r"\[[\w.-]+:\d+\] (PMIX|PRTE) ")  # its runtime's lines
 # kept in a child's minimal environment: Open MPI does not start (even a singleton) without
 # HOME and PATH, nor as root without OMPI_ALLOW_RUN_AS_ROOT*; MCA / CVAR settings the caller
 # chose stay in force
@@ -67,6 +77,21 @@ class MPIResult:
     stderr: str
     seconds: float
     timed_out: bool
+
+    def ranks_stderr(self) -> list[str]:
+        """The non-blank lines of stderr that the ranks wrote: without the report Open MPI's
+        launcher adds below them when a rank exits non-zero (a block between lines of
+        dashes: "prterun detected that one or more processes exited with non-zero
+        status, ...") and its runtime's own lines ("[host:pid] PMIX ERROR: ..." as the job
+        ends). MPICH's Hydra adds nothing there."""
+        lines, in_report = [], False
+        for line in self.stderr.splitlines():
+            text = line.strip()
+            if len(text) >= 20 and set(text) == {"-"}:
+                in_report = not in_report
+            elif text and not in_report and not OPEN_MPI_RUNTIME.match(text):
+                lines.append(line)
+        return lines
 
     def describe(self) -> str:
         return (f"returncode={self.returncode} after {self.seconds:.1f}s"

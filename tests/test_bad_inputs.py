@@ -280,4 +280,5 @@ def test_two_ranks_print_the_line_once(tmp_path, case):
     result = launch_mpi(CLI, 2, timeout=60, args=[
         "train", *TINY, "--out", tmp_path / "run", *extra])
     assert result.returncode == 2, result.describe()
-    assert _one_line(result.stderr) == message, result.describe()
+    lines = result.ranks_stderr()
+    assert lines == [message] and "Traceback" not in result.stderr, result.describe()

@@ -31,7 +31,7 @@ def zmpi_train(n, *args, timeout=120):
 def one_line_error(result, code=1):
     """The run failed with `code` and one line on stderr, no traceback."""
     assert result.returncode == code, result.describe()
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = result.ranks_stderr()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.describe()
     return lines[0]
 

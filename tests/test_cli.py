@@ -235,7 +235,7 @@ def test_config_errors_are_one_line_on_rank_0(tmp_path):
         result = launch_mpi(CLI, 2, timeout=60,
                             args=["train", "--config", path, *SMALL])
         assert result.returncode != 0, name
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        lines = result.ranks_stderr()
         assert len(lines) == 1 and message in lines[0], (name, result.stderr)
         assert lines[0].startswith(f"zmpi train: config {path}: ")
 

@@ -15,10 +15,10 @@ import sys
 
 import numpy as np
 import pytest
-from mpi_util import RANKS_DIR, REPO_ROOT, STANDIN, child_env, run_mpi
+from mpi_util import CUDA_QUERY, RANKS_DIR, REPO_ROOT, STANDIN, child_env, run_mpi
 
 from zmpi import backend
-from zmpi.comm import mpi_info
+from zmpi.comm import MPI, mpi_info
 from zmpi.memory import ring_bytes
 
 sys.path.insert(0, str(RANKS_DIR))
@@ -26,6 +26,7 @@ import gpu_comm_checks as checks  # noqa: E402
 
 NUMPY = {"ZMPI_BACKEND": "numpy"}
 N = 3  # ranks: with 3, rounding after every pairwise step differs from rounding once
+FLOAT16_T_NAME = MPI.FLOAT16_T.Get_name()  # MPICH: MPIX_C_FLOAT16, Open MPI: MPI_SHORT_FLOAT
 
 SETUPS = {  # name: (mode of the rank script, environment)
     "numpy-native": ("native", NUMPY),
@@ -85,7 +86,7 @@ def test_16_bit_reductions_use_predefined_ops_and_round_once(setup):
         # every reduction reached MPI with a predefined op, as float32 or MPI's float16
         assert rep["calls"] and all(call[1] for call in rep["calls"]), rep["calls"]
         types = {t for call in rep["calls"] for t in call[2:]}
-        assert types == ({"IN_PLACE", "MPI_FLOAT", "MPIX_C_FLOAT16"} if mode == "native"
+        assert types == ({"IN_PLACE", "MPI_FLOAT", FLOAT16_T_NAME} if mode == "native"
                          else {"IN_PLACE", "MPI_FLOAT"}), types
         paths = {"float16/host", "bfloat16/host"} | (
             {"float16/device"} if name.startswith("standin") else set())
@@ -255,10 +256,9 @@ SWITCHES = ("MV2_USE_CUDA", "MVP_ENABLE_CUDA", "MPICH_GPU_SUPPORT_ENABLED", "ZMP
     ("MVAPICH2 Version      :\t2.3.7", {"MV2_USE_CUDA": "1", "ZMPI_CUDA_AWARE": "0"},
      (False, "ZMPI_CUDA_AWARE")),
     # another MPI's switch is not read: the loaded library (the mpich wheel) answers
-    (None, {"MV2_USE_CUDA": "1", "MPICH_GPU_SUPPORT_ENABLED": "1"},
-     (False, "MPIX_GPU_query_support")),
-    # the switch unset: the library's own answer
-    ("MVAPICH2 Version      :\t2.3.7", {}, (False, "MPIX_GPU_query_support")),
+    (None, {"MV2_USE_CUDA": "1", "MPICH_GPU_SUPPORT_ENABLED": "1"}, (False, CUDA_QUERY)),
+    # the switch unset: the loaded library's own answer
+    ("MVAPICH2 Version      :\t2.3.7", {}, (False, CUDA_QUERY)),
 ])
 def test_cuda_switches_of_mvapich_and_cray_mpich(monkeypatch, library, env, expected):
     from zmpi.comm import Comm

@@ -206,7 +206,7 @@ def test_train_with_tp_2_and_sequence_parallelism(tmp_path):
 def test_train_refuses_a_seq_len_tp_does_not_divide(tmp_path):
     result = launch_mpi(CLI, 2, timeout=60, args=[*TRAIN, "--seq-len", "7", "--out", tmp_path])
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.describe()
-    assert result.stderr.strip().splitlines() == [
+    assert result.ranks_stderr() == [
         "zmpi train: --seq-len 7 is not divisible by the tensor-parallel size 2: sequence "
         "parallelism gives every tensor rank an equal share of the positions"]
 
