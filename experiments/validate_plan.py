@@ -1,7 +1,9 @@
 """Validate `zmpi plan`'s model against the engine: for a small GPT, a representative set of
 the layouts the planner enumerates is run for a few steps on this machine, and the ledger's
 bytes and the measured step time are compared with `zmpi.plan.memory.stage_memory` and
-`zmpi.plan.time.step_time` (on this machine measured as a Hardware: `--hardware this`).
+`zmpi.plan.time.step_time` (on this machine measured as a Hardware: `--hardware this`). The
+model checked is this machine's CPU: the ranks run on NumPy (`ZMPI_BACKEND=numpy`) also where
+CuPy finds a GPU.
 
     OMP_NUM_THREADS=1 python experiments/validate_plan.py --out results/plan_validation
 
