@@ -6,8 +6,9 @@
 The rank script prints one `ZMPI_REPORT <json>` line per rank via `tests/ranks/_report.py`
 (`from _report import report`), which also writes it to `$ZMPI_REPORT_DIR/rank-<r>.json`
 (set here), because mpiexec may interleave long lines from different ranks.
-Every launch has a hard timeout: on expiry the whole process group is killed and the test
-fails with the output so far; a non-zero exit fails the test with stdout and stderr.
+Every launch has a hard timeout: on expiry each rank writes its Python stacks to stderr
+(faulthandler, on SIGABRT), the whole process group is killed, and the test fails with the
+output so far; a non-zero exit fails the test with stdout and stderr.
 Use `launch_mpi` to examine a run that is expected to fail.
 """
 
@@ -102,11 +103,12 @@ class MPIResult:
 def start_mpi(script, nprocs: int, args=(), env=None) -> subprocess.Popen:
     """Start `mpiexec -n nprocs python script *args` (its own process group) and return it;
     finish it with `finish_mpi`. The child gets OMP_NUM_THREADS=1, the repo root prepended to
-    PYTHONPATH, and `env` on top."""
+    PYTHONPATH, PYTHONFAULTHANDLER=1 unless set, and `env` on top."""
     full_env = dict(os.environ)
     full_env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     path = full_env.get("PYTHONPATH")
     full_env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + path if path else "")
+    full_env.setdefault("PYTHONFAULTHANDLER", "1")  # stacks on SIGABRT (`finish_mpi`)
     full_env.update(env or {})
     cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, str(script), *map(str, args)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -121,15 +123,62 @@ def launch_mpi(script, nprocs: int, args=(), timeout: float = 120, env=None) -> 
     return finish_mpi(start_mpi(script, nprocs, args, env), timeout)
 
 
+STACK_DUMP_SECONDS = 10  # what a timed-out job's ranks get to write their stacks
+
+
+def _processes() -> dict[int, tuple[int, bytes]]:
+    """Every readable process: pid -> (parent pid, argv[0])."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                argv0 = (entry / "cmdline").read_bytes().split(b"\0")[0]
+            except OSError:  # gone, or not ours to read
+                continue
+            found[int(entry.name)] = (int(stat[stat.rindex(")") + 2:].split()[1]), argv0)
+    return found
+
+
+def _signal_job(launcher: int, signum: int, ranks_only: bool) -> list[int]:
+    """Send `signum` to the processes below process `launcher` (a `start_mpi` job: its
+    proxies put the ranks in sessions of their own), only its Python ranks or also the
+    launcher and its proxies; returns the pids signalled."""
+    processes = _processes()
+    below, frontier = set(), {launcher}
+    while frontier:
+        frontier = {pid for pid, (parent, _) in processes.items() if parent in frontier}
+        below |= frontier
+    if ranks_only:
+        below = {pid for pid in below if processes[pid][1] == os.fsencode(sys.executable)}
+    else:
+        below.add(launcher)
+    signalled = []
+    for pid in sorted(below):
+        try:
+            os.kill(pid, signum)
+            signalled.append(pid)
+        except ProcessLookupError:
+            pass
+    return signalled
+
+
 def finish_mpi(proc: subprocess.Popen, timeout: float) -> MPIResult:
-    """Wait for a `start_mpi` job at most `timeout` seconds (then kill its process group)."""
+    """Wait for a `start_mpi` job at most `timeout` seconds; then abort its ranks, each
+    writing its stacks to stderr, and kill whatever of the job is left."""
     start = proc.started
     try:
         out, err = proc.communicate(timeout=timeout)
         timed_out = False
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec, its proxies and all ranks
-        out, err = proc.communicate()
+        # SIGABRT: under faulthandler (PYTHONFAULTHANDLER, set by `start_mpi`) each rank
+        # writes every thread's stack to stderr, so a hang says where each rank was
+        aborted = _signal_job(proc.pid, signal.SIGABRT, ranks_only=True)
+        try:
+            out, err = proc.communicate(timeout=STACK_DUMP_SECONDS if aborted else 0)
+        except subprocess.TimeoutExpired:
+            _signal_job(proc.pid, signal.SIGKILL, ranks_only=False)
+            out, err = proc.communicate()  # all the output, that before the timeout included
         timed_out = True
     seconds = time.monotonic() - start
     return MPIResult(None if timed_out else proc.returncode, out, err, seconds, timed_out)

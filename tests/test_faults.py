@@ -351,3 +351,32 @@ def test_the_ranks_stderr_leaves_out_open_mpis_launcher():
     result = MPIResult(2, "", stderr, 1.0, False)
     assert result.ranks_stderr() == ["zmpi train: --steps must be >= 1, got 0"]
     assert MPIResult(2, "", "a\n\n--- b\n", 1.0, False).ranks_stderr() == ["a", "--- b"]
+
+
+HANGING_RANKS = """
+import time
+from mpi4py import MPI
+
+
+def wait_for_the_other_rank():
+    MPI.COMM_WORLD.Barrier()
+
+
+def never_arrive():
+    time.sleep(600)
+
+
+never_arrive() if MPI.COMM_WORLD.Get_rank() == 1 else wait_for_the_other_rank()
+"""
+
+
+@pytest.mark.mpi
+def test_a_timed_out_launch_says_where_each_rank_was(tmp_path):
+    """A hung job fails with each rank's Python stack (faulthandler on SIGABRT), not with
+    empty output: rank 0 in its barrier, rank 1 in its sleep."""
+    script = tmp_path / "hang.py"
+    script.write_text(HANGING_RANKS)
+    result = launch_mpi(script, 2, timeout=15)
+    assert result.timed_out and result.returncode is None, result.describe()
+    assert "wait_for_the_other_rank" in result.stderr, result.describe()
+    assert "never_arrive" in result.stderr, result.describe()

@@ -386,3 +386,42 @@ def test_measure_this_under_mpi_is_collective(tmp_path):
     assert first == second
     assert "all 2 ranks at once" in first["source"]
     assert Link(**first["intra_node"]).bandwidth > 0
+
+
+UNEVEN_RANKS = """
+import json, sys
+from zmpi.comm import MPI
+from zmpi.plan import measure
+
+rank = MPI.COMM_WORLD.Get_rank()
+shape = {"micro_batch": 4, "seq_len": 64, "d_model": 160}
+measure.measure_gemm = lambda: {"flops_per_s": 1e10 * (1 + rank), "shapes": [{"shape": [8] * 3}]}
+measure.measure_memory = lambda: {"add_bytes": 3e9, "add_seconds": 1.0, "copy_bytes": 1e9,
+                                  "copy_seconds": 0.5, "small_copy_seconds": 1e-6}
+measure.measure_adam = lambda: {"params": 1e8, "seconds": 0.5, "add_seconds": 0.1,
+                                "kernel": "numpy"}
+measure.measure_layer = lambda rate: {"shapes": [{**shape, "block_seconds": 1e-3}],
+                                      "layer_overhead": 1e-4, "elementwise_rate": 1e9}
+# rank 1 alone sees fp16 storage cost nothing (noise hid it): None, not a rate
+measure.measure_engine = lambda: {"stage2_unit_overhead": 1e-4, "stage3_unit_overhead": 2e-4,
+                                  "half_storage_rate": None if rank else 3e8}
+hw = measure.measure_this().to_dict()
+del hw["measured"]
+with open(f"{sys.argv[1]}/hw{rank}.json", "w") as fh:
+    json.dump(hw, fh)
+"""
+
+
+@pytest.mark.mpi
+def test_measure_this_under_mpi_makes_the_same_collectives_on_every_rank(tmp_path):
+    """A rank whose fp16 storage cost was hidden by noise (None) reduced one rate fewer
+    than the others: the others waited in an allreduce for ever (seen once in CI). Each
+    rate is now reduced on every rank, None as no cost, and the slowest rank's rates win."""
+    script = tmp_path / "uneven_ranks.py"
+    script.write_text(UNEVEN_RANKS)
+    result = launch_mpi(script, 2, [str(tmp_path)], timeout=60)
+    assert result.returncode == 0, result.describe()
+    first, second = (json.loads((tmp_path / f"hw{r}.json").read_text()) for r in (0, 1))
+    assert first == second
+    assert first["half_storage_rate"] == 3e8
+    assert first["peak_flops"]["fp32"] == 1e10  # the slower rank's GEMM

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -260,6 +261,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
            else "no extra cost"))
     cores = os.cpu_count() or 1
     if comm is not None:
+        cores = int(comm.allreduce_scalar(cores, op="min"))  # the same branch on every rank
         allreduce = {**measure_allreduce(comm), "send_progress": measure_send_progress(comm)}
         crowded = measure_allreduce(comm, compute_between=True) if comm.size > cores else None
     else:
@@ -283,15 +285,17 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
              "copy": memory["copy_bytes"] / memory["copy_seconds"],
              "adam": adam["params"] / adam["seconds"],
              "host_add": adam["params"] / adam["add_seconds"],
-             "elementwise": layer["elementwise_rate"]}
-    if engine["half_storage_rate"]:
-        rates["half_storage"] = engine["half_storage_rate"]
+             "elementwise": layer["elementwise_rate"],
+             # None (noise hid the cost) as no cost: every rank reduces the same keys
+             "half_storage": engine["half_storage_rate"] or math.inf}
     overheads = {"copy_latency": memory["small_copy_seconds"],
                  "layer_overhead": layer["layer_overhead"],
                  **{k: engine[k] for k in ("stage2_unit_overhead", "stage3_unit_overhead")}}
     if comm is not None:  # the slowest rank's, so that every rank gets the same Hardware
         rates = {k: comm.allreduce_scalar(r, op="min") for k, r in rates.items()}
         overheads = {k: comm.allreduce_scalar(x, op="max") for k, x in overheads.items()}
+    if math.isinf(rates["half_storage"]):
+        del rates["half_storage"]  # no rank saw a cost
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     now = datetime.now(timezone.utc)
     cpu = _cpu_model()
