@@ -376,7 +376,7 @@ def test_a_timed_out_launch_says_where_each_rank_was(tmp_path):
     empty output: rank 0 in its barrier, rank 1 in its sleep."""
     script = tmp_path / "hang.py"
     script.write_text(HANGING_RANKS)
-    result = launch_mpi(script, 2, timeout=15)
+    result = launch_mpi(script, 2, timeout=8)
     assert result.timed_out and result.returncode is None, result.describe()
     assert "wait_for_the_other_rank" in result.stderr, result.describe()
     assert "never_arrive" in result.stderr, result.describe()
