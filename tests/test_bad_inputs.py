@@ -259,11 +259,18 @@ def test_a_problem_on_some_ranks_only_ends_every_rank(capsys):
         def allgather_object(self, _):
             return self.problems
 
-    _agree_on_inputs(TwoRanks([None, None]), None)  # nothing wrong: returns
+    _agree_on_inputs(TwoRanks([(None, "d"), (None, "d")]), None, "d")  # nothing wrong: returns
     with pytest.raises(SystemExit) as exit_info:
-        _agree_on_inputs(TwoRanks([None, "--data x: missing"]), None)
+        _agree_on_inputs(TwoRanks([(None, "d"), ("--data x: missing", None)]), None, "d")
     assert exit_info.value.code == 2
     assert _one_line(capsys.readouterr().err) == "zmpi train: --data x: missing (on rank 1 only)"
+    with pytest.raises(SystemExit) as exit_info:  # rank 1 read another config
+        _agree_on_inputs(TwoRanks([(None, "d"), (None, "e")]), None, "d")
+    assert exit_info.value.code == 2
+    assert _one_line(capsys.readouterr().err) == (
+        "zmpi train: the ranks read different inputs: the config, or the data's size, on rank "
+        "1 differs from rank 0's (each node reads its own copy of the files: give every node "
+        "the same ones)")
 
 
 @pytest.mark.mpi

@@ -309,3 +309,47 @@ def test_a_full_disk_during_a_shard_write_is_a_checkpoint_error_and_no_file(tmp_
                                               r"left on device$"):
         write_shard(path, layout, 0, {"master": np.ones(1000, np.float32)}, {})
     assert listing(tmp_path) == []
+
+
+RANKS_SEE_DIFFERENT_FILES = """
+import sys
+from pathlib import Path
+import numpy as np
+from zmpi.checkpoint import CheckpointError, sharded
+from zmpi.comm import Comm
+from zmpi.engine import Engine
+from zmpi.models.gpt import GPT, GPTConfig
+
+comm, directory = Comm(), Path(sys.argv[1]) / "ckpt"
+engine = Engine(GPT(GPTConfig(32, 8, 1, 2, 16), seed=0),
+                {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}, comm)
+tokens = np.random.default_rng(comm.rank).integers(0, 32, (2, 9))
+for tag in ("a", "b"):  # `latest` names b
+    engine.train_step(tokens[:, :-1], tokens[:, 1:])
+    engine.save_checkpoint(directory, tag=tag)
+if comm.rank == 1:  # as if its node's file system showed an older `latest`
+    sharded.resolve_tag = lambda directory, tag: Path(directory) / "a"
+try:
+    engine.load_checkpoint(directory)
+    said = "loaded"
+except CheckpointError as e:
+    said = str(e)
+with open(Path(sys.argv[1]) / f"rank{comm.rank}.txt", "w") as fh:
+    fh.write(said)
+"""
+
+
+@pytest.mark.mpi
+def test_ranks_that_read_different_checkpoints_fail_alike(tmp_path):
+    """Each rank finds the checkpoint itself; where their file systems disagree (rank 1 sees
+    an older `latest` here) the load fails on every rank, naming what each read, instead of
+    training on from different states."""
+    script = tmp_path / "different_files.py"
+    script.write_text(RANKS_SEE_DIFFERENT_FILES)
+    result = launch_mpi(script, 2, [tmp_path], timeout=120)
+    assert result.returncode == 0, result.describe()
+    said = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert said[0] == said[1], said
+    assert "the ranks read different checkpoints (rank 0: " in said[0], said
+    assert f"{tmp_path / 'ckpt' / 'b'}" in said[0] and f"rank 1: {tmp_path / 'ckpt' / 'a'}" \
+        in said[0], said

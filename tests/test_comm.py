@@ -422,3 +422,34 @@ def test_messages_of_device_buffers_staged_and_cuda_aware():
         assert "sent float32 x 6 (tag 0), but the receive buffer is float32 x 5" in \
             out[aware]["error"]
         assert out[aware]["staged"] == staged  # three sends of 24 bytes; recvs of 24, 24, 20
+
+
+SETTINGS_DIFFER = """
+import os, sys
+rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
+if rank == "1":  # the collective check on rank 1 only, as a node's own environment might
+    os.environ["ZMPI_DEBUG"] = "1"
+from zmpi.comm import Comm
+try:
+    Comm()
+    said = "built"
+except RuntimeError as e:
+    said = str(e)
+with open(f"{sys.argv[1]}/rank{rank}.txt", "w") as fh:
+    fh.write(said)
+"""
+
+
+@pytest.mark.mpi
+def test_ranks_that_disagree_on_a_setting_fail_at_construction(tmp_path):
+    """ZMPI_DEBUG on one rank only would add an allgather per collective on that rank alone
+    (a hang at the first collective): Comm's construction compares the settings that decide
+    which MPI calls a rank makes, and every rank raises, naming the one that differs."""
+    script = tmp_path / "settings_differ.py"
+    script.write_text(SETTINGS_DIFFER)
+    result = launch_mpi(script, 2, [tmp_path], timeout=60)
+    assert result.returncode == 0, result.describe()
+    said = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert said[0] == said[1] == ("zmpi: the ranks disagree on the collective check "
+                                  "(ZMPI_DEBUG); set it alike on every rank (each node's "
+                                  "environment and GPUs)"), said

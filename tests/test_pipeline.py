@@ -125,3 +125,42 @@ def test_zmpi_train_pp(tmp_path):
                                    "--out", str(tmp_path / "bad")], timeout=120)
     assert too_many.returncode == 2, too_many.describe()
     assert "cannot split 3 units into 4 pipeline stages" in too_many.stderr + too_many.stdout
+
+
+ONE_STAGE_FAILS = """
+import sys
+from zmpi.comm import Comm
+from zmpi.config import ConfigError
+from zmpi.engine import Engine
+from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.parallel.mesh import Mesh
+
+comm = Comm()
+config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+          "pipeline": {"stages": 2},
+          "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 60000,
+                                "stage3_prefetch_bucket_size": 10000}}
+try:  # stage 0 keeps about 50,000 elements gathered at once, stage 1 (the LM head) 67,520
+    Engine(GPT(GPTConfig(256, 16, 2, 2, 64), seed=0), config, comm, mesh=Mesh(comm, pp=2))
+    said = "built"
+except ConfigError as e:
+    said = f"ConfigError {e}"
+with open(f"{sys.argv[1]}/rank{comm.rank}.txt", "w") as fh:  # ranks' stdout lines interleave
+    fh.write(said)
+"""
+
+
+@pytest.mark.mpi
+def test_a_config_error_on_one_pipeline_stage_is_raised_on_every_stage(tmp_path):
+    """ZeRO-3's live-parameter limit is checked on each stage's own units: here only stage
+    1 exceeds it. Its rank once raised alone and stage 0's waited for ever in the next
+    collective across stages; now every rank raises the same error, naming the stage."""
+    script = tmp_path / "one_stage_fails.py"
+    script.write_text(ONE_STAGE_FAILS)
+    result = launch_mpi(script, 2, [tmp_path], timeout=60)
+    assert result.returncode == 0, result.describe()
+    said = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert said[0] == said[1], said
+    assert said[0].startswith("ConfigError zero_optimization.stage3_max_live_parameters: "
+                              "zmpi keeps up to 67520 parameter elements"), said
+    assert said[0].endswith("(on pipeline stage 1 of 2)"), said

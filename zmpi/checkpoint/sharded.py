@@ -315,7 +315,7 @@ class Checkpointer:
 
         where = f"load_checkpoint {directory}" + (f" tag {tag}" if tag else "")
         try:
-            ckpt, manifest, states = agree(comm, where, read, tag)
+            ckpt, manifest, states = read_alike(comm, where, read, tag)
             skipped = []
         except CheckpointError as error:
             if not fallback or tag is not None:
@@ -328,6 +328,22 @@ class Checkpointer:
         return Loaded(ckpt, manifest["tag"], manifest["world_size"], manifest["strategy"],
                       manifest["global_steps"], manifest["client_state"], notes,
                       manifest["run_id"])
+
+
+def read_alike(comm, where: str, read, tag):
+    """`agree` on read(tag) -> (path, manifest, states), and on every rank having read the
+    same checkpoint (its manifest's checkpoint_id): each rank finds the directory itself
+    (`latest`, or where an interrupted re-save left it), and a file system that shows the
+    ranks different files (a stale cache, node-local copies) would otherwise have them
+    train on from different states, or make different collectives as they restore."""
+    result = agree(comm, where, read, tag)
+    found = comm.allgather_object((str(result[0]), result[1]["checkpoint_id"]))
+    if len({checkpoint_id for _, checkpoint_id in found}) > 1:
+        said = "; ".join(f"rank {r}: {path} ({checkpoint_id[:8]})"
+                         for r, (path, checkpoint_id) in enumerate(found))
+        raise CheckpointError(f"{where} failed: the ranks read different checkpoints ({said}): "
+                              "their file systems disagree on what this directory holds")
+    return result
 
 
 def fallback_tags(directory, exclude) -> list[str]:
@@ -349,8 +365,8 @@ def _load_fallback(comm, directory, read, error):
     notes = [f"the newest checkpoint could not be loaded ({error})"]
     for candidate in tags:
         try:
-            return (*agree(comm, f"load_checkpoint {directory} tag {candidate}", read,
-                           candidate), notes + [f"fell back to {candidate}"])
+            return (*read_alike(comm, f"load_checkpoint {directory} tag {candidate}", read,
+                                candidate), notes + [f"fell back to {candidate}"])
         except CheckpointError as e:
             notes.append(f"{candidate} could not be loaded either ({e})")
     raise CheckpointError(f"{error}; no other checkpoint in {directory} loads "

@@ -3,6 +3,7 @@ DeepSpeed-style config built from them (`build_config`). A bad input is an Input
 line), which `zmpi train` prints once, on rank 0, exiting with code 2 (`_exit_bad_input`)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -327,13 +328,30 @@ def _checked_inputs(args, world_size: int):
     return tokenizer, train_tokens, val_tokens, vocab_size, config, notes
 
 
-def _agree_on_inputs(comm, problem: str | None) -> None:
-    """The ranks exchange the outcome of their own input checks (one allgather, the first
-    collective): a problem on any rank (on some only, e.g. a file missing on one node) ends
-    every rank with exit code 2 and one line from rank 0."""
-    problems = comm.allgather_object(problem)
-    failed = [r for r, p in enumerate(problems) if p is not None]
+def inputs_digest(inputs) -> str:
+    """What `_agree_on_inputs` compares across ranks: a hash of the resolved config dict, the
+    vocabulary size and the token counts (`_checked_inputs`'s tuple), not of the tokens."""
+    _, train_tokens, val_tokens, vocab_size, config, _ = inputs
+    said = json.dumps([config, vocab_size, len(train_tokens), len(val_tokens)],
+                      sort_keys=True, default=str)
+    return hashlib.sha256(said.encode()).hexdigest()
+
+
+def _agree_on_inputs(comm, problem: str | None, digest: str | None = None) -> None:
+    """The ranks exchange the outcome of their own input checks and the `inputs_digest` of
+    what they read (one allgather, the first collective): a problem on any rank (on some
+    only, e.g. a file missing on one node), or ranks that read different configs or data
+    (another file of the same name on another node), end every rank with exit code 2 and
+    one line from rank 0."""
+    found = comm.allgather_object((problem, digest))
+    failed = [r for r, (p, _) in enumerate(found) if p is not None]
     if failed:
         only = "" if len(failed) == comm.size else \
             f" (on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} only)"
-        _exit_bad_input(problems[failed[0]] + only)
+        _exit_bad_input(found[failed[0]][0] + only)
+    differ = [r for r, (_, d) in enumerate(found) if d != found[0][1]]
+    if differ:
+        _exit_bad_input(f"the ranks read different inputs: the config, or the data's size, on "
+                        f"rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} "
+                        "differs from rank 0's (each node reads its own copy of the files: "
+                        "give every node the same ones)")

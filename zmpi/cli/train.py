@@ -16,6 +16,7 @@ from zmpi.cli.inputs import (
     _checked_inputs,
     _exit_bad_input,
     _get,
+    inputs_digest,
 )
 from zmpi.cli.report import memory_table, traffic_line
 from zmpi.models.gpt import GPT, GPTConfig
@@ -40,7 +41,7 @@ def train(args) -> None:
         inputs, problem = None, str(e)
     except ConfigError as e:
         inputs, problem = None, f"{where}: {e}"
-    _agree_on_inputs(comm, problem)
+    _agree_on_inputs(comm, problem, None if inputs is None else inputs_digest(inputs))
     tokenizer, train_tokens, val_tokens, vocab_size, config, notes = inputs
     model_vocab = _get(config, "model.vocab_size") or vocab_size  # checked: >= vocab_size
     model_cfg = GPTConfig(model_vocab, args.seq_len, args.n_layer, args.n_head, args.d_model)

@@ -102,7 +102,14 @@ class Comm:
         self._queue: list[Request] = _QUEUES.setdefault(self.mpi.py2f(), [])
         self.check_collectives = False
         self._calls = 0  # collectives started on this communicator (the debug check's index)
-        if os.environ.get("ZMPI_DEBUG", "").strip() not in ("", "0"):
+        debug = os.environ.get("ZMPI_DEBUG", "").strip() not in ("", "0")
+        if self.size > 1:  # which MPI calls a rank makes: alike on every rank, or an error
+            self._start_queued()
+            faults.check_settings_alike(self.mpi, {
+                "the backend (ZMPI_BACKEND: CuPy or NumPy)": backend.is_gpu,
+                "whether MPI is CUDA-aware (ZMPI_CUDA_AWARE)": self.is_cuda_aware,
+                "the collective check (ZMPI_DEBUG)": debug})
+        if debug:
             self.enable_collective_checks()
         if MPI.COMM_WORLD.Get_size() > 1:
             install_abort_on_exception()
@@ -439,7 +446,8 @@ class Comm:
         """Collective: a new Comm of the ranks that passed the same color, ordered by key
         (default: this rank), with its own counters. color=MPI.UNDEFINED returns None."""
         self._start_queued()
-        sub = self.mpi.Split(color, self.rank if key is None else key)
+        with _watched(f"split ({self.size} ranks)"):
+            sub = self.mpi.Split(color, self.rank if key is None else key)
         return None if sub == MPI.COMM_NULL else Comm(sub)
 
     def free(self):

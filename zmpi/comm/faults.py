@@ -1,7 +1,8 @@
 """What happens when a run goes wrong under MPI: abort on an uncaught exception (ending the
 job's other ranks on this host too), Ctrl-C, the watchdog over every blocking MPI wait
-(`_watched`, and `waited_seconds`), and the debug collective check (`CollectiveMismatch`,
-`check_call`, `check_at_exit`).
+(`_watched`, and `waited_seconds`), the debug collective check (`CollectiveMismatch`,
+`check_call`, `check_at_exit`), and the check that the ranks' settings are alike
+(`check_settings_alike`, at each Comm's construction).
 
 With more than one rank, `Comm()` installs `install_abort_on_exception()`: an uncaught
 exception on any rank prints its traceback (tagged with the rank) and aborts the whole job,
@@ -355,6 +356,23 @@ def waited_seconds() -> float:
     point-to-point messages, and waits for non-blocking ones (exposed communication, for
     profiles)."""
     return _WAITED[0]
+
+
+def check_settings_alike(mpi_comm, settings: dict[str, bool]) -> None:
+    """Collective (one small allreduce): every rank of `mpi_comm` has the same `settings`
+    ({name: value}), those that decide which MPI calls a rank makes. A rank that differed
+    would make calls its peers do not (a blocking collective against a non-blocking one, an
+    extra allgather per collective) and hang them; instead a RuntimeError on every rank names
+    what differs."""
+    mine = np.array(list(settings.values()), np.int32)
+    both = np.concatenate([mine, -mine])  # one MAX gives the max and (negated) the min
+    with _watched(f"the settings check ({mpi_comm.Get_size()} ranks)"):
+        mpi_comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
+    differ = [name for name, high, low in zip(settings, both[:len(mine)], -both[len(mine):],
+                                              strict=True) if high != low]
+    if differ:
+        raise RuntimeError(f"zmpi: the ranks disagree on {' and '.join(differ)}; set it alike "
+                           "on every rank (each node's environment and GPUs)")
 
 
 class _watched:  # noqa: N801 (used as a function-like context manager)

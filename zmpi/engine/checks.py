@@ -3,6 +3,7 @@
     check_mesh(mesh, config, model)           the mesh is the config's; a tp > 1 model is split
     check_units(units, unit_params)           every unit has parameters, none is shared
     check_same_on_replicas(initial, comm)     every replica built the same initial model
+    agreed_across_stages(mesh, build)         build()'s config error raised on every stage
     storage_dtype(config, unit_params)        fp16/bf16 from the config, else the model's
     check_grads_contract(strategy, grads)     a strategy kept its optimizer-gradient contract
     check_replicas(engine)                    replicated state identical (CRC-32 per unit)
@@ -106,6 +107,36 @@ def check_same_on_replicas(initial, comm) -> None:
     if low != high:
         raise ValueError("ranks built different initial models: seed the model identically "
                          "on every rank")
+
+
+def agreed_across_stages(mesh, build):
+    """build() on every rank of `mesh`, its ValueError (a ConfigError) agreed over the whole
+    mesh where it has pipeline stages: a check of a stage's own units (ZeRO-3's live
+    parameter limit) can fail on some stages only, whose peers would then wait for ever in
+    the next collective across stages. The first failing rank's error is raised on every
+    rank, naming the stages it failed on when not all. One pickled allgather (pp > 1)."""
+    if mesh.pp == 1:
+        return build()
+    result, error = None, None
+    try:
+        result = build()
+    except ValueError as e:
+        error = e
+    found = mesh.comm.allgather_object((error, mesh.pp_rank))
+    stages = sorted({stage for e, stage in found if e is not None})
+    if not stages:
+        return result
+    first = next(e for e, _ in found if e is not None)
+    if len(stages) == mesh.pp:
+        where = ""
+    else:
+        where = f" (on pipeline stage{'s' if len(stages) > 1 else ''} " \
+                f"{', '.join(map(str, stages))} of {mesh.pp})"
+    from zmpi.config import ConfigError
+
+    agreed = ConfigError(first.key, first.msg + where) if isinstance(first, ConfigError) \
+        else ValueError(f"{first}{where}")
+    raise agreed from error
 
 
 def storage_dtype(config, unit_params) -> np.dtype:

@@ -38,6 +38,7 @@ from zmpi.checkpoint.sharded import Checkpointer
 from zmpi.checkpoint.tensor import TensorSplits
 from zmpi.comm import make_progress
 from zmpi.engine.checks import (
+    agreed_across_stages,
     as_one_unit,
     check_mesh,
     check_model_shape,
@@ -136,11 +137,11 @@ class Engine(EngineTraffic):
                 views[name][...] = backend.to_host(p.data)
         check_same_on_replicas(initial, self.mesh.dp_comm)
 
-        self.strategy = cls(StrategyContext(
+        self.strategy = agreed_across_stages(self.mesh, lambda: cls(StrategyContext(
             units=units, unit_params=unit_params, layout=self.layout, shard_group=shard_group,
             replica_group=replica_group, ledger=self.memory, dtype=self.dtype,
             master_dtype=self.master_dtype, xp=self.xp, config=self.config.zero_optimization,
-            mesh=self.mesh, aio=self.config.aio))
+            mesh=self.mesh, aio=self.config.aio)))
         self.strategy.initialize(initial)
         self.tensor_splits = TensorSplits.of_model(unit_params, self.mesh.tp_comm)  # checkpoints
         # the schedule, and the weights tied across stages (engine/pipeline.py)
