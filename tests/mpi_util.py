@@ -184,6 +184,18 @@ def finish_mpi(proc: subprocess.Popen, timeout: float) -> MPIResult:
     return MPIResult(None if timed_out else proc.returncode, out, err, seconds, timed_out)
 
 
+def said_by_ranks(tmp_path, source: str, nprocs: int = 2, timeout: float = 60) -> list[str]:
+    """Run the rank script `source` (written to `tmp_path`, which it gets as sys.argv[1]) on
+    `nprocs` ranks; fail the test on a timeout or a non-zero exit; return what each rank
+    wrote to `tmp_path/rank<r>.txt` (files, as the ranks' stdout lines may interleave)."""
+    script = tmp_path / "ranks.py"
+    script.write_text(source)
+    result = launch_mpi(script, nprocs, [tmp_path], timeout=timeout)
+    if result.returncode != 0:
+        pytest.fail(f"mpiexec -n {nprocs} {script} failed\n" + result.describe())
+    return [(tmp_path / f"rank{r}.txt").read_text() for r in range(nprocs)]
+
+
 def parse_reports(stdout: str, report_dir=None) -> list[dict]:
     """Each rank's report, sorted by 'rank': the files in `report_dir` if any, else the
     `ZMPI_REPORT` lines of stdout."""

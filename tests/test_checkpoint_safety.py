@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from mpi_util import CLI, RANKS_DIR, REPO_ROOT, launch_mpi, run_mpi, start_mpi
+from mpi_util import CLI, RANKS_DIR, REPO_ROOT, launch_mpi, run_mpi, said_by_ranks, start_mpi
 
 from zmpi.checkpoint import CheckpointError, tools
 from zmpi.checkpoint.manifest import _body_crc, read_manifest
@@ -344,11 +344,7 @@ def test_ranks_that_read_different_checkpoints_fail_alike(tmp_path):
     """Each rank finds the checkpoint itself; where their file systems disagree (rank 1 sees
     an older `latest` here) the load fails on every rank, naming what each read, instead of
     training on from different states."""
-    script = tmp_path / "different_files.py"
-    script.write_text(RANKS_SEE_DIFFERENT_FILES)
-    result = launch_mpi(script, 2, [tmp_path], timeout=120)
-    assert result.returncode == 0, result.describe()
-    said = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    said = said_by_ranks(tmp_path, RANKS_SEE_DIFFERENT_FILES, timeout=120)
     assert said[0] == said[1], said
     assert "the ranks read different checkpoints (rank 0: " in said[0], said
     assert f"{tmp_path / 'ckpt' / 'b'}" in said[0] and f"rank 1: {tmp_path / 'ckpt' / 'a'}" \

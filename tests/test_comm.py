@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_util import RANKS_DIR, REPO_ROOT, STANDIN, launch_mpi, run_mpi
+from mpi_util import RANKS_DIR, REPO_ROOT, STANDIN, launch_mpi, run_mpi, said_by_ranks
 
 from zmpi import backend
 from zmpi import comm as zcomm
@@ -445,11 +445,7 @@ def test_ranks_that_disagree_on_a_setting_fail_at_construction(tmp_path):
     """ZMPI_DEBUG on one rank only would add an allgather per collective on that rank alone
     (a hang at the first collective): Comm's construction compares the settings that decide
     which MPI calls a rank makes, and every rank raises, naming the one that differs."""
-    script = tmp_path / "settings_differ.py"
-    script.write_text(SETTINGS_DIFFER)
-    result = launch_mpi(script, 2, [tmp_path], timeout=60)
-    assert result.returncode == 0, result.describe()
-    said = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    said = said_by_ranks(tmp_path, SETTINGS_DIFFER)
     assert said[0] == said[1] == ("zmpi: the ranks disagree on the collective check "
                                   "(ZMPI_DEBUG); set it alike on every rank (each node's "
                                   "environment and GPUs)"), said

@@ -7,7 +7,7 @@ ZeRO stages 0-3 inside the stages. Saved activations in the ledger: GPipe holds 
 micro-batches, 1F1B at most p - s (exactly, in bytes). The config's pipeline section and
 `zmpi train --pp` (schedules and partitions in tests/test_pipeline_schedule.py)."""
 import pytest
-from mpi_util import CLI, RANKS_DIR, launch_mpi, run_mpi
+from mpi_util import CLI, RANKS_DIR, launch_mpi, run_mpi, said_by_ranks
 
 from zmpi.config import Config, ConfigError
 
@@ -155,11 +155,7 @@ def test_a_config_error_on_one_pipeline_stage_is_raised_on_every_stage(tmp_path)
     """ZeRO-3's live-parameter limit is checked on each stage's own units: here only stage
     1 exceeds it. Its rank once raised alone and stage 0's waited for ever in the next
     collective across stages; now every rank raises the same error, naming the stage."""
-    script = tmp_path / "one_stage_fails.py"
-    script.write_text(ONE_STAGE_FAILS)
-    result = launch_mpi(script, 2, [tmp_path], timeout=60)
-    assert result.returncode == 0, result.describe()
-    said = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    said = said_by_ranks(tmp_path, ONE_STAGE_FAILS)
     assert said[0] == said[1], said
     assert said[0].startswith("ConfigError zero_optimization.stage3_max_live_parameters: "
                               "zmpi keeps up to 67520 parameter elements"), said
