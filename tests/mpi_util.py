@@ -7,8 +7,8 @@ The rank script prints one `ZMPI_REPORT <json>` line per rank via `tests/ranks/_
 (`from _report import report`), which also writes it to `$ZMPI_REPORT_DIR/rank-<r>.json`
 (set here), because mpiexec may interleave long lines from different ranks.
 Every launch has a hard timeout: on expiry each rank writes its Python stacks to stderr
-(faulthandler, on SIGABRT), the whole process group is killed, and the test fails with the
-output so far; a non-zero exit fails the test with stdout and stderr.
+(faulthandler, on SIGABRT; no core file), every process of the job is killed, and the test
+fails with the output so far; a non-zero exit fails the test with stdout and stderr.
 Use `launch_mpi` to examine a run that is expected to fail.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -100,6 +101,11 @@ class MPIResult:
                 f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}")
 
 
+def _no_core_files() -> None:
+    """In the launched job: a rank aborted for its stacks (`finish_mpi`) leaves no core."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
 def start_mpi(script, nprocs: int, args=(), env=None) -> subprocess.Popen:
     """Start `mpiexec -n nprocs python script *args` (its own process group) and return it;
     finish it with `finish_mpi`. The child gets OMP_NUM_THREADS=1, the repo root prepended to
@@ -112,7 +118,8 @@ def start_mpi(script, nprocs: int, args=(), env=None) -> subprocess.Popen:
     full_env.update(env or {})
     cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, str(script), *map(str, args)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=full_env, cwd=REPO_ROOT, start_new_session=True)
+                            env=full_env, cwd=REPO_ROOT, start_new_session=True,
+                            preexec_fn=_no_core_files)
     proc.started = time.monotonic()
     return proc
 
@@ -140,27 +147,23 @@ def _processes() -> dict[int, tuple[int, bytes]]:
     return found
 
 
-def _signal_job(launcher: int, signum: int, ranks_only: bool) -> list[int]:
-    """Send `signum` to the processes below process `launcher` (a `start_mpi` job: its
-    proxies put the ranks in sessions of their own), only its Python ranks or also the
-    launcher and its proxies; returns the pids signalled."""
+def _job_processes(launcher: int) -> dict[int, bytes]:
+    """The processes below process `launcher` (a `start_mpi` job: its proxies put the ranks
+    in sessions of their own, and a rank may start processes of its own): pid -> argv[0]."""
     processes = _processes()
     below, frontier = set(), {launcher}
     while frontier:
         frontier = {pid for pid, (parent, _) in processes.items() if parent in frontier}
         below |= frontier
-    if ranks_only:
-        below = {pid for pid in below if processes[pid][1] == os.fsencode(sys.executable)}
-    else:
-        below.add(launcher)
-    signalled = []
-    for pid in sorted(below):
+    return {pid: processes[pid][1] for pid in below}
+
+
+def _send(pids, signum: int) -> None:
+    for pid in pids:
         try:
             os.kill(pid, signum)
-            signalled.append(pid)
         except ProcessLookupError:
             pass
-    return signalled
 
 
 def finish_mpi(proc: subprocess.Popen, timeout: float) -> MPIResult:
@@ -171,14 +174,22 @@ def finish_mpi(proc: subprocess.Popen, timeout: float) -> MPIResult:
         out, err = proc.communicate(timeout=timeout)
         timed_out = False
     except subprocess.TimeoutExpired:
+        job = _job_processes(proc.pid)  # found while the ranks live: their children too
         # SIGABRT: under faulthandler (PYTHONFAULTHANDLER, set by `start_mpi`) each rank
         # writes every thread's stack to stderr, so a hang says where each rank was
-        aborted = _signal_job(proc.pid, signal.SIGABRT, ranks_only=True)
+        ranks = [pid for pid, argv0 in job.items() if argv0 == os.fsencode(sys.executable)]
+        _send(ranks, signal.SIGABRT)
         try:
-            out, err = proc.communicate(timeout=STACK_DUMP_SECONDS if aborted else 0)
+            out, err = proc.communicate(timeout=STACK_DUMP_SECONDS if ranks else 0)
         except subprocess.TimeoutExpired:
-            _signal_job(proc.pid, signal.SIGKILL, ranks_only=False)
-            out, err = proc.communicate()  # all the output, that before the timeout included
+            out = err = None
+        _send([proc.pid, *job], signal.SIGKILL)  # whatever of the job is left
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if out is None:  # all the output, that before the timeout included
+            out, err = proc.communicate(timeout=STACK_DUMP_SECONDS)
         timed_out = True
     seconds = time.monotonic() - start
     return MPIResult(None if timed_out else proc.returncode, out, err, seconds, timed_out)

@@ -441,11 +441,13 @@ with open(f"{sys.argv[1]}/rank{rank}.txt", "w") as fh:
 
 
 @pytest.mark.mpi
-def test_ranks_that_disagree_on_a_setting_fail_at_construction(tmp_path):
+@pytest.mark.parametrize("variable, expected", [
+    ("ZMPI_DEBUG", "zmpi: the ranks disagree on the collective check (ZMPI_DEBUG); set it "
+                   "alike on every rank (each node's environment and GPUs)"),
+    ("ZMPI_CUDA_AWARE", "built")])  # on NumPy no device buffer goes to MPI: no difference
+def test_ranks_that_disagree_on_a_setting_fail_at_construction(tmp_path, variable, expected):
     """ZMPI_DEBUG on one rank only would add an allgather per collective on that rank alone
     (a hang at the first collective): Comm's construction compares the settings that decide
     which MPI calls a rank makes, and every rank raises, naming the one that differs."""
-    said = said_by_ranks(tmp_path, SETTINGS_DIFFER)
-    assert said[0] == said[1] == ("zmpi: the ranks disagree on the collective check "
-                                  "(ZMPI_DEBUG); set it alike on every rank (each node's "
-                                  "environment and GPUs)"), said
+    said = said_by_ranks(tmp_path, SETTINGS_DIFFER.replace("ZMPI_DEBUG", variable))
+    assert said[0] == said[1] == expected, said

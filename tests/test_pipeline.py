@@ -127,6 +127,36 @@ def test_zmpi_train_pp(tmp_path):
     assert "cannot split 3 units into 4 pipeline stages" in too_many.stderr + too_many.stdout
 
 
+class TwoStages:
+    """A rank of stage 0 of a 2-stage mesh whose allgather returns `found` (what each rank
+    said: (error or None, its stage)), whatever this rank gives."""
+    pp, pp_rank = 2, 0
+
+    def __init__(self, found):
+        self.comm = self
+        self.found = found
+
+    def allgather_object(self, _):
+        return self.found
+
+
+@pytest.mark.parametrize("said, raised, message", [
+    (("memory", "", "", "budget exceeded"), "OutOfMemory", "budget exceeded"),
+    (("other", "", "", "KeyError: 'x'"), "RuntimeError", "KeyError: 'x'"),
+    (("config", "k", "too big", "k: too big"), "ConfigError", "k: too big")])
+def test_an_error_on_another_stage_is_raised_here_as_its_kind(said, raised, message):
+    """agreed_across_stages, on a rank whose own build succeeded: stage 1's error comes back
+    as its kind (only the message travels), naming the stage."""
+    from zmpi.engine.checks import agreed_across_stages
+
+    mesh = TwoStages([(None, 0), (said, 1)])
+    with pytest.raises(Exception) as caught:
+        agreed_across_stages(mesh, lambda: "built")
+    assert type(caught.value).__name__ == raised
+    assert str(caught.value) == f"{message} (on pipeline stage 1 of 2)"
+    assert agreed_across_stages(TwoStages([(None, 0), (None, 1)]), lambda: "built") == "built"
+
+
 ONE_STAGE_FAILS = """
 import sys
 from zmpi.comm import Comm

@@ -318,8 +318,8 @@ class Checkpointer:
             ckpt, manifest, states = read_alike(comm, where, read, tag)
             skipped = []
         except CheckpointError as error:
-            if not fallback or tag is not None:
-                raise
+            if not fallback or tag is not None or isinstance(error, RanksReadDifferently):
+                raise  # disagreeing file systems are not a damaged checkpoint: no fallback
             ckpt, manifest, states, skipped = _load_fallback(comm, directory, read, error)
         notes = skipped + state.restore(manifest, states)
         if manifest["run_id"] != self.run_id:
@@ -328,6 +328,11 @@ class Checkpointer:
         return Loaded(ckpt, manifest["tag"], manifest["world_size"], manifest["strategy"],
                       manifest["global_steps"], manifest["client_state"], notes,
                       manifest["run_id"])
+
+
+class RanksReadDifferently(CheckpointError):
+    """The ranks read different checkpoints (`read_alike`): their file systems disagree, so a
+    load raises it on every rank and never falls back to an older checkpoint over it."""
 
 
 def read_alike(comm, where: str, read, tag):
@@ -341,8 +346,9 @@ def read_alike(comm, where: str, read, tag):
     if len({checkpoint_id for _, checkpoint_id in found}) > 1:
         said = "; ".join(f"rank {r}: {path} ({checkpoint_id[:8]})"
                          for r, (path, checkpoint_id) in enumerate(found))
-        raise CheckpointError(f"{where} failed: the ranks read different checkpoints ({said}): "
-                              "their file systems disagree on what this directory holds")
+        raise RanksReadDifferently(f"{where} failed: the ranks read different checkpoints "
+                                   f"({said}): their file systems disagree on what this "
+                                   "directory holds")
     return result
 
 
@@ -367,6 +373,8 @@ def _load_fallback(comm, directory, read, error):
         try:
             return (*read_alike(comm, f"load_checkpoint {directory} tag {candidate}", read,
                                 candidate), notes + [f"fell back to {candidate}"])
+        except RanksReadDifferently:
+            raise
         except CheckpointError as e:
             notes.append(f"{candidate} could not be loaded either ({e})")
     raise CheckpointError(f"{error}; no other checkpoint in {directory} loads "

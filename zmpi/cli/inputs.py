@@ -339,10 +339,10 @@ def inputs_digest(inputs) -> str:
 
 def _agree_on_inputs(comm, problem: str | None, digest: str | None = None) -> None:
     """The ranks exchange the outcome of their own input checks and the `inputs_digest` of
-    what they read (one allgather, the first collective): a problem on any rank (on some
-    only, e.g. a file missing on one node), or ranks that read different configs or data
-    (another file of the same name on another node), end every rank with exit code 2 and
-    one line from rank 0."""
+    what they read (one allgather, before any collective of training): a problem on any
+    rank (on some only, e.g. a file missing on one node), or ranks that read different
+    configs or data (another file of the same name on another node), end every rank with
+    exit code 2 and one line from rank 0."""
     found = comm.allgather_object((problem, digest))
     failed = [r for r, (p, _) in enumerate(found) if p is not None]
     if failed:

@@ -85,6 +85,8 @@ class Comm:
         self.mpi = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         self.rank = self.mpi.Get_rank()
         self.size = self.mpi.Get_size()
+        # another Comm on this MPI communicator may have collectives queued: they go first
+        start_queued(_QUEUES.get(self.mpi.py2f(), []))
         local = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
         if self.mpi == MPI.COMM_WORLD and self.local_size > 1:
@@ -104,10 +106,10 @@ class Comm:
         self._calls = 0  # collectives started on this communicator (the debug check's index)
         debug = os.environ.get("ZMPI_DEBUG", "").strip() not in ("", "0")
         if self.size > 1:  # which MPI calls a rank makes: alike on every rank, or an error
-            self._start_queued()
             faults.check_settings_alike(self.mpi, {
                 "the backend (ZMPI_BACKEND: CuPy or NumPy)": backend.is_gpu,
-                "whether MPI is CUDA-aware (ZMPI_CUDA_AWARE)": self.is_cuda_aware,
+                "whether MPI is CUDA-aware (ZMPI_CUDA_AWARE), on the GPU backend":
+                    backend.is_gpu and self.is_cuda_aware,
                 "the collective check (ZMPI_DEBUG)": debug})
         if debug:
             self.enable_collective_checks()

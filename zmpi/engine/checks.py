@@ -110,33 +110,40 @@ def check_same_on_replicas(initial, comm) -> None:
 
 
 def agreed_across_stages(mesh, build):
-    """build() on every rank of `mesh`, its ValueError (a ConfigError) agreed over the whole
-    mesh where it has pipeline stages: a check of a stage's own units (ZeRO-3's live
-    parameter limit) can fail on some stages only, whose peers would then wait for ever in
-    the next collective across stages. The first failing rank's error is raised on every
-    rank, naming the stages it failed on when not all. One pickled allgather (pp > 1)."""
+    """build() on every rank of `mesh`, an exception it raises agreed over the whole mesh
+    where it has pipeline stages: a check of a stage's own units (ZeRO-3's live parameter
+    limit, the memory budget) can fail on some stages only, whose peers would then wait for
+    ever in the next collective across stages. Every rank raises the first failing rank's
+    error, naming the stages it failed on when not all: a ConfigError or ValueError as such,
+    a MemoryError as OutOfMemory, anything else as RuntimeError naming its type (only the
+    messages travel: one pickled allgather, pp > 1 only)."""
     if mesh.pp == 1:
         return build()
-    result, error = None, None
+    from zmpi.config import ConfigError
+    from zmpi.memory import OutOfMemory
+
+    result, error, said = None, None, None
     try:
         result = build()
-    except ValueError as e:
+    except Exception as e:  # handed to every rank below
         error = e
-    found = mesh.comm.allgather_object((error, mesh.pp_rank))
-    stages = sorted({stage for e, stage in found if e is not None})
+        kind = next(k for k, t in (("config", ConfigError), ("value", ValueError),
+                                   ("memory", MemoryError), ("other", Exception))
+                    if isinstance(e, t))
+        said = (kind, e.key, e.msg, str(e)) if kind == "config" else \
+            (kind, "", "", str(e) if kind != "other" else f"{type(e).__name__}: {e}")
+    found = mesh.comm.allgather_object((said, mesh.pp_rank))
+    stages = sorted({stage for s, stage in found if s is not None})
     if not stages:
         return result
-    first = next(e for e, _ in found if e is not None)
-    if len(stages) == mesh.pp:
-        where = ""
-    else:
-        where = f" (on pipeline stage{'s' if len(stages) > 1 else ''} " \
-                f"{', '.join(map(str, stages))} of {mesh.pp})"
-    from zmpi.config import ConfigError
-
-    agreed = ConfigError(first.key, first.msg + where) if isinstance(first, ConfigError) \
-        else ValueError(f"{first}{where}")
-    raise agreed from error
+    kind, key, msg, text = next(s for s, _ in found if s is not None)
+    where = "" if len(stages) == mesh.pp else \
+        f" (on pipeline stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))} " \
+        f"of {mesh.pp})"
+    if kind == "config":
+        raise ConfigError(key, msg + where) from error
+    raise {"value": ValueError, "memory": OutOfMemory, "other": RuntimeError}[kind](
+        text + where) from error
 
 
 def storage_dtype(config, unit_params) -> np.dtype:

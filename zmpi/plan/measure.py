@@ -261,7 +261,8 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
            else "no extra cost"))
     cores = os.cpu_count() or 1
     if comm is not None:
-        cores = int(comm.allreduce_scalar(cores, op="min"))  # the same branch on every rank
+        # the same branch on every rank; cores_per_node: the fewest any rank's node has
+        cores = int(comm.allreduce_scalar(cores, op="min"))
         allreduce = {**measure_allreduce(comm), "send_progress": measure_send_progress(comm)}
         crowded = measure_allreduce(comm, compute_between=True) if comm.size > cores else None
     else:
