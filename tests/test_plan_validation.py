@@ -6,11 +6,12 @@ gradients in flight over the micro-steps, stage 1's shard when activations are f
 LM-head caches under full recompute. experiments/validate_plan.py runs the full set of
 layouts (docs/plan.md, "Validation")."""
 import json
+import subprocess
 import sys
 from dataclasses import asdict
 
 import pytest
-from mpi_util import RANKS_DIR, REPO_ROOT, run_mpi
+from mpi_util import RANKS_DIR, REPO_ROOT, child_env, run_mpi
 
 from zmpi.plan.layout import Job, Layout
 from zmpi.plan.memory import stage_memory
@@ -99,3 +100,20 @@ def test_validate_plans_ranks_run_on_numpy(monkeypatch, tmp_path):
     assert validate_plan.launch(args, 2, []) == []
     assert seen["ZMPI_BACKEND"] == "numpy" and seen["OMP_NUM_THREADS"] == "1"
 
+
+@pytest.mark.parametrize("name", ["plan_validation", "plan_validation_h100_host",
+                                  "plan_validation_h100_host_busy"])
+def test_the_committed_validations_are_this_codes_judgement(tmp_path, name):
+    """Each committed validation table is what this code's model and judgement make of its
+    run's measurements (`validate_plan.py --rerender`): a change of the time model that is
+    not followed by regenerating the tables fails here."""
+    committed = REPO_ROOT / "results" / name
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "experiments" / "validate_plan.py"), "--rerender",
+         str(committed / "run.json"), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, env=child_env(PYTHONPATH=str(REPO_ROOT)))
+    assert result.returncode == 0, result.stderr
+    remedy = (f"the model changed: python experiments/validate_plan.py --rerender "
+              f"results/{name}/run.json --out results/{name}")
+    for table in ("table.md", "table.csv"):
+        assert (tmp_path / table).read_text() == (committed / table).read_text(), remedy
