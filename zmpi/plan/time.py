@@ -17,7 +17,9 @@ Per micro-batch on each pipeline stage (one rank's share under tensor parallelis
   recompute);
 - tensor parallelism: 4 allreduces of b s h activations per block (2 forward, 2 backward; 6
   with full recompute), 2 for the embedding and LM head, ring cost 2 (t-1)/t n / B + 2 (t-1)
-  alpha on the node's link (sequence parallelism moves the same bytes);
+  alpha on the node's link (sequence parallelism moves the same bytes, as a reduce-scatter
+  and an allgather of sequence-major copies: 2 (1 + 1/t) b s h elements read and written
+  per pair, at the memory bandwidth);
 - pipeline: the stage's output forward and its gradient backward, alpha + n / B each;
 - on a CPU whose ranks outnumber its cores every collective crosses the hardware's
   `oversubscribed` link, or the node's link at cores / ranks of its bandwidth.
@@ -163,6 +165,11 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     activation_bytes = b * s * h * job.act_bytes(on_gpu)
     allreduce = ring_allreduce(links["tp"], activation_bytes, t)
     per_block_allreduces = 6 if layout.recompute == "full" else 4
+    # sequence parallelism: each allreduce is a reduce-scatter and an allgather of
+    # sequence-major copies, made before and undone after each (parallel.tensor.regions):
+    # 2 (1 + 1/t) b s h elements copied, each read and written
+    sp_copy_s = 4 * (1 + 1 / t) * activation_bytes / bandwidth \
+        if layout.sequence_parallel and t > 1 else 0.0
     stages = stage_units(job, layout.pp, layout.tp)
     micro = []
     kinds = {(st == 0, st == layout.pp - 1, len(units), sum(units))
@@ -175,7 +182,8 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
         tensor = allreduce * (blocks * per_block_allreduces + first + last)
         pipe = 0.0 if layout.pp == 1 else \
             links["pp"].seconds(activation_bytes, 1) * (2 - first - last)
-        engine = blocks * block_overhead + n_units * unit_overhead + params * half_storage
+        engine = blocks * block_overhead + n_units * unit_overhead + params * half_storage \
+            + sp_copy_s * (blocks * per_block_allreduces + first + last)
         micro.append((flops / rate + elementwise * elementwise_s + engine, tensor, pipe))
     slowest = max(micro, key=lambda x: sum(x))
     m, p = layout.micro_batches, layout.pp
