@@ -64,7 +64,7 @@ def test_a_layouts_rounds_are_judged_by_the_median_and_all_kept():
     if they were in every round; and the quietest rounds' ratio: the least measured step of
     any round over the least prediction of any round."""
     sys.path.insert(0, str(REPO_ROOT / "experiments"))
-    from validate_plan import median_round
+    from plan_tables import median_round
 
     rounds = [(1.3, True, 0.13, 0.10), (1.0, True, 0.12, 0.12), (1.1, False, 0.11, 0.10)]
     rows = [{"time_ratio": ratio, "ms_exact": exact, "time_meas_s": meas, "time_pred_s": pred,
