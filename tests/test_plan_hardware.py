@@ -289,6 +289,7 @@ def _check_measured(hw: Hardware, ranks: int) -> None:
         assert hw.inter_node.seconds(ring_sent(allreduce["half_bytes"], ranks),
                                      messages=allreduce["messages"]) + extra == \
             pytest.approx(allreduce["half_seconds"], rel=1e-9)
+    assert hw.sync_skew == allreduce["sync_skew_seconds"] >= 0  # the same ranks' skew
     sends = allreduce["send_progress"]  # recorded, not modelled
     assert sends["bytes"] == link_rates.SEND_PROGRESS_BYTES and sends["receive_seconds"] > 0
     assert sends["moves_while_sender_computes"] == \
@@ -342,6 +343,30 @@ def test_send_progress_is_described_with_its_remedy():
     assert said.startswith("a 1024 KiB message waited 21.0 ms, until its sender's next MPI "
                            "call (20 ms of compute)")
     assert "CMA" in said and "MPIR_CVAR_ASYNC_PROGRESS=1" in said and "between units" in said
+
+
+def test_sync_skew_is_charged_per_tensor_parallel_call_where_ranks_have_cores():
+    """Each tensor-parallel collective also waits `sync_skew` for the last rank (two calls
+    a collective under sequence parallelism); ranks that oversubscribe the cores wait inside
+    the oversubscribed link instead, and tp 1 makes no such call."""
+    from dataclasses import replace
+
+    from zmpi.plan.layout import Job, Layout
+    from zmpi.plan.time import step_time
+
+    cpu = replace(PRESETS["cpu"], cores_per_node=4)
+    skewed = replace(cpu, sync_skew=1e-3)
+    job = Job(4, 64, 4, 64, 32, 8, 1, 2, "fp32")
+    calls = 2 * (4 * 4 + 2)  # m 2 micro-batches of 4 blocks x 4 collectives + embedding, head
+    for sp, per_call in ((False, 1e-3), (True, 2e-3)):
+        layout = Layout(1, 1, 2, 0, "none", "none", sp, 4, 2, "1f1b")
+        extra = step_time(job, layout, skewed).tensor - step_time(job, layout, cpu).tensor
+        assert extra == pytest.approx(calls * per_call)
+    dp = Layout(2, 1, 1, 0, "none", "none", False, 4, 1, "1f1b")
+    assert step_time(job, dp, skewed) == step_time(job, dp, cpu)
+    crowded = Job(4, 64, 4, 64, 32, 8, 1, 8, "fp32")  # 8 ranks on 4 cores
+    tp4 = Layout(2, 1, 4, 0, "none", "none", False, 4, 1, "1f1b")
+    assert step_time(crowded, tp4, skewed) == step_time(crowded, tp4, cpu)
 
 
 @pytest.mark.mpi

@@ -68,6 +68,11 @@ class Hardware:
     half_reduction_rate: bytes/s at which the MPI sums float16 data beyond the link's time
         (MPICH sums MPIX_C_FLOAT16 in software on the CPU); None: no extra cost (the presets:
         GPU kernels). `--hardware this` measures it.
+    sync_skew: seconds a synchronous collective between ranks that compute between calls
+        waits beyond its transfer, for its peers to arrive (their compute's jitter; a
+        tensor-parallel step makes a few per block): 0 in the presets. `--hardware this`
+        measures it where the ranks have cores of their own (oversubscribed ranks wait
+        inside the `oversubscribed` link instead).
     oversubscribed: on a CPU, the link as a rank sees it when the node's ranks outnumber its
         cores and compute between collectives: each collective then also waits for peers the
         OS has descheduled. Used instead of intra_node / inter_node for such jobs; None: those
@@ -92,6 +97,7 @@ class Hardware:
     layer_overhead: float = 0.0
     stage2_unit_overhead: float = 0.0
     stage3_unit_overhead: float = 0.0
+    sync_skew: float = 0.0
     half_storage_rate: float | None = None
     host_add_rate: float | None = None
     half_reduction_rate: float | None = None
@@ -162,7 +168,7 @@ class Hardware:
 
 
 DTYPES = ("fp32", "fp16", "bf16")
-_OVERHEADS = ("layer_overhead", "stage2_unit_overhead", "stage3_unit_overhead")
+_OVERHEADS = ("layer_overhead", "stage2_unit_overhead", "stage3_unit_overhead", "sync_skew")
 _OPTIONAL_RATES = {"elementwise_rate": "bandwidth", "half_reduction_rate": "bandwidth",
                    "half_storage_rate": "number", "host_add_rate": "number"}  # None: unset
 _OPTIONAL = {"cores_per_node", *_OVERHEADS, *_OPTIONAL_RATES, "oversubscribed", "source",

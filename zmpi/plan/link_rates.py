@@ -7,7 +7,9 @@ rank's figure the slowest rank's.
 - `fit_allreduce_link`, `fit_half_reduction_rate`: the ring model's Link through both
   allreduces, and the rate at which the MPI sums float16 beyond it;
 - `measure_send_progress`, `describe_send_progress`: whether a message moves while its
-  sender computes (recorded and said, not modelled).
+  sender computes (recorded and said, not modelled);
+- `measure_sync_skew`: what an allreduce between GEMMs waits beyond the GEMMs and the
+  allreduce alone (the ranks' arrival skew).
 
 `zmpi.plan.measure` runs them under mpiexec (`python -m zmpi.plan.measure --comm`).
 """
@@ -92,6 +94,29 @@ def measure_send_progress(comm, nbytes: int = SEND_PROGRESS_BYTES,
     received = comm.allreduce_scalar(min(times) if times else 0.0, op="max")
     return {"bytes": nbytes, "sender_busy_seconds": busy, "receive_seconds": received,
             "moves_while_sender_computes": received < busy / 2}
+
+
+def measure_sync_skew(comm, calls: int = 100, repeats: int = 5) -> float:
+    """Collective: the seconds an 8-byte allreduce after a GEMM of BETWEEN_SHAPE waits beyond
+    the GEMM alone and the allreduce alone, per call: `calls` of each loop (GEMMs, allreduces,
+    both in turn), `repeats` times in alternation, the least of each; the slowest rank's
+    figure, 0 if none. Ranks that compute the same work still arrive apart (their compute's
+    jitter), and each synchronous call waits for the last of them."""
+    m, k, n = BETWEEN_SHAPE
+    a, b = np.ones((m, k), np.float32), np.ones((k, n), np.float32)
+    out, buf = np.empty((m, n), np.float32), np.zeros(2, np.float32)
+    loops = {"compute": lambda: np.matmul(a, b, out=out), "sync": lambda: comm.allreduce(buf),
+             "both": lambda: (np.matmul(a, b, out=out), comm.allreduce(buf))}
+    least = dict.fromkeys(loops, float("inf"))
+    for _ in range(repeats):
+        for name, call in loops.items():
+            comm.barrier()
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            least[name] = min(least[name], (time.perf_counter() - start) / calls)
+    skew = max(least["both"] - least["compute"] - least["sync"], 0.0)
+    return comm.allreduce_scalar(skew, op="max")
 
 
 def describe_send_progress(sends: dict) -> str:

@@ -29,6 +29,9 @@ a layout's steps):
 - send progress (`measure_send_progress`, on the same ranks): whether a 1 MiB message reaches
   its receiver while its sender computes for 20 ms. Recorded and said, not modelled: where it
   does not, pipeline messages and bucketed reductions wait for their sender's compute.
+- sync skew (`measure_sync_skew`, on the same ranks): what an 8-byte allreduce after a GEMM
+  of BETWEEN_SHAPE waits beyond the GEMM alone and the allreduce alone, per call (the ranks'
+  arrival skew), the slowest rank's least of five runs of 100 calls.
 - oversubscribed link: on a machine of at most MAX_OVERSUBSCRIBED_CORES cores, the same two
   allreduces on 2 x cores ranks with a GEMM of BETWEEN_SHAPE before each call (as training
   computes between collectives, so a call waits for peers the OS has descheduled), fitted the
@@ -81,6 +84,7 @@ from zmpi.plan.link_rates import (
     fit_half_reduction_rate,
     measure_allreduce,
     measure_send_progress,
+    measure_sync_skew,
 )
 
 GEMM_SHAPES = ((4096, 512, 2048), (1024, 1024, 1024))  # (m, k, n): (m x k) @ (k x n)
@@ -263,7 +267,8 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
     if comm is not None:
         # the same branch on every rank; cores_per_node: the fewest any rank's node has
         cores = int(comm.allreduce_scalar(cores, op="min"))
-        allreduce = {**measure_allreduce(comm), "send_progress": measure_send_progress(comm)}
+        allreduce = {**measure_allreduce(comm), "send_progress": measure_send_progress(comm),
+                     "sync_skew_seconds": measure_sync_skew(comm)}
         crowded = measure_allreduce(comm, compute_between=True) if comm.size > cores else None
     else:
         say(f"this: allreduce on {ranks} ranks (mpiexec) ...")
@@ -278,6 +283,8 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
         f"per message ({allreduce['ranks']} ranks); float16 reduced at "
         + (f"{half_rate / 1e6:.0f} MB/s" if half_rate else "no extra cost"))
     say("this: " + describe_send_progress(allreduce["send_progress"]))
+    say(f"this: a synchronous call between GEMMs waits {allreduce['sync_skew_seconds'] * 1e6:.0f}"
+        " us for its peers beyond the transfer")
     oversubscribed = None if crowded is None else fit_allreduce_link(crowded)
     if oversubscribed is not None:
         say(f"this: oversubscribed link {oversubscribed.bandwidth / 1e9:.2f} GB/s, "
@@ -291,6 +298,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
              "half_storage": engine["half_storage_rate"] or math.inf}
     overheads = {"copy_latency": memory["small_copy_seconds"],
                  "layer_overhead": layer["layer_overhead"],
+                 "sync_skew": allreduce["sync_skew_seconds"],
                  **{k: engine[k] for k in ("stage2_unit_overhead", "stage3_unit_overhead")}}
     if comm is not None:  # the slowest rank's, so that every rank gets the same Hardware
         rates = {k: comm.allreduce_scalar(r, op="min") for k, r in rates.items()}
@@ -318,6 +326,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
         layer_overhead=overheads["layer_overhead"],
         stage2_unit_overhead=overheads["stage2_unit_overhead"],
         stage3_unit_overhead=overheads["stage3_unit_overhead"],
+        sync_skew=overheads["sync_skew"],
         half_storage_rate=rates.get("half_storage"),
         half_reduction_rate=half_rate,
         oversubscribed=oversubscribed,
@@ -383,6 +392,7 @@ def main(argv=None) -> None:
         result = measure_allreduce(comm, compute_between=args.compute_between)
         if not args.compute_between:
             result["send_progress"] = measure_send_progress(comm)
+            result["sync_skew_seconds"] = measure_sync_skew(comm)
         if comm.rank == 0:
             if args.out:
                 Path(args.out).write_text(json.dumps(result))

@@ -19,7 +19,8 @@ Per micro-batch on each pipeline stage (one rank's share under tensor parallelis
   with full recompute), 2 for the embedding and LM head, ring cost 2 (t-1)/t n / B + 2 (t-1)
   alpha on the node's link (sequence parallelism moves the same bytes, as a reduce-scatter
   and an allgather of sequence-major copies: 2 (1 + 1/t) b s h elements read and written
-  per pair, at the memory bandwidth);
+  per pair, at the memory bandwidth); each also waits the hardware's `sync_skew` for the
+  last rank to arrive (ranks with cores of their own);
 - pipeline: the stage's output forward and its gradient backward, alpha + n / B each;
 - on a CPU whose ranks outnumber its cores every collective crosses the hardware's
   `oversubscribed` link, or the node's link at cores / ranks of its bandwidth.
@@ -163,7 +164,12 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     block_extra = {"none": 0.0, "selective": attention / 2, "full": block_forward}
     head_forward = 2 * b * s * h * -(-job.vocab_size // t)
     activation_bytes = b * s * h * job.act_bytes(on_gpu)
-    allreduce = ring_allreduce(links["tp"], activation_bytes, t)
+    # each tensor-parallel collective is synchronous: it also waits for the last rank to
+    # arrive (two calls under sequence parallelism; oversubscribed ranks wait inside the
+    # `oversubscribed` link instead)
+    skew = hw.sync_skew * (1 + layout.sequence_parallel) \
+        if t > 1 and hw.core_share(ranks_per_node) == 1 else 0.0
+    allreduce = ring_allreduce(links["tp"], activation_bytes, t) + skew
     per_block_allreduces = 6 if layout.recompute == "full" else 4
     # sequence parallelism: each allreduce is a reduce-scatter and an allgather of
     # sequence-major copies, made before and undone after each (parallel.tensor.regions):
