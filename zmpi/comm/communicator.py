@@ -16,32 +16,8 @@ and 2t for user tag t (so t <= (MPI_TAG_UB - 1) // 2); a receiver whose buffer d
 dtype or size raises ValueError naming both (`wire.header_mismatch`). Messages are not
 collective: the debug collective check neither checks nor numbers them.
 
-Counters. `comm.counters[op]` is an `OpCounter(calls, bytes, sent)` for op in
-'allreduce', 'reduce_scatter', 'allgather', 'alltoall', 'broadcast', 'allreduce_scalar',
-'object', 'send', 'recv' (blocking and non-blocking calls count under the same name, when
-they are called). `bytes` is the logical payload: allreduce buf.nbytes, reduce_scatter
-send.nbytes, allgather recv.nbytes (the full gathered buffer), alltoall send.nbytes,
-broadcast buf.nbytes, allreduce_scalar 8,
-object the pickled size, send and recv buf.nbytes. `sent` is what this rank sends under
-bandwidth-optimal ring algorithms, for a full buffer of B bytes on the wire on N ranks (B is
-the buffer's nbytes, except that a reduction of a 16-bit float the MPI has no type for -
-bfloat16, or float16 without MPIX_C_FLOAT16 - travels as float32: B = 2 nbytes, see
-`zmpi.comm.wire`):
-
-    allreduce        2 (N-1)/N B   (reduce-scatter then allgather)
-    reduce_scatter     (N-1)/N B
-    allgather          (N-1)/N B
-    alltoall           (N-1)/N B   (every block but this rank's own; no ring involved)
-    broadcast          B on the root, 0 elsewhere
-    allreduce_scalar   as allreduce, B = 8
-    object           bcast_object as broadcast; allgather_object as allgather
-    send, recv         B for send, 0 for recv (the 16-byte header is not counted)
-
-computed per call in integers as B*k*(N-1)//N (k = 2 for allreduce, 1 otherwise). This is
-exact for reduce_scatter, allgather and alltoall (B is a multiple of N there) and rounds down
-by less than one byte per call for allreduce when N does not divide 2(N-1)B. It is a model, not a
-measurement of what MPICH's algorithm choice sent; it is the quantity the ZeRO paper's
-communication analysis counts (stages 0-2: 2 Psi per step, stage 3: 3 Psi).
+Counters. `comm.counters[op]` is an `OpCounter(calls, bytes, sent)` per op in `OPS`: what
+each counts, and the ring model of `sent`, are in `zmpi.comm.wire`'s docstring.
 """
 
 from __future__ import annotations
@@ -85,8 +61,11 @@ class Comm:
         self.mpi = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         self.rank = self.mpi.Get_rank()
         self.size = self.mpi.Get_size()
-        # another Comm on this MPI communicator may have collectives queued: they go first
-        start_queued(_QUEUES.get(self.mpi.py2f(), []))
+        # collectives waiting for their inputs, in call order; one queue per MPI communicator,
+        # shared by every Comm wrapping it (MPI's ordering rule is per communicator): another
+        # Comm's queued ones go before this constructor's collectives
+        self._queue: list[Request] = _QUEUES.setdefault(self.mpi.py2f(), [])
+        self._start_queued()
         local = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
         if self.mpi == MPI.COMM_WORLD and self.local_size > 1:
@@ -99,9 +78,6 @@ class Comm:
         self.nonblocking_on_device = mpi_flavour() != "Open MPI"
         self.counters = {op: OpCounter() for op in OPS}
         self.staged_bytes = {"to_host": 0, "to_device": 0}  # device buffers staged via the host
-        # collectives waiting for their inputs, in call order; one queue per MPI communicator,
-        # shared by every Comm wrapping it (MPI's ordering rule is per communicator)
-        self._queue: list[Request] = _QUEUES.setdefault(self.mpi.py2f(), [])
         self.check_collectives = False
         self._calls = 0  # collectives started on this communicator (the debug check's index)
         debug = os.environ.get("ZMPI_DEBUG", "").strip() not in ("", "0")

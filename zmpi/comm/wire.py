@@ -19,6 +19,33 @@ runs a Python-level (user-defined) MPI.Op, so a CUDA-aware MPI reduces every dev
 on the device. The price: such a reduction sends 4 bytes an element instead of 2 (the
 counters count the float32 bytes) and holds float32 copies of its buffers while in flight.
 Its result is the float32 reduction rounded once, not rounded after every pairwise step.
+
+Counters. `comm.counters[op]` is an `OpCounter(calls, bytes, sent)` for op in
+'allreduce', 'reduce_scatter', 'allgather', 'alltoall', 'broadcast', 'allreduce_scalar',
+'object', 'send', 'recv' (blocking and non-blocking calls count under the same name, when
+they are called). `bytes` is the logical payload: allreduce buf.nbytes, reduce_scatter
+send.nbytes, allgather recv.nbytes (the full gathered buffer), alltoall send.nbytes,
+broadcast buf.nbytes, allreduce_scalar 8,
+object the pickled size, send and recv buf.nbytes. `sent` is what this rank sends under
+bandwidth-optimal ring algorithms, for a full buffer of B bytes on the wire on N ranks (B is
+the buffer's nbytes, except that a reduction of a 16-bit float the MPI has no type for -
+bfloat16, or float16 without MPIX_C_FLOAT16 - travels as float32: B = 2 nbytes, see
+above):
+
+    allreduce        2 (N-1)/N B   (reduce-scatter then allgather)
+    reduce_scatter     (N-1)/N B
+    allgather          (N-1)/N B
+    alltoall           (N-1)/N B   (every block but this rank's own; no ring involved)
+    broadcast          B on the root, 0 elsewhere
+    allreduce_scalar   as allreduce, B = 8
+    object           bcast_object as broadcast; allgather_object as allgather
+    send, recv         B for send, 0 for recv (the 16-byte header is not counted)
+
+computed per call in integers as B*k*(N-1)//N (k = 2 for allreduce, 1 otherwise). This is
+exact for reduce_scatter, allgather and alltoall (B is a multiple of N there) and rounds down
+by less than one byte per call for allreduce when N does not divide 2(N-1)B. It is a model, not a
+measurement of what MPICH's algorithm choice sent; it is the quantity the ZeRO paper's
+communication analysis counts (stages 0-2: 2 Psi per step, stage 3: 3 Psi).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     check_mesh(mesh, config, model)           the mesh is the config's; a tp > 1 model is split
     check_units(units, unit_params)           every unit has parameters, none is shared
     check_same_on_replicas(initial, comm)     every replica built the same initial model
-    agreed_across_stages(mesh, build)         build()'s config error raised on every stage
+    agreed_across_stages(mesh, build)         build()'s error raised on every pipeline stage
     storage_dtype(config, unit_params)        fp16/bf16 from the config, else the model's
     check_grads_contract(strategy, grads)     a strategy kept its optimizer-gradient contract
     check_replicas(engine)                    replicated state identical (CRC-32 per unit)
@@ -130,8 +130,8 @@ def agreed_across_stages(mesh, build):
         kind = next(k for k, t in (("config", ConfigError), ("value", ValueError),
                                    ("memory", MemoryError), ("other", Exception))
                     if isinstance(e, t))
-        said = (kind, e.key, e.msg, str(e)) if kind == "config" else \
-            (kind, "", "", str(e) if kind != "other" else f"{type(e).__name__}: {e}")
+        text = f"{type(e).__name__}: {e}" if kind == "other" else str(e)
+        said = (kind, e.key, e.msg, text) if kind == "config" else (kind, "", "", text)
     found = mesh.comm.allgather_object((said, mesh.pp_rank))
     stages = sorted({stage for s, stage in found if s is not None})
     if not stages:

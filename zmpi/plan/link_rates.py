@@ -9,7 +9,8 @@ rank's figure the slowest rank's.
 - `measure_send_progress`, `describe_send_progress`: whether a message moves while its
   sender computes (recorded and said, not modelled);
 - `measure_sync_skew`: what an allreduce between GEMMs waits beyond the GEMMs and the
-  allreduce alone (the ranks' arrival skew).
+  allreduce alone (the ranks' arrival skew);
+- `measure_link`: the allreduces, the send progress and the skew together.
 
 `zmpi.plan.measure` runs them under mpiexec (`python -m zmpi.plan.measure --comm`).
 """
@@ -117,6 +118,14 @@ def measure_sync_skew(comm, calls: int = 100, repeats: int = 5) -> float:
             least[name] = min(least[name], (time.perf_counter() - start) / calls)
     skew = max(least["both"] - least["compute"] - least["sync"], 0.0)
     return comm.allreduce_scalar(skew, op="max")
+
+
+def measure_link(comm) -> dict:
+    """Collective: `measure_allreduce` with what ranks that have cores of their own also
+    measure beside it: `measure_send_progress` ("send_progress") and `measure_sync_skew`
+    ("sync_skew_seconds")."""
+    return {**measure_allreduce(comm), "send_progress": measure_send_progress(comm),
+            "sync_skew_seconds": measure_sync_skew(comm)}
 
 
 def describe_send_progress(sends: dict) -> str:

@@ -83,8 +83,7 @@ from zmpi.plan.link_rates import (
     fit_allreduce_link,
     fit_half_reduction_rate,
     measure_allreduce,
-    measure_send_progress,
-    measure_sync_skew,
+    measure_link,
 )
 
 GEMM_SHAPES = ((4096, 512, 2048), (1024, 1024, 1024))  # (m, k, n): (m x k) @ (k x n)
@@ -267,8 +266,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
     if comm is not None:
         # the same branch on every rank; cores_per_node: the fewest any rank's node has
         cores = int(comm.allreduce_scalar(cores, op="min"))
-        allreduce = {**measure_allreduce(comm), "send_progress": measure_send_progress(comm),
-                     "sync_skew_seconds": measure_sync_skew(comm)}
+        allreduce = measure_link(comm)
         crowded = measure_allreduce(comm, compute_between=True) if comm.size > cores else None
     else:
         say(f"this: allreduce on {ranks} ranks (mpiexec) ...")
@@ -389,10 +387,8 @@ def main(argv=None) -> None:
         comm = Comm()
         if comm.size < 2:
             parser.error("--comm measures an allreduce: run it on >= 2 ranks (mpiexec -n 2)")
-        result = measure_allreduce(comm, compute_between=args.compute_between)
-        if not args.compute_between:
-            result["send_progress"] = measure_send_progress(comm)
-            result["sync_skew_seconds"] = measure_sync_skew(comm)
+        result = measure_allreduce(comm, compute_between=True) if args.compute_between \
+            else measure_link(comm)
         if comm.rank == 0:
             if args.out:
                 Path(args.out).write_text(json.dumps(result))

@@ -185,11 +185,12 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
         flops = blocks * (3 * block_forward + block_extra[layout.recompute]) \
             + (3 * head_forward if last else 0)
         elementwise = blocks * layer_bytes + (act["head"] + act["loss"] if last else 0)
-        tensor = allreduce * (blocks * per_block_allreduces + first + last)
+        tp_calls = blocks * per_block_allreduces + first + last
+        tensor = allreduce * tp_calls
         pipe = 0.0 if layout.pp == 1 else \
             links["pp"].seconds(activation_bytes, 1) * (2 - first - last)
         engine = blocks * block_overhead + n_units * unit_overhead + params * half_storage \
-            + sp_copy_s * (blocks * per_block_allreduces + first + last)
+            + sp_copy_s * tp_calls
         micro.append((flops / rate + elementwise * elementwise_s + engine, tensor, pipe))
     slowest = max(micro, key=lambda x: sum(x))
     m, p = layout.micro_batches, layout.pp
