@@ -23,6 +23,7 @@ def ratio(measured: float, predicted: float) -> float:
 
 def compare(item: dict, hw) -> dict:
     """A row: the layout, its worst rank's memory (predicted / measured) and the step time."""
+    from zmpi.plan.collectives import counted_calls, stage_calls
     from zmpi.plan.memory import layout_memory
     from zmpi.plan.time import step_time
 
@@ -50,6 +51,10 @@ def compare(item: dict, hw) -> dict:
             "device_ratio": ratio(r["peak"]["device"], pred.device),
             "host_pred": pred.host, "host_meas": r["peak"]["host"],
             "phases": r["phases"],
+            # the last step's collectives, unless it skipped its update (or predates them)
+            "calls_pred": stage_calls(job, layout, r["pp_rank"]),
+            "calls_meas": None if r.get("calls_step_skipped", True)
+            else counted_calls(r["calls"]),
         })
     # the worst rank: the device total furthest from its prediction
     worst = max(per_rank, key=lambda p: abs(p["device_ratio"] - 1))
@@ -69,8 +74,16 @@ def compare(item: dict, hw) -> dict:
             "time_pred_s": predicted.total, "time_meas_s": measured_s,
             "waited_s": max(p["phases"]["waited"] for p in per_rank),
             "time_ratio": measured_s / predicted.total,
+            "calls_exact": _calls_exact(per_rank),
             "time_parts": predicted.to_dict(), "skipped_steps": item["ranks"][0]["skipped_steps"],
             "loss": item["ranks"][0]["loss"], "per_rank": per_rank}
+
+
+def _calls_exact(per_rank: list[dict]) -> bool | None:
+    """Whether every rank's counted collectives equal the prediction; None where no rank's
+    last step was counted."""
+    counted = [p["calls_pred"] == p["calls_meas"] for p in per_rank if p["calls_meas"] is not None]
+    return all(counted) if counted else None
 
 
 def describe_hardware(hw) -> str:
@@ -107,6 +120,7 @@ def markdown(rows: list[dict], args, hardware: list) -> list[str]:
     within5 = sum(within(r["device_ratio"], 0.05) for r in ok)
     within20 = sum(within(r["time_ratio"], 0.20) for r in ok)
     quiet20 = sum(within(r["quiet_ratio"], 0.20) for r in ok)
+    calls = [r["calls_exact"] for r in ok if r.get("calls_exact") is not None]
     per_round = [sum(within(r["round_ratios"][k], 0.20) for r in ok) for k in range(len(hardware))]
     lines = [
         f"GPT {args.n_layer} layers, d_model {args.d_model}, {args.n_head} heads, vocabulary "
@@ -125,10 +139,16 @@ def markdown(rows: list[dict], args, hardware: list) -> list[str]:
         "time: the least step (each the slowest rank's) vs StepTime.total; rounds: every round's "
         "meas/pred; quiet: the least step of any round vs the least prediction of any round "
         "(each from its round's hardware: a neighbour's load only adds time to both); waited: "
-        "the most any rank spent blocked in MPI per step (the Engine's profile).",
+        "the most any rank spent blocked in MPI per step (the Engine's profile); calls: every "
+        "rank's collectives and sends of the last step on each dimension (the Engine's "
+        "counters) equal `zmpi.plan.collectives.stage_calls` in every round (-: the step "
+        "skipped its update, or the run predates the count).",
         "",
         f"Model states exact on every rank: {exact}/{len(ok)} layouts; device peak within 5%: "
-        f"{within5}/{len(ok)}; step time within 20%: {quiet20}/{len(ok)} by the quietest "
+        f"{within5}/{len(ok)}; "
+        + (f"collective calls exact: {sum(calls)}/{len(calls)} layouts counted; " if calls
+           else "collective calls not counted (the run predates the count); ")
+        + f"step time within 20%: {quiet20}/{len(ok)} by the quietest "
         f"rounds, {within20}/{len(ok)} by the median round (round by round "
         f"{', '.join(map(str, per_round))}); by ranks, the quietest rounds "
         + ", ".join(f"{n}: {sum(within(r['quiet_ratio'], 0.2) for r in group)}/{len(group)} "
@@ -137,14 +157,14 @@ def markdown(rows: list[dict], args, hardware: list) -> list[str]:
         "",
         "| layout | prec | ms device pred / meas | ms host pred / meas | exact | transient "
         "pred / meas | act pred / meas | device pred / meas | meas/pred | time pred / meas ms "
-        "| meas/pred | rounds | quiet meas/pred | waited ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| meas/pred | rounds | quiet meas/pred | waited ms | calls |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     k = 1024
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['layout']} | {r['precision']} | error: {r['error']} |"
-                         + " |" * 11)
+                         + " |" * 12)
             continue
         lines.append(
             f"| {r['layout']} | {r['precision']} | {r['ms_device_pred'] / k:.1f} / "
@@ -156,8 +176,12 @@ def markdown(rows: list[dict], args, hardware: list) -> list[str]:
             f"{r['device_ratio']:.3f} | {r['time_pred_s'] * 1e3:.0f} / "
             f"{r['time_meas_s'] * 1e3:.0f} | {r['time_ratio']:.2f} | "
             f"{' '.join(f'{x:.2f}' for x in r['round_ratios'])} | {r['quiet_ratio']:.2f} | "
-            f"{r['waited_s'] * 1e3:.0f} |")
+            f"{r['waited_s'] * 1e3:.0f} | {_yes_no(r.get('calls_exact'))} |")
     return lines
+
+
+def _yes_no(flag: bool | None) -> str:
+    return "-" if flag is None else "yes" if flag else "**no**"
 
 
 def _by_world(rows: list[dict]) -> dict[int, list[dict]]:
@@ -181,7 +205,9 @@ def median_round(rows: list[dict]) -> dict:
     ratios = [r["time_ratio"] for r in rows]
     middle = sorted(range(len(rows)), key=ratios.__getitem__)[(len(rows) - 1) // 2]
     quiet_meas, quiet_pred = (min(r[k] for r in rows) for k in ("time_meas_s", "time_pred_s"))
+    counted = [r["calls_exact"] for r in rows if r.get("calls_exact") is not None]
     return {**rows[middle], "ms_exact": all(r["ms_exact"] for r in rows),
+            "calls_exact": all(counted) if counted else None,
             "round": middle + 1, "round_ratios": ratios,
             "rounds": " ".join(f"{x:.3f}" for x in ratios),
             "quiet_meas_s": quiet_meas, "quiet_pred_s": quiet_pred,
@@ -195,18 +221,20 @@ def load_line(load: dict, cpus: int) -> str:
 
 
 def rerender(run_json, out) -> None:
-    """An earlier run's tables again, from its `run_json` (each round's hardware and every
-    rank's figures; nothing is run), with this code's model, into `out`: what a change of
-    the model or of the judgement does to a committed validation. The new run.json keeps
-    the measurements and names the run they came from."""
+    """An earlier run's tables again, from its `run_json` (each round's hardware, refitted
+    from its raw measurements by this code's fits (`measure.refit`), and every rank's
+    figures; nothing is run), with this code's model, into `out`: what a change of the model
+    or of the judgement does to a committed validation. The new run.json keeps the
+    measurements and names the run they came from."""
     from zmpi.plan.hardware import Hardware
+    from zmpi.plan.measure import refit
 
     sys.path.insert(0, str(HERE))
     from results import write_results
 
     source = json.loads(Path(run_json).read_text())
     origin = source.get("measured", source)  # a rerendered run.json names its measurement
-    hardware = [Hardware.from_dict(h) for h in source["hardware"]]
+    hardware = [refit(Hardware.from_dict(h)) for h in source["hardware"]]
     rounds = [[compare(item, hw) for world in source["ranks"] if world["round"] == k + 1
                for item in world["layouts"]] for k, hw in enumerate(hardware)]
     rows = [median_round(list(same)) for same in zip(*rounds, strict=True)]
@@ -217,7 +245,7 @@ def rerender(run_json, out) -> None:
         load_line(source["load"], hardware[0].cores_per_node)]
     print("\n".join(lines))
     write_results(out, rows, lines, types.SimpleNamespace(size=source["world_size"]),
-                  argv=sys.argv, args=source["args"], hardware=source["hardware"],
+                  argv=sys.argv, args=source["args"], hardware=[h.to_dict() for h in hardware],
                   load=source["load"], ranks=source["ranks"], seconds=source["seconds"],
                   measured={k: origin[k] for k in ("git_revision", "time", "environment",
                                                    "argv")})

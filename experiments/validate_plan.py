@@ -128,6 +128,9 @@ def run_layout(comm, job: Job, layout: Layout, steps: int, seed: int) -> dict:
         # inputs and targets their own arrays, as zmpi.data's samplers give them: the ledger
         # counts an array kept for backward by the buffer owning its memory
         inputs, targets = tokens[:, :-1].copy(), tokens[:, 1:].copy()
+        if step == steps - 1:  # count the last step's collectives
+            engine.reset_counters()
+            skipped = engine.scaler.skipped_steps
         comm.barrier()
         t0 = time.perf_counter()
         losses.append(engine.train_step(inputs, targets))
@@ -151,9 +154,18 @@ def run_layout(comm, job: Job, layout: Layout, steps: int, seed: int) -> dict:
         "init_peak": init_peak,
         "times": times, "loss": losses[-1], "skipped_steps": engine.scaler.skipped_steps,
         "phases": _phases_per_step(engine.phases),
+        "calls": _calls(engine), "calls_step_skipped": engine.scaler.skipped_steps > skipped,
     }
     engine.close()
     return out
+
+
+def _calls(engine) -> dict:
+    """{"dp"|"pp"|"tp": {op: calls}} since the counters were reset, on the dimensions of
+    more than one rank (the Engine's counters; a group of one rank sends nothing)."""
+    sizes = {"dp": engine.mesh.dp, "pp": engine.mesh.pp, "tp": engine.mesh.tp}
+    return {dim: {op: count["calls"] for op, count in ops.items() if count["calls"]}
+            for dim, ops in engine.traffic_by_dimension().items() if sizes[dim] > 1}
 
 
 def _phases_per_step(profile) -> dict:

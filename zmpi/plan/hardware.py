@@ -74,10 +74,11 @@ class Hardware:
         measures it where the ranks have cores of their own (oversubscribed ranks wait
         inside the `oversubscribed` link instead).
     oversubscribed: on a CPU, the link as a rank sees it when the node's ranks outnumber its
-        cores and compute between collectives: each collective then also waits for peers the
-        OS has descheduled. Used instead of intra_node / inter_node for such jobs; None: those
-        links at cores / ranks of their bandwidth. `--hardware this` measures it on a machine
-        of at most 8 cores (2 x cores ranks).
+        cores and compute between collectives: each call then also waits for peers the OS has
+        descheduled, so its latency is a call's (a collective's or a send's, whatever its
+        group), not a ring message's. Used instead of intra_node / inter_node for such jobs;
+        None: those links at cores / ranks of their bandwidth. `--hardware this` measures it
+        on a machine of at most 8 cores (2 x cores ranks).
     source: where the figures come from.
     """
 

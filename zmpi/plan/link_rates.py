@@ -5,7 +5,8 @@ rank's figure the slowest rank's.
   float16 one of HALF_BYTES, the least of a few after a barrier each; or, for ranks that
   outnumber the cores, with a GEMM of BETWEEN_SHAPE before each call, the median;
 - `fit_allreduce_link`, `fit_half_reduction_rate`: the ring model's Link through both
-  allreduces, and the rate at which the MPI sums float16 beyond it;
+  allreduces (latency per message, or per call for ranks that outnumber the cores), and the
+  rate at which the MPI sums float16 beyond it;
 - `measure_send_progress`, `describe_send_progress`: whether a message moves while its
   sender computes (recorded and said, not modelled);
 - `measure_sync_skew`: what an allreduce between GEMMs waits beyond the GEMMs and the
@@ -142,10 +143,13 @@ def describe_send_progress(sends: dict) -> str:
             "progress thread of its own (MPICH: MPIR_CVAR_ASYNC_PROGRESS=1)")
 
 
-def fit_allreduce_link(allreduce: dict) -> Link:
+def fit_allreduce_link(allreduce: dict, per_call: bool = False) -> Link:
     """The Link with which link.seconds(ring_sent(n, N), 2(N-1)) equals both measured
-    allreduce times of `measure_allreduce` (two points, two unknowns)."""
-    ranks, messages = allreduce["ranks"], allreduce["messages"]
+    allreduce times of `measure_allreduce` (two points, two unknowns); `per_call`: with
+    link.seconds(ring_sent(n, N), 1), its latency a call's (ranks that outnumber the cores
+    wait once a call for the peers the OS has descheduled, whatever the group's size)."""
+    ranks = allreduce["ranks"]
+    messages = 1 if per_call else allreduce["messages"]
     small = ring_sent(allreduce["small_bytes"], ranks), allreduce["small_seconds"]
     large = ring_sent(allreduce["large_bytes"], ranks), allreduce["large_seconds"]
     if large[1] <= small[1]:

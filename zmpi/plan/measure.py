@@ -34,8 +34,11 @@ a layout's steps):
   arrival skew), the slowest rank's least of five runs of 100 calls.
 - oversubscribed link: on a machine of at most MAX_OVERSUBSCRIBED_CORES cores, the same two
   allreduces on 2 x cores ranks with a GEMM of BETWEEN_SHAPE before each call (as training
-  computes between collectives, so a call waits for peers the OS has descheduled), fitted the
-  same way; the slowest rank's median, not least: those waits are the thing measured.
+  computes between collectives, so a call waits for peers the OS has descheduled), fitted
+  with its latency a call's (link.seconds(2(N-1)/N n, 1)): such a wait comes once a call,
+  whatever the group (here an 8-byte allreduce took 1.0-1.1 ms on 4 ranks and on 2 of them
+  alike, where a latency per message would charge the 2 a third of the 4's); the slowest
+  rank's median, not least: those waits are the thing measured.
 - host Adam: zmpi.optim.adam.HostAdam stepping an 8 Mi-element fp32 shard on one thread; the
   host add: zmpi.host_kernels.add_ of two 8 Mi-element float16 arrays (offload's accumulation).
 - elementwise rate and layer overhead (zmpi.plan.engine_rates): a 2-block GPT of each of
@@ -60,6 +63,7 @@ the oversubscribed link is then measured on COMM_WORLD if it outnumbers the core
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -283,10 +287,10 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
     say("this: " + describe_send_progress(allreduce["send_progress"]))
     say(f"this: a synchronous call between GEMMs waits {allreduce['sync_skew_seconds'] * 1e6:.0f}"
         " us for its peers beyond the transfer")
-    oversubscribed = None if crowded is None else fit_allreduce_link(crowded)
+    oversubscribed = None if crowded is None else fit_allreduce_link(crowded, per_call=True)
     if oversubscribed is not None:
         say(f"this: oversubscribed link {oversubscribed.bandwidth / 1e9:.2f} GB/s, "
-            f"{oversubscribed.latency * 1e6:.1f} us per message ({crowded['ranks']} ranks)")
+            f"{oversubscribed.latency * 1e6:.1f} us per call ({crowded['ranks']} ranks)")
     rates = {"gemm": gemm["flops_per_s"], "add": memory["add_bytes"] / memory["add_seconds"],
              "copy": memory["copy_bytes"] / memory["copy_seconds"],
              "adam": adam["params"] / adam["seconds"],
@@ -339,6 +343,16 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
                   "rates": rates},
     )
 
+
+
+def refit(hw: Hardware) -> Hardware:
+    """`hw` with its oversubscribed link fitted again, by this code's fit, from the raw
+    allreduce `measure_this` recorded (experiments/validate_plan.py --rerender: an earlier
+    run judged by the current model); `hw` itself where it recorded none."""
+    crowded = hw.measured.get("oversubscribed_allreduce")
+    if not crowded:
+        return hw
+    return dataclasses.replace(hw, oversubscribed=fit_allreduce_link(crowded, per_call=True))
 
 
 def load_hardware(spec, progress=None) -> Hardware:

@@ -15,20 +15,26 @@ Per micro-batch on each pipeline stage (one rank's share under tensor parallelis
   its `stage2_unit_overhead` / `stage3_unit_overhead` per unit of the stage; in fp16 on a
   CPU the stage's parameters at its `half_storage_rate` (a third more under full
   recompute);
-- tensor parallelism: 4 allreduces of b s h activations per block (2 forward, 2 backward; 6
-  with full recompute), 2 for the embedding and LM head, ring cost 2 (t-1)/t n / B + 2 (t-1)
-  alpha on the node's link (sequence parallelism moves the same bytes, as a reduce-scatter
-  and an allgather of sequence-major copies: 2 (1 + 1/t) b s h elements read and written
-  per pair, at the memory bandwidth); each also waits the hardware's `sync_skew` for the
-  last rank to arrive (ranks with cores of their own);
-- pipeline: the stage's output forward and its gradient backward, alpha + n / B each;
+- tensor parallelism: the calls zmpi.plan.collectives counts (4 allreduces of b s h
+  activations per block, 6 with full recompute, the embedding's and the head's, the
+  cross-entropy's 3 of b s values), ring cost 2 (t-1)/t n / B + 2 (t-1) alpha each on the
+  node's link (sequence parallelism moves the same bytes in twice the calls, a reduce-scatter
+  and an allgather of sequence-major copies: 2 (1 + 1/t) b s h elements read and written per
+  pair, at the memory bandwidth; and once a step sums its parameters' gradients); each call
+  also waits the hardware's `sync_skew` for the last rank to arrive (ranks with cores of
+  their own);
+- pipeline: the stage's output forward and its gradient backward, alpha + n / B each; once
+  a step a header to the next stage and the tied embedding's gradient allreduced between the
+  first and last stages;
 - on a CPU whose ranks outnumber its cores every collective crosses the hardware's
-  `oversubscribed` link, or the node's link at cores / ranks of its bandwidth.
+  `oversubscribed` link, its latency once a call (not per ring message), or the node's link
+  at cores / ranks of its bandwidth.
 
 The pipeline runs (m + p - 1) micro-batch times of its slowest stage (the bubble is
 (p - 1) / (m + p - 1) of it). Data parallelism: the ZeRO stage's ring passes over the stage's
 padded parameters (stages 0-1 once a step; stage 2 reduce-scatters every micro-step, stage 3
-also gathers twice), latency 2 (d-1) or (d-1) alpha per unit and pass; in fp16 each gradient
+also gathers twice, and the embedding twice more for the head that reads it), latency
+2 (d-1) or (d-1) alpha per unit and pass; in fp16 each gradient
 reduction also sums (d-1)/d of its bytes at the hardware's `half_reduction_rate` (a CPU rank
 its core share of it); with overlap (a GPU, or
 a CPU with a core to spare) the gradient passes hide behind backward (all micro-steps' for
@@ -45,6 +51,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from zmpi.nn.attention import attention_block, causal_entries
+from zmpi.plan.collectives import (
+    LOSS_ALLREDUCES,
+    SP_PARAMS_PER_BLOCK,
+    data_rounds,
+    pipeline_calls,
+    tensor_calls,
+)
 from zmpi.plan.hardware import Hardware, Link
 from zmpi.plan.layout import Job, Layout
 from zmpi.plan.memory import micro_batch_activation, padded, stage_blocks, stage_units
@@ -85,28 +98,39 @@ def ring_sent(nbytes: float, ranks: int) -> float:
     return 2 * (ranks - 1) / ranks * nbytes
 
 
-def ring_allreduce(link: Link, nbytes: float, ranks: int, messages: int = 1) -> float:
-    """Seconds of a ring allreduce of `nbytes` over `ranks`: 2 (n-1)/n of it sent per rank."""
+def ring_allreduce(link: Link, nbytes: float, ranks: int, calls: int = 1,
+                   per_call: bool = False) -> float:
+    """Seconds of `calls` ring allreduces of `nbytes` in all over `ranks`: 2 (n-1)/n of it
+    sent per rank, the link's latency per message (2 (n-1) a call) or, `per_call`, once a
+    call (an oversubscribed CPU: see `_links`)."""
     if ranks == 1:
         return 0.0
-    return link.seconds(ring_sent(nbytes, ranks), 2 * (ranks - 1) * messages)
+    return link.seconds(ring_sent(nbytes, ranks),
+                        calls if per_call else 2 * (ranks - 1) * calls)
 
 
-def ring_pass(link: Link, nbytes: float, ranks: int, messages: int = 1) -> float:
-    """Seconds of a ring reduce-scatter or allgather of a `nbytes` buffer over `ranks`."""
+def ring_pass(link: Link, nbytes: float, ranks: int, calls: int = 1,
+              per_call: bool = False) -> float:
+    """Seconds of `calls` ring reduce-scatters or allgathers of `nbytes` of buffers in all
+    over `ranks`: (n-1)/n of them sent per rank, latency per message ((n-1) a call) or, with
+    `per_call`, once a call."""
     if ranks == 1:
         return 0.0
-    return link.seconds((ranks - 1) / ranks * nbytes, (ranks - 1) * messages)
+    return link.seconds((ranks - 1) / ranks * nbytes,
+                        calls if per_call else (ranks - 1) * calls)
 
 
-def _links(job: Job, layout: Layout, hw: Hardware) -> dict[str, Link]:
-    """The link each dimension's collectives cross: tensor ranks are neighbours, then data,
-    then pipeline (zmpi.parallel.mesh); a group inside one node uses intra_node. On a CPU
-    whose ranks outnumber its cores: the hardware's `oversubscribed` link, else the link at
-    cores / ranks of its bandwidth (MPI copies through shared memory on the cores that
+def _links(job: Job, layout: Layout, hw: Hardware) -> tuple[dict[str, Link], bool]:
+    """The link each dimension's collectives cross, and whether its latency counts once per
+    call rather than per ring message: tensor ranks are neighbours, then data, then pipeline
+    (zmpi.parallel.mesh); a group inside one node uses intra_node. On a CPU whose ranks
+    outnumber its cores: the hardware's `oversubscribed` link, whose latency is a call's
+    (each waits for peers the OS has descheduled, whatever the group's size), else the link
+    at cores / ranks of its bandwidth (MPI copies through shared memory on the cores that
     compute)."""
     g = job.gpus_per_node
     share = hw.core_share(min(g, job.world_size))
+    per_call = share < 1 and hw.oversubscribed is not None
 
     def link(span):
         chosen = hw.intra_node if span <= g else hw.inter_node
@@ -114,7 +138,8 @@ def _links(job: Job, layout: Layout, hw: Hardware) -> dict[str, Link]:
             return chosen
         return hw.oversubscribed or Link(chosen.bandwidth * share, chosen.latency)
     return {"tp": link(layout.tp), "dp": link(layout.tp * layout.dp),
-            "pp": link(layout.tp * layout.dp * layout.pp) if layout.pp > 1 else hw.intra_node}
+            "pp": link(layout.tp * layout.dp * layout.pp) if layout.pp > 1 else hw.intra_node
+            }, per_call
 
 
 def matmul_rate(job: Job, hw: Hardware, ranks_per_node: int) -> float:
@@ -141,7 +166,7 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     ranks_per_node = min(job.gpus_per_node, job.world_size)
     rate = matmul_rate(job, hw, ranks_per_node)
     bandwidth = hw.memory_bandwidth * hw.core_share(ranks_per_node)
-    links = _links(job, layout, hw)
+    links, per_call = _links(job, layout, hw)
     act = micro_batch_activation(job, layout.tp, layout.sequence_parallel, "none",
                                  layout.micro_batch, on_gpu)
     kept = micro_batch_activation(job, layout.tp, layout.sequence_parallel, layout.recompute,
@@ -164,60 +189,78 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     block_extra = {"none": 0.0, "selective": attention / 2, "full": block_forward}
     head_forward = 2 * b * s * h * -(-job.vocab_size // t)
     activation_bytes = b * s * h * job.act_bytes(on_gpu)
-    # each tensor-parallel collective is synchronous: it also waits for the last rank to
-    # arrive (two calls under sequence parallelism; oversubscribed ranks wait inside the
-    # `oversubscribed` link instead)
-    skew = hw.sync_skew * (1 + layout.sequence_parallel) \
-        if t > 1 and hw.core_share(ranks_per_node) == 1 else 0.0
-    allreduce = ring_allreduce(links["tp"], activation_bytes, t) + skew
-    per_block_allreduces = 6 if layout.recompute == "full" else 4
+    loss_bytes = LOSS_ALLREDUCES * b * s * 4  # float32 values per position
+    # each tensor-parallel call is synchronous: it also waits for the last rank to arrive
+    # (oversubscribed ranks wait inside the `oversubscribed` link instead)
+    skew = hw.sync_skew if t > 1 and hw.core_share(ranks_per_node) == 1 else 0.0
     # sequence parallelism: each allreduce is a reduce-scatter and an allgather of
     # sequence-major copies, made before and undone after each (parallel.tensor.regions):
     # 2 (1 + 1/t) b s h elements copied, each read and written
     sp_copy_s = 4 * (1 + 1 / t) * activation_bytes / bandwidth \
         if layout.sequence_parallel and t > 1 else 0.0
     stages = stage_units(job, layout.pp, layout.tp)
-    micro = []
-    kinds = {(st == 0, st == layout.pp - 1, len(units), sum(units))
+    micro, per_step = [], []
+    kinds = {(st == 0, st == layout.pp - 1, len(units), sum(units), units[0])
              for st, units in enumerate(stages)}
-    for first, last, n_units, params in kinds:  # stages alike in what they run: alike times
+    for first, last, n_units, params, leading in kinds:  # stages alike: alike times
         blocks = stage_blocks(n_units, first, last, layout.pp)
         flops = blocks * (3 * block_forward + block_extra[layout.recompute]) \
             + (3 * head_forward if last else 0)
         elementwise = blocks * layer_bytes + (act["head"] + act["loss"] if last else 0)
-        tp_calls = blocks * per_block_allreduces + first + last
-        tensor = allreduce * tp_calls
-        pipe = 0.0 if layout.pp == 1 else \
-            links["pp"].seconds(activation_bytes, 1) * (2 - first - last)
+        passes, calls = tensor_calls(layout, blocks, first, last)
+        loss_calls = LOSS_ALLREDUCES * last
+        tensor = 0.0 if t == 1 else links["tp"].seconds(
+            (t - 1) / t * (passes * activation_bytes + 2 * last * loss_bytes),
+            calls + loss_calls if per_call else (t - 1) * (passes + 2 * loss_calls)) \
+            + skew * (calls + loss_calls)
+        sends, headers, tied = pipeline_calls(layout, first, last)
+        pipe = links["pp"].seconds(sends * activation_bytes, sends)
         engine = blocks * block_overhead + n_units * unit_overhead + params * half_storage \
-            + sp_copy_s * tp_calls
+            + sp_copy_s * passes / 2
         micro.append((flops / rate + elementwise * elementwise_s + engine, tensor, pipe))
-    slowest = max(micro, key=lambda x: sum(x))
+        sp_grads = (SP_PARAMS_PER_BLOCK * blocks + 2 * last) * h * job.param_bytes
+        per_step.append((
+            ring_allreduce(links["tp"], sp_grads, t, 1, per_call) + skew
+            if layout.sequence_parallel and t > 1 else 0.0,
+            links["pp"].seconds(0, headers)
+            + ring_allreduce(links["pp"], tied * leading * job.param_bytes, 2, tied, per_call)))
     m, p = layout.micro_batches, layout.pp
-    compute, tensor, pipe = (m * x for x in slowest)
-    bubble = (p - 1) * sum(slowest)
+    slowest = max(range(len(micro)),
+                  key=lambda k: (m + p - 1) * sum(micro[k]) + sum(per_step[k]))
+    compute, tensor, pipe = (m * x for x in micro[slowest])
+    tensor, pipe = tensor + per_step[slowest][0], pipe + per_step[slowest][1]
+    bubble = (p - 1) * sum(micro[slowest])
     heaviest = max(range(p), key=lambda st: sum(stages[st]))
     data, optimizer = _data_and_optimizer(job, layout, hw, stages[heaviest], links["dp"],
-                                          slowest, bandwidth, ranks_per_node)
+                                          per_call, heaviest == p - 1, micro[slowest],
+                                          bandwidth, ranks_per_node)
     return StepTime(compute, tensor, pipe, bubble, data, optimizer)
 
 
-def _data_and_optimizer(job, layout, hw, units, link, slowest, bandwidth, ranks_per_node):
+def _data_and_optimizer(job, layout, hw, units, link, per_call, holds_head, slowest, bandwidth,
+                        ranks_per_node):
     """(exposed data-parallel seconds, optimizer seconds) per step for the stage holding
-    `units` (parameter counts), its slowest micro-batch times `slowest`."""
+    `units` (parameter counts; `holds_head`: the LM head too), its slowest micro-batch times
+    `slowest`, its collectives crossing `link` (latency `per_call`: see `_links`)."""
     d, m, pb = layout.dp, layout.micro_batches, job.param_bytes
     sizes = [padded(n, d) for n in units]
     full, shard = sum(sizes), sum(sizes) // d
     nbytes, count = full * pb, len(sizes)
-    grads = {0: ring_allreduce(link, nbytes, d, count),
-             1: ring_pass(link, nbytes, d, count),
-             2: m * ring_pass(link, nbytes, d, count),
-             3: 3 * m * ring_pass(link, nbytes, d, count)}[layout.stage]
+    rounds = data_rounds(layout)
+    grads = ring_allreduce(link, rounds["allreduce"] * nbytes, d,
+                           rounds["allreduce"] * count, per_call) \
+        + ring_pass(link, rounds["reduce_scatter"] * nbytes, d,
+                    rounds["reduce_scatter"] * count, per_call)
+    if layout.stage == 3:  # gathers for forward and backward, the embedding's for the head too
+        tied = holds_head * sizes[0] * pb
+        grads += ring_pass(link, rounds["allgather"] * (nbytes + tied), d,
+                           rounds["allgather"] * (count + holds_head), per_call)
     if job.precision == "fp16" and hw.half_reduction_rate and d > 1:  # MPI's float16 sums
         reductions = 1 if layout.stage <= 1 else m
         grads += reductions * (d - 1) / d * nbytes / (hw.half_reduction_rate
                                                       * hw.core_share(ranks_per_node))
-    params = ring_pass(link, nbytes, d, count) if layout.stage in (1, 2) else 0.0
+    params = ring_pass(link, rounds["allgather"] * nbytes, d, rounds["allgather"] * count,
+                       per_call) if layout.stage in (1, 2) else 0.0
     if can_overlap(hw, ranks_per_node):
         hidden = sum(slowest) * (m if layout.stage >= 2 else 1) * BACKWARD_SHARE
         grads = max(grads - hidden, grads / count)
