@@ -220,6 +220,20 @@ def load_line(load: dict, cpus: int) -> str:
             f"{', '.join(f'{x:.2f}' for x in load['after'])} ({cpus} CPUs).")
 
 
+def steal_line(ranks: list[dict]) -> str:
+    """' CPU time stolen ...' by world size over the rounds (run.json's "ranks": each
+    round's worlds, their "steal" shares), '' where the run did not record it."""
+    by_world = {}
+    for world in ranks:
+        if world.get("steal") is not None:
+            by_world.setdefault(world["world"], []).append(world["steal"])
+    if not by_world:
+        return ""
+    return " CPU time the hypervisor gave other guests (steal) while the layouts ran: " + \
+        ", ".join(f"{w} rank{'s' if w > 1 else ''} {min(x) * 100:.1f}-{max(x) * 100:.1f}%"
+                  for w, x in sorted(by_world.items())) + " over the rounds."
+
+
 def rerender(run_json, out) -> None:
     """An earlier run's tables again, from its `run_json` (each round's hardware, refitted
     from its raw measurements by this code's fits (`measure.refit`), and every rank's
@@ -242,7 +256,7 @@ def rerender(run_json, out) -> None:
     lines = markdown(rows, types.SimpleNamespace(**source["args"]), hardware) + [
         "", f"Measured at {origin['git_revision']} on {origin['time']} ({mpi}); the tables "
         "made from its run.json by this revision (`validate_plan.py --rerender`).", "",
-        load_line(source["load"], hardware[0].cores_per_node)]
+        load_line(source["load"], hardware[0].cores_per_node) + steal_line(source["ranks"])]
     print("\n".join(lines))
     write_results(out, rows, lines, types.SimpleNamespace(size=source["world_size"]),
                   argv=sys.argv, args=source["args"], hardware=[h.to_dict() for h in hardware],

@@ -53,7 +53,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-from plan_tables import compare, load_line, markdown, median_round, rerender
+from plan_tables import compare, load_line, markdown, median_round, rerender, steal_line
 
 from zmpi.plan.layout import RECOMPUTES, SCHEDULES, Job, Layout, layouts, stage_offloads, to_config
 
@@ -218,6 +218,24 @@ def launch(args, world: int, items: list[dict]) -> list[dict]:
         return json.loads(done.read_text())
 
 
+def cpu_times() -> list[int] | None:
+    """The machine's CPU time so far by kind (/proc/stat's first line: user, nice, system,
+    idle, iowait, irq, softirq, steal, ...), None where there is none (not Linux)."""
+    try:
+        return [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def stolen(before, after) -> float | None:
+    """The share of CPU time between two `cpu_times` that the hypervisor gave to other
+    guests (steal): what slows a VM's ranks without showing in its own load."""
+    if before is None or after is None or len(before) < 8:
+        return None
+    spent = [b - a for a, b in zip(before, after, strict=True)]
+    return spent[7] / sum(spent) if sum(spent) else 0.0
+
+
 def run_round(args, picked):
     """One round: the hardware (measured, or args.hardware's file), then every picked layout,
     one mpiexec per world size. Returns (hardware, its rows, [{"world", "layouts"}, ...])."""
@@ -234,8 +252,9 @@ def run_round(args, picked):
         if not items:
             continue
         print(f"world {world}: {len(items)} layouts", flush=True)
+        before = cpu_times()
         done = launch(args, world, items)
-        raw.append({"world": world, "layouts": done})
+        raw.append({"world": world, "layouts": done, "steal": stolen(before, cpu_times())})
         rows.extend(compare(item, hw) for item in done)
     return hw, rows, raw
 
@@ -304,7 +323,7 @@ def main(argv=None) -> None:
     load["after"] = os.getloadavg()
     lines = markdown(rows, args, hardware)
     lines += ["", failed] if failed else []
-    lines += ["", load_line(load, os.cpu_count())]
+    lines += ["", load_line(load, os.cpu_count()) + steal_line(raw)]
     print("\n".join(lines))
     write_results(args.out, rows, lines, types.SimpleNamespace(size=max(args.worlds)),
                   argv=sys.argv, args=vars(args), hardware=[hw.to_dict() for hw in hardware],

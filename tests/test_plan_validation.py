@@ -115,6 +115,23 @@ def test_validate_plans_ranks_run_on_numpy(monkeypatch, tmp_path):
     assert seen["ZMPI_BACKEND"] == "numpy" and seen["OMP_NUM_THREADS"] == "1"
 
 
+def test_validate_plan_reports_the_cpu_time_the_hypervisor_took():
+    """Steal (/proc/stat's eighth CPU time) over the layouts' launches: a VM's ranks slow
+    down by it without its load showing it, so the table states it beside the load."""
+    sys.path.insert(0, str(REPO_ROOT / "experiments"))
+    from plan_tables import steal_line
+    from validate_plan import cpu_times, stolen
+
+    assert stolen([10, 0, 10, 70, 0, 0, 0, 10], [40, 0, 20, 110, 0, 0, 0, 30]) == 0.2
+    assert stolen(None, [1] * 8) is None
+    times = cpu_times()
+    assert times is None or (len(times) >= 8 and stolen(times, cpu_times()) >= 0)
+    ranks = [{"world": 2, "steal": 0.01}, {"world": 2, "steal": 0.2}, {"world": 1}]
+    assert steal_line(ranks) == (" CPU time the hypervisor gave other guests (steal) while "
+                                 "the layouts ran: 2 ranks 1.0-20.0% over the rounds.")
+    assert steal_line([{"world": 4}]) == ""
+
+
 @pytest.mark.parametrize("name", ["plan_validation", "plan_validation_h100_host",
                                   "plan_validation_h100_host_busy"])
 def test_the_committed_validations_are_this_codes_judgement(tmp_path, name):
