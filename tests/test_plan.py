@@ -298,3 +298,20 @@ def test_plan_json_and_bad_inputs(tmp_path):
     r = _plan(*SMALL_FLAGS, "--device-memory", "1kB", "--out", str(tmp_path / "x.json"))
     assert r.returncode == 1 and "no layout fits" in r.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_oversubscribed_efficiency_slows_only_ranks_beyond_the_cores():
+    """A rank of a CPU whose ranks outnumber its cores computes at cores / ranks of its rate
+    times oversubscribed_efficiency; ranks with a core each are not affected; the field is a
+    fraction in (0, 1]."""
+    cpu = {**PRESETS["cpu"].to_dict(), "cores_per_node": 2, "devices_per_node": 4}
+    job = Job(4, 64, 4, 65, 32, 16, 1, 4, "fp32")
+    dp = Layout(4, 1, 1, 0, "none", "none", False, 1, 4, "1f1b")
+    full = step_time(job, dp, Hardware.from_dict(cpu))
+    slower = step_time(job, dp, Hardware.from_dict({**cpu, "oversubscribed_efficiency": 0.8}))
+    assert slower.compute == pytest.approx(full.compute / 0.8)
+    alone = {**cpu, "cores_per_node": 4}
+    assert step_time(job, dp, Hardware.from_dict({**alone, "oversubscribed_efficiency": 0.8})) \
+        == step_time(job, dp, Hardware.from_dict(alone))
+    with pytest.raises(ValueError, match="oversubscribed_efficiency"):
+        Hardware.from_dict({**cpu, "oversubscribed_efficiency": 1.5})

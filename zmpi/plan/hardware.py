@@ -79,6 +79,11 @@ class Hardware:
         group), not a ring message's. Used instead of intra_node / inter_node for such jobs;
         None: those links at cores / ranks of their bandwidth. `--hardware this` measures it
         on a machine of at most 8 cores (2 x cores ranks).
+    oversubscribed_efficiency: on a CPU whose ranks outnumber its cores, the fraction of its
+        cores / ranks share a rank's compute gets (the rest goes to switching between ranks
+        and to the caches they share): 1 by default; `--hardware this` measures it with the
+        oversubscribed link, as the GEMM rate per rank with all 2 x cores ranks computing at
+        once over cores / ranks of the rate alone (here 0.89-0.97).
     source: where the figures come from.
     """
 
@@ -103,6 +108,7 @@ class Hardware:
     host_add_rate: float | None = None
     half_reduction_rate: float | None = None
     oversubscribed: Link | None = None
+    oversubscribed_efficiency: float = 1.0
     source: str = ""
     measured: dict = field(default_factory=dict)  # raw measurements, for "this"
 
@@ -111,9 +117,11 @@ class Hardware:
         return self.cores_per_node is None
 
     def core_share(self, ranks_per_node: int) -> float:
-        """The share of a device's rates one rank gets: 1 on a GPU, cores / ranks on a CPU
-        whose ranks outnumber its cores."""
-        return 1.0 if self.on_gpu else min(1.0, self.cores_per_node / ranks_per_node)
+        """The share of a device's rates one rank gets: 1 on a GPU, cores / ranks of it (times
+        `oversubscribed_efficiency`) on a CPU whose ranks outnumber its cores."""
+        if self.on_gpu or ranks_per_node <= self.cores_per_node:
+            return 1.0
+        return self.cores_per_node / ranks_per_node * self.oversubscribed_efficiency
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,9 +140,10 @@ class Hardware:
         _check_keys(flops, set(DTYPES), set(), "peak_flops")
         values["peak_flops"] = {k: parse_size(flops[k], f"peak_flops.{k}", "flops")
                                 for k in DTYPES}
-        values["gemm_efficiency"] = parse_size(d["gemm_efficiency"], "gemm_efficiency", "number")
-        if values["gemm_efficiency"] > 1:
-            raise ValueError(f"gemm_efficiency must be in (0, 1], got {d['gemm_efficiency']!r}")
+        for key in ("gemm_efficiency", "oversubscribed_efficiency"):  # fractions in (0, 1]
+            values[key] = parse_size(d.get(key, 1.0), key, "number")
+            if values[key] > 1:
+                raise ValueError(f"{key} must be in (0, 1], got {d[key]!r}")
         for key, kind in _QUANTITIES.items():
             values[key] = parse_size(d[key], key, kind)
         for key in _OVERHEADS:  # seconds, or "20us"; 0 allowed
@@ -172,8 +181,8 @@ DTYPES = ("fp32", "fp16", "bf16")
 _OVERHEADS = ("layer_overhead", "stage2_unit_overhead", "stage3_unit_overhead", "sync_skew")
 _OPTIONAL_RATES = {"elementwise_rate": "bandwidth", "half_reduction_rate": "bandwidth",
                    "half_storage_rate": "number", "host_add_rate": "number"}  # None: unset
-_OPTIONAL = {"cores_per_node", *_OVERHEADS, *_OPTIONAL_RATES, "oversubscribed", "source",
-             "measured"}
+_OPTIONAL = {"cores_per_node", *_OVERHEADS, *_OPTIONAL_RATES, "oversubscribed",
+             "oversubscribed_efficiency", "source", "measured"}
 _LINKS = ("intra_node", "inter_node", "host_device")
 _QUANTITIES = {"memory_bandwidth": "bandwidth", "device_memory": "bytes",
                "host_memory": "bytes", "host_adam_rate": "number"}

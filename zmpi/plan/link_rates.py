@@ -5,8 +5,8 @@ rank's figure the slowest rank's.
   float16 one of HALF_BYTES, the least of a few after a barrier each; or, for ranks that
   outnumber the cores, with a GEMM of BETWEEN_SHAPE before each call, the median;
 - `fit_allreduce_link`, `fit_half_reduction_rate`: the ring model's Link through both
-  allreduces (latency per message, or per call for ranks that outnumber the cores), and the
-  rate at which the MPI sums float16 beyond it;
+  allreduces, and the rate at which the MPI sums float16 beyond it; `oversubscribed_link`:
+  for ranks that outnumber the cores, its latency a call's beyond the peers' compute;
 - `measure_send_progress`, `describe_send_progress`: whether a message moves while its
   sender computes (recorded and said, not modelled);
 - `measure_sync_skew`: what an allreduce between GEMMs waits beyond the GEMMs and the
@@ -31,6 +31,7 @@ HALF_BYTES = 1 << 20  # a float16 allreduce's payload: MPI's float16 reduction r
 BETWEEN_SHAPE = (512, 256, 256)  # the GEMM each rank runs before a call, oversubscribed
 SEND_PROGRESS_BYTES = 1 << 20  # the message of `measure_send_progress`
 SENDER_BUSY_SECONDS = 0.02  # how long its sender computes after starting it
+CROWDED_SECONDS = 0.5  # how long every rank runs GEMMs at once (ranks beyond the cores)
 
 
 def measure_allreduce(comm, repeats: int = 10, compute_between: bool = False) -> dict:
@@ -41,7 +42,9 @@ def measure_allreduce(comm, repeats: int = 10, compute_between: bool = False) ->
     ranks that outnumber the cores) each rank instead runs a GEMM of BETWEEN_SHAPE before
     each call, as training computes between collectives, the float16 one is left out, and
     the time is the median: there a call's wait for a peer the OS has descheduled is what is
-    measured, not a neighbour's noise, and the least call is the one that escaped it."""
+    measured, not a neighbour's noise, and the least call is the one that escaped it; and
+    every rank then runs those GEMMs alone for CROWDED_SECONDS at once, their mean rate
+    per rank "crowded_gemm_flops_per_s" (what `oversubscribed_efficiency` is made of)."""
     out = {"ranks": comm.size, "messages": 2 * (comm.size - 1), "repeats": repeats,
            "compute_between": compute_between}
     payloads = [(name, nbytes, np.float32) for name, nbytes in ALLREDUCE_BYTES.items()]
@@ -64,6 +67,14 @@ def measure_allreduce(comm, repeats: int = 10, compute_between: bool = False) ->
         out[f"{name}_bytes"] = buf.nbytes
         typical = statistics.median(times) if compute_between else min(times)
         out[f"{name}_seconds"] = comm.allreduce_scalar(typical, op="max")
+    if compute_between:  # the GEMM's rate per rank while every rank computes at once
+        comm.barrier()
+        start, calls = time.perf_counter(), 0
+        while time.perf_counter() - start < CROWDED_SECONDS:
+            before()
+            calls += 1
+        rate = 2 * m * k * n * calls / (time.perf_counter() - start)
+        out["crowded_gemm_flops_per_s"] = comm.allreduce_scalar(rate) / comm.size
     return out
 
 
@@ -158,6 +169,22 @@ def fit_allreduce_link(allreduce: dict, per_call: bool = False) -> Link:
     bandwidth = (large[0] - small[0]) / (large[1] - small[1])
     latency = max(small[1] - small[0] / bandwidth, 1e-12) / messages
     return Link(bandwidth=bandwidth, latency=latency)
+
+
+def oversubscribed_link(crowded: dict, gemm_rate: float, cores: int) -> Link:
+    """The oversubscribed Link from `measure_allreduce(compute_between=True)` on
+    `crowded["ranks"]` ranks sharing `cores` cores, at `gemm_rate` FLOP/s per rank alone: its
+    latency a call's, beyond the wait for the peers' GEMMs. A rank runs its GEMM at the full
+    rate and then waits in the call while the peers run theirs on the cores it left: here
+    an 8-byte call took the GEMM's time plus 0.1-0.4 ms for GEMMs of 0.2-4 ms, on 4 ranks
+    and on 2 of the 4 alike. The time model charges that wait as compute at the ranks' core
+    share (cores / ranks of the rate), so the link keeps only what is left:
+    (ranks / cores - 1) GEMMs fewer per call."""
+    m, k, n = BETWEEN_SHAPE
+    waited = 2 * m * k * n / gemm_rate * (crowded["ranks"] / cores - 1)
+    return fit_allreduce_link({**crowded, **{f"{size}_seconds": crowded[f"{size}_seconds"]
+                                             - waited for size in ALLREDUCE_BYTES}},
+                              per_call=True)
 
 
 def fit_half_reduction_rate(allreduce: dict, link: Link) -> float | None:

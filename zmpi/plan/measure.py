@@ -88,6 +88,7 @@ from zmpi.plan.link_rates import (
     fit_half_reduction_rate,
     measure_allreduce,
     measure_link,
+    oversubscribed_link,
 )
 
 GEMM_SHAPES = ((4096, 512, 2048), (1024, 1024, 1024))  # (m, k, n): (m x k) @ (k x n)
@@ -287,10 +288,6 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
     say("this: " + describe_send_progress(allreduce["send_progress"]))
     say(f"this: a synchronous call between GEMMs waits {allreduce['sync_skew_seconds'] * 1e6:.0f}"
         " us for its peers beyond the transfer")
-    oversubscribed = None if crowded is None else fit_allreduce_link(crowded, per_call=True)
-    if oversubscribed is not None:
-        say(f"this: oversubscribed link {oversubscribed.bandwidth / 1e9:.2f} GB/s, "
-            f"{oversubscribed.latency * 1e6:.1f} us per call ({crowded['ranks']} ranks)")
     rates = {"gemm": gemm["flops_per_s"], "add": memory["add_bytes"] / memory["add_seconds"],
              "copy": memory["copy_bytes"] / memory["copy_seconds"],
              "adam": adam["params"] / adam["seconds"],
@@ -307,6 +304,15 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
         overheads = {k: comm.allreduce_scalar(x, op="max") for k, x in overheads.items()}
     if math.isinf(rates["half_storage"]):
         del rates["half_storage"]  # no rank saw a cost
+    oversubscribed = None if crowded is None else \
+        oversubscribed_link(crowded, rates["gemm"], cores)
+    efficiency = 1.0 if crowded is None else \
+        min(1.0, crowded["crowded_gemm_flops_per_s"] * crowded["ranks"] / cores / rates["gemm"])
+    if oversubscribed is not None:
+        say(f"this: oversubscribed link {oversubscribed.bandwidth / 1e9:.2f} GB/s, "
+            f"{oversubscribed.latency * 1e6:.1f} us per call beyond its peers' GEMMs "
+            f"({crowded['ranks']} ranks); a rank computes at {efficiency:.2f} of its share of "
+            "the cores")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     now = datetime.now(timezone.utc)
     cpu = _cpu_model()
@@ -332,6 +338,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
         half_storage_rate=rates.get("half_storage"),
         half_reduction_rate=half_rate,
         oversubscribed=oversubscribed,
+        oversubscribed_efficiency=efficiency,
         source=f"measured by zmpi.plan.measure on {now.date().isoformat()}: {cpu}, "
                f"{cores} CPUs, {ram / 2**30:.1f} GiB RAM; one thread per rank; "
                f"{'all ' + str(world) + ' ranks at once' if comm else 'one rank alone'}",
@@ -352,7 +359,8 @@ def refit(hw: Hardware) -> Hardware:
     crowded = hw.measured.get("oversubscribed_allreduce")
     if not crowded:
         return hw
-    return dataclasses.replace(hw, oversubscribed=fit_allreduce_link(crowded, per_call=True))
+    return dataclasses.replace(hw, oversubscribed=oversubscribed_link(
+        crowded, hw.measured["gemm"]["flops_per_s"], hw.cores_per_node))
 
 
 def load_hardware(spec, progress=None) -> Hardware:
