@@ -6,7 +6,8 @@ Per micro-batch on each pipeline stage (one rank's share under tensor parallelis
   (r: the causal score entries the attention computes, its blocks' lower triangle), the LM
   head 2 b s h V / t; backward twice the forward; full recompute adds the blocks' forward
   again, selective the q k^T; at peak x gemm_efficiency of the compute dtype (fp16 on a GPU
-  in fp16; bf16 and fp32 in fp32), a CPU rank getting cores / ranks of it when oversubscribed;
+  in fp16; bf16 and fp32 in fp32), a CPU rank getting cores / ranks of it (times the
+  hardware's `oversubscribed_efficiency`) when oversubscribed, as of its other rates;
 - elementwise work (LayerNorm, GELU, softmax, residuals, the loss): the micro-batch's
   activation bytes without recompute at the hardware's elementwise rate (a GPU's: the memory
   bandwidth over ELEMENTWISE_PASSES passes; a CPU's measured), plus the forward's third of
