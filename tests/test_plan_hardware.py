@@ -424,6 +424,45 @@ with open(f"{sys.argv[1]}/rank{rank}.txt", "w") as fh:
 """
 
 
+IN_TURNS = """
+import json, os, sys, time
+from zmpi.comm import MPI
+from zmpi.plan import measure
+
+os.cpu_count = lambda: 1  # 2 ranks on "1 core": they outnumber it
+spans = []
+
+def rank_alone(say):
+    start = time.time()
+    time.sleep(0.3)
+    spans.append((start, time.time()))
+    return ({"flops_per_s": 1e10, "shapes": []},
+            {"add_bytes": 3e9, "add_seconds": 1.0, "copy_bytes": 1e9, "copy_seconds": 0.5,
+             "small_copy_seconds": 1e-6},
+            {"params": 1e8, "seconds": 0.5, "add_seconds": 0.1, "kernel": "numpy"},
+            {"shapes": [], "layer_overhead": 1e-4, "elementwise_rate": 1e9},
+            {"stage2_unit_overhead": 1e-4, "stage3_unit_overhead": 2e-4,
+             "half_storage_rate": 3e8})
+
+measure._measure_rank = rank_alone
+hw = measure.measure_this()
+with open(f"{sys.argv[1]}/rank{MPI.COMM_WORLD.Get_rank()}.txt", "w") as fh:
+    json.dump({"spans": spans, "source": hw.source,
+               "oversubscribed": hw.oversubscribed is not None}, fh)
+"""
+
+
+@pytest.mark.mpi
+def test_ranks_beyond_the_cores_measure_their_rates_in_turns(tmp_path):
+    """Under mpiexec with more ranks than cores each rank measures its own rates while the
+    others sleep (their spans do not overlap): at once, each would time the crowd, which the
+    model charges again as the core share. The oversubscribed link is measured after."""
+    first, second = map(json.loads, said_by_ranks(tmp_path, IN_TURNS))
+    (a0, a1), (b0, b1) = first["spans"][0], second["spans"][0]
+    assert a1 <= b0 or b1 <= a0
+    assert "each of 2 ranks in turn" in first["source"] and first["oversubscribed"]
+
+
 @pytest.mark.mpi
 def test_measure_this_under_mpi_is_collective_and_the_same_on_every_rank(tmp_path):
     """Under mpiexec every rank measures at once (the local measurements stubbed here, rank

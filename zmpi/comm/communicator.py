@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import time
 from dataclasses import asdict
 
 import numpy as np
@@ -330,13 +331,20 @@ class Comm:
         bcast = (lambda s, r: self.mpi.Bcast(r, root),) * 2
         return self._run(f"broadcast(root={root})", bcast, None, flat, buf, True).result
 
-    def barrier(self):
-        """Block until every rank of this Comm has called barrier()."""
+    def barrier(self, idle: bool = False):
+        """Block until every rank of this Comm has called barrier(). `idle`: wait asleep (an
+        Ibarrier tested every millisecond) instead of in MPI's spinning progress, leaving the
+        cores to the ranks that compute (where ranks outnumber them)."""
         self._start_queued()
         if self.check_collectives:
             check_call(self, "barrier")
         with _watched(f"barrier ({self.size} ranks)"):
-            self.mpi.Barrier()
+            if not idle:
+                self.mpi.Barrier()
+                return
+            request = self.mpi.Ibarrier()
+            while not request.Test():
+                time.sleep(1e-3)
 
     def allreduce_scalar(self, x: float, op: str = "sum") -> float:
         """op over ranks of one Python float (reduced as float64); returns the result."""

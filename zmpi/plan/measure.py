@@ -57,7 +57,9 @@ a layout's steps):
   cores_per_node = os.cpu_count().
 Under MPI with more than one rank, `measure_this` is collective over COMM_WORLD: every rank
 measures at once (so the rates are under the others' load) and gets the slowest rank's rates;
-the oversubscribed link is then measured on COMM_WORLD if it outnumbers the cores.
+where the ranks outnumber the cores they measure their own rates in turns instead, the
+others asleep (measured at once each would be the crowd's rate, and the model charges the
+crowding itself), and the oversubscribed link is then measured on COMM_WORLD.
 `measured` keeps the raw figures.
 """
 from __future__ import annotations
@@ -224,27 +226,8 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardware:
-    """This machine as a Hardware named "this" (see the module docstring for what is
-    measured and how). `ranks` (>= 2): how many ranks the allreduce runs on when this process
-    is not an MPI rank already; `timeout`: seconds that launch may take; `progress(str)` is
-    told each measurement."""
-    if ranks < 2:
-        raise ValueError(f"measure_this: ranks must be >= 2 (an allreduce), got {ranks}")
-    from zmpi import backend
-
-    if backend.is_gpu:  # its layer and engine timings would be the GPU's, its GEMM the CPU's
-        raise ValueError("--hardware this measures this machine's CPU ranks (NumPy), but the "
-                         "backend here is CuPy: run with ZMPI_BACKEND=numpy, or name a GPU's "
-                         "hardware file (a100, h100, v100, or FILE)")
-    world = _world_size()
-    comm = None
-    if world > 1:
-        from zmpi.comm import Comm
-
-        comm = Comm()
-    quiet = progress is None or (comm is not None and comm.rank != 0)
-    say = (lambda message: None) if quiet else progress
+def _measure_rank(say) -> tuple[dict, dict, dict, dict, dict]:
+    """This rank's own rates: (gemm, memory, adam, layer, engine) measurements, each said."""
     gemm = measure_gemm()
     say(f"this: GEMM fp32 {gemm['flops_per_s'] / 1e9:.1f} GFLOP/s per rank "
         f"({', '.join('x'.join(map(str, s['shape'])) for s in gemm['shapes'])}, least of 3)")
@@ -267,10 +250,43 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
         f"{engine['stage3_unit_overhead'] * 1e3:.2f} ms; fp16 storage "
         + (f"{engine['half_storage_rate'] / 1e6:.0f} M params/s" if engine["half_storage_rate"]
            else "no extra cost"))
+    return gemm, memory, adam, layer, engine
+
+
+def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardware:
+    """This machine as a Hardware named "this" (see the module docstring for what is
+    measured and how). `ranks` (>= 2): how many ranks the allreduce runs on when this process
+    is not an MPI rank already; `timeout`: seconds that launch may take; `progress(str)` is
+    told each measurement."""
+    if ranks < 2:
+        raise ValueError(f"measure_this: ranks must be >= 2 (an allreduce), got {ranks}")
+    from zmpi import backend
+
+    if backend.is_gpu:  # its layer and engine timings would be the GPU's, its GEMM the CPU's
+        raise ValueError("--hardware this measures this machine's CPU ranks (NumPy), but the "
+                         "backend here is CuPy: run with ZMPI_BACKEND=numpy, or name a GPU's "
+                         "hardware file (a100, h100, v100, or FILE)")
+    world = _world_size()
+    comm = None
+    if world > 1:
+        from zmpi.comm import Comm
+
+        comm = Comm()
+    quiet = progress is None or (comm is not None and comm.rank != 0)
+    say = (lambda message: None) if quiet else progress
     cores = os.cpu_count() or 1
-    if comm is not None:
-        # the same branch on every rank; cores_per_node: the fewest any rank's node has
+    if comm is not None:  # cores_per_node: the fewest any rank's node has (on every rank)
         cores = int(comm.allreduce_scalar(cores, op="min"))
+    # ranks that outnumber the cores measure their own rates in turns, the others asleep:
+    # measured at once each rate would be the crowd's, which the model charges itself (the
+    # core share and oversubscribed_efficiency)
+    in_turns = comm is not None and comm.size > cores
+    for turn in range(comm.size if in_turns else 1):
+        if not in_turns or turn == comm.rank:
+            gemm, memory, adam, layer, engine = _measure_rank(say)
+        if in_turns:
+            comm.barrier(idle=True)
+    if comm is not None:
         allreduce = measure_link(comm)
         crowded = measure_allreduce(comm, compute_between=True) if comm.size > cores else None
     else:
@@ -341,7 +357,8 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
         oversubscribed_efficiency=efficiency,
         source=f"measured by zmpi.plan.measure on {now.date().isoformat()}: {cpu}, "
                f"{cores} CPUs, {ram / 2**30:.1f} GiB RAM; one thread per rank; "
-               f"{'all ' + str(world) + ' ranks at once' if comm else 'one rank alone'}",
+               + (f"each of {world} ranks in turn, the others asleep; their links at once"
+                  if in_turns else f"all {world} ranks at once" if comm else "one rank alone"),
         measured={"date": now.isoformat(timespec="seconds"), "cpu": cpu,
                   "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                   "gemm": gemm, "memory": memory, "adam": adam, "layer": layer,
