@@ -194,7 +194,7 @@ def test_mpi_figures_are_optional_and_checked():
     assert hw.half_reduction_rate == 1.3e8 and hw.oversubscribed is None
     hw = Hardware.from_dict(_changed("oversubscribed", {"bandwidth": "1.5GB/s",
                                                         "latency": "130us"}))
-    assert hw.oversubscribed == Link(1.5e9, 1.3e-4)
+    assert hw.oversubscribed == Link(1.5e9, 1.3e-4, per_call=True)
     assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
     for key, value, message in (("half_reduction_rate", 0, "half_reduction_rate: must be"),
                                 ("oversubscribed", 1e9, "oversubscribed: expected an object"),

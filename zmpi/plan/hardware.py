@@ -20,13 +20,20 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Link:
-    """A link's alpha-beta cost: sending n bytes takes latency + n / bandwidth seconds."""
+    """A link's alpha-beta cost: sending n bytes takes latency + n / bandwidth seconds.
+    `per_call`: its latency comes once a call (a collective, a send), not per ring message:
+    the `oversubscribed` link (its JSON leaves the flag out: it is that link's by definition)."""
 
     bandwidth: float  # bytes/s, one direction, per device
-    latency: float  # seconds per message
+    latency: float  # seconds per message, or per call
+    per_call: bool = False
 
     def seconds(self, nbytes: float, messages: int = 1) -> float:
         return messages * self.latency + nbytes / self.bandwidth
+
+    def latencies(self, calls: int, messages: int) -> int:
+        """How many latencies `calls` calls of `messages` ring messages in all cost."""
+        return calls if self.per_call else messages
 
 
 @dataclass(frozen=True)
@@ -124,7 +131,11 @@ class Hardware:
         return self.cores_per_node / ranks_per_node * self.oversubscribed_efficiency
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        for key in (*_LINKS, "oversubscribed"):  # per_call: implied by the field (from_dict)
+            if d[key] is not None:
+                del d[key]["per_call"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Hardware:
@@ -159,7 +170,8 @@ class Hardware:
                 continue
             _check_keys(link, {"bandwidth", "latency"}, set(), key)
             values[key] = Link(parse_size(link["bandwidth"], f"{key}.bandwidth", "bandwidth"),
-                               parse_size(link["latency"], f"{key}.latency", "latency"))
+                               parse_size(link["latency"], f"{key}.latency", "latency"),
+                               per_call=key == "oversubscribed")
         for key in ("devices_per_node", "cores_per_node"):
             value = d.get(key)
             if key == "cores_per_node" and value is None:

@@ -168,7 +168,7 @@ def fit_allreduce_link(allreduce: dict, per_call: bool = False) -> Link:
                            f"than one of {allreduce['small_bytes']}: {allreduce}")
     bandwidth = (large[0] - small[0]) / (large[1] - small[1])
     latency = max(small[1] - small[0] / bandwidth, 1e-12) / messages
-    return Link(bandwidth=bandwidth, latency=latency)
+    return Link(bandwidth=bandwidth, latency=latency, per_call=per_call)
 
 
 def oversubscribed_link(crowded: dict, gemm_rate: float, cores: int) -> Link:

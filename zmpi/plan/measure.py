@@ -34,11 +34,13 @@ a layout's steps):
   arrival skew), the slowest rank's least of five runs of 100 calls.
 - oversubscribed link: on a machine of at most MAX_OVERSUBSCRIBED_CORES cores, the same two
   allreduces on 2 x cores ranks with a GEMM of BETWEEN_SHAPE before each call (as training
-  computes between collectives, so a call waits for peers the OS has descheduled), fitted
-  with its latency a call's (link.seconds(2(N-1)/N n, 1)): such a wait comes once a call,
-  whatever the group (here an 8-byte allreduce took 1.0-1.1 ms on 4 ranks and on 2 of them
-  alike, where a latency per message would charge the 2 a third of the 4's); the slowest
-  rank's median, not least: those waits are the thing measured.
+  computes between collectives, so a call waits for peers the OS has descheduled), the
+  slowest rank's median, not least (those waits are the thing measured), less the peers'
+  GEMMs (`link_rates.oversubscribed_link`), fitted with its latency a call's
+  (link.seconds(2(N-1)/N n, 1)): such a wait comes once a call, whatever the group (here an
+  8-byte allreduce took 1.0-1.1 ms on 4 ranks and on 2 of them alike, where a latency per
+  message would charge the 2 a third of the 4's); then `oversubscribed_efficiency` from those
+  GEMMs run by every rank at once.
 - host Adam: zmpi.optim.adam.HostAdam stepping an 8 Mi-element fp32 shard on one thread; the
   host add: zmpi.host_kernels.add_ of two 8 Mi-element float16 arrays (offload's accumulation).
 - elementwise rate and layer overhead (zmpi.plan.engine_rates): a 2-block GPT of each of
@@ -377,7 +379,7 @@ def refit(hw: Hardware) -> Hardware:
     if not crowded:
         return hw
     return dataclasses.replace(hw, oversubscribed=oversubscribed_link(
-        crowded, hw.measured["gemm"]["flops_per_s"], hw.cores_per_node))
+        crowded, hw.peak_flops["fp32"], hw.cores_per_node))  # the GEMM rate the fit used
 
 
 def load_hardware(spec, progress=None) -> Hardware:

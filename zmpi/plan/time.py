@@ -99,39 +99,33 @@ def ring_sent(nbytes: float, ranks: int) -> float:
     return 2 * (ranks - 1) / ranks * nbytes
 
 
-def ring_allreduce(link: Link, nbytes: float, ranks: int, calls: int = 1,
-                   per_call: bool = False) -> float:
+def ring_allreduce(link: Link, nbytes: float, ranks: int, calls: int = 1) -> float:
     """Seconds of `calls` ring allreduces of `nbytes` in all over `ranks`: 2 (n-1)/n of it
-    sent per rank, the link's latency per message (2 (n-1) a call) or, `per_call`, once a
-    call (an oversubscribed CPU: see `_links`)."""
+    sent per rank, the link's latency per message (2 (n-1) a call) or, for a `per_call` link,
+    once a call."""
     if ranks == 1:
         return 0.0
-    return link.seconds(ring_sent(nbytes, ranks),
-                        calls if per_call else 2 * (ranks - 1) * calls)
+    return link.seconds(ring_sent(nbytes, ranks), link.latencies(calls, 2 * (ranks - 1) * calls))
 
 
-def ring_pass(link: Link, nbytes: float, ranks: int, calls: int = 1,
-              per_call: bool = False) -> float:
+def ring_pass(link: Link, nbytes: float, ranks: int, calls: int = 1) -> float:
     """Seconds of `calls` ring reduce-scatters or allgathers of `nbytes` of buffers in all
-    over `ranks`: (n-1)/n of them sent per rank, latency per message ((n-1) a call) or, with
-    `per_call`, once a call."""
+    over `ranks`: (n-1)/n of them sent per rank, latency per message ((n-1) a call) or, for
+    a `per_call` link, once a call."""
     if ranks == 1:
         return 0.0
-    return link.seconds((ranks - 1) / ranks * nbytes,
-                        calls if per_call else (ranks - 1) * calls)
+    return link.seconds((ranks - 1) / ranks * nbytes, link.latencies(calls, (ranks - 1) * calls))
 
 
-def _links(job: Job, layout: Layout, hw: Hardware) -> tuple[dict[str, Link], bool]:
-    """The link each dimension's collectives cross, and whether its latency counts once per
-    call rather than per ring message: tensor ranks are neighbours, then data, then pipeline
-    (zmpi.parallel.mesh); a group inside one node uses intra_node. On a CPU whose ranks
-    outnumber its cores: the hardware's `oversubscribed` link, whose latency is a call's
-    (each waits for peers the OS has descheduled, whatever the group's size), else the link
-    at cores / ranks of its bandwidth (MPI copies through shared memory on the cores that
-    compute)."""
+def _links(job: Job, layout: Layout, hw: Hardware) -> dict[str, Link]:
+    """The link each dimension's collectives cross: tensor ranks are neighbours, then data,
+    then pipeline (zmpi.parallel.mesh); a group inside one node uses intra_node. On a CPU
+    whose ranks outnumber its cores: the hardware's `oversubscribed` link, whose latency is a
+    call's (each waits for peers the OS has descheduled, whatever the group's size), else
+    the link at cores / ranks of its bandwidth (MPI copies through shared memory on the cores
+    that compute)."""
     g = job.gpus_per_node
     share = hw.core_share(min(g, job.world_size))
-    per_call = share < 1 and hw.oversubscribed is not None
 
     def link(span):
         chosen = hw.intra_node if span <= g else hw.inter_node
@@ -139,8 +133,7 @@ def _links(job: Job, layout: Layout, hw: Hardware) -> tuple[dict[str, Link], boo
             return chosen
         return hw.oversubscribed or Link(chosen.bandwidth * share, chosen.latency)
     return {"tp": link(layout.tp), "dp": link(layout.tp * layout.dp),
-            "pp": link(layout.tp * layout.dp * layout.pp) if layout.pp > 1 else hw.intra_node
-            }, per_call
+            "pp": link(layout.tp * layout.dp * layout.pp) if layout.pp > 1 else hw.intra_node}
 
 
 def matmul_rate(job: Job, hw: Hardware, ranks_per_node: int) -> float:
@@ -167,7 +160,7 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     ranks_per_node = min(job.gpus_per_node, job.world_size)
     rate = matmul_rate(job, hw, ranks_per_node)
     bandwidth = hw.memory_bandwidth * hw.core_share(ranks_per_node)
-    links, per_call = _links(job, layout, hw)
+    links = _links(job, layout, hw)
     act = micro_batch_activation(job, layout.tp, layout.sequence_parallel, "none",
                                  layout.micro_batch, on_gpu)
     kept = micro_batch_activation(job, layout.tp, layout.sequence_parallel, layout.recompute,
@@ -212,7 +205,7 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
         loss_calls = LOSS_ALLREDUCES * last
         tensor = 0.0 if t == 1 else links["tp"].seconds(
             (t - 1) / t * (passes * activation_bytes + 2 * last * loss_bytes),
-            calls + loss_calls if per_call else (t - 1) * (passes + 2 * loss_calls)) \
+            links["tp"].latencies(calls + loss_calls, (t - 1) * (passes + 2 * loss_calls))) \
             + skew * (calls + loss_calls)
         sends, headers, tied = pipeline_calls(layout, first, last)
         pipe = links["pp"].seconds(sends * activation_bytes, sends)
@@ -221,10 +214,10 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
         micro.append((flops / rate + elementwise * elementwise_s + engine, tensor, pipe))
         sp_grads = (SP_PARAMS_PER_BLOCK * blocks + 2 * last) * h * job.param_bytes
         per_step.append((
-            ring_allreduce(links["tp"], sp_grads, t, 1, per_call) + skew
+            ring_allreduce(links["tp"], sp_grads, t) + skew
             if layout.sequence_parallel and t > 1 else 0.0,
             links["pp"].seconds(0, headers)
-            + ring_allreduce(links["pp"], tied * leading * job.param_bytes, 2, tied, per_call)))
+            + ring_allreduce(links["pp"], tied * leading * job.param_bytes, 2, tied)))
     m, p = layout.micro_batches, layout.pp
     slowest = max(range(len(micro)),
                   key=lambda k: (m + p - 1) * sum(micro[k]) + sum(per_step[k]))
@@ -233,35 +226,35 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     bubble = (p - 1) * sum(micro[slowest])
     heaviest = max(range(p), key=lambda st: sum(stages[st]))
     data, optimizer = _data_and_optimizer(job, layout, hw, stages[heaviest], links["dp"],
-                                          per_call, heaviest == p - 1, micro[slowest],
-                                          bandwidth, ranks_per_node)
+                                          heaviest == p - 1, micro[slowest], bandwidth,
+                                          ranks_per_node)
     return StepTime(compute, tensor, pipe, bubble, data, optimizer)
 
 
-def _data_and_optimizer(job, layout, hw, units, link, per_call, holds_head, slowest, bandwidth,
+def _data_and_optimizer(job, layout, hw, units, link, holds_head, slowest, bandwidth,
                         ranks_per_node):
     """(exposed data-parallel seconds, optimizer seconds) per step for the stage holding
     `units` (parameter counts; `holds_head`: the LM head too), its slowest micro-batch times
-    `slowest`, its collectives crossing `link` (latency `per_call`: see `_links`)."""
+    `slowest`, its collectives crossing `link`."""
     d, m, pb = layout.dp, layout.micro_batches, job.param_bytes
     sizes = [padded(n, d) for n in units]
     full, shard = sum(sizes), sum(sizes) // d
     nbytes, count = full * pb, len(sizes)
     rounds = data_rounds(layout)
     grads = ring_allreduce(link, rounds["allreduce"] * nbytes, d,
-                           rounds["allreduce"] * count, per_call) \
+                           rounds["allreduce"] * count) \
         + ring_pass(link, rounds["reduce_scatter"] * nbytes, d,
-                    rounds["reduce_scatter"] * count, per_call)
+                    rounds["reduce_scatter"] * count)
     if layout.stage == 3:  # gathers for forward and backward, the embedding's for the head too
         tied = holds_head * sizes[0] * pb
         grads += ring_pass(link, rounds["allgather"] * (nbytes + tied), d,
-                           rounds["allgather"] * (count + holds_head), per_call)
+                           rounds["allgather"] * (count + holds_head))
     if job.precision == "fp16" and hw.half_reduction_rate and d > 1:  # MPI's float16 sums
         reductions = 1 if layout.stage <= 1 else m
         grads += reductions * (d - 1) / d * nbytes / (hw.half_reduction_rate
                                                       * hw.core_share(ranks_per_node))
-    params = ring_pass(link, rounds["allgather"] * nbytes, d, rounds["allgather"] * count,
-                       per_call) if layout.stage in (1, 2) else 0.0
+    params = ring_pass(link, rounds["allgather"] * nbytes, d, rounds["allgather"] * count) \
+        if layout.stage in (1, 2) else 0.0
     if can_overlap(hw, ranks_per_node):
         hidden = sum(slowest) * (m if layout.stage >= 2 else 1) * BACKWARD_SHARE
         grads = max(grads - hidden, grads / count)
