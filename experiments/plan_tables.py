@@ -74,16 +74,17 @@ def compare(item: dict, hw) -> dict:
             "time_pred_s": predicted.total, "time_meas_s": measured_s,
             "waited_s": max(p["phases"]["waited"] for p in per_rank),
             "time_ratio": measured_s / predicted.total,
-            "calls_exact": _calls_exact(per_rank),
+            # every rank's counted collectives equal the prediction (None: none counted)
+            "calls_exact": _all_known(None if p["calls_meas"] is None
+                                      else p["calls_pred"] == p["calls_meas"] for p in per_rank),
             "time_parts": predicted.to_dict(), "skipped_steps": item["ranks"][0]["skipped_steps"],
             "loss": item["ranks"][0]["loss"], "per_rank": per_rank}
 
 
-def _calls_exact(per_rank: list[dict]) -> bool | None:
-    """Whether every rank's counted collectives equal the prediction; None where no rank's
-    last step was counted."""
-    counted = [p["calls_pred"] == p["calls_meas"] for p in per_rank if p["calls_meas"] is not None]
-    return all(counted) if counted else None
+def _all_known(flags) -> bool | None:
+    """Whether every flag that is not None holds; None where none is known."""
+    known = [f for f in flags if f is not None]
+    return all(known) if known else None
 
 
 def describe_hardware(hw) -> str:
@@ -169,7 +170,7 @@ def markdown(rows: list[dict], args, hardware: list) -> list[str]:
         lines.append(
             f"| {r['layout']} | {r['precision']} | {r['ms_device_pred'] / k:.1f} / "
             f"{r['ms_device_meas'] / k:.1f} | {r['ms_host_pred'] / k:.1f} / "
-            f"{r['ms_host_meas'] / k:.1f} | {'yes' if r['ms_exact'] else '**no**'} | "
+            f"{r['ms_host_meas'] / k:.1f} | {_yes_no(r['ms_exact'])} | "
             f"{r['transient_pred'] / k:.1f} / {r['transient_meas'] / k:.1f} | "
             f"{r['act_pred'] / k:.1f} / {r['act_meas'] / k:.1f} | "
             f"{r['device_pred'] / k:.1f} / {r['device_meas'] / k:.1f} | "
@@ -205,9 +206,8 @@ def median_round(rows: list[dict]) -> dict:
     ratios = [r["time_ratio"] for r in rows]
     middle = sorted(range(len(rows)), key=ratios.__getitem__)[(len(rows) - 1) // 2]
     quiet_meas, quiet_pred = (min(r[k] for r in rows) for k in ("time_meas_s", "time_pred_s"))
-    counted = [r["calls_exact"] for r in rows if r.get("calls_exact") is not None]
     return {**rows[middle], "ms_exact": all(r["ms_exact"] for r in rows),
-            "calls_exact": all(counted) if counted else None,
+            "calls_exact": _all_known(r.get("calls_exact") for r in rows),
             "round": middle + 1, "round_ratios": ratios,
             "rounds": " ".join(f"{x:.3f}" for x in ratios),
             "quiet_meas_s": quiet_meas, "quiet_pred_s": quiet_pred,
