@@ -2,11 +2,13 @@
 rank's figure the slowest rank's.
 
 - `measure_allreduce`: float32 allreduces of ALLREDUCE_BYTES (latency, bandwidth) and a
-  float16 one of HALF_BYTES, the least of a few after a barrier each; or, for ranks that
-  outnumber the cores, with a GEMM of BETWEEN_SHAPE before each call, the median;
+  float16 one of HALF_BYTES, the least of a few after a barrier each;
+- `measure_crowded_allreduce`, for ranks that outnumber the cores: what the same float32
+  allreduces add to a loop of GEMMs of BETWEEN_SHAPE that every rank runs at once, and the
+  GEMM's rate in that crowd;
 - `fit_allreduce_link`, `fit_half_reduction_rate`: the ring model's Link through both
-  allreduces, and the rate at which the MPI sums float16 beyond it; `oversubscribed_link`:
-  for ranks that outnumber the cores, its latency a call's beyond the peers' compute;
+  allreduces (for the crowded ones its latency a call's), and the rate at which the MPI sums
+  float16 beyond it;
 - `measure_send_progress`, `describe_send_progress`: whether a message moves while its
   sender computes (recorded and said, not modelled);
 - `measure_sync_skew`: what an allreduce between GEMMs waits beyond the GEMMs and the
@@ -28,54 +30,85 @@ from zmpi.plan.time import ring_sent
 
 ALLREDUCE_BYTES = {"small": 8, "large": 32 << 20}  # payloads: for the latency, the bandwidth
 HALF_BYTES = 1 << 20  # a float16 allreduce's payload: MPI's float16 reduction rate
-BETWEEN_SHAPE = (512, 256, 256)  # the GEMM each rank runs before a call, oversubscribed
+BETWEEN_SHAPE = (512, 256, 256)  # the GEMM between calls (sync skew; oversubscribed ranks)
 SEND_PROGRESS_BYTES = 1 << 20  # the message of `measure_send_progress`
 SENDER_BUSY_SECONDS = 0.02  # how long its sender computes after starting it
-CROWDED_SECONDS = 0.5  # how long every rank runs GEMMs at once (ranks beyond the cores)
+CROWDED_CALLS = {"small": 50, "large": 3}  # per loop of `measure_crowded_allreduce`
 
 
-def measure_allreduce(comm, repeats: int = 10, compute_between: bool = False) -> dict:
+def measure_allreduce(comm, repeats: int = 10) -> dict:
     """Collective: the slowest rank's least seconds of a float32 allreduce of each of
     ALLREDUCE_BYTES and of a float16 one of HALF_BYTES on `comm` (a zmpi.comm.Comm, so
     float16 goes as zmpi sends it: MPI's own float16, or float32 where the MPI has none), the
-    ranks starting each call together (a barrier before it). With `compute_between` (for
-    ranks that outnumber the cores) each rank instead runs a GEMM of BETWEEN_SHAPE before
-    each call, as training computes between collectives, the float16 one is left out, and
-    the time is the median: there a call's wait for a peer the OS has descheduled is what is
-    measured, not a neighbour's noise, and the least call is the one that escaped it; and
-    every rank then runs those GEMMs alone for CROWDED_SECONDS at once, their mean rate
-    per rank "crowded_gemm_flops_per_s" (what `oversubscribed_efficiency` is made of)."""
-    out = {"ranks": comm.size, "messages": 2 * (comm.size - 1), "repeats": repeats,
-           "compute_between": compute_between}
+    ranks starting each call together (a barrier before it)."""
+    out = {"ranks": comm.size, "messages": 2 * (comm.size - 1), "repeats": repeats}
     payloads = [(name, nbytes, np.float32) for name, nbytes in ALLREDUCE_BYTES.items()]
-    if compute_between:
-        m, k, n = BETWEEN_SHAPE
-        before = partial(np.matmul, np.ones((m, k), np.float32), np.ones((k, n), np.float32),
-                         out=np.empty((m, n), np.float32))
-    else:
-        before = comm.barrier
-        payloads.append(("half", HALF_BYTES, np.float16))
-    for name, nbytes, dtype in payloads:
+    for name, nbytes, dtype in payloads + [("half", HALF_BYTES, np.float16)]:
         buf = np.zeros(nbytes // np.dtype(dtype).itemsize, dtype)  # zeros: no overflow
         comm.allreduce(buf)
         times = []
         for _ in range(5 * repeats if name == "small" else repeats):
-            before()
+            comm.barrier()
             start = time.perf_counter()
             comm.allreduce(buf)
             times.append(time.perf_counter() - start)
         out[f"{name}_bytes"] = buf.nbytes
-        typical = statistics.median(times) if compute_between else min(times)
-        out[f"{name}_seconds"] = comm.allreduce_scalar(typical, op="max")
-    if compute_between:  # the GEMM's rate per rank while every rank computes at once
-        comm.barrier()
-        start, calls = time.perf_counter(), 0
-        while time.perf_counter() - start < CROWDED_SECONDS:
-            before()
-            calls += 1
-        rate = 2 * m * k * n * calls / (time.perf_counter() - start)
-        out["crowded_gemm_flops_per_s"] = comm.allreduce_scalar(rate) / comm.size
+        out[f"{name}_seconds"] = comm.allreduce_scalar(min(times), op="max")
     return out
+
+
+def measure_crowded_allreduce(comm, repeats: int = 5) -> dict:
+    """Collective, for ranks that outnumber the cores: what a float32 allreduce of each of
+    ALLREDUCE_BYTES adds, per call, to a loop of GEMMs of BETWEEN_SHAPE that every rank runs
+    at once ("small_seconds", "large_seconds"), and the GEMM's rate per rank in that crowd
+    ("crowded_gemm_flops_per_s", what `oversubscribed_efficiency` is made of). Training
+    computes between collectives, so a call also waits for peers the OS has descheduled; the
+    time model charges the GEMMs themselves as compute at the ranks' core share, so the link
+    is what a call adds beyond them. Loops of CROWDED_CALLS[size] GEMMs, with and without a
+    call after each, alternate `repeats` times; a figure is the mean over a loop (a step sums
+    its calls, the long waits with the short) of the slowest rank, the median over the
+    repeats (the rate: the ranks' mean)."""
+    gemm = between_gemm()
+    out = {"ranks": comm.size, "messages": 2 * (comm.size - 1), "repeats": repeats}
+    gemm_seconds = []  # this rank's, per GEMM
+    for name, nbytes in ALLREDUCE_BYTES.items():
+        buf = np.zeros(nbytes // 4, np.float32)
+        comm.allreduce(buf)
+        calls, added = CROWDED_CALLS[name], []
+        for _ in range(repeats):
+            gemm_seconds.append(_loop_seconds(comm, calls, gemm))
+            alone = comm.allreduce_scalar(gemm_seconds[-1], op="max")  # the last rank done
+            both = _loop_seconds(comm, calls, gemm, partial(comm.allreduce, buf))
+            added.append(comm.allreduce_scalar(both, op="max") - alone)
+        out[f"{name}_bytes"] = buf.nbytes
+        out[f"{name}_seconds"] = statistics.median(added)
+    rate = gemm_flops() / statistics.median(gemm_seconds)
+    out["crowded_gemm_flops_per_s"] = comm.allreduce_scalar(rate) / comm.size
+    return out
+
+
+def between_gemm():
+    """A GEMM of BETWEEN_SHAPE (float32, into a buffer of its own), to run between calls."""
+    m, k, n = BETWEEN_SHAPE
+    return partial(np.matmul, np.ones((m, k), np.float32), np.ones((k, n), np.float32),
+                   out=np.empty((m, n), np.float32))
+
+
+def gemm_flops() -> int:
+    """The FLOPs of one `between_gemm`."""
+    m, k, n = BETWEEN_SHAPE
+    return 2 * m * k * n
+
+
+def _loop_seconds(comm, calls: int, *steps) -> float:
+    """This rank's seconds per iteration of `calls` iterations of `steps` (callables, in
+    turn), the ranks starting together (a barrier before)."""
+    comm.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        for step in steps:
+            step()
+    return (time.perf_counter() - start) / calls
 
 
 def measure_send_progress(comm, nbytes: int = SEND_PROGRESS_BYTES,
@@ -88,9 +121,7 @@ def measure_send_progress(comm, nbytes: int = SEND_PROGRESS_BYTES,
     so it arrives when the sender next calls MPI (here: after `busy`; the engine's calls
     between units, `zmpi.comm.make_progress`, are left out). A pipeline's activations and a
     bucket's reduction then wait for their sender's compute."""
-    buf = np.zeros(nbytes, np.uint8)
-    m, k, n = BETWEEN_SHAPE
-    a, b = np.ones((m, k), np.float32), np.ones((k, n), np.float32)
+    buf, gemm = np.zeros(nbytes, np.uint8), between_gemm()
     times = []
     for _ in range(repeats):
         comm.barrier()
@@ -98,7 +129,7 @@ def measure_send_progress(comm, nbytes: int = SEND_PROGRESS_BYTES,
             request = comm.isend(buf, 1)
             start = time.perf_counter()
             while time.perf_counter() - start < busy:
-                np.matmul(a, b)
+                gemm()
             request.wait()
         elif comm.rank == 1:
             start = time.perf_counter()
@@ -115,19 +146,13 @@ def measure_sync_skew(comm, calls: int = 100, repeats: int = 5) -> float:
     both in turn), `repeats` times in alternation, the least of each; the slowest rank's
     figure, 0 if none. Ranks that compute the same work still arrive apart (their compute's
     jitter), and each synchronous call waits for the last of them."""
-    m, k, n = BETWEEN_SHAPE
-    a, b = np.ones((m, k), np.float32), np.ones((k, n), np.float32)
-    out, buf = np.empty((m, n), np.float32), np.zeros(2, np.float32)
-    loops = {"compute": lambda: np.matmul(a, b, out=out), "sync": lambda: comm.allreduce(buf),
-             "both": lambda: (np.matmul(a, b, out=out), comm.allreduce(buf))}
+    gemm, buf = between_gemm(), np.zeros(2, np.float32)
+    loops = {"compute": (gemm,), "sync": (partial(comm.allreduce, buf),),
+             "both": (gemm, partial(comm.allreduce, buf))}
     least = dict.fromkeys(loops, float("inf"))
     for _ in range(repeats):
-        for name, call in loops.items():
-            comm.barrier()
-            start = time.perf_counter()
-            for _ in range(calls):
-                call()
-            least[name] = min(least[name], (time.perf_counter() - start) / calls)
+        for name, steps in loops.items():
+            least[name] = min(least[name], _loop_seconds(comm, calls, *steps))
     skew = max(least["both"] - least["compute"] - least["sync"], 0.0)
     return comm.allreduce_scalar(skew, op="max")
 
@@ -157,8 +182,10 @@ def describe_send_progress(sends: dict) -> str:
 def fit_allreduce_link(allreduce: dict, per_call: bool = False) -> Link:
     """The Link with which link.seconds(ring_sent(n, N), 2(N-1)) equals both measured
     allreduce times of `measure_allreduce` (two points, two unknowns); `per_call`: with
-    link.seconds(ring_sent(n, N), 1), its latency a call's (ranks that outnumber the cores
-    wait once a call for the peers the OS has descheduled, whatever the group's size)."""
+    link.seconds(ring_sent(n, N), 1), its latency a call's, for `measure_crowded_allreduce`
+    (ranks that outnumber the cores wait once a call for the peers the OS has descheduled,
+    whatever the group: an 8-byte call took 1.0-1.1 ms on 4 ranks and on 2 of the 4 alike,
+    where a latency per ring message would charge the 2 a third of the 4's)."""
     ranks = allreduce["ranks"]
     messages = 1 if per_call else allreduce["messages"]
     small = ring_sent(allreduce["small_bytes"], ranks), allreduce["small_seconds"]
@@ -169,22 +196,6 @@ def fit_allreduce_link(allreduce: dict, per_call: bool = False) -> Link:
     bandwidth = (large[0] - small[0]) / (large[1] - small[1])
     latency = max(small[1] - small[0] / bandwidth, 1e-12) / messages
     return Link(bandwidth=bandwidth, latency=latency, per_call=per_call)
-
-
-def oversubscribed_link(crowded: dict, gemm_rate: float, cores: int) -> Link:
-    """The oversubscribed Link from `measure_allreduce(compute_between=True)` on
-    `crowded["ranks"]` ranks sharing `cores` cores, at `gemm_rate` FLOP/s per rank alone: its
-    latency a call's, beyond the wait for the peers' GEMMs. A rank runs its GEMM at the full
-    rate and then waits in the call while the peers run theirs on the cores it left: here
-    an 8-byte call took the GEMM's time plus 0.1-0.4 ms for GEMMs of 0.2-4 ms, on 4 ranks
-    and on 2 of the 4 alike. The time model charges that wait as compute at the ranks' core
-    share (cores / ranks of the rate), so the link keeps only what is left:
-    (ranks / cores - 1) GEMMs fewer per call."""
-    m, k, n = BETWEEN_SHAPE
-    waited = 2 * m * k * n / gemm_rate * (crowded["ranks"] / cores - 1)
-    return fit_allreduce_link({**crowded, **{f"{size}_seconds": crowded[f"{size}_seconds"]
-                                             - waited for size in ALLREDUCE_BYTES}},
-                              per_call=True)
 
 
 def fit_half_reduction_rate(allreduce: dict, link: Link) -> float | None:

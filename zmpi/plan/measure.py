@@ -32,15 +32,12 @@ a layout's steps):
 - sync skew (`measure_sync_skew`, on the same ranks): what an 8-byte allreduce after a GEMM
   of BETWEEN_SHAPE waits beyond the GEMM alone and the allreduce alone, per call (the ranks'
   arrival skew), the slowest rank's least of five runs of 100 calls.
-- oversubscribed link: on a machine of at most MAX_OVERSUBSCRIBED_CORES cores, the same two
-  allreduces on 2 x cores ranks with a GEMM of BETWEEN_SHAPE before each call (as training
-  computes between collectives, so a call waits for peers the OS has descheduled), the
-  slowest rank's median, not least (those waits are the thing measured), less the peers'
-  GEMMs (`link_rates.oversubscribed_link`), fitted with its latency a call's
-  (link.seconds(2(N-1)/N n, 1)): such a wait comes once a call, whatever the group (here an
-  8-byte allreduce took 1.0-1.1 ms on 4 ranks and on 2 of them alike, where a latency per
-  message would charge the 2 a third of the 4's); then `oversubscribed_efficiency` from those
-  GEMMs run by every rank at once.
+- oversubscribed link: on a machine of at most MAX_OVERSUBSCRIBED_CORES cores, what the
+  same two allreduces add per call to a loop of GEMMs of BETWEEN_SHAPE that 2 x cores ranks
+  run at once (`link_rates.measure_crowded_allreduce`: training computes between
+  collectives, so a call also waits for peers the OS has descheduled; the loops' mean, the
+  median of five, the slowest rank's), fitted with its latency a call's
+  (link.seconds(2(N-1)/N n, 1)); and `oversubscribed_efficiency` from the GEMM loop's rate.
 - host Adam: zmpi.optim.adam.HostAdam stepping an 8 Mi-element fp32 shard on one thread; the
   host add: zmpi.host_kernels.add_ of two 8 Mi-element float16 arrays (offload's accumulation).
 - elementwise rate and layer overhead (zmpi.plan.engine_rates): a 2-block GPT of each of
@@ -90,9 +87,8 @@ from zmpi.plan.link_rates import (
     describe_send_progress,
     fit_allreduce_link,
     fit_half_reduction_rate,
-    measure_allreduce,
+    measure_crowded_allreduce,
     measure_link,
-    oversubscribed_link,
 )
 
 GEMM_SHAPES = ((4096, 512, 2048), (1024, 1024, 1024))  # (m, k, n): (m x k) @ (k x n)
@@ -290,7 +286,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
             comm.barrier(idle=True)
     if comm is not None:
         allreduce = measure_link(comm)
-        crowded = measure_allreduce(comm, compute_between=True) if comm.size > cores else None
+        crowded = measure_crowded_allreduce(comm) if comm.size > cores else None
     else:
         say(f"this: allreduce on {ranks} ranks (mpiexec) ...")
         allreduce = launch_allreduce(ranks, timeout)
@@ -322,13 +318,12 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
         overheads = {k: comm.allreduce_scalar(x, op="max") for k, x in overheads.items()}
     if math.isinf(rates["half_storage"]):
         del rates["half_storage"]  # no rank saw a cost
-    oversubscribed = None if crowded is None else \
-        oversubscribed_link(crowded, rates["gemm"], cores)
+    oversubscribed = None if crowded is None else fit_allreduce_link(crowded, per_call=True)
     efficiency = 1.0 if crowded is None else \
         min(1.0, crowded["crowded_gemm_flops_per_s"] * crowded["ranks"] / cores / rates["gemm"])
     if oversubscribed is not None:
         say(f"this: oversubscribed link {oversubscribed.bandwidth / 1e9:.2f} GB/s, "
-            f"{oversubscribed.latency * 1e6:.1f} us per call beyond its peers' GEMMs "
+            f"{oversubscribed.latency * 1e6:.1f} us per call beyond the GEMMs between calls "
             f"({crowded['ranks']} ranks); a rank computes at {efficiency:.2f} of its share of "
             "the cores")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -378,8 +373,7 @@ def refit(hw: Hardware) -> Hardware:
     crowded = hw.measured.get("oversubscribed_allreduce")
     if not crowded:
         return hw
-    return dataclasses.replace(hw, oversubscribed=oversubscribed_link(
-        crowded, hw.peak_flops["fp32"], hw.cores_per_node))  # the GEMM rate the fit used
+    return dataclasses.replace(hw, oversubscribed=fit_allreduce_link(crowded, per_call=True))
 
 
 def load_hardware(spec, progress=None) -> Hardware:
@@ -413,7 +407,8 @@ def main(argv=None) -> None:
     parser.add_argument("--comm", action="store_true",
                         help="only the allreduce, on COMM_WORLD (run under mpiexec)")
     parser.add_argument("--compute-between", action="store_true",
-                        help="with --comm: a GEMM before each call instead of a barrier")
+                        help="with --comm: what the calls add to GEMMs every rank runs at once "
+                             "(ranks beyond the cores)")
     parser.add_argument("--out", default=None,
                         help="with --comm: write the result (JSON) to this file, not stdout")
     parser.add_argument("--ranks", type=int, default=2, help="ranks for the allreduce")
@@ -428,7 +423,7 @@ def main(argv=None) -> None:
         comm = Comm()
         if comm.size < 2:
             parser.error("--comm measures an allreduce: run it on >= 2 ranks (mpiexec -n 2)")
-        result = measure_allreduce(comm, compute_between=True) if args.compute_between \
+        result = measure_crowded_allreduce(comm) if args.compute_between \
             else measure_link(comm)
         if comm.rank == 0:
             if args.out:
