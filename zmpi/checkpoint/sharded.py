@@ -59,17 +59,17 @@ def agree(comm, what: str, fn, *args):
     """Run fn(*args) on every rank and return this rank's result; if it raised anywhere,
     raise a CheckpointError on every rank naming the first rank that failed (nobody is left
     waiting in a later collective). Only the error messages travel."""
-    error, message, result = None, None, None
-    try:
-        result = fn(*args)
-    except Exception as e:  # handed to every rank below
-        error = e
-        message = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-    for rank, text in enumerate(comm.allgather_object(message)):
-        if text is not None:
-            where = "" if comm.size == 1 else f" (rank {rank})"
-            raise CheckpointError(f"{what} failed{where}: {text}") from (
-                error if rank == comm.rank else None)
+    from zmpi.comm.agree import agreed_call  # here: importing zmpi.comm starts MPI
+
+    def describe(e):
+        return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+
+    result, failed, error = agreed_call(comm, lambda: fn(*args), describe)
+    if failed:
+        rank, text = failed[0]
+        where = "" if comm.size == 1 else f" (rank {rank})"
+        raise CheckpointError(f"{what} failed{where}: {text}") from (
+            error if rank == comm.rank else None)
     return result
 
 

@@ -19,6 +19,7 @@ The modules, one concept each (communicator imports the others; none imports it)
     faults.py         abort on an exception (and the peer kill), Ctrl-C, the watchdog,
                       CollectiveMismatch and the collective check, waited_seconds
     mpi_info.py       the loaded MPI library, cuda_support, mpi_flavour
+    agree.py          agreed_call: a call whose failure on any rank every rank learns
 
 Everything `zmpi.comm` held before it became a package is importable from it still, except
 the module flags a function rebinds (faults._PEERS_ASKED, _abort_installed, _WATCHDOG): read

@@ -119,24 +119,23 @@ def agreed_across_stages(mesh, build):
     messages travel: one pickled allgather, pp > 1 only)."""
     if mesh.pp == 1:
         return build()
+    from zmpi.comm.agree import agreed_call
     from zmpi.config import ConfigError
     from zmpi.memory import OutOfMemory
 
-    result, error, said = None, None, None
-    try:
-        result = build()
-    except Exception as e:  # handed to every rank below
-        error = e
+    def describe(e):
         kind = next(k for k, t in (("config", ConfigError), ("value", ValueError),
                                    ("memory", MemoryError), ("other", Exception))
                     if isinstance(e, t))
         text = f"{type(e).__name__}: {e}" if kind == "other" else str(e)
-        said = (kind, e.key, e.msg, text) if kind == "config" else (kind, "", "", text)
-    found = mesh.comm.allgather_object((said, mesh.pp_rank))
-    stages = sorted({stage for s, stage in found if s is not None})
-    if not stages:
+        return ((kind, e.key, e.msg, text) if kind == "config" else (kind, "", "", text),
+                mesh.pp_rank)
+
+    result, failed, error = agreed_call(mesh.comm, build, describe)
+    if not failed:
         return result
-    kind, key, msg, text = next(s for s, _ in found if s is not None)
+    stages = sorted({stage for _, (_, stage) in failed})
+    kind, key, msg, text = failed[0][1][0]
     where = "" if len(stages) == mesh.pp else \
         f" (on pipeline stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))} " \
         f"of {mesh.pp})"
