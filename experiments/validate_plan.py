@@ -7,10 +7,9 @@ CuPy finds a GPU.
 
     OMP_NUM_THREADS=1 python experiments/validate_plan.py --out results/plan_validation
 
-The driver (this script without --worker) measures the hardware (`measure_this(ranks=2)`, in
-MEASURE_PASSES passes over the rank's own rates, one more than `zmpi plan`'s), picks the
-layouts (every dp x pp x tp with product 1, 2, 4; on each mesh the ZeRO stages 0-3, with
-offload, recompute, sequence parallelism, schedule and the micro-batch split rotating so
+The driver (this script without --worker) measures the hardware (`measure_this(ranks=2)`),
+picks the layouts (every dp x pp x tp with product 1, 2, 4; on each mesh the ZeRO stages 0-3,
+with offload, recompute, sequence parallelism, schedule and the micro-batch split rotating so
 that every choice occurs; optionally a few bf16 / fp32 layouts), and launches one mpiexec per
 world size (`--worker`), which runs the layouts one after another: Mesh, GPT, Engine with
 `to_config(job, layout)`, `--steps` steps on random token batches (the first a warm-up), and
@@ -63,7 +62,6 @@ REPO = HERE.parent
 MESHES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (4, 1, 1), (2, 2, 1), (2, 1, 2),
           (1, 2, 2), (1, 4, 1), (1, 1, 4)]  # (dp, pp, tp), every one with dp pp tp <= 4
 MIB = 2**20
-MEASURE_PASSES = 3  # over the hardware's own rates, the fastest of each kept
 
 
 def job_for(args, world: int, precision: str) -> Job:
@@ -244,8 +242,7 @@ def run_round(args, picked):
     from zmpi.plan.hardware import Hardware
     from zmpi.plan.measure import measure_this
 
-    hw = measure_this(ranks=2, progress=print, passes=MEASURE_PASSES) \
-        if args.hardware == "this" else \
+    hw = measure_this(ranks=2, progress=print) if args.hardware == "this" else \
         Hardware.from_dict(json.loads(Path(args.hardware).read_text()))
     rows, raw = [], []
     for world in args.worlds:

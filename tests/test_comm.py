@@ -86,6 +86,22 @@ def test_split_size_one(comm):
     assert comm.split(MPI.UNDEFINED) is None
 
 
+def test_agreed_call_size_one(comm):
+    """The result where fn returns; where it raises, the rank's description in the list and
+    its own exception to chain from (the multi-rank agreement: test_checkpoint_safety's and
+    test_pipeline's errors on some ranks only)."""
+    from zmpi.comm.agree import agreed_call
+
+    assert agreed_call(comm, lambda: 7, repr) == (7, [], None)
+    oops = KeyError("x")
+
+    def fails():
+        raise oops
+
+    result, failed, error = agreed_call(comm, fails, lambda e: f"{type(e).__name__}")
+    assert (result, failed, error) == (None, [(0, "KeyError")], oops)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda c: c.reduce_scatter(np.zeros(5), np.zeros(4)), r"send.size \(5\).*recv.size \(4\)"),
     (lambda c: c.allgather(np.zeros(2), np.zeros(3)), r"recv.size \(3\).*send.size \(2\)"),

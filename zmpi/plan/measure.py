@@ -10,8 +10,8 @@ On a CPU a rank is a device, so every rate is one rank's, on one thread. Every t
 least of a few (`fastest_seconds`: the machine at its quietest, where a shared machine's
 neighbours have added nothing; the model predicts that step and is compared with the least of
 a layout's steps), and a rank's own rates (GEMM, memory, host Adam, layer, engine) are
-measured in MEASURE_PASSES passes over them all, each figure from its fastest pass: a slow
-spell here lasted a whole layer measurement once, its blocks 1.4-1.5x the other passes':
+measured in MEASURE_PASSES passes over them all, each figure from its median pass: a slow
+spell here lasted a whole layer measurement once, its blocks 1.4-1.5x other rounds':
 - GEMM: float32 matmuls of a GPT layer's shapes, a few calls each; the rate is their FLOPs
   over the sum of their least times. fp32 = fp16 = bf16 = that rate (zmpi computes
   16-bit floats in fp32 on a CPU) and gemm_efficiency = 1 (the rate is what matmuls reach).
@@ -96,7 +96,7 @@ from zmpi.plan.link_rates import (
 GEMM_SHAPES = ((4096, 512, 2048), (1024, 1024, 1024))  # (m, k, n): (m x k) @ (k x n)
 STREAM_BYTES = 64 << 20  # each array of the add and the copy
 ADAM_NUMEL = 8 << 20
-MEASURE_PASSES = 2  # measure_this: passes over a rank's own rates (about 11 s each here)
+MEASURE_PASSES = 3  # measure_this: passes over a rank's own rates (about 11 s each here)
 MAX_OVERSUBSCRIBED_CORES = 8  # the oversubscribed link is measured on 2 x cores ranks
 LAUNCH_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_SIZE")
 
@@ -228,24 +228,27 @@ def _cpu_model() -> str:
 
 
 def _measure_rank(say, passes: int) -> tuple[dict, dict, dict, dict, dict]:
-    """This rank's own rates: (gemm, memory, adam, layer, engine) measurements, each the
-    fastest of `passes` passes over them all (a slow spell of a shared machine, seconds
-    long, spoils one pass's figure, not the figure: `fastest_seconds`'s least over a longer
-    span); the layer's line fitted again at the GEMM rate kept. Each said."""
+    """This rank's own rates: (gemm, memory, adam, layer, engine) measurements, each from the
+    pass over them all that was its median of `passes` (the slower of two): a slow spell of
+    a shared machine, seconds long, sets one pass's figure, and so does a burst that a
+    GEMM's tenth of a second catches and a training step does not; the median is set by
+    neither. The layer's line is fitted again at the GEMM rate kept where that came from
+    another pass. Each said."""
     runs = []
     for done in range(passes):
         gemm = measure_gemm()
         runs.append((gemm, measure_memory(), measure_adam(), measure_layer(gemm["flops_per_s"]),
                      measure_engine()))
         if passes > 1:
-            say(f"this: pass {done + 1} of {passes} measured (the fastest of each kept)")
-    def fastest(part: int, seconds) -> int:  # the pass whose part took the least seconds
-        return min(range(passes), key=lambda k: seconds(runs[k][part]))
+            say(f"this: pass {done + 1} of {passes} measured (the median of each kept)")
 
-    kept = (fastest(0, lambda g: 1 / g["flops_per_s"]), fastest(1, lambda m: m["add_seconds"]),
-            fastest(2, lambda a: a["seconds"]),
-            fastest(3, lambda x: sum(s["block_seconds"] for s in x["shapes"])),
-            fastest(4, lambda e: sum(e["steps"].values())))
+    def median(part: int, seconds) -> int:  # the pass whose part took the median seconds
+        return sorted(range(passes), key=lambda k: seconds(runs[k][part]))[passes // 2]
+
+    kept = (median(0, lambda g: 1 / g["flops_per_s"]), median(1, lambda m: m["add_seconds"]),
+            median(2, lambda a: a["seconds"]),
+            median(3, lambda x: sum(s["block_seconds"] for s in x["shapes"])),
+            median(4, lambda e: sum(e["steps"].values())))
     gemm, memory, adam, layer, engine = (runs[k][part] for part, k in enumerate(kept))
     if kept[3] != kept[0]:  # the blocks' matmuls at the GEMM rate kept
         layer = fit_layer([s["block_seconds"] for s in layer["shapes"]], gemm["flops_per_s"])
@@ -274,7 +277,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0,
     """This machine as a Hardware named "this" (see the module docstring for what is
     measured and how). `ranks` (>= 2): how many ranks the allreduce runs on when this process
     is not an MPI rank already; `timeout`: seconds that launch may take; `progress(str)` is
-    told each measurement; `passes` (>= 1): over a rank's own rates, the fastest of each
+    told each measurement; `passes` (>= 1): over a rank's own rates, the median of each
     kept."""
     if ranks < 2:
         raise ValueError(f"measure_this: ranks must be >= 2 (an allreduce), got {ranks}")
