@@ -262,47 +262,9 @@ def test_measure_this_refuses_the_cupy_backend(monkeypatch):
         measure_this(ranks=2)
 
 
-def test_measure_this_needs_two_ranks_and_a_pass():
+def test_measure_this_needs_two_ranks():
     with pytest.raises(ValueError, match="ranks must be >= 2"):
         measure_this(ranks=1)
-    with pytest.raises(ValueError, match="passes must be >= 1"):
-        measure_this(ranks=2, passes=0)
-
-
-def test_a_rank_keeps_each_rate_from_its_median_pass(monkeypatch):
-    """Each of a rank's own measurements comes from the pass that was its median, neither a
-    slow spell's nor a burst's; the layer's line is fitted again at the GEMM rate kept where
-    that came from another pass (here the GEMM's median pass is 2, the blocks' 0)."""
-    normal = [2e-3, 1e-2, 4e-2]  # LAYER_SHAPES' block seconds
-    rates, slowdown = [80e9, 60e9, 70e9], [1.1, 1.5, 1.0]
-    passes = iter(range(3))
-    pass_of = {}
-
-    def gemm():
-        pass_of["now"] = k = next(passes)
-        return {"flops_per_s": rates[k], "shapes": [{"shape": [8, 8, 8]}]}
-
-    def seconds(base):  # a part's seconds in the pass under way: pass 2 is the fastest
-        return base * (3 - pass_of["now"])
-
-    monkeypatch.setattr(measure, "measure_gemm", gemm)
-    monkeypatch.setattr(measure, "measure_memory", lambda: {
-        "add_bytes": 3e9, "add_seconds": seconds(1.0), "copy_bytes": 1e9, "copy_seconds": 0.5})
-    monkeypatch.setattr(measure, "measure_adam", lambda: {
-        "params": 1e8, "seconds": seconds(0.5), "add_seconds": 0.1, "kernel": "numpy"})
-    monkeypatch.setattr(measure, "measure_layer", lambda rate: engine_rates.fit_layer(
-        [x * slowdown[pass_of["now"]] for x in normal], rate))
-    monkeypatch.setattr(measure, "measure_engine", lambda: {
-        "steps": {"fp32 stage 0": seconds(1.0)}, "stage2_unit_overhead": 1e-4,
-        "stage3_unit_overhead": 2e-4, "half_storage_rate": None})
-    said = []
-    gemm_kept, memory, adam, layer, engine = measure._measure_rank(said.append, 3)
-    assert gemm_kept["flops_per_s"] == 70e9  # pass 2's
-    assert memory["add_seconds"] == adam["seconds"] * 2 == engine["steps"]["fp32 stage 0"] == 2
-    median_blocks = [x * 1.1 for x in normal]  # pass 0's, at pass 2's rate
-    assert layer == engine_rates.fit_layer(median_blocks, 70e9)
-    assert layer != engine_rates.fit_layer(median_blocks, 80e9)
-    assert sum("pass" in line for line in said) == 3 and any("GEMM" in line for line in said)
 
 
 def _check_measured(hw: Hardware, ranks: int) -> None:
@@ -450,8 +412,7 @@ measure.measure_layer = lambda rate: {"shapes": [{**shape, "block_seconds": 1e-3
                                       "layer_overhead": 1e-4, "elementwise_rate": 1e9}
 # rank 1 alone sees fp16 storage cost nothing (noise hid it): None, not a rate
 measure.measure_engine = lambda: {"stage2_unit_overhead": 1e-4, "stage3_unit_overhead": 2e-4,
-                                  "half_storage_rate": None if rank else 3e8,
-                                  "steps": {"fp32 stage 0": 1.0}}
+                                  "half_storage_rate": None if rank else 3e8}
 hw = measure.measure_this().to_dict()
 del hw["measured"]
 with open(f"{sys.argv[1]}/rank{rank}.txt", "w") as fh:
@@ -467,7 +428,7 @@ from zmpi.plan import measure
 os.cpu_count = lambda: 1  # 2 ranks on "1 core": they outnumber it
 spans = []
 
-def rank_alone(say, passes):
+def rank_alone(say):
     start = time.time()
     time.sleep(0.3)
     spans.append((start, time.time()))

@@ -3,7 +3,7 @@ this rank alone, their steps timed and fitted.
 
 - `measure_layer(gemm_rate)`: a transformer block's time besides its matmuls, as a fixed
   `layer_overhead` per block and micro-batch plus its activation bytes at `elementwise_rate`
-  (LAYER_SHAPES, fp32, ZeRO-0); `fit_layer`: that line from the blocks' seconds;
+  (LAYER_SHAPES, fp32, ZeRO-0);
 - `measure_engine()`: what ZeRO-2 and ZeRO-3 add per unit and micro-batch, and what fp16
   storage costs per parameter (ENGINE_SHAPE, ENGINE_MICRO_BATCHES micro-batches a step).
 
@@ -32,12 +32,7 @@ def measure_layer(gemm_rate: float, steps: int = 9) -> dict:
     line alike (measured one after another, a slower minute under one shape tilted the line).
     Each shape's seconds per block and micro-batch, matmul FLOPs and activation bytes are kept
     under "shapes"."""
-    return fit_layer(_blocks_seconds_interleaved(LAYER_SHAPES, steps), gemm_rate)
-
-
-def fit_layer(seconds: list[float], gemm_rate: float) -> dict:
-    """measure_layer's figures from each of LAYER_SHAPES' block `seconds` at `gemm_rate`:
-    also used to fit a measurement's blocks again at another pass's GEMM rate."""
+    seconds = _blocks_seconds_interleaved(LAYER_SHAPES, steps)
     shapes = [_block_figures(shape, s, gemm_rate) for shape, s in zip(LAYER_SHAPES, seconds,
                                                                        strict=True)]
     x = np.array([s["layer_bytes"] for s in shapes], float)

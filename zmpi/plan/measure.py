@@ -9,9 +9,7 @@ the measurement of this machine (`measure_this`), in a few seconds.
 On a CPU a rank is a device, so every rate is one rank's, on one thread. Every timing is the
 least of a few (`fastest_seconds`: the machine at its quietest, where a shared machine's
 neighbours have added nothing; the model predicts that step and is compared with the least of
-a layout's steps), and a rank's own rates (GEMM, memory, host Adam, layer, engine) are
-measured in MEASURE_PASSES passes over them all, each figure from its median pass: a slow
-spell here lasted a whole layer measurement once, its blocks 1.4-1.5x other rounds':
+a layout's steps):
 - GEMM: float32 matmuls of a GPT layer's shapes, a few calls each; the rate is their FLOPs
   over the sum of their least times. fp32 = fp16 = bf16 = that rate (zmpi computes
   16-bit floats in fp32 on a CPU) and gemm_efficiency = 1 (the rate is what matmuls reach).
@@ -83,7 +81,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zmpi.plan.engine_rates import fit_layer, measure_engine, measure_layer
+from zmpi.plan.engine_rates import measure_engine, measure_layer
 from zmpi.plan.hardware import PRESETS, Hardware, Link
 from zmpi.plan.link_rates import (
     describe_send_progress,
@@ -96,7 +94,6 @@ from zmpi.plan.link_rates import (
 GEMM_SHAPES = ((4096, 512, 2048), (1024, 1024, 1024))  # (m, k, n): (m x k) @ (k x n)
 STREAM_BYTES = 64 << 20  # each array of the add and the copy
 ADAM_NUMEL = 8 << 20
-MEASURE_PASSES = 3  # measure_this: passes over a rank's own rates (about 11 s each here)
 MAX_OVERSUBSCRIBED_CORES = 8  # the oversubscribed link is measured on 2 x cores ranks
 LAUNCH_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_SIZE")
 
@@ -227,43 +224,25 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _measure_rank(say, passes: int) -> tuple[dict, dict, dict, dict, dict]:
-    """This rank's own rates: (gemm, memory, adam, layer, engine) measurements, each from the
-    pass over them all that was its median of `passes` (the slower of two): a slow spell of
-    a shared machine, seconds long, sets one pass's figure, and so does a burst that a
-    GEMM's tenth of a second catches and a training step does not; the median is set by
-    neither. The layer's line is fitted again at the GEMM rate kept where that came from
-    another pass. Each said."""
-    runs = []
-    for done in range(passes):
-        gemm = measure_gemm()
-        runs.append((gemm, measure_memory(), measure_adam(), measure_layer(gemm["flops_per_s"]),
-                     measure_engine()))
-        if passes > 1:
-            say(f"this: pass {done + 1} of {passes} measured (the median of each kept)")
-
-    def median(part: int, seconds) -> int:  # the pass whose part took the median seconds
-        return sorted(range(passes), key=lambda k: seconds(runs[k][part]))[passes // 2]
-
-    kept = (median(0, lambda g: 1 / g["flops_per_s"]), median(1, lambda m: m["add_seconds"]),
-            median(2, lambda a: a["seconds"]),
-            median(3, lambda x: sum(s["block_seconds"] for s in x["shapes"])),
-            median(4, lambda e: sum(e["steps"].values())))
-    gemm, memory, adam, layer, engine = (runs[k][part] for part, k in enumerate(kept))
-    if kept[3] != kept[0]:  # the blocks' matmuls at the GEMM rate kept
-        layer = fit_layer([s["block_seconds"] for s in layer["shapes"]], gemm["flops_per_s"])
+def _measure_rank(say) -> tuple[dict, dict, dict, dict, dict]:
+    """This rank's own rates: (gemm, memory, adam, layer, engine) measurements, each said."""
+    gemm = measure_gemm()
     say(f"this: GEMM fp32 {gemm['flops_per_s'] / 1e9:.1f} GFLOP/s per rank "
         f"({', '.join('x'.join(map(str, s['shape'])) for s in gemm['shapes'])}, least of 3)")
+    memory = measure_memory()
     say(f"this: memory {memory['add_bytes'] / memory['add_seconds'] / 1e9:.1f} GB/s (add), "
         f"copy {memory['copy_bytes'] / memory['copy_seconds'] / 1e9:.1f} GB/s")
+    adam = measure_adam()
     say(f"this: host Adam {adam['params'] / adam['seconds'] / 1e9:.2f} G params/s, float16 "
         f"add {adam['params'] / adam['add_seconds'] / 1e9:.2f} G elements/s ({adam['kernel']}, "
         "one thread)")
+    layer = measure_layer(gemm["flops_per_s"])
     say("this: a GPT block forward and backward " + ", ".join(
         f"{x['block_seconds'] * 1e3:.2f} ms (b {x['micro_batch']}, s {x['seq_len']}, d "
         f"{x['d_model']})" for x in layer["shapes"]) + f"; besides its matmuls "
         f"{layer['layer_overhead'] * 1e3:.2f} ms + its activations at "
         f"{layer['elementwise_rate'] / 1e9:.2f} GB/s")
+    engine = measure_engine()
     say(f"this: the engine per unit and micro-batch at ZeRO-2 "
         f"{engine['stage2_unit_overhead'] * 1e3:.2f} ms, ZeRO-3 "
         f"{engine['stage3_unit_overhead'] * 1e3:.2f} ms; fp16 storage "
@@ -272,17 +251,13 @@ def _measure_rank(say, passes: int) -> tuple[dict, dict, dict, dict, dict]:
     return gemm, memory, adam, layer, engine
 
 
-def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0,
-                 passes: int = MEASURE_PASSES) -> Hardware:
+def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardware:
     """This machine as a Hardware named "this" (see the module docstring for what is
     measured and how). `ranks` (>= 2): how many ranks the allreduce runs on when this process
     is not an MPI rank already; `timeout`: seconds that launch may take; `progress(str)` is
-    told each measurement; `passes` (>= 1): over a rank's own rates, the median of each
-    kept."""
+    told each measurement."""
     if ranks < 2:
         raise ValueError(f"measure_this: ranks must be >= 2 (an allreduce), got {ranks}")
-    if passes < 1:
-        raise ValueError(f"measure_this: passes must be >= 1, got {passes}")
     from zmpi import backend
 
     if backend.is_gpu:  # its layer and engine timings would be the GPU's, its GEMM the CPU's
@@ -306,7 +281,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0,
     in_turns = comm is not None and comm.size > cores
     for turn in range(comm.size if in_turns else 1):
         if not in_turns or turn == comm.rank:
-            gemm, memory, adam, layer, engine = _measure_rank(say, passes)
+            gemm, memory, adam, layer, engine = _measure_rank(say)
         if in_turns:
             comm.barrier(idle=True)
     if comm is not None:
