@@ -2,6 +2,7 @@
 and this machine measured (one mpiexec launch for the allreduce, one run under mpiexec)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -217,6 +218,22 @@ def test_compute_between_is_a_mode_of_comm(capsys):
     with pytest.raises(SystemExit):
         measure.main(["--compute-between"])
     assert "--compute-between is a mode of --comm" in capsys.readouterr().err
+
+
+def test_refit_fits_the_crowded_allreduce_again_and_leaves_the_older_kind():
+    """validate_plan --rerender judges an earlier run by this code's fit of its raw
+    oversubscribed allreduce; a measurement of the older kind (a call's median time,
+    "compute_between") keeps the link it was fitted with."""
+    crowded = {"ranks": 4, "messages": 6, "small_bytes": 8, "small_seconds": 3e-4,
+               "large_bytes": 2**25, "large_seconds": 5e-2}
+    stale = Link(bandwidth=1.0, latency=1.0, per_call=True)
+    hw = dataclasses.replace(PRESETS["cpu"], oversubscribed=stale)
+    refitted = measure.refit(dataclasses.replace(
+        hw, measured={"oversubscribed_allreduce": crowded}))
+    assert refitted.oversubscribed == fit_allreduce_link(crowded, per_call=True) != stale
+    older = dataclasses.replace(
+        hw, measured={"oversubscribed_allreduce": {**crowded, "compute_between": True}})
+    assert measure.refit(older) is older and measure.refit(hw) is hw
 
 
 def test_fit_allreduce_link_reproduces_both_points():

@@ -19,6 +19,7 @@ rank's figure the slowest rank's.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from functools import partial
@@ -82,7 +83,7 @@ def measure_crowded_allreduce(comm, repeats: int = 5) -> dict:
             added.append(comm.allreduce_scalar(both, op="max") - alone)
         out[f"{name}_bytes"] = buf.nbytes
         out[f"{name}_seconds"] = statistics.median(added)
-    rate = gemm_flops() / statistics.median(gemm_seconds)
+    rate = 2 * math.prod(BETWEEN_SHAPE) / statistics.median(gemm_seconds)
     out["crowded_gemm_flops_per_s"] = comm.allreduce_scalar(rate) / comm.size
     return out
 
@@ -92,12 +93,6 @@ def between_gemm():
     m, k, n = BETWEEN_SHAPE
     return partial(np.matmul, np.ones((m, k), np.float32), np.ones((k, n), np.float32),
                    out=np.empty((m, n), np.float32))
-
-
-def gemm_flops() -> int:
-    """The FLOPs of one `between_gemm`."""
-    m, k, n = BETWEEN_SHAPE
-    return 2 * m * k * n
 
 
 def _loop_seconds(comm, calls: int, *steps) -> float:

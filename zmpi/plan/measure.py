@@ -369,9 +369,11 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
 def refit(hw: Hardware) -> Hardware:
     """`hw` with its oversubscribed link fitted again, by this code's fit, from the raw
     allreduce `measure_this` recorded (experiments/validate_plan.py --rerender: an earlier
-    run judged by the current model); `hw` itself where it recorded none."""
+    run judged by the current model); `hw` itself where it recorded none, or one of the
+    older kind that this fit would misread (a call's median time with a GEMM before it, up
+    to 1c6e801, marked "compute_between")."""
     crowded = hw.measured.get("oversubscribed_allreduce")
-    if not crowded:
+    if not crowded or "compute_between" in crowded:
         return hw
     return dataclasses.replace(hw, oversubscribed=fit_allreduce_link(crowded, per_call=True))
 
