@@ -33,22 +33,28 @@ SETTINGS = [  # (label, stage, offload_optimizer, offload_param)
 
 
 def trains(comm, n_layer, d_model, stage, offload_opt, offload_param, budget):
+    """Whether the GPT builds and trains one step within `budget` device bytes per rank.
+    Data parallel only, its shards padded equal: every rank meets the budget at the same
+    allocation and raises OutOfMemory with the others, none left waiting in a collective."""
     cfg = GPTConfig(256, 64, n_layer, d_model // 64, d_model)
     zero = {"stage": stage}
     if offload_opt:
         zero["offload_optimizer"] = {"device": "cpu"}
     if offload_param:
         zero["offload_param"] = {"device": "cpu"}
+    engine = None
     try:
         engine = Engine(GPT(cfg, seed=0), {
             "train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True},
             "zero_optimization": zero, "memory_budget": {"device": budget}}, comm)
         data = SyntheticSource(256, 64, comm.size, comm.rank, comm.size)
         engine.train_step(*data.sample(0))
-        engine.close()
         return True
     except OutOfMemory:
         return False
+    finally:  # on every rank alike: frees its communicators, which a long search would run out of
+        if engine is not None:
+            engine.close()
 
 
 def largest(comm, args, stage, offload_opt, offload_param, budget):
