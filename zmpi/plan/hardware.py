@@ -90,7 +90,7 @@ class Hardware:
         cores / ranks share a rank's compute gets (the rest goes to switching between ranks
         and to the caches they share): 1 by default; `--hardware this` measures it with the
         oversubscribed link, as the GEMM rate per rank with all 2 x cores ranks computing at
-        once over cores / ranks of the rate alone (here 0.89-0.97).
+        once over cores / ranks of the rate alone (here 0.55-1.00 over a day's rounds).
     source: where the figures come from.
     """
 
