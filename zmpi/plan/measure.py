@@ -37,7 +37,9 @@ a layout's steps):
   run at once (`link_rates.measure_crowded_allreduce`: training computes between
   collectives, so a call also waits for peers the OS has descheduled; the loops' mean, the
   median of five, the slowest rank's), fitted with its latency a call's
-  (link.seconds(2(N-1)/N n, 1)); and `oversubscribed_efficiency` from the GEMM loop's rate.
+  (link.seconds(2(N-1)/N n, 1)); and `oversubscribed_efficiency`: the fraction of the cores'
+  rate those ranks reach together on that GEMM, against each alone (windows of 0.2 s, the
+  median of five).
 - host Adam: zmpi.optim.adam.HostAdam stepping an 8 Mi-element fp32 shard on one thread; the
   host add: zmpi.host_kernels.add_ of two 8 Mi-element float16 arrays (offload's accumulation).
 - elementwise rate and layer overhead (zmpi.plan.engine_rates): a 2-block GPT of each of
@@ -286,7 +288,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
             comm.barrier(idle=True)
     if comm is not None:
         allreduce = measure_link(comm)
-        crowded = measure_crowded_allreduce(comm) if comm.size > cores else None
+        crowded = measure_crowded_allreduce(comm, cores) if comm.size > cores else None
     else:
         say(f"this: allreduce on {ranks} ranks (mpiexec) ...")
         allreduce = launch_allreduce(ranks, timeout)
@@ -319,8 +321,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
     if math.isinf(rates["half_storage"]):
         del rates["half_storage"]  # no rank saw a cost
     oversubscribed = None if crowded is None else fit_allreduce_link(crowded, per_call=True)
-    efficiency = 1.0 if crowded is None else \
-        min(1.0, crowded["crowded_gemm_flops_per_s"] * crowded["ranks"] / cores / rates["gemm"])
+    efficiency = 1.0 if crowded is None else min(1.0, crowded["crowd_efficiency"])
     if oversubscribed is not None:
         say(f"this: oversubscribed link {oversubscribed.bandwidth / 1e9:.2f} GB/s, "
             f"{oversubscribed.latency * 1e6:.1f} us per call beyond the GEMMs between calls "
@@ -425,8 +426,8 @@ def main(argv=None) -> None:
         comm = Comm()
         if comm.size < 2:
             parser.error("--comm measures an allreduce: run it on >= 2 ranks (mpiexec -n 2)")
-        result = measure_crowded_allreduce(comm) if args.compute_between \
-            else measure_link(comm)
+        result = measure_crowded_allreduce(comm, os.cpu_count() or 1) \
+            if args.compute_between else measure_link(comm)
         if comm.rank == 0:
             if args.out:
                 Path(args.out).write_text(json.dumps(result))
