@@ -28,7 +28,9 @@ profile. Compared per rank with the prediction for its pipeline stage:
 
 The whole run (the hardware measured, then every layout) is repeated `--rounds` times (3): on
 a shared machine both the calibration and the steps move with the neighbours' load, by 20-30%
-within minutes here, so a layout's step time is judged by its median round (the round whose
+within minutes here, so a layout's step time is judged by its least step of any round
+against the median of its rounds' predictions (the quiet ratio: load only adds time to a
+step, while a calibration errs either way), and by its median round (the round whose
 measured / predicted is the median of its rounds), with every round's ratio beside it. A
 round after the first that fails (an mpiexec that dies or times out) ends the run with the
 rounds before it, saying so under the table.
@@ -280,7 +282,8 @@ def main(argv=None) -> None:
                         "file of a Hardware")
     parser.add_argument("--rounds", type=int, default=3,
                         help="whole runs, each measuring the hardware first; a layout's time "
-                        "is judged by its median round")
+                        "is judged by its least step against its rounds' median prediction, "
+                        "and by its median round")
     parser.add_argument("--timeout", type=float, default=1800.0, help="per mpiexec (s)")
     parser.add_argument("--rerender", default=None, metavar="RUN_JSON",
                         help="run nothing: make the tables again from an earlier run's "
