@@ -321,11 +321,12 @@ def _check_measured(hw: Hardware, ranks: int) -> None:
                                                             crowded["ranks"]), messages=1)
             assert predicted == pytest.approx(crowded[f"{size}_seconds"], rel=1e-9) \
                 or hw.oversubscribed.latency == 1e-12  # the fit's floor
-        ratios = crowded["crowd_efficiencies"]  # the crowd's rate over the cores' alone
-        assert len(ratios) == 5 and all(r > 0 for r in ratios)
-        assert crowded["crowd_efficiency"] == statistics.median(ratios)
+        ratios = crowded["crowd_efficiencies"]  # a step alone x ranks / cores over at once
+        assert ratios == [a * crowded["ranks"] / hw.cores_per_node / c for a, c in
+                          zip(crowded["alone_step_seconds"], crowded["crowd_step_seconds"],
+                              strict=True)]
+        assert len(ratios) == 5 and crowded["crowd_efficiency"] == statistics.median(ratios)
         assert hw.oversubscribed_efficiency == min(1.0, crowded["crowd_efficiency"])
-        assert crowded["crowded_gemm_flops_per_s"] > 0 and crowded["alone_gemm_flops_per_s"] > 0
     else:
         assert hw.oversubscribed_efficiency == 1.0
     assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw

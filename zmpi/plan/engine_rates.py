@@ -5,22 +5,29 @@ this rank alone, their steps timed and fitted.
   `layer_overhead` per block and micro-batch plus its activation bytes at `elementwise_rate`
   (LAYER_SHAPES, fp32, ZeRO-0);
 - `measure_engine()`: what ZeRO-2 and ZeRO-3 add per unit and micro-batch, and what fp16
-  storage costs per parameter (ENGINE_SHAPE, ENGINE_MICRO_BATCHES micro-batches a step).
+  storage costs per parameter (ENGINE_SHAPE, ENGINE_MICRO_BATCHES micro-batches a step);
+- `measure_crowd_efficiency(comm, cores)`: the share of its speed a rank's step keeps when
+  more ranks than cores train at once (the same GPT, every rank its own).
 
-Every figure is the least of its steps after a warm-up (the machine at its quietest, as
-zmpi.plan.measure.fastest_seconds).
+The layer's and the engine's figures are the least of their steps after a warm-up (the
+machine at its quietest, as zmpi.plan.measure.fastest_seconds); the crowd's is a ratio of
+medians, alone and at once.
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import numpy as np
+
+from zmpi.plan.layout import Job
 
 LAYER_SHAPES = ({"micro_batch": 2, "seq_len": 32, "d_model": 96, "n_head": 4},
                 {"micro_batch": 4, "seq_len": 64, "d_model": 160, "n_head": 4},
                 {"micro_batch": 4, "seq_len": 128, "d_model": 256, "n_head": 4})  # measure_layer
 ENGINE_SHAPE = LAYER_SHAPES[1]  # measure_engine's GPT
 ENGINE_MICRO_BATCHES = 4
+ENGINE_BLOCKS, ENGINE_VOCAB = 2, 256  # measure_engine's GPT
 
 
 def measure_layer(gemm_rate: float, steps: int = 9) -> dict:
@@ -115,30 +122,18 @@ def measure_engine(steps: int = 15) -> dict:
     (`half_storage_rate`: the weights cast to float32 at each use and the gradients back);
     0 and None where noise hid the difference. The four engines take turns, a step each, so
     that the machine's drift touches them alike. The step seconds are kept under "steps"."""
-    from mpi4py import MPI
-
-    from zmpi.comm import Comm
-    from zmpi.engine import Engine
-    from zmpi.models.gpt import GPT, GPTConfig
-    from zmpi.plan.layout import Job, Layout, to_config
     from zmpi.plan.memory import stage_units
 
     b, s, h, heads = (ENGINE_SHAPE[k] for k in ("micro_batch", "seq_len", "d_model", "n_head"))
-    m, layers, vocab = ENGINE_MICRO_BATCHES, 2, 256
-    units = stage_units(Job(layers, h, heads, vocab, s, b * m, 1, 1, "fp32"), 1, 1)[0]
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, vocab, (b * m, s + 1))
-    inputs, targets = tokens[:, :-1].copy(), tokens[:, 1:].copy()
+    m = ENGINE_MICRO_BATCHES
+    units = stage_units(Job(ENGINE_BLOCKS, h, heads, ENGINE_VOCAB, s, b * m, 1, 1, "fp32"),
+                        1, 1)[0]
     engines = {}
     try:
         for name, precision, stage in (("fp32 stage 0", "fp32", 0), ("fp32 stage 2", "fp32", 2),
                                        ("fp32 stage 3", "fp32", 3), ("fp16 stage 0", "fp16", 0)):
-            job = Job(layers, h, heads, vocab, s, b * m, 1, 1, precision)
-            config = to_config(job, Layout(1, 1, 1, stage, "none", "none", False, b, m, "1f1b"))
-            del config["model"]  # the model is built here
-            engines[name] = Engine(GPT(GPTConfig(vocab, s, layers, heads, h), seed=0), config,
-                                   Comm(MPI.COMM_SELF))
-        least = _least_in_turns(list(engines.values()), [(inputs, targets)] * len(engines),
+            engines[name] = _engine_alone(precision, stage)
+        least = _least_in_turns(list(engines.values()), [_engine_batch()] * len(engines),
                                 steps, lambda engine: time.perf_counter())
     finally:
         for engine in engines.values():
@@ -152,6 +147,72 @@ def measure_engine(steps: int = 15) -> dict:
             "params": sum(units), "steps": seconds,
             "stage2_unit_overhead": per_unit[2], "stage3_unit_overhead": per_unit[3],
             "half_storage_rate": m * sum(units) / half if half > 0 else None}
+
+
+def measure_crowd_efficiency(comm, cores: int, repeats: int = 5, steps: int = 5) -> dict:
+    """Collective, for the ranks of `comm` that outnumber the `cores`: the fraction of its
+    core share (cores / ranks) of its own speed a rank's training step gets when every rank
+    trains at once ("crowd_efficiency", what `oversubscribed_efficiency` is). Each rank
+    trains measure_engine's fp32 ZeRO-0 GPT, one micro-batch a step (about 35 ms here; 4
+    micro-batches gave the same ratios), on its own (no collective inside a step); each
+    repeat, every rank in turn runs `steps` steps alone (the others asleep), then all run
+    `steps` steps at once, a barrier before each (each step the slowest rank's); the ratio
+    is the ranks' mean median step alone times ranks / cores over the median step at once,
+    the median of `repeats` ("crowd_efficiencies" keeps them). A step, not a GEMM: at once
+    the ranks also share caches and memory, and a rank done first waits spinning in MPI on
+    a core its peer needs (GEMMs alone reached 0.93-0.96 here where such steps got 0.65-0.8)."""
+    engine, batch = _engine_alone("fp32", 0, micro_batches=1), _engine_batch(1)
+    ratios, alone_steps, crowd_steps = [], [], []
+    try:
+        engine.train_step(*batch)  # compiles and first-touches
+        for _ in range(repeats):
+            for turn in range(comm.size):
+                if turn == comm.rank:
+                    mine = statistics.median(_step_seconds(engine, batch) for _ in range(steps))
+                comm.barrier(idle=True)
+            alone_steps.append(comm.allreduce_scalar(mine) / comm.size)
+            at_once = []
+            for _ in range(steps):
+                comm.barrier()
+                at_once.append(comm.allreduce_scalar(_step_seconds(engine, batch), op="max"))
+            crowd_steps.append(statistics.median(at_once))
+            ratios.append(alone_steps[-1] * comm.size / cores / crowd_steps[-1])
+    finally:
+        engine.close()
+    return {"crowd_efficiency": statistics.median(ratios), "crowd_efficiencies": ratios,
+            "alone_step_seconds": alone_steps, "crowd_step_seconds": crowd_steps}
+
+
+def _engine_alone(precision: str, stage: int, micro_batches: int = ENGINE_MICRO_BATCHES):
+    """An Engine on this rank alone (COMM_SELF) training a GPT of ENGINE_SHAPE,
+    `micro_batches` a step, in `precision` at ZeRO `stage`."""
+    from mpi4py import MPI
+
+    from zmpi.comm import Comm
+    from zmpi.engine import Engine
+    from zmpi.models.gpt import GPT, GPTConfig
+    from zmpi.plan.layout import Layout, to_config
+
+    b, s, h, heads = (ENGINE_SHAPE[k] for k in ("micro_batch", "seq_len", "d_model", "n_head"))
+    m = micro_batches
+    job = Job(ENGINE_BLOCKS, h, heads, ENGINE_VOCAB, s, b * m, 1, 1, precision)
+    config = to_config(job, Layout(1, 1, 1, stage, "none", "none", False, b, m, "1f1b"))
+    del config["model"]  # the model is built here
+    return Engine(GPT(GPTConfig(ENGINE_VOCAB, s, ENGINE_BLOCKS, heads, h), seed=0), config,
+                  Comm(MPI.COMM_SELF))
+
+
+def _engine_batch(micro_batches: int = ENGINE_MICRO_BATCHES) -> tuple:
+    """(inputs, targets) of one step of `_engine_alone`'s GPT, from a fixed seed."""
+    b, s = ENGINE_SHAPE["micro_batch"] * micro_batches, ENGINE_SHAPE["seq_len"]
+    tokens = np.random.default_rng(0).integers(0, ENGINE_VOCAB, (b, s + 1))
+    return tokens[:, :-1].copy(), tokens[:, 1:].copy()
+
+
+def _step_seconds(engine, batch) -> float:
+    start = time.perf_counter()
+    engine.train_step(*batch)
+    return time.perf_counter() - start
 
 
 def _blocks_seconds(profile) -> float:

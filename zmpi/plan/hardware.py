@@ -89,8 +89,9 @@ class Hardware:
     oversubscribed_efficiency: on a CPU whose ranks outnumber its cores, the fraction of its
         cores / ranks share a rank's compute gets (the rest goes to switching between ranks
         and to the caches they share): 1 by default; `--hardware this` measures it with the
-        oversubscribed link, as the GEMM rate of all 2 x cores ranks computing at once over
-        the cores' rate, each rank alone (0.83-1.03 here in 0.2 s windows, median 0.93-0.96).
+        oversubscribed link, as a training step's time alone times cores / ranks over its
+        time with all 2 x cores ranks training at once, a barrier before each step (0.79-0.86
+        here; GEMMs without the barriers reached 0.93-0.96).
     source: where the figures come from.
     """
 

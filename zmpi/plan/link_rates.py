@@ -4,8 +4,7 @@ rank's figure the slowest rank's.
 - `measure_allreduce`: float32 allreduces of ALLREDUCE_BYTES (latency, bandwidth) and a
   float16 one of HALF_BYTES, the least of a few after a barrier each;
 - `measure_crowded_allreduce`, for ranks that outnumber the cores: what the same float32
-  allreduces add to a loop of GEMMs of BETWEEN_SHAPE that every rank runs at once, and
-  (`measure_crowd_efficiency`) the fraction of the cores' GEMM rate the crowd reaches;
+  allreduces add to a loop of GEMMs of BETWEEN_SHAPE that every rank runs at once;
 - `fit_allreduce_link`, `fit_half_reduction_rate`: the ring model's Link through both
   allreduces (for the crowded ones its latency a call's), and the rate at which the MPI sums
   float16 beyond it;
@@ -19,7 +18,6 @@ rank's figure the slowest rank's.
 """
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from functools import partial
@@ -35,7 +33,6 @@ BETWEEN_SHAPE = (512, 256, 256)  # the GEMM between calls (sync skew; oversubscr
 SEND_PROGRESS_BYTES = 1 << 20  # the message of `measure_send_progress`
 SENDER_BUSY_SECONDS = 0.02  # how long its sender computes after starting it
 CROWDED_CALLS = {"small": 50, "large": 3}  # per loop of `measure_crowded_allreduce`
-CROWD_WINDOW_SECONDS = 0.2  # each window of `measure_crowd_efficiency`
 
 
 def measure_allreduce(comm, repeats: int = 10) -> dict:
@@ -59,16 +56,15 @@ def measure_allreduce(comm, repeats: int = 10) -> dict:
     return out
 
 
-def measure_crowded_allreduce(comm, cores: int, repeats: int = 5) -> dict:
-    """Collective, for ranks that outnumber the `cores`: what a float32 allreduce of each of
+def measure_crowded_allreduce(comm, repeats: int = 5) -> dict:
+    """Collective, for ranks that outnumber the cores: what a float32 allreduce of each of
     ALLREDUCE_BYTES adds, per call, to a loop of GEMMs of BETWEEN_SHAPE that every rank runs
-    at once ("small_seconds", "large_seconds"), and `measure_crowd_efficiency`'s figures.
-    Training computes between collectives, so a call also waits for peers the OS has
-    descheduled; the time model charges the GEMMs themselves as compute at the ranks' core
-    share, so the link is what a call adds beyond them. Loops of CROWDED_CALLS[size] GEMMs,
-    with and without a call after each, alternate `repeats` times; a figure is the mean over
-    a loop (a step sums its calls, the long waits with the short) of the slowest rank, the
-    median over the repeats."""
+    at once ("small_seconds", "large_seconds"). Training computes between collectives, so a
+    call also waits for peers the OS has descheduled; the time model charges the GEMMs
+    themselves as compute at the ranks' core share, so the link is what a call adds beyond
+    them. Loops of CROWDED_CALLS[size] GEMMs, with and without a call after each, alternate
+    `repeats` times; a figure is the mean over a loop (a step sums its calls, the long waits
+    with the short) of the slowest rank, the median over the repeats."""
     gemm = between_gemm()
     out = {"ranks": comm.size, "messages": 2 * (comm.size - 1), "repeats": repeats}
     for name, nbytes in ALLREDUCE_BYTES.items():
@@ -81,43 +77,7 @@ def measure_crowded_allreduce(comm, cores: int, repeats: int = 5) -> dict:
             added.append(comm.allreduce_scalar(both, op="max") - alone)
         out[f"{name}_bytes"] = buf.nbytes
         out[f"{name}_seconds"] = statistics.median(added)
-    return {**out, **measure_crowd_efficiency(comm, cores, repeats)}
-
-
-def measure_crowd_efficiency(comm, cores: int, repeats: int = 5,
-                             window: float = CROWD_WINDOW_SECONDS) -> dict:
-    """Collective: the fraction of `cores` cores' GEMM rate that the ranks (more of them than
-    cores) reach together, computing at once ("crowd_efficiency", the median of `repeats`;
-    what `oversubscribed_efficiency` is): each repeat, every rank in turn runs GEMMs of
-    BETWEEN_SHAPE for `window` seconds alone (the others asleep), then all of them for
-    `window` seconds at once; the ratio is the crowd's summed rate over `cores` times the
-    ranks' mean rate alone. Windows of wall time, not counts of GEMMs: a rank that finished a
-    count early would measure itself alone. The ratios are kept ("crowd_efficiencies"), and
-    the medians' rates per rank ("alone_gemm_flops_per_s", "crowded_gemm_flops_per_s")."""
-    gemm = between_gemm()
-    gemm()
-    alone, crowded, ratios = [], [], []
-    for _ in range(repeats):
-        for turn in range(comm.size):
-            if turn == comm.rank:
-                mine = _gemm_rate(gemm, window)
-            comm.barrier(idle=True)
-        alone.append(comm.allreduce_scalar(mine) / comm.size)
-        comm.barrier()
-        crowded.append(comm.allreduce_scalar(_gemm_rate(gemm, window)) / comm.size)
-        ratios.append(crowded[-1] * comm.size / cores / alone[-1])
-    return {"crowd_efficiency": statistics.median(ratios), "crowd_efficiencies": ratios,
-            "alone_gemm_flops_per_s": statistics.median(alone),
-            "crowded_gemm_flops_per_s": statistics.median(crowded), "window_seconds": window}
-
-
-def _gemm_rate(gemm, seconds: float) -> float:
-    """FLOP/s of `gemm` (a `between_gemm`) called over and over for `seconds` of wall time."""
-    start, calls = time.perf_counter(), 0
-    while (elapsed := time.perf_counter() - start) < seconds:
-        gemm()
-        calls += 1
-    return calls * 2 * math.prod(BETWEEN_SHAPE) / elapsed
+    return out
 
 
 def between_gemm():

@@ -37,9 +37,9 @@ a layout's steps):
   run at once (`link_rates.measure_crowded_allreduce`: training computes between
   collectives, so a call also waits for peers the OS has descheduled; the loops' mean, the
   median of five, the slowest rank's), fitted with its latency a call's
-  (link.seconds(2(N-1)/N n, 1)); and `oversubscribed_efficiency`: the fraction of the cores'
-  rate those ranks reach together on that GEMM, against each alone (windows of 0.2 s, the
-  median of five).
+  (link.seconds(2(N-1)/N n, 1)); and `oversubscribed_efficiency`: the share of its speed
+  a rank's training step keeps when those ranks all train at once, a barrier before each
+  step (engine_rates.measure_crowd_efficiency).
 - host Adam: zmpi.optim.adam.HostAdam stepping an 8 Mi-element fp32 shard on one thread; the
   host add: zmpi.host_kernels.add_ of two 8 Mi-element float16 arrays (offload's accumulation).
 - elementwise rate and layer overhead (zmpi.plan.engine_rates): a 2-block GPT of each of
@@ -83,7 +83,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zmpi.plan.engine_rates import measure_engine, measure_layer
+from zmpi.plan.engine_rates import measure_crowd_efficiency, measure_engine, measure_layer
 from zmpi.plan.hardware import PRESETS, Hardware, Link
 from zmpi.plan.link_rates import (
     describe_send_progress,
@@ -216,6 +216,13 @@ def launch_allreduce(ranks: int, timeout: float, compute_between: bool = False) 
         return json.loads(result.read_text())
 
 
+def measure_crowd(comm, cores: int) -> dict:
+    """Collective, on ranks that outnumber the `cores`: the crowded allreduce
+    (`link_rates.measure_crowded_allreduce`) and the crowd's efficiency
+    (`engine_rates.measure_crowd_efficiency`), in one dict."""
+    return {**measure_crowded_allreduce(comm), **measure_crowd_efficiency(comm, cores)}
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -288,7 +295,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
             comm.barrier(idle=True)
     if comm is not None:
         allreduce = measure_link(comm)
-        crowded = measure_crowded_allreduce(comm, cores) if comm.size > cores else None
+        crowded = measure_crowd(comm, cores) if comm.size > cores else None
     else:
         say(f"this: allreduce on {ranks} ranks (mpiexec) ...")
         allreduce = launch_allreduce(ranks, timeout)
@@ -426,8 +433,8 @@ def main(argv=None) -> None:
         comm = Comm()
         if comm.size < 2:
             parser.error("--comm measures an allreduce: run it on >= 2 ranks (mpiexec -n 2)")
-        result = measure_crowded_allreduce(comm, os.cpu_count() or 1) \
-            if args.compute_between else measure_link(comm)
+        result = measure_crowd(comm, os.cpu_count() or 1) if args.compute_between \
+            else measure_link(comm)
         if comm.rank == 0:
             if args.out:
                 Path(args.out).write_text(json.dumps(result))
