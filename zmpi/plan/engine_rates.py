@@ -160,7 +160,8 @@ def measure_crowd_efficiency(comm, cores: int, repeats: int = 5, steps: int = 5)
     is the ranks' mean median step alone times ranks / cores over the median step at once,
     the median of `repeats` ("crowd_efficiencies" keeps them). A step, not a GEMM: at once
     the ranks also share caches and memory, and a rank done first waits spinning in MPI on
-    a core its peer needs (GEMMs alone reached 0.93-0.96 here where such steps got 0.65-0.8)."""
+    a core its peer needs (GEMMs in windows of wall time reached 0.93-0.96 here, such steps
+    0.72-0.87)."""
     engine, batch = _engine_alone("fp32", 0, micro_batches=1), _engine_batch(1)
     ratios, alone_steps, crowd_steps = [], [], []
     try:

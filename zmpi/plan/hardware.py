@@ -90,7 +90,7 @@ class Hardware:
         cores / ranks share a rank's compute gets (the rest goes to switching between ranks
         and to the caches they share): 1 by default; `--hardware this` measures it with the
         oversubscribed link, as a training step's time alone times cores / ranks over its
-        time with all 2 x cores ranks training at once, a barrier before each step (0.79-0.86
+        time with all 2 x cores ranks training at once, a barrier before each step (0.72-0.87
         here; GEMMs without the barriers reached 0.93-0.96).
     source: where the figures come from.
     """

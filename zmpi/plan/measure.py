@@ -4,7 +4,7 @@ the measurement of this machine (`measure_this`), in a few seconds.
     hw = measure_this(ranks=2, progress=print)
     python -m zmpi.plan.measure            # the whole Hardware as JSON on stdout
     mpiexec -n 2 python -m zmpi.plan.measure --comm   # the allreduce only, JSON on rank 0
-    mpiexec -n 4 python -m zmpi.plan.measure --comm --compute-between  # a GEMM between calls
+    mpiexec -n 4 python -m zmpi.plan.measure --comm --compute-between  # ranks beyond the cores
 
 On a CPU a rank is a device, so every rate is one rank's, on one thread. Every timing is the
 least of a few (`fastest_seconds`: the machine at its quietest, where a shared machine's
@@ -417,8 +417,9 @@ def main(argv=None) -> None:
     parser.add_argument("--comm", action="store_true",
                         help="only the allreduce, on COMM_WORLD (run under mpiexec)")
     parser.add_argument("--compute-between", action="store_true",
-                        help="with --comm: what the calls add to GEMMs every rank runs at once "
-                             "(ranks beyond the cores)")
+                        help="with --comm, on ranks beyond the cores: what the calls add to "
+                             "GEMMs every rank runs at once, and the share of its speed a "
+                             "rank's training step keeps in that crowd")
     parser.add_argument("--out", default=None,
                         help="with --comm: write the result (JSON) to this file, not stdout")
     parser.add_argument("--ranks", type=int, default=2, help="ranks for the allreduce")
