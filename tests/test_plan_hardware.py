@@ -462,10 +462,13 @@ def rank_alone(say):
              "half_storage_rate": 3e8})
 
 measure._measure_rank = rank_alone
+# the crowd's training steps are test_measure_this's to check; here only who measures when
+measure.measure_crowd_efficiency = lambda comm, cores: {"crowd_efficiency": 0.8}
 hw = measure.measure_this()
 with open(f"{sys.argv[1]}/rank{MPI.COMM_WORLD.Get_rank()}.txt", "w") as fh:
     json.dump({"spans": spans, "source": hw.source,
-               "oversubscribed": hw.oversubscribed is not None}, fh)
+               "oversubscribed": hw.oversubscribed is not None,
+               "efficiency": hw.oversubscribed_efficiency}, fh)
 """
 
 
@@ -478,6 +481,7 @@ def test_ranks_beyond_the_cores_measure_their_rates_in_turns(tmp_path):
     (a0, a1), (b0, b1) = first["spans"][0], second["spans"][0]
     assert a1 <= b0 or b1 <= a0
     assert "each of 2 ranks in turn" in first["source"] and first["oversubscribed"]
+    assert first["efficiency"] == 0.8  # the crowd's, where ranks outnumber the cores
 
 
 @pytest.mark.mpi
