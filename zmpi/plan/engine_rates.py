@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from zmpi.plan.layout import Job
+from zmpi.plan.link_rates import in_turns
 
 LAYER_SHAPES = ({"micro_batch": 2, "seq_len": 32, "d_model": 96, "n_head": 4},
                 {"micro_batch": 4, "seq_len": 64, "d_model": 160, "n_head": 4},
@@ -167,10 +168,8 @@ def measure_crowd_efficiency(comm, cores: int, repeats: int = 5, steps: int = 5)
     try:
         engine.train_step(*batch)  # compiles and first-touches
         for _ in range(repeats):
-            for turn in range(comm.size):
-                if turn == comm.rank:
-                    mine = statistics.median(_step_seconds(engine, batch) for _ in range(steps))
-                comm.barrier(idle=True)
+            mine = in_turns(comm, lambda: statistics.median(_step_seconds(engine, batch)
+                                                            for _ in range(steps)))
             alone_steps.append(comm.allreduce_scalar(mine) / comm.size)
             at_once = []
             for _ in range(steps):

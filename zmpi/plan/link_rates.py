@@ -12,7 +12,8 @@ rank's figure the slowest rank's.
   sender computes (recorded and said, not modelled);
 - `measure_sync_skew`: what an allreduce between GEMMs waits beyond the GEMMs and the
   allreduce alone (the ranks' arrival skew);
-- `measure_link`: the allreduces, the send progress and the skew together.
+- `measure_link`: the allreduces, the send progress and the skew together;
+- `in_turns`: a rank's own work timed alone, each rank in turn.
 
 `zmpi.plan.measure` runs them under mpiexec (`python -m zmpi.plan.measure --comm`).
 """
@@ -85,6 +86,17 @@ def between_gemm():
     m, k, n = BETWEEN_SHAPE
     return partial(np.matmul, np.ones((m, k), np.float32), np.ones((k, n), np.float32),
                    out=np.empty((m, n), np.float32))
+
+
+def in_turns(comm, fn):
+    """Collective: `fn()` on each rank of `comm` in turn, the others asleep in an idle barrier
+    (ranks that outnumber the cores time their own work alone, not the crowd's); this rank's
+    result."""
+    for turn in range(comm.size):
+        if turn == comm.rank:
+            mine = fn()
+        comm.barrier(idle=True)
+    return mine
 
 
 def _loop_seconds(comm, calls: int, *steps) -> float:

@@ -89,6 +89,7 @@ from zmpi.plan.link_rates import (
     describe_send_progress,
     fit_allreduce_link,
     fit_half_reduction_rate,
+    in_turns,
     measure_crowded_allreduce,
     measure_link,
 )
@@ -287,15 +288,12 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
     # ranks that outnumber the cores measure their own rates in turns, the others asleep:
     # measured at once each rate would be the crowd's, which the model charges itself (the
     # core share and oversubscribed_efficiency)
-    in_turns = comm is not None and comm.size > cores
-    for turn in range(comm.size if in_turns else 1):
-        if not in_turns or turn == comm.rank:
-            gemm, memory, adam, layer, engine = _measure_rank(say)
-        if in_turns:
-            comm.barrier(idle=True)
+    crowded_ranks = comm is not None and comm.size > cores
+    gemm, memory, adam, layer, engine = in_turns(comm, partial(_measure_rank, say)) \
+        if crowded_ranks else _measure_rank(say)
     if comm is not None:
         allreduce = measure_link(comm)
-        crowded = measure_crowd(comm, cores) if comm.size > cores else None
+        crowded = measure_crowd(comm, cores) if crowded_ranks else None
     else:
         say(f"this: allreduce on {ranks} ranks (mpiexec) ...")
         allreduce = launch_allreduce(ranks, timeout)
@@ -363,7 +361,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
         source=f"measured by zmpi.plan.measure on {now.date().isoformat()}: {cpu}, "
                f"{cores} CPUs, {ram / 2**30:.1f} GiB RAM; one thread per rank; "
                + (f"each of {world} ranks in turn, the others asleep; their links at once"
-                  if in_turns else f"all {world} ranks at once" if comm else "one rank alone"),
+                  if crowded_ranks else f"all {world} ranks at once" if comm else "one rank alone"),
         measured={"date": now.isoformat(timespec="seconds"), "cpu": cpu,
                   "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                   "gemm": gemm, "memory": memory, "adam": adam, "layer": layer,
