@@ -221,6 +221,25 @@ def test_budget_raises_before_allocating_and_names_the_buffer():
     ledger.allocate((2**19,), "float32", "master", name="master")  # 2 MiB: fits now
 
 
+def test_an_allocator_refusal_is_out_of_memory_naming_the_buffer():
+    """A MemoryError from the array module (CuPy's OutOfMemoryError on a GPU is one) comes
+    out as the ledger's OutOfMemory, with what this rank holds, and registers nothing."""
+    from zmpi.memory import OutOfMemory
+
+    class FullDevice:  # an array module whose allocator is out of memory
+        @staticmethod
+        def zeros(shape, dtype):
+            raise MemoryError("Out of memory allocating 4,194,304 bytes")
+
+    ledger = MemoryLedger()
+    ledger.allocate((2**20,), "float16", "param", name="params")
+    with pytest.raises(OutOfMemory, match=r"device allocation failed: master \(master, 4.0 MiB\) "
+                                          r"on top of 2.0 MiB held \(param 2.0; MiB\): Out of "
+                                          r"memory allocating 4,194,304 bytes"):
+        ledger.allocate((2**20,), "float32", "master", name="master", xp=FullDevice)
+    assert ledger.current() == 2 * 2**20
+
+
 def test_engine_over_budget_fails_cleanly_and_a_smaller_model_fits():
     from zmpi.engine import Engine
     from zmpi.memory import OutOfMemory

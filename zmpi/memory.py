@@ -45,7 +45,9 @@ def _check_choice(kind: str, value, allowed) -> None:
 
 
 class OutOfMemory(MemoryError):
-    """An allocation would exceed the ledger's memory budget (`memory_budget`)."""
+    """An allocation would exceed the ledger's memory budget (`memory_budget`), or the
+    allocator (NumPy's, CuPy's on a GPU) refused a buffer the ledger allocates; either way
+    the message names the buffer and what this rank holds."""
 
 
 class MemoryLedger:
@@ -113,21 +115,30 @@ class MemoryLedger:
         device="device"; host buffers are always numpy."""
         _check_choice("category", category, CATEGORIES)
         _check_choice("device", device, DEVICES)
-        self._check_budget(int(numpy.prod(shape, dtype=numpy.int64)) * numpy.dtype(dtype).itemsize,
-                           category, device, name)
+        nbytes = int(numpy.prod(shape, dtype=numpy.int64)) * numpy.dtype(dtype).itemsize
+        self._check_budget(nbytes, category, device, name)
         mod = numpy if device == "host" else xp
         make = mod.zeros if zero else mod.empty
-        return self.register(make(shape, dtype=dtype), category, device, name)
+        try:
+            array = make(shape, dtype=dtype)
+        except MemoryError as e:  # the allocator's own (NumPy's, CuPy's OutOfMemoryError)
+            raise OutOfMemory(f"{device} allocation failed: "
+                              f"{self._describe(nbytes, category, device, name)}: {e}") from e
+        return self.register(array, category, device, name)
 
     def _check_budget(self, nbytes: int, category: str, device: str, name: str) -> None:
         budget = self.budget.get(device)
         if budget is not None and self.current(device=device) + nbytes > budget:
-            held = ", ".join(f"{c} {self.current(c, device) / _MiB:.1f}" for c in CATEGORIES
-                             if self.current(c, device))
             raise OutOfMemory(f"{device} memory budget of {budget / _MiB:.1f} MiB exceeded: "
-                              f"{name or 'a buffer'} ({category}, {nbytes / _MiB:.1f} MiB) "
-                              f"on top of {self.current(device=device) / _MiB:.1f} MiB held "
-                              f"({held or 'nothing'}; MiB)")
+                              f"{self._describe(nbytes, category, device, name)}")
+
+    def _describe(self, nbytes: int, category: str, device: str, name: str) -> str:
+        """'NAME (CATEGORY, X MiB) on top of Y MiB held (what holds it)': an OutOfMemory's
+        account of the buffer that did not fit."""
+        held = ", ".join(f"{c} {self.current(c, device) / _MiB:.1f}" for c in CATEGORIES
+                         if self.current(c, device))
+        return (f"{name or 'a buffer'} ({category}, {nbytes / _MiB:.1f} MiB) on top of "
+                f"{self.current(device=device) / _MiB:.1f} MiB held ({held or 'nothing'}; MiB)")
 
     def _add(self, category: str, device: str, nbytes: int) -> None:
         # dense passes over every total beat indexing the half that change (2x, measured)
