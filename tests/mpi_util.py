@@ -44,9 +44,9 @@ CUDA_QUERY = "MPIX_Query_cuda_support" if OPEN_MPI else "MPIX_GPU_query_support"
 OPEN_MPI_RUNTIME = re.compile(r"\[[\w.-]+:\d+\] (PMIX|PRTE) ")  # its runtime's lines
 # kept in a child's minimal environment: Open MPI does not start (even a singleton) without
 # HOME and PATH, nor as root without OMPI_ALLOW_RUN_AS_ROOT*; MCA / CVAR settings the caller
-# chose stay in force
+# chose stay in force, and the suite's ZMPI_NUMBA (tests/conftest.py)
 KEPT_IN_CHILDREN = ("HOME", "PATH", "OMPI_ALLOW_RUN_AS_ROOT", "OMPI_MCA_", "PRTE_MCA_",
-                    "MPIR_CVAR_")
+                    "MPIR_CVAR_", "ZMPI_NUMBA")
 
 
 def child_env(**env) -> dict:

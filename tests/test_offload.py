@@ -1,6 +1,7 @@
 """ZeRO-Offload: offload changes where model states live, never what training computes.
 
 One `mpiexec -n N` launch per world size (1-4) runs tests/ranks/offload_checks.py. Checked:
+- the ranks run the compiled host loops (Numba's Adam and casts) where numba is installed;
 - optimizer offload (stages 1-3) and parameter offload (stage 3), fp32 and fp16 (with an
   overflow step), gradient accumulation and clipping: parameters, master weights, Adam moments
   and losses equal the run without offload bit for bit (NumPy backend);
@@ -33,11 +34,18 @@ WORLD_SIZES = (1, 2, 3, 4)
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"n{n}")
 def run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"offload_n{request.param}")
-    reports = run_mpi(RANKS_DIR / "offload_checks.py", request.param, args=[out], timeout=300)
+    # the compiled host loops (Adam, float16 casts), as in a real run (tests/conftest.py)
+    reports = run_mpi(RANKS_DIR / "offload_checks.py", request.param, args=[out], timeout=300,
+                      env={"ZMPI_NUMBA": "1"})
     return request.param, out, reports
 
 
 @pytest.mark.mpi
+def test_the_ranks_ran_the_compiled_host_loops(run):
+    pytest.importorskip("numba")
+    assert all(r["compiled_loops"] for r in run[2])
+
+
 def test_offload_is_bit_identical_to_no_offload(run):
     n, _, reports = run
     for r in reports:

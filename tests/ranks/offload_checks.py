@@ -16,7 +16,7 @@ import numpy as np
 from _report import report
 from zero_checks import GLOBAL_BATCH, GPT_CONFIG, config, digest, gpt_data
 
-from zmpi import backend
+from zmpi import backend, host_kernels
 from zmpi.comm import Comm
 from zmpi.engine import Engine
 from zmpi.memory import DEVICES, MODEL_STATE
@@ -106,4 +106,5 @@ def delayed_update(comm, out_dir):
 if __name__ == "__main__":
     comm = Comm()
     assert GLOBAL_BATCH % comm.size == 0
-    report({"equality": equality_and_memory(comm), "dpu": delayed_update(comm, sys.argv[1])})
+    report({"equality": equality_and_memory(comm), "dpu": delayed_update(comm, sys.argv[1]),
+            "compiled_loops": host_kernels.adam is not None})
