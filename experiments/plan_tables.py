@@ -116,7 +116,10 @@ def within(ratio: float, tolerance: float) -> bool:
     return abs(ratio - 1) <= tolerance
 
 
-def markdown(rows: list[dict], args, hardware: list) -> list[str]:
+def markdown(rows: list[dict], args, hardware: list, on_ranks: list | None = None) -> list[str]:
+    """The table and its header: `hardware` each round's measured in one process,
+    `on_ranks` each round's {world: hardware measured on that many ranks at once}."""
+    on_ranks = on_ranks or [{} for _ in hardware]
     ok = [r for r in rows if "error" not in r]
     exact = sum(r["ms_exact"] for r in ok)
     within5 = sum(within(r["device_ratio"], 0.05) for r in ok)
@@ -130,7 +133,10 @@ def markdown(rows: list[dict], args, hardware: list) -> list[str]:
         f"{args.precision} (and {', '.join(args.other_precisions) or 'no other precision'}); "
         f"{args.steps} steps per layout, the first a warm-up; {len(hardware)} rounds, each "
         "measuring the hardware here (`measure_this`) and then running every layout: "
-        + "; ".join(f"round {k + 1}: {describe_hardware(hw)}" for k, hw in enumerate(hardware))
+        + "; ".join(f"round {k + 1}: {describe_hardware(hw)}"
+                    + "".join(f"; on {w} ranks at once (for the {w}-rank layouts): "
+                              f"{describe_hardware(h)}" for w, h in sorted(on_ranks[k].items()))
+                    for k, hw in enumerate(hardware))
         + f" ({hardware[0].cores_per_node} cores). Per layout its median round (by measured / "
         "predicted step time) and that round's "
         "rank whose device peak is furthest from the prediction for its pipeline stage; KiB. "
@@ -257,17 +263,23 @@ def rerender(run_json, out) -> None:
     source = json.loads(Path(run_json).read_text())
     origin = source.get("measured", source)  # a rerendered run.json names its measurement
     hardware = [refit(Hardware.from_dict(h)) for h in source["hardware"]]
-    rounds = [[compare(item, hw) for world in source["ranks"] if world["round"] == k + 1
+    # each round's worlds measured on their own ranks (runs before 2026-11-27 have none)
+    on_ranks = [{int(w): refit(Hardware.from_dict(h)) for w, h in r.items()}
+                for r in source.get("hardware_on_ranks") or [{} for _ in hardware]]
+    rounds = [[compare(item, on_ranks[k].get(world["world"], hw))
+               for world in source["ranks"] if world["round"] == k + 1
                for item in world["layouts"]] for k, hw in enumerate(hardware)]
     rows = [median_round(list(same)) for same in zip(*rounds, strict=True)]
     mpi = " ".join(origin["environment"]["mpi_library"].replace("\0", "").splitlines()[0].split())
-    lines = markdown(rows, types.SimpleNamespace(**source["args"]), hardware) + [
+    lines = markdown(rows, types.SimpleNamespace(**source["args"]), hardware, on_ranks) + [
         "", f"Measured at {origin['git_revision']} on {origin['time']} ({mpi}); the tables "
         "made from its run.json by this revision (`validate_plan.py --rerender`).", "",
         load_line(source["load"], hardware[0].cores_per_node) + steal_line(source["ranks"])]
     print("\n".join(lines))
     write_results(out, rows, lines, types.SimpleNamespace(size=source["world_size"]),
                   argv=sys.argv, args=source["args"], hardware=[h.to_dict() for h in hardware],
+                  hardware_on_ranks=[{str(w): h.to_dict() for w, h in r.items()}
+                                     for r in on_ranks],
                   load=source["load"], ranks=source["ranks"], seconds=source["seconds"],
                   measured={k: origin[k] for k in ("git_revision", "time", "environment",
                                                    "argv")})

@@ -201,23 +201,49 @@ def worker(args) -> None:
 
 # -- the driver ----------------------------------------------------------------------------
 
+def _run_ranks(args, world: int, *script_args) -> None:
+    """This script with `script_args` on `world` ranks (one mpiexec, args.timeout)."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    # the model is this machine's CPU (`measure_this`): its ranks run on NumPy even where
+    # CuPy and a GPU are found
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               MKL_NUM_THREADS="1", ZMPI_BACKEND="numpy",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
+                                                        os.environ.get("PYTHONPATH")])))
+    cmd = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(world),
+           sys.executable, str(Path(__file__).resolve()), *map(str, script_args)]
+    subprocess.run(cmd, check=True, env=env, cwd=REPO, timeout=args.timeout)
+
+
 def launch(args, world: int, items: list[dict]) -> list[dict]:
     """Run `items` on `world` ranks (one mpiexec); their results."""
-    mpiexec = Path(sys.executable).parent / "mpiexec"
     with tempfile.TemporaryDirectory(prefix="validate-plan-") as tmp:
         todo, done = Path(tmp) / "todo.json", Path(tmp) / "done.json"
         todo.write_text(json.dumps(items))
-        # the model is this machine's CPU (`measure_this`): its layouts run on NumPy even
-        # where CuPy and a GPU are found
-        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-                   MKL_NUM_THREADS="1", ZMPI_BACKEND="numpy",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
-                                                            os.environ.get("PYTHONPATH")])))
-        cmd = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(world),
-               sys.executable, str(Path(__file__).resolve()), "--worker", str(todo),
-               "--results", str(done), "--steps", str(args.steps), "--seed", str(args.seed)]
-        subprocess.run(cmd, check=True, env=env, cwd=REPO, timeout=args.timeout)
+        _run_ranks(args, world, "--worker", todo, "--results", done, "--steps", args.steps,
+                   "--seed", args.seed)
         return json.loads(done.read_text())
+
+
+def measure_on_ranks(args, world: int):
+    """This machine measured on `world` ranks at once, as `mpiexec -n WORLD zmpi plan
+    --hardware this` measures it: each rate with the other ranks' load, the slowest rank's."""
+    from zmpi.plan.hardware import Hardware
+
+    with tempfile.TemporaryDirectory(prefix="validate-plan-") as tmp:
+        out = Path(tmp) / "hardware.json"
+        _run_ranks(args, world, "--measure-worker", out)
+        return Hardware.from_dict(json.loads(out.read_text()))
+
+
+def measure_worker(out) -> None:
+    """Under mpiexec: `measure_this`, collective over the ranks; rank 0 writes it to `out`."""
+    from zmpi.comm import Comm
+    from zmpi.plan.measure import measure_this
+
+    hw = measure_this(progress=print)
+    if Comm().rank == 0:
+        hw.save(out)
 
 
 def cpu_times() -> list[int] | None:
@@ -240,25 +266,32 @@ def stolen(before, after) -> float | None:
 
 def run_round(args, picked):
     """One round: the hardware (measured, or args.hardware's file), then every picked layout,
-    one mpiexec per world size. Returns (hardware, its rows, [{"world", "layouts"}, ...])."""
+    one mpiexec per world size. Measured, a world of 2 up to the cores' ranks is predicted
+    with the hardware measured on that many ranks at once (`measure_on_ranks`: rates with
+    the cores' shared caches and memory busy, the slowest rank's), the others with the one
+    process's (`measure_this(ranks=2)`, which measures ranks beyond the cores itself).
+    Returns (hardware, {world: its own hardware}, rows, [{"world", "layouts"}, ...])."""
     from zmpi.plan.hardware import Hardware
     from zmpi.plan.measure import measure_this
 
     hw = measure_this(ranks=2, progress=print) if args.hardware == "this" else \
         Hardware.from_dict(json.loads(Path(args.hardware).read_text()))
-    rows, raw = [], []
+    by_world, rows, raw = {}, [], []
     for world in args.worlds:
         items = [{"job": asdict(job_for(args, world, p)), "layout": layout.to_dict()}
                  for p, layout in picked if layout.dp * layout.pp * layout.tp == world]
         items = items[:args.only] if args.only else items
         if not items:
             continue
+        if args.hardware == "this" and 2 <= world <= hw.cores_per_node:
+            print(f"world {world}: the hardware on {world} ranks at once", flush=True)
+            by_world[world] = measure_on_ranks(args, world)
         print(f"world {world}: {len(items)} layouts", flush=True)
         before = cpu_times()
         done = launch(args, world, items)
         raw.append({"world": world, "layouts": done, "steal": stolen(before, cpu_times())})
-        rows.extend(compare(item, hw) for item in done)
-    return hw, rows, raw
+        rows.extend(compare(item, by_world.get(world, hw)) for item in done)
+    return hw, by_world, rows, raw
 
 
 def main(argv=None) -> None:
@@ -291,11 +324,15 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="results/plan_validation")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--results", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--measure-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.worker:
         worker(args)
+        return
+    if args.measure_worker:
+        measure_worker(args.measure_worker)
         return
     if args.rerender:
         rerender(args.rerender, args.out)
@@ -307,11 +344,11 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     load = {"before": os.getloadavg()}  # the machine is shared: its load beside the timings
     picked = pick_layouts(args)
-    hardware, rounds, raw, failed = [], [], [], None
+    hardware, by_world, rounds, raw, failed = [], [], [], [], None
     for k in range(args.rounds):
         print(f"round {k + 1} of {args.rounds}", flush=True)
         try:
-            hw, rows, done = run_round(args, picked)
+            hw, on_ranks, rows, done = run_round(args, picked)
         except (RuntimeError, subprocess.SubprocessError) as error:
             if not rounds:
                 raise
@@ -320,16 +357,19 @@ def main(argv=None) -> None:
             print(failed, file=sys.stderr, flush=True)
             break
         hardware.append(hw)
+        by_world.append(on_ranks)
         rounds.append(rows)
         raw.extend({"round": k + 1, **world} for world in done)
     rows = [median_round(list(same)) for same in zip(*rounds, strict=True)]
     load["after"] = os.getloadavg()
-    lines = markdown(rows, args, hardware)
+    lines = markdown(rows, args, hardware, by_world)
     lines += ["", failed] if failed else []
     lines += ["", load_line(load, os.cpu_count()) + steal_line(raw)]
     print("\n".join(lines))
     write_results(args.out, rows, lines, types.SimpleNamespace(size=max(args.worlds)),
                   argv=sys.argv, args=vars(args), hardware=[hw.to_dict() for hw in hardware],
+                  hardware_on_ranks=[{str(w): h.to_dict() for w, h in r.items()}
+                                     for r in by_world],
                   load=load, ranks=raw, seconds=time.perf_counter() - t0)
     print(f"wrote {args.out}/table.md, table.csv, run.json ({time.perf_counter() - t0:.0f} s)")
 
