@@ -7,16 +7,19 @@ CuPy finds a GPU.
 
     OMP_NUM_THREADS=1 python experiments/validate_plan.py --out results/plan_validation
 
-The driver (this script without --worker) measures the hardware (`measure_this(ranks=2)`),
-picks the layouts (every dp x pp x tp with product 1, 2, 4; on each mesh the ZeRO stages 0-3,
-with offload, recompute, sequence parallelism, schedule and the micro-batch split rotating so
-that every choice occurs; optionally a few bf16 / fp32 layouts), and launches one mpiexec per
-world size (`--worker`), which runs the layouts one after another: Mesh, GPT, Engine with
-`to_config(job, layout)`, `--steps` steps on random token batches (the first a warm-up), and
-per rank the ledger (`engine.memory`): model-state bytes per device after the first step,
-each category's and each group's peak over the steps (peaks reset after the engine is
-built), the step times (the slowest rank's, after a barrier) and the Engine's phase
-profile. Compared per rank with the prediction for its pipeline stage:
+The driver (this script without --worker) measures the hardware (`measure_this(ranks=2)`;
+for the layouts of 2 up to the cores' ranks, again on that many ranks at once, as `mpiexec
+-n W zmpi plan --hardware this` measures it: each rank's rates with its peers busy on the
+other cores, the slowest rank's), picks the layouts (every dp x pp x tp with product 1, 2,
+4; on each mesh the ZeRO stages 0-3, with offload, recompute, sequence parallelism, schedule
+and the micro-batch split rotating so that every choice occurs; optionally a few bf16 / fp32
+layouts), and launches one mpiexec per world size (`--worker`), which runs the layouts one
+after another: Mesh, GPT, Engine with `to_config(job, layout)`, `--steps` steps on random
+token batches (the first a warm-up), and per rank the ledger (`engine.memory`): model-state
+bytes per device after the first step, each category's and each group's peak over the steps
+(peaks reset after the engine is built), the step times (the slowest rank's, after a
+barrier) and the Engine's phase profile. Compared per rank with the prediction for its
+pipeline stage:
 
 - model states, device and host: predicted exactly (the ledger's bytes after the first step);
 - device total: the ledger's device peak vs StageMemory.device (model states + ZeRO's
