@@ -152,3 +152,33 @@ def test_the_committed_validations_are_this_codes_judgement(tmp_path, name):
                        if line and not line.startswith("Measured at ")]
                       for path in (tmp_path, committed))
         assert made == kept, remedy
+
+
+def test_a_world_within_the_cores_is_predicted_with_the_hardware_on_its_ranks(monkeypatch):
+    """validate_plan's round: a layout of 2 up to the cores' ranks is compared with the
+    hardware measured on that many ranks at once, the others (1 rank, ranks beyond the cores)
+    with the one process's; the round returns the former by world (the launches and the
+    measurements stubbed)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "experiments"))
+    import validate_plan
+
+    from zmpi.plan import measure
+    from zmpi.plan.hardware import PRESETS
+
+    one_process = replace(PRESETS["cpu"], name="one process", cores_per_node=2)
+    monkeypatch.setattr(measure, "measure_this", lambda **kw: one_process)
+    monkeypatch.setattr(validate_plan, "measure_on_ranks",
+                        lambda args, world: replace(one_process, name=f"on {world} ranks"))
+    monkeypatch.setattr(validate_plan, "launch", lambda args, world, items: items)
+    monkeypatch.setattr(validate_plan, "compare",
+                        lambda item, hw: (item["layout"]["dp"] * item["layout"]["pp"]
+                                          * item["layout"]["tp"], hw.name))
+    args = SimpleNamespace(
+        n_layer=4, d_model=128, n_head=4, vocab=65, seq_len=64, global_batch=16,
+        precision="fp16", other_precisions=[], worlds=[1, 2, 4], only=1, hardware="this")
+    hw, on_ranks, rows, _ = validate_plan.run_round(args, validate_plan.pick_layouts(args))
+    assert hw is one_process and list(on_ranks) == [2]
+    assert rows == [(1, "one process"), (2, "on 2 ranks"), (4, "one process")]
