@@ -116,10 +116,15 @@ def within(ratio: float, tolerance: float) -> bool:
     return abs(ratio - 1) <= tolerance
 
 
-def markdown(rows: list[dict], args, hardware: list, on_ranks: list | None = None) -> list[str]:
+def on_ranks_json(on_ranks: list[dict]) -> list[dict]:
+    """Each round's {world: Hardware measured on that many ranks at once} as run.json keeps
+    it (`hardware_on_ranks`)."""
+    return [{str(w): h.to_dict() for w, h in r.items()} for r in on_ranks]
+
+
+def markdown(rows: list[dict], args, hardware: list, on_ranks: list[dict]) -> list[str]:
     """The table and its header: `hardware` each round's measured in one process,
     `on_ranks` each round's {world: hardware measured on that many ranks at once}."""
-    on_ranks = on_ranks or [{} for _ in hardware]
     ok = [r for r in rows if "error" not in r]
     exact = sum(r["ms_exact"] for r in ok)
     within5 = sum(within(r["device_ratio"], 0.05) for r in ok)
@@ -278,8 +283,7 @@ def rerender(run_json, out) -> None:
     print("\n".join(lines))
     write_results(out, rows, lines, types.SimpleNamespace(size=source["world_size"]),
                   argv=sys.argv, args=source["args"], hardware=[h.to_dict() for h in hardware],
-                  hardware_on_ranks=[{str(w): h.to_dict() for w, h in r.items()}
-                                     for r in on_ranks],
+                  hardware_on_ranks=on_ranks_json(on_ranks),
                   load=source["load"], ranks=source["ranks"], seconds=source["seconds"],
                   measured={k: origin[k] for k in ("git_revision", "time", "environment",
                                                    "argv")})

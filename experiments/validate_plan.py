@@ -58,7 +58,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-from plan_tables import compare, load_line, markdown, median_round, rerender, steal_line
+from plan_tables import (
+    compare,
+    load_line,
+    markdown,
+    median_round,
+    on_ranks_json,
+    rerender,
+    steal_line,
+)
 
 from zmpi.plan.layout import RECOMPUTES, SCHEDULES, Job, Layout, layouts, stage_offloads, to_config
 
@@ -231,12 +239,12 @@ def launch(args, world: int, items: list[dict]) -> list[dict]:
 def measure_on_ranks(args, world: int):
     """This machine measured on `world` ranks at once, as `mpiexec -n WORLD zmpi plan
     --hardware this` measures it: each rate with the other ranks' load, the slowest rank's."""
-    from zmpi.plan.hardware import Hardware
+    from zmpi.plan.measure import load_hardware
 
     with tempfile.TemporaryDirectory(prefix="validate-plan-") as tmp:
         out = Path(tmp) / "hardware.json"
         _run_ranks(args, world, "--measure-worker", out)
-        return Hardware.from_dict(json.loads(out.read_text()))
+        return load_hardware(out)
 
 
 def measure_worker(out) -> None:
@@ -371,8 +379,7 @@ def main(argv=None) -> None:
     print("\n".join(lines))
     write_results(args.out, rows, lines, types.SimpleNamespace(size=max(args.worlds)),
                   argv=sys.argv, args=vars(args), hardware=[hw.to_dict() for hw in hardware],
-                  hardware_on_ranks=[{str(w): h.to_dict() for w, h in r.items()}
-                                     for r in by_world],
+                  hardware_on_ranks=on_ranks_json(by_world),
                   load=load, ranks=raw, seconds=time.perf_counter() - t0)
     print(f"wrote {args.out}/table.md, table.csv, run.json ({time.perf_counter() - t0:.0f} s)")
 
