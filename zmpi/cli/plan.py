@@ -98,11 +98,12 @@ def _print_table(job: Job, hw, result, device, seconds) -> None:
           + (f" ({rejected})" if rejected else ""))
     if not result.best:
         return
-    print(f"{'#':>2}  {'layout':<72} {'dev GB':>7} {'host GB':>7} {'step s':>8} "
+    width = max(len(c.layout.describe()) for c in result.best)
+    print(f"{'#':>2}  {'layout':<{width}} {'dev GB':>7} {'host GB':>7} {'step s':>8} "
           f"{'tokens/s':>10} {'TFLOP/s/GPU':>11}")
     for i, c in enumerate(result.best, 1):
         tflops = c.model_flops / c.time.total / job.world_size / 1e12
-        print(f"{i:>2}  {c.layout.describe():<72} {_gb(c.memory.device):>7} "
+        print(f"{i:>2}  {c.layout.describe():<{width}} {_gb(c.memory.device):>7} "
               f"{_gb(c.memory.host):>7} {c.time.total:>8.4g} {c.tokens_per_s:>10.4g} "
               f"{tflops:>11.4g}")
     best = result.best[0]

@@ -37,7 +37,9 @@ place), 0 with it (every reduced shard lands in a device buffer and is copied to
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+import numpy as np
 
 from zmpi.memory import held_model_state
 from zmpi.models.gpt import gpt_activation_bytes, gpt_unit_numels
@@ -77,7 +79,8 @@ class _StageStates:
     once (with the units they read), else 0; `landing` the host landing buffer of offload
     (bytes); `after` the shards of the units after the stage's first and last block (bytes,
     the first if none); `limit` the bytes the collectives in flight hold at most (the
-    strategy's in_flight_limit of two buckets, and one more: a unit's gradient and part)."""
+    strategy's in_flight_limit of two buckets, and one more: a unit's gradient and part).
+    Built per stage, then held as _columns over the stages."""
 
     model_state: dict
     grads: int
@@ -94,7 +97,8 @@ class _Activations:
     """A stage's activation bytes: `peak` (w micro-batches in flight), `one` (one
     micro-batch's), `end` (the LM head's and the loss's, the last stage), `layer` (one
     block's working set), `in_flight` (w) and `left`: what the step's last micro-batch still
-    holds as its first and its last block's backward starts."""
+    holds as its first and its last block's backward starts. Built per stage, then held as
+    _columns over the stages."""
 
     peak: int
     one: int
@@ -137,51 +141,69 @@ def stage_memory(job: Job, layout: Layout, stage: int, on_gpu: bool) -> StageMem
 def layout_memory(job: Job, layout: Layout, on_gpu: bool) -> list[StageMemory]:
     """Every pipeline stage's StageMemory (one rank of each; the dp and tp ranks of a stage
     hold the same bytes)."""
-    return [StageMemory(stage, st.model_state, {"device": act.peak, "host": 0}, device, host)
-            for stage, (st, act, device, host) in enumerate(_stage_peaks(job, layout, on_gpu))]
+    st, act, device, host = _stage_peaks(job, layout, on_gpu)
+    return [StageMemory(s, {where: int(n[s]) for where, n in st.model_state.items()},
+                        {"device": int(act.peak[s]), "host": 0}, int(device[s]), int(host[s]))
+            for s in range(layout.pp)]
 
 
-def layout_peaks(job: Job, layout: Layout, on_gpu: bool) -> list[tuple[int, int]]:
-    """(device, host) peak bytes of every pipeline stage: layout_memory's, faster (what the
-    search tries on every layout)."""
-    return [(device, host) for _, _, device, host in _stage_peaks(job, layout, on_gpu)]
+def layout_peaks(job: Job, layout: Layout, on_gpu: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(device, host) peak bytes, each an int64 array over the pipeline stages: layout_memory's,
+    faster (what the search tries on every layout)."""
+    _, _, device, host = _stage_peaks(job, layout, on_gpu)
+    return device, host
 
 
 def _stage_peaks(job: Job, layout: Layout, on_gpu: bool):
-    """Per stage: (_StageStates, _Activations, device peak, host peak)."""
-    states = _states(job, layout.pp, layout.tp, layout.dp, layout.stage, layout.offload)
-    acts = _activations(job, layout.tp, layout.sequence_parallel, layout.recompute,
-                        layout.micro_batch, layout.micro_batches, layout.schedule, layout.pp,
-                        on_gpu)
-    zero_stage, offloaded = layout.stage, layout.offload != "none"
-    m, full_recompute = layout.micro_batches, layout.recompute == "full"
-    for st, act in zip(states, acts, strict=True):
-        beyond = _peak_beyond_model_states(zero_stage, offloaded, m, full_recompute, st, act)
-        yield st, act, st.model_state["device"] + beyond, st.model_state["host"] + st.landing
+    """(_StageStates, _Activations, device peaks, host peaks), over the stages at once."""
+    st = _states(job, layout.pp, layout.tp, layout.dp, layout.stage, layout.offload)
+    act = _activations(job, layout.tp, layout.sequence_parallel, layout.recompute,
+                       layout.micro_batch, layout.micro_batches, layout.schedule, layout.pp,
+                       on_gpu)
+    beyond = _peak_beyond_model_states(layout.stage, layout.offload != "none",
+                                       layout.micro_batches, layout.recompute == "full", st, act)
+    return st, act, st.model_state["device"] + beyond, st.model_state["host"] + st.landing
 
 
 def _peak_beyond_model_states(zero_stage: int, offloaded: bool, m: int, full_recompute: bool,
-                              st: _StageStates, act: _Activations) -> int:
-    """The device peak above the model states: the larger of the two moments."""
+                              st: _StageStates, act: _Activations) -> np.ndarray:
+    """The device peak above the model states, per stage: the larger of the two moments."""
     if zero_stage == 0:
         return act.peak
     if zero_stage == 1:
         if not offloaded:
-            return max(act.peak, st.shard + act.one - act.end)
-        return max(act.peak, act.left[0] + st.after[0], act.left[1] + st.after[1])
+            return np.maximum(act.peak, st.shard + act.one - act.end)
+        return np.maximum(act.peak, np.maximum(act.left[0] + st.after[0],
+                                               act.left[1] + st.after[1]))
     d = 0 if offloaded else 1
     k = m - act.in_flight
     # the unit gradients and reduced parts of the micro-steps done, under the in-flight limit
-    at_activation_peak = act.peak + min(k * st.grads + max(k - d, 0) * st.shard,
-                                        st.limit) + st.unit + st.gathered
-    at_end = min(m * st.grads + (m - d) * st.shard, st.limit) + \
+    at_activation_peak = act.peak + np.minimum(k * st.grads + np.maximum(k - d, 0) * st.shard,
+                                               st.limit) + st.unit + st.gathered
+    at_end = np.minimum(m * st.grads + (m - d) * st.shard, st.limit) + \
         (act.layer if full_recompute else st.gathered)
-    return max(at_activation_peak, at_end)
+    return np.maximum(at_activation_peak, at_end)
+
+
+def _columns(records: list):
+    """Per-stage records (one dataclass) as one record of the same class whose every field
+    holds the stages' values as a read-only int64 array: a dict field as a dict of arrays, a
+    tuple field as an array of shape (len, stages). The peaks are then one array expression
+    over the stages."""
+    def column(values):
+        if isinstance(values[0], dict):
+            return {key: column([v[key] for v in values]) for key in values[0]}
+        array = np.array(values, dtype=np.int64)
+        array = array.T if array.ndim == 2 else array
+        array.flags.writeable = False  # shared by every layout the cache serves
+        return array
+    cls = type(records[0])
+    return cls(**{f.name: column([getattr(r, f.name) for r in records]) for f in fields(cls)})
 
 
 @functools.lru_cache(maxsize=4096)
-def _states(job: Job, pp: int, tp: int, dp: int, zero_stage: int, offload: str) -> tuple:
-    """Per pipeline stage, its _StageStates."""
+def _states(job: Job, pp: int, tp: int, dp: int, zero_stage: int, offload: str) -> _StageStates:
+    """The _StageStates of the pipeline stages, as _columns."""
     out = []
     pb = job.param_bytes
     for stage, units in enumerate(stage_units(job, pp, tp)):
@@ -199,7 +221,7 @@ def _states(job: Job, pp: int, tp: int, dp: int, zero_stage: int, offload: str) 
         out.append(_StageStates({d: sum(held[d].values()) for d in held}, full * pb,
                                 full // dp * pb, unit, gathered, landing, after,
                                 2 * BUCKET_NUMEL * pb + unit + unit // dp))
-    return tuple(out)
+    return _columns(out)
 
 
 def _gathered_pair(sizes: list[int], holds_head: bool) -> int:
@@ -216,10 +238,11 @@ def _gathered_pair(sizes: list[int], holds_head: bool) -> int:
 
 @functools.lru_cache(maxsize=1 << 16)  # shared by the layouts that differ in dp and ZeRO only
 def _activations(job: Job, tp: int, sequence_parallel: bool, recompute: str, micro_batch: int,
-                 micro_batches: int, schedule: str, pp: int, on_gpu: bool) -> tuple:
-    """Per pipeline stage, its _Activations."""
-    return tuple(_activation(job, tp, sequence_parallel, recompute, micro_batch, micro_batches,
-                             schedule, pp, stage, on_gpu) for stage in range(pp))
+                 micro_batches: int, schedule: str, pp: int, on_gpu: bool) -> _Activations:
+    """The _Activations of the pipeline stages, as _columns."""
+    return _columns([_activation(job, tp, sequence_parallel, recompute, micro_batch,
+                                 micro_batches, schedule, pp, stage, on_gpu)
+                     for stage in range(pp)])
 
 
 def _activation(job: Job, tp: int, sequence_parallel: bool, recompute: str, micro_batch: int,

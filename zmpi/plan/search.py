@@ -80,13 +80,12 @@ def plan(job: Job, hw: Hardware, device_memory: float | None = None,
     fitting, considered, rejected = [], 0, {"device memory": 0, "host memory": 0}
     for layout in layouts(job):
         considered += 1
-        stages = layout_peaks(job, layout, on_gpu)
-        device = max(d for d, _ in stages) if on_gpu else \
-            max(d + h for d, h in stages) * ranks_per_node
-        if device > RESERVE * device_memory:
+        device, host = layout_peaks(job, layout, on_gpu)
+        if (device.max() if on_gpu else (device + host).max() * ranks_per_node) > \
+                RESERVE * device_memory:
             rejected["device memory"] += 1
             continue
-        if on_gpu and max(h for _, h in stages) * ranks_per_node > host_memory:
+        if on_gpu and host.max() * ranks_per_node > host_memory:
             rejected["host memory"] += 1
             continue
         fitting.append((step_time(job, layout, hw).total, layout))

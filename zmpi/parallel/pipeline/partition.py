@@ -71,7 +71,10 @@ def partition(weights: list[int], stages: int) -> list[int]:
     for k in range(1, stages + 1):
         for j in range(k, n - (stages - k) + 1):
             for i in range(j - 1, k - 2, -1):  # the last stage is [i, j); latest i first
-                heaviest = max(best[k - 1][i], prefix[j] - prefix[i])
+                last = prefix[j] - prefix[i]
+                if last >= best[k][j]:  # only grows as i falls: no earlier i can be lighter
+                    break
+                heaviest = max(best[k - 1][i], last)
                 if heaviest < best[k][j]:
                     best[k][j], cut[k][j] = heaviest, i
     bounds = [n]
