@@ -7,7 +7,7 @@ import pickle
 
 import numpy as np
 import pytest
-from mpi_util import CLI, launch_mpi
+from mpi_util import CLI, RANKS_DIR, launch_mpi
 
 from zmpi.cli import main
 from zmpi.cli.inputs import InputError, build_config
@@ -87,6 +87,13 @@ def test_bad_vocabulary_metadata_is_a_value_error_naming_the_file(tmp_path, meta
 
 # --- Item B: one line, exit code 2 ---------------------------------------------------------
 
+def _tiny_with(flags) -> list[str]:
+    """TINY without the flags that `flags` gives (a repeated flag gets a note of its own)."""
+    given = {str(f).split("=", 1)[0] for f in flags if str(f).startswith("--")}
+    pairs = zip(TINY[::2], TINY[1::2], strict=True)
+    return [item for flag, value in pairs if flag not in given for item in (flag, value)]
+
+
 def _train_fails(flags, tmp_path) -> str:
     """Run `zmpi train TINY flags` in-process; assert exit code 2 and no traceback; return
     stderr (the caller checks it is one line via `_one_line`)."""
@@ -95,7 +102,7 @@ def _train_fails(flags, tmp_path) -> str:
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_info:
-        main(["train", *TINY, "--out", str(tmp_path / "run"), *flags])
+        main(["train", *_tiny_with(flags), "--out", str(tmp_path / "run"), *flags])
     assert exit_info.value.code == 2, (exit_info.value.code, err.getvalue())
     return _one_line(err.getvalue())
 
@@ -135,6 +142,8 @@ FLAG_CASES = [  # (flags, what the line says)
     (["--steps", "abc"], "zmpi train: argument --steps: invalid int value: 'abc'"),
     (["--lr-schedule", "constant", "--warmup-steps", "3"],
      "--warmup-steps needs a schedule, not constant"),
+    (["--vocab-size", "200"], "--vocab-size acts only with --data"),
+    (["--resume-tag", "step1"], "--resume-tag and --resume-fallback act only with --resume"),
 ]
 
 
@@ -147,7 +156,24 @@ def test_bad_flags_are_one_line_and_exit_2(tmp_path, flags, message):
 CONFIG_CASES = [  # (config, what the line says after "config FILE: ")
     ({"train_batch_size": 0}, "train_batch_size: must be >= 1, got 0"),
     ({"train_batch_size": True}, "train_batch_size: expected int or null, got bool (True)"),
-    ('{"train_batch_size": Infinity}', "train_batch_size: expected int or null, got float (inf)"),
+    ('{"train_batch_size": Infinity}', "train_batch_size: must be a finite number, got inf"),
+    ('{"wall_clock_breakdown": NaN}', "wall_clock_breakdown: must be a finite number, got nan"),
+    ('{"optimizer": {"params": {"betas": [0.9, 1e400]}}}',
+     "optimizer.params.betas[1]: must be a finite number, got inf"),
+    ('{"train_batch_size": 4, "train_batch_size": 8}',
+     "train_batch_size: given twice in one object: give it once"),
+    ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": -1, "cycle_max_lr": 1}}},
+     "scheduler.params.cycle_min_lr: must be a finite number >= 0, got -1"),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 0}}},
+     "scheduler.params.total_num_steps: must be a number of steps >= 1, got 0"),
+    ({"zero_optimization": {"stage": 1, "strategy": "stage3"}},
+     "zero_optimization.stage: 1 contradicts the strategy 'stage3', which shards as ZeRO "
+     "stage 3: give one of them"),
+    ({"zero_optimization": None}, "zero_optimization: expected object, got NoneType (None)"),
+    ({"model": None}, "model: expected object, got NoneType (None)"),
+    ({"model": {"n_layer": "2"}}, "model.n_layer: expected int or null, got str ('2')"),
+    ({"model": {"n_layer": 0}}, "model.n_layer: must be >= 1, got 0"),
+    ({"seed": 3.0}, "seed: expected int, got float (3.0)"),
     ({"train_batch_size": 32.0}, "train_batch_size: expected int or null, got float (32.0)"),
     ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps: must be >= 1, got 0"),
     ({"gradient_accumulation_steps": 2.5},
@@ -222,7 +248,7 @@ def test_build_config_refuses_instead_of_replacing(tmp_path):
         build_config(argparse.Namespace(**{**base, "config": str(path), "batch": 8}), 1)
     # at 2 ranks these were "does not split" (true taken as 1, inf % 2 is nan), per rank
     for text, message in (('{"train_batch_size": true}', "expected int or null, got bool"),
-                          ('{"train_batch_size": Infinity}', r"got float \(inf\)"),
+                          ('{"train_batch_size": Infinity}', r"must be a finite number, got inf"),
                           ('{"gradient_accumulation_steps": 2.5}', r"expected int, got float")):
         path.write_text(text)
         with pytest.raises(ConfigError, match=message):
@@ -285,7 +311,72 @@ def test_two_ranks_print_the_line_once(tmp_path, case):
         message = (f"zmpi train: global batch 7 (train_batch_size in {extra[1]}) does not "
                    "split over 2 data-parallel ranks x 1 accumulation steps")
     result = launch_mpi(CLI, 2, timeout=60, args=[
-        "train", *TINY, "--out", tmp_path / "run", *extra])
+        "train", *_tiny_with(extra), "--out", tmp_path / "run", *extra])
     assert result.returncode == 2, result.describe()
     lines = result.ranks_stderr()
     assert lines == [message] and "Traceback" not in result.stderr, result.describe()
+
+
+@pytest.mark.mpi
+def test_a_config_bad_on_one_rank_only_ends_both_without_a_hang(tmp_path):
+    """Rank 1 reads a model section that fails its check before any data is read (the check
+    used to run before the ranks compared notes, and rank 0 waited for rank 1 forever)."""
+    model = {"n_layer": 1, "d_model": 16, "n_head": 2, "seq_len": 8}
+    (tmp_path / "c0.json").write_text(json.dumps({"model": model}))
+    (tmp_path / "c1.json").write_text(json.dumps({"model": {**model, "n_layer": 0}}))
+    result = launch_mpi(RANKS_DIR / "cli_per_rank.py", 2, timeout=60, args=[
+        "train", "--steps", "1", "--sample-tokens", "0", "--out", tmp_path / "run",
+        "--config", tmp_path / "c{rank}.json"])
+    assert result.returncode == 2, result.describe()
+    assert result.ranks_stderr() == [
+        f"zmpi train: config {tmp_path}/c1.json: model.n_layer: must be >= 1, got 0 (on "
+        "rank 1 only)"], result.describe()
+
+
+def test_an_earlier_run_in_out_is_kept(tmp_path):
+    """--out naming a directory that holds a run (its run.json) is refused unless resuming:
+    the earlier run's metrics and run.json would be replaced."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "run.json").write_text("{}")
+    line = _train_fails([], tmp_path)
+    assert line == (f"zmpi train: --out {tmp_path / 'run'} holds an earlier run (run.json): "
+                    "give another directory, or --resume to go on with that run there")
+    assert (tmp_path / "run" / "run.json").read_text() == "{}"
+
+
+def test_lr_acts_on_the_configs_schedule_or_is_refused(tmp_path):
+    """--lr with the config's WarmupLR sets its warmup_max_lr (noted); with OneCycle, whose
+    rates are its own, it is refused; with no optimizer section the default lr is not
+    reported as the config's."""
+    notes = []
+    schedule = {"type": "WarmupLR", "params": {"warmup_max_lr": 0.001}}
+    cfg = build_config(_namespace(tmp_path, {"scheduler": schedule}, lr=0.5), 1, notes)
+    assert cfg["scheduler"]["params"]["warmup_max_lr"] == 0.5
+    assert "--lr overrides the config's scheduler.params.warmup_max_lr = 0.001 with 0.5" in notes
+    assert not any("optimizer.params.lr" in n for n in notes), notes
+    cycle = {"type": "OneCycle", "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01}}
+    with pytest.raises(InputError, match="--lr has no effect under the config's OneCycle"):
+        build_config(_namespace(tmp_path, {"scheduler": cycle}, lr=0.5), 1, [])
+
+
+def test_auto_train_batch_size_follows_the_micro_batch(tmp_path):
+    """"train_batch_size": "auto" with a micro-batch given is derived from it by the engine
+    (micro x accumulation x dp), not replaced by zmpi train's default batch."""
+    config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 3}
+    cfg = build_config(_namespace(tmp_path, config), 2, [])
+    assert cfg["train_batch_size"] == "auto"
+    assert Config.from_dict(cfg).resolve_batch(2).train_batch_size == 6
+
+
+def _namespace(tmp_path, config, **flags):
+    """build_config's argparse namespace: no flags given but `flags`, the config in a file."""
+    import argparse
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(config))
+    base = {name: None for name in (
+        "batch", "lr", "stage", "strategy", "precision", "tp", "pp", "sequence_parallel",
+        "delay_update", "shard_group_size", "lr_schedule", "warmup_steps", "seed", "recompute",
+        "seq_len", "n_layer", "n_head", "d_model")}
+    return argparse.Namespace(**{**base, "offload_optimizer": False, "offload_param": False,
+                                 "steps": 10, "config": str(path), **flags})

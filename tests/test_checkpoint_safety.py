@@ -263,6 +263,21 @@ def test_train_resume_offers_and_takes_the_newest_sound_checkpoint(tmp_path):
 
 
 @pytest.mark.mpi
+def test_train_resume_of_another_model_offers_no_other_checkpoint(tmp_path):
+    """A sound checkpoint of another model is refused without the hint for a damaged one
+    (an older checkpoint of the same run would fail the same way)."""
+    ck = tmp_path / "ck"
+    assert zmpi_train(1, "--steps", "2", "--save-every", "2", "--ckpt-dir", ck, "--out",
+                      tmp_path / "a").returncode == 0
+    wider = ["32" if arg == "16" else arg for arg in TINY]  # --d-model 32
+    result = launch_mpi(CLI, 1, timeout=120, args=[
+        "train", *wider, "--steps", "4", "--resume", ck, "--out", tmp_path / "b"])
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.describe()
+    assert "cannot resume" in result.stderr and "verifies" not in result.stderr, \
+        result.describe()
+
+
+@pytest.mark.mpi
 def test_train_finds_an_unwritable_checkpoint_directory_before_training(tmp_path):
     (tmp_path / "file").write_text("")
     result = zmpi_train(2, "--steps", "50", "--save-every", "25", "--ckpt-dir",

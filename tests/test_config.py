@@ -244,7 +244,7 @@ def test_config_error_is_value_error_and_picklable():
 
 
 def test_from_json_errors(tmp_path):
-    with pytest.raises(ConfigError, match="invalid JSON"):
+    with pytest.raises(ConfigError, match="not valid JSON"):
         Config.from_json('{"seed": }')
     with pytest.raises(FileNotFoundError):
         Config.from_json(tmp_path / "missing.json")

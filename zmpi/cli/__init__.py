@@ -29,11 +29,7 @@ from zmpi.cli.inputs import (
     DEFAULTS,
     MODEL_FLAGS,
     SCHEDULE_FLAGS,
-    InputError,
-    _exit_bad_input,
     _rank,
-    check_train_args,
-    resolve_model_args,
 )
 from zmpi.config import RECOMPUTE
 
@@ -47,6 +43,20 @@ class _Parser(argparse.ArgumentParser):
             print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr,
                   flush=True)
         raise SystemExit(2)
+
+
+def _repeated_flags(argv) -> list[str]:
+    """The --flags that `argv` gives more than once (before a lone --)."""
+    seen, repeated = set(), []
+    for arg in argv:
+        if arg == "--":
+            break
+        name = arg.split("=", 1)[0]
+        if name.startswith("--"):
+            if name in seen and name not in repeated:
+                repeated.append(name)
+            seen.add(name)
+    return repeated
 
 
 def main(argv=None) -> None:
@@ -66,7 +76,8 @@ def main(argv=None) -> None:
                    "sequence; --seq-len a multiple of T. No effect at T = 1")
     t.add_argument("--pp", type=int, metavar="P", default=None,
                    help="pipeline-parallel degree of the process mesh (pipeline.stages): the "
-                   "GPT's units cut into P stages, micro-batches (--grad-accum) pipelined by "
+                   "GPT's units cut into P stages, micro-batches (the config's "
+                   "gradient_accumulation_steps) pipelined by "
                    "the config's pipeline.schedule (default 1f1b)")
     t.add_argument("--recompute", choices=RECOMPUTE, default=None,
                    help="activation recompute (activation_checkpointing.recompute): selective "
@@ -196,22 +207,15 @@ def main(argv=None) -> None:
             p.add_argument("--npz", action="store_true", help="write a NumPy .npz")
         p.add_argument("--tag", help="which checkpoint (default: the one `latest` names)")
     args = parser.parse_args(argv)
+    for flag in _repeated_flags(sys.argv[1:] if argv is None else argv):
+        if _rank() == 0:  # a wrapper's appended flag overrides, but never unnoticed
+            print(f"zmpi: {flag} given more than once: the last one counts", file=sys.stderr,
+                  flush=True)
     if args.command == "ckpt":
         ckpt.ckpt(args)
     elif args.command == "plan":
         plan.run(args)
     elif args.command == "train":
-        try:
-            resolve_model_args(args)
-            check_train_args(args)
-        except InputError as e:
-            _exit_bad_input(str(e))
-        if args.stage is None and not args.config and not args.strategy:
-            args.stage = 3
-        if (args.resume_tag or args.resume_fallback) and args.resume is None:
-            _exit_bad_input("--resume-tag and --resume-fallback act only with --resume")
-        if args.overwrite_ckpt_dir and not args.save_every:
-            _exit_bad_input("--overwrite-ckpt-dir acts only with --save-every K")
         try:
             train.train(args)
         except CheckpointError as e:  # raised alike on every rank: the ranks agree first

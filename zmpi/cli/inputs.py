@@ -47,20 +47,44 @@ MODEL_FLAGS = ("seq_len", "n_layer", "n_head", "d_model")  # also the config's m
 
 def resolve_model_args(args) -> None:
     """--seq-len, --n-layer, --n-head and --d-model not given: the --config's `model` section
-    (what `zmpi plan` writes), else DEFAULTS. (A config that cannot be read is reported by
-    `build_config`; a flag that overrides the section is noted there.)"""
-    from zmpi.config import ConfigError
+    (what `zmpi plan` writes), else DEFAULTS; a ConfigError naming the key if the section is
+    not a valid one (a flag that overrides a key is noted by `build_config`)."""
+    from zmpi.config import ConfigError, ModelConfig
 
-    section = {}
+    given = {}
     if args.config:
+        cfg = _read_config(args.config)
         try:
-            section = _get(_read_config(args.config), "model")
-        except ConfigError:  # build_config reports it, once, on rank 0
-            section = {}
+            given = ModelConfig.from_dict(cfg["model"]).given() if "model" in cfg else {}
+        except ConfigError as e:
+            raise e.prefixed("model") from None
     for name in MODEL_FLAGS:
         if getattr(args, name) is None:
-            value = section.get(name) if isinstance(section, dict) else None
-            setattr(args, name, value if isinstance(value, int) else DEFAULTS[name])
+            setattr(args, name, given.get(name, DEFAULTS[name]))
+
+
+def check_args(args) -> None:
+    """Every check of `zmpi train`'s flags and the config's model section that needs no
+    data and no MPI (InputError or ConfigError, one line); fills the model flags
+    (`resolve_model_args`) and the default stage. Run on every rank inside
+    `_checked_inputs`, so a problem found on some ranks only ends them all alike."""
+    resolve_model_args(args)
+    check_train_args(args)
+    if args.stage is None and not args.config and not args.strategy:
+        args.stage = 3
+    if (args.resume_tag or args.resume_fallback) and args.resume is None:
+        raise InputError("--resume-tag and --resume-fallback act only with --resume")
+    if args.overwrite_ckpt_dir and not args.save_every:
+        raise InputError("--overwrite-ckpt-dir acts only with --save-every K")
+    if args.vocab_size is not None and not args.data:
+        raise InputError("--vocab-size acts only with --data (the shipped corpus has its own "
+                         "vocabulary; a model's larger one is the config's model.vocab_size)")
+    for flag, path in (("--out", args.out), ("--log-dir", args.log_dir)):
+        if path is not None and Path(path).exists() and not Path(path).is_dir():
+            raise InputError(f"{flag} {path} is a file, not a directory")
+    if args.out and args.resume is None and (Path(args.out) / "run.json").exists():
+        raise InputError(f"--out {args.out} holds an earlier run (run.json): give another "
+                         "directory, or --resume to go on with that run there")
 
 
 INT_FLAGS = {  # dest: the least value the flag accepts
@@ -92,10 +116,16 @@ def check_train_args(args) -> None:
 
 
 def _set(cfg: dict, path: str, value, flag: str, notes: list) -> None:
-    """cfg[a][b]... = value for path 'a.b...'; a note when it replaces a different value."""
+    """cfg[a][b]... = value for path 'a.b...'; a note when it replaces a different value; a
+    ConfigError if the config holds something other than an object on the way."""
+    from zmpi.config import ConfigError
+
     *parents, key = path.split(".")
-    for name in parents:
+    for i, name in enumerate(parents):
         cfg = cfg.setdefault(name, {})
+        if not isinstance(cfg, dict):
+            raise ConfigError(".".join(parents[:i + 1]),
+                              f"expected object, got {json.dumps(cfg)}")
     if key in cfg and cfg[key] != value:
         notes.append(f"{flag} overrides the config's {path} = {cfg[key]!r} with {value!r}")
     cfg[key] = value
@@ -108,16 +138,17 @@ def _get(cfg: dict, path: str):
 
 
 def _read_config(path: str) -> dict:
-    """The JSON object in `path`; a ConfigError (one line) if it cannot be read or parsed."""
-    from zmpi.config import ConfigError
+    """The JSON object in `path` (zmpi.config.parse_json: no repeated key, no NaN or
+    Infinity); a ConfigError (one line) if it cannot be read or parsed."""
+    from zmpi.config import ConfigError, parse_json
 
     try:
-        cfg = json.loads(Path(path).read_text())
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError("", f"cannot read {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError("", f"{path} is not valid JSON: {e.msg} at line {e.lineno} "
-                              f"column {e.colno}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError("", f"{path} is not UTF-8 text (byte {e.start})") from None
+    cfg = parse_json(text)
     if not isinstance(cfg, dict):
         raise ConfigError("", f"{path} holds a JSON {type(cfg).__name__}, not an object")
     return cfg
@@ -174,8 +205,13 @@ def _schedule_from_flags(cfg: dict, args, notes: list) -> None:
     if args.warmup_steps is not None:
         _set(cfg, "scheduler.params.warmup_num_steps", args.warmup_steps, "--warmup-steps",
              notes)
-    if args.lr_schedule is None:
-        return  # the config's own schedule, maybe with --warmup-steps
+    if args.lr_schedule is None:  # the config's own schedule, maybe with --warmup-steps
+        if args.lr is not None and kind in ("WarmupLR", "WarmupDecayLR"):
+            _set(cfg, "scheduler.params.warmup_max_lr", args.lr, "--lr", notes)
+        elif args.lr is not None and kind == "OneCycle":
+            raise InputError("--lr has no effect under the config's OneCycle schedule: its "
+                             "rates are scheduler.params.cycle_min_lr and cycle_max_lr")
+        return
     lr = args.lr if args.lr is not None else _get(cfg, "optimizer.params.lr") or DEFAULTS["lr"]
     if kind in ("WarmupLR", "WarmupDecayLR"):
         _set(cfg, "scheduler.params.warmup_max_lr", lr, "--lr-schedule", notes)
@@ -220,9 +256,11 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
     Config.from_dict({k: cfg[k] for k in Config._BATCH if k in cfg})
     world_size = _data_parallel_size(cfg, args, world_size, notes)  # the batch splits over dp
     _fill_auto(cfg, notes, args)
-    if cfg.get("train_batch_size") == AUTO:
+    micro_given = isinstance(cfg.get("train_micro_batch_size_per_gpu"), int)
+    if cfg.get("train_batch_size") == AUTO and (args.batch is not None or not micro_given):
         cfg["train_batch_size"] = args.batch if args.batch is not None else DEFAULTS["batch"]
-        notes.append(f"train_batch_size: 'auto' is {cfg['train_batch_size']} (--batch)")
+        notes.append(f"train_batch_size: 'auto' is {cfg['train_batch_size']} "
+                     f"({'--batch' if args.batch is not None else 'the default'})")
     accumulation = cfg.get("gradient_accumulation_steps", 1)
     if AUTO in (accumulation, cfg.get("train_micro_batch_size_per_gpu")):
         if args.batch is not None:  # the engine derives the "auto" keys from the batch
@@ -243,8 +281,10 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
         _set(cfg, "train_micro_batch_size_per_gpu", batch // (world_size * accumulation),
              "--batch", notes)
         _set(cfg, "train_batch_size", batch, "--batch", notes)
-    cfg.setdefault("optimizer", {"type": "AdamW", "params": {"lr": DEFAULTS["lr"]}})
-    if args.lr is not None:
+    if "optimizer" not in cfg:
+        cfg["optimizer"] = {"type": "AdamW", "params": {
+            "lr": args.lr if args.lr is not None else DEFAULTS["lr"]}}
+    elif args.lr is not None:
         _set(cfg, "optimizer.params.lr", args.lr, "--lr", notes)
     _schedule_from_flags(cfg, args, notes)
     cfg.setdefault("gradient_clipping", 1.0)
@@ -252,7 +292,7 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
         _set(cfg, "zero_optimization.stage", args.stage, "--stage", notes)
     if args.strategy is not None:
         _set(cfg, "zero_optimization.strategy", args.strategy, "--strategy", notes)
-    strategy = cfg.get("zero_optimization", {}).get("strategy")
+    strategy = _get(cfg, "zero_optimization.strategy") or None
     if args.stage is not None and strategy not in (None, f"stage{args.stage}"):
         raise InputError(f"--stage {args.stage} contradicts the strategy "
                          f"{strategy!r} (from {'--strategy' if args.strategy else '--config'}); "
@@ -290,6 +330,7 @@ def _checked_inputs(args, world_size: int):
     from zmpi.data import CharTokenizer, load_text, load_tokens, train_val_split
     from zmpi.zero import get_strategy
 
+    check_args(args)
     if args.data:  # a binary token file, memory-mapped
         try:
             tokens, vocab_size = load_tokens(args.data, args.vocab_size)
@@ -322,10 +363,44 @@ def _checked_inputs(args, world_size: int):
     dp = world_size // (resolved.tensor_parallel.autotp_size * resolved.pipeline.stages)
     resolved = resolved.resolve_batch(dp)  # what the engine checks
     try:  # "package.module:Class" imports (runs) that module here, as the engine would
-        get_strategy(resolved.strategy_name)
+        strategy = get_strategy(resolved.strategy_name)
     except ValueError as e:
         raise ConfigError("zero_optimization.strategy", str(e)) from None
+    _check_stage_agrees(config, strategy)
+    _check_nvme_paths(resolved)
     return tokenizer, train_tokens, val_tokens, vocab_size, config, notes
+
+
+def _check_stage_agrees(config: dict, strategy) -> None:
+    """A config (or flags) that names both a ZeRO stage and a strategy sharding otherwise
+    (e.g. stage 1 and "stage3") is a ConfigError: the strategy would win without a word."""
+    from zmpi.config import ConfigError
+
+    zero = config.get("zero_optimization", {})
+    if "stage" not in zero or zero.get("strategy") is None:
+        return
+    shards = (strategy.shard_parameters, strategy.shard_gradients, strategy.shard_optimizer)
+    implied = 3 if shards[0] else 2 if shards[1] else 1 if shards[2] else 0
+    if zero["stage"] != implied:
+        raise ConfigError("zero_optimization.stage",
+                          f"{zero['stage']} contradicts the strategy {zero['strategy']!r}, which "
+                          f"shards as ZeRO stage {implied}: give one of them")
+
+
+def _check_nvme_paths(resolved) -> None:
+    """The NVMe tier's directories, checked on every rank before the engine builds (a node
+    without one would otherwise fail alone)."""
+    from zmpi.config import ConfigError
+    from zmpi.offload.files import NVMeError, check_nvme_dir
+
+    zero = resolved.zero_optimization
+    for name, section in (("offload_optimizer", zero.offload_optimizer),
+                          ("offload_param", zero.offload_param)):
+        if section.nvme:
+            try:
+                check_nvme_dir(section.nvme_path)
+            except NVMeError as e:
+                raise ConfigError(f"zero_optimization.{name}.nvme_path", str(e)) from None
 
 
 def inputs_digest(inputs) -> str:

@@ -7,25 +7,27 @@ from zmpi.memory import DEVICES, MODEL_STATE
 
 def memory_table(engine, comm) -> str:
     """Every rank's measured model-state bytes (ledger) on the device and on the host, next
-    to what the strategy declares (for stages 0-3: the SC'20 formula extended with
-    ZeRO-Offload's placement, zmpi.memory; the test suite checks they agree)."""
+    to what its strategy declares (for stages 0-3: the SC'20 formula extended with
+    ZeRO-Offload's placement, zmpi.memory; the test suite checks they agree), and the
+    parameters it holds (Psi: its pipeline stage's, its tensor-parallel share, + padding)."""
     s = engine.strategy
     mbytes = engine.master_dtype.itemsize
     formula = s.expected_model_state()
-    rows = comm.allgather_object((comm.rank, *(engine.memory.model_state_bytes(d)
-                                               for d in DEVICES),
+    rows = comm.allgather_object((comm.rank, engine.num_params, engine.layout.padding,
+                                  *(engine.memory.model_state_bytes(d) for d in DEVICES),
+                                  *(sum(formula[d].values()) for d in DEVICES),
                                   engine.memory.peak(MODEL_STATE, "device")))
-    want = [sum(formula[d].values()) / 2**20 for d in DEVICES]
     lines = [f"model-state memory per rank ({s.name}, {engine.dtype.name} params, "
-             f"Psi = {engine.num_params:,} + {engine.layout.padding} padding, "
              f"K = {3 * mbytes}, N = {comm.size}, sharded over {s.world_size}; offload: optimizer "
              f"{'on' if s.offload_optimizer else 'off'}, params "
              f"{'on' if s.offload_param else 'off'})",
-             f"{'rank':>4} {'device MiB':>11} {'formula':>9} {'host MiB':>9} {'formula':>9} "
-             f"{'device peak':>12}"]
-    for rank, device, host, peak in rows:
-        lines.append(f"{rank:>4} {device / 2**20:>11.3f} {want[0]:>9.3f} {host / 2**20:>9.3f} "
-                     f"{want[1]:>9.3f} {peak / 2**20:>12.3f}")
+             f"{'rank':>4} {'Psi':>14} {'padding':>8} {'device MiB':>11} {'formula':>9} "
+             f"{'host MiB':>9} {'formula':>9} {'device peak':>12}"]
+    mib = 2**20
+    for rank, psi, padding, device, host, want_device, want_host, peak in rows:
+        lines.append(f"{rank:>4} {psi:>14,} {padding:>8} {device / mib:>11.3f} "
+                     f"{want_device / mib:>9.3f} {host / mib:>9.3f} {want_host / mib:>9.3f} "
+                     f"{peak / mib:>12.3f}")
     return "\n".join(lines)
 
 

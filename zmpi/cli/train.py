@@ -19,7 +19,7 @@ from zmpi.cli.inputs import (
     inputs_digest,
 )
 from zmpi.cli.report import memory_table, traffic_line
-from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.models.gpt import GPT, GPTConfig, gpt_num_params
 from zmpi.parallel.mesh import Mesh
 
 
@@ -65,7 +65,9 @@ def train(args) -> None:
                               seed=args.seed)
     val_data = BatchSampler(val_tokens, args.seq_len, global_batch, mesh.dp_rank, mesh.dp,
                             seed=args.seed + 1)
-    log.info(f"zmpi train: GPT {engine.num_params:,} params, {comm.size} ranks, "
+    total = gpt_num_params(args.n_layer, args.d_model, model_vocab, args.seq_len)
+    log.info(f"zmpi train: GPT {total:,} params, {comm.size} ranks (dp {mesh.dp} x pp {mesh.pp} x "
+             f"tp {mesh.tp}), "
              f"{engine.strategy.name}, {engine.dtype.name}, global batch {global_batch} x "
              f"{args.seq_len} tokens, {args.steps} steps")
 
@@ -178,8 +180,9 @@ def _resume(args, engine, comm, log) -> int:
 
 
 def _sound_alternative(directory) -> str:
-    """When the newest checkpoint in `directory` does not load: the newest that verifies, as
-    a hint to add to the error (rank 0, offline; reads each candidate whole)."""
+    """When the newest checkpoint in `directory` does not load because it is damaged (it
+    does not verify): the newest that verifies, as a hint to add to the error (rank 0,
+    offline; reads each candidate whole)."""
     from zmpi.checkpoint import tools
     from zmpi.checkpoint.sharded import fallback_tags
     from zmpi.checkpoint.store import resolve_tag
@@ -188,6 +191,8 @@ def _sound_alternative(directory) -> str:
         newest = resolve_tag(directory, None)
     except CheckpointError:
         newest = None
+    if newest is not None and not tools.verify(directory, newest.name):
+        return ""  # the newest is sound: what failed (another model, say) is no damage
     for tag in fallback_tags(directory, newest):
         if not tools.verify(directory, tag):
             return (f"\n  the newest checkpoint that verifies is {Path(directory) / tag}: "

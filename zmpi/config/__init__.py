@@ -39,7 +39,7 @@ it allows), `core` (the top-level `Config`). Import from `zmpi.config`; the spli
 implementation detail.
 """
 
-from .base import AUTO, ConfigError
+from .base import AUTO, ConfigError, parse_json
 from .core import Config
 from .sections import (
     RECOMPUTE,
@@ -49,6 +49,7 @@ from .sections import (
     DebugConfig,
     FP16Config,
     MemoryBudgetConfig,
+    ModelConfig,
     OptimizerConfig,
     PipelineConfig,
     SchedulerConfig,
@@ -59,4 +60,5 @@ from .zero import OffloadConfig, OffloadParamConfig, ZeroConfig
 __all__ = ["ConfigError", "AUTO", "OptimizerConfig", "SchedulerConfig", "FP16Config",
            "BF16Config", "OffloadConfig", "OffloadParamConfig", "ZeroConfig",
            "TensorParallelConfig", "PipelineConfig", "ActivationCheckpointingConfig",
-           "RECOMPUTE", "DebugConfig", "MemoryBudgetConfig", "AioConfig", "Config"]
+           "RECOMPUTE", "DebugConfig", "MemoryBudgetConfig", "AioConfig", "ModelConfig", "Config",
+           "parse_json"]

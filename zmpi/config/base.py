@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import typing
 from collections.abc import Mapping
 from dataclasses import fields
 
-__all__ = ["ConfigError", "AUTO"]
+__all__ = ["ConfigError", "AUTO", "parse_json"]
 
 
 class ConfigError(ValueError):
@@ -32,6 +33,42 @@ class ConfigError(ValueError):
 
     def prefixed(self, prefix: str) -> ConfigError:
         return ConfigError(f"{prefix}.{self.key}" if self.key else prefix, self.msg)
+
+
+def parse_json(text: str, where: str | None = None):
+    """The JSON value in `text`, stricter than json.loads: a key repeated in one object
+    (json.loads keeps the last silently) and a number that is not finite (NaN, Infinity,
+    1e400) are ConfigErrors naming the key, as is invalid or too deeply nested JSON. `where`
+    (a file name) starts the messages that name no key."""
+    prefix = f"{where}: " if where else ""
+
+    def unique(pairs):
+        seen = {}
+        for key, value in pairs:
+            if key in seen:
+                raise ConfigError(key, "given twice in one object: give it once")
+            seen[key] = value
+        return seen
+
+    try:
+        value = json.loads(text, object_pairs_hook=unique)
+    except json.JSONDecodeError as e:
+        raise ConfigError("", f"{prefix}not valid JSON: {e.msg} at line {e.lineno} column "
+                              f"{e.colno}") from None
+    except RecursionError:
+        raise ConfigError("", f"{prefix}JSON nested too deeply") from None
+    _check_finite(value, "")
+    return value
+
+
+def _check_finite(value, key: str) -> None:
+    """ConfigError naming the first number in `value` (parsed JSON) that is not finite."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(key, f"must be a finite number, got {value!r}")
+    items = value.items() if isinstance(value, dict) else \
+        enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        _check_finite(v, f"{key}[{k}]" if isinstance(k, int) else f"{key}.{k}" if key else k)
 
 
 def _type_name(tp) -> str:

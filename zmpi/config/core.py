@@ -5,12 +5,11 @@ DeepSpeed batch rule (`resolve_batch`, batch keys given as "auto"), `from_dict` 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .base import AUTO, ConfigError, _check, _Section
+from .base import AUTO, ConfigError, _check, _Section, parse_json
 from .onebit import check_onebit_layout
 from .sections import (
     ActivationCheckpointingConfig,
@@ -54,7 +53,7 @@ class Config(_Section):
         "dump_state": "see engine.describe()",
     }
     _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    _COUNTS = _BATCH
+    _COUNTS = (*_BATCH, "seed", "steps_per_print")  # no float, 3.0 neither
     _auto_batch = frozenset()  # batch keys given as "auto", derived by resolve_batch
 
     train_batch_size: int | None = None
@@ -122,11 +121,7 @@ class Config(_Section):
         if not text.lstrip().startswith("{"):
             with open(path_or_str, encoding="utf-8") as fh:
                 text = fh.read()
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError("", f"invalid JSON in {path_or_str!s:.60}: {e}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(parse_json(text, f"{path_or_str!s:.60}"))
 
     @property
     def dtype_name(self) -> str:

@@ -53,6 +53,16 @@ def sync_and_drop(fd: int, offset: int, nbytes: int) -> None:
     drop_pages(fd, offset, nbytes)
 
 
+def check_nvme_dir(nvme_path) -> Path:
+    """`nvme_path` as a Path; NVMeError unless it is a directory this process can write in."""
+    root = Path(nvme_path)
+    if not root.is_dir():
+        raise NVMeError(f"nvme_path {root}: not a directory (create it on the NVMe drive)")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise NVMeError(f"nvme_path {root}: not writable by this process")
+    return root
+
+
 class SwapFile:
     """One rank's file `name`.bin of `nbytes` under `nvme_path`, in a directory of its own,
     reserved whole. `need` is what the node's ranks need together, named in the error when
@@ -62,11 +72,7 @@ class SwapFile:
 
     def __init__(self, nvme_path, nbytes: int, need: int, name: str = "optimizer",
                  what: str = "optimizer state"):
-        root = Path(nvme_path)
-        if not root.is_dir():
-            raise NVMeError(f"nvme_path {root}: not a directory (create it on the NVMe drive)")
-        if not os.access(root, os.W_OK | os.X_OK):
-            raise NVMeError(f"nvme_path {root}: not writable by this process")
+        root = check_nvme_dir(nvme_path)
         stat = os.statvfs(root)
         free = stat.f_bavail * stat.f_frsize
         if free < nbytes:

@@ -22,6 +22,11 @@ import math
 
 LOG, LINEAR = "log", "linear"
 REQUIRED = object()  # a parameter without a default
+# what a numeric parameter may be (Schedule.LIMITS): (the least value, the greatest, the words)
+RATE = (0.0, math.inf, "a finite number >= 0")
+STEPS = (1, math.inf, "a number of steps >= 1")
+COUNT = (0, math.inf, "a number >= 0")
+FRACTION = (0.0, 1.0, "a number from 0 to 1")
 
 
 def _warmup_gamma(it: int, warmup: int, kind: str) -> float:
@@ -32,10 +37,12 @@ def _warmup_gamma(it: int, warmup: int, kind: str) -> float:
 
 
 class Schedule:
-    """Base: `PARAMS` maps each parameter to its default (REQUIRED: none). Subclasses
-    implement lr(it), and betas(it) if they cycle momentum."""
+    """Base: `PARAMS` maps each parameter to its default (REQUIRED: none), `LIMITS` a
+    numeric parameter to its range (RATE, STEPS, COUNT, FRACTION). Subclasses implement
+    lr(it), and betas(it) if they cycle momentum."""
 
     PARAMS: dict = {}
+    LIMITS: dict = {}
 
     def __init__(self, base_lr: float, base_betas: tuple[float, float], **params):
         self.base_lr, self.base_betas = base_lr, tuple(base_betas)
@@ -66,6 +73,7 @@ class WarmupLR(Schedule):
 
     PARAMS = {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000,
               "warmup_type": LOG}
+    LIMITS = {"warmup_min_lr": RATE, "warmup_max_lr": RATE}
 
     def __init__(self, base_lr, base_betas, **params):
         super().__init__(base_lr, base_betas, **params)
@@ -88,6 +96,7 @@ class WarmupDecayLR(WarmupLR):
 
     PARAMS = {"total_num_steps": REQUIRED, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
               "warmup_num_steps": 1000, "warmup_type": LOG}
+    LIMITS = {**WarmupLR.LIMITS, "total_num_steps": STEPS}
 
     def _gamma(self, it):
         if it < self.warmup:
@@ -102,6 +111,7 @@ class WarmupCosineLR(Schedule):
 
     PARAMS = {"total_num_steps": REQUIRED, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
               "cos_min_ratio": 0.0001, "warmup_type": LOG}
+    LIMITS = {"total_num_steps": STEPS, "warmup_min_ratio": FRACTION, "cos_min_ratio": FRACTION}
 
     def __init__(self, base_lr, base_betas, **params):
         super().__init__(base_lr, base_betas, **params)
@@ -132,6 +142,11 @@ class OneCycle(Schedule):
               "cycle_first_stair_count": 0, "cycle_second_stair_count": None,
               "decay_step_size": 0, "cycle_momentum": True, "cycle_min_mom": 0.8,
               "cycle_max_mom": 0.9, "decay_mom_rate": 0.0}
+    LIMITS = {"cycle_min_lr": RATE, "cycle_max_lr": RATE, "decay_lr_rate": RATE,
+              "cycle_first_step_size": STEPS, "cycle_second_step_size": STEPS,
+              "cycle_first_stair_count": COUNT, "cycle_second_stair_count": COUNT,
+              "decay_step_size": COUNT, "cycle_min_mom": FRACTION, "cycle_max_mom": FRACTION,
+              "decay_mom_rate": RATE}
 
     def __init__(self, base_lr, base_betas, **params):
         super().__init__(base_lr, base_betas, **params)
@@ -217,6 +232,10 @@ def check_params(kind: str, params: dict) -> dict:
                 isinstance(value, (int, float)) and not isinstance(value, bool)), "a number"
         if not ok:
             raise ValueError(f"params.{key}: expected {want}, got {value!r}")
+        lo, hi, words = SCHEDULES[kind].LIMITS.get(key, (-math.inf, math.inf, "finite"))
+        if value is not None and not isinstance(value, (bool, str)) and not (
+                math.isfinite(value) and lo <= value <= hi):
+            raise ValueError(f"params.{key}: must be {words}, got {value!r}")
     SCHEDULES[kind](1.0, (0.9, 0.999), **full)  # the constructor's own checks
     return full
 
