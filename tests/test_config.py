@@ -409,3 +409,21 @@ def test_docs_config_table_lists_every_key():
                 list(cls._INERT):
             assert f"`{key}" in table or f"{key}`" in table or f".{key}" in table, \
                 (cls.__name__, key)
+
+
+def test_keys_idle_under_the_rest_of_the_config_are_noted():
+    """Keys set away from their defaults that the rest of the config leaves without effect
+    (stage 3's at stages 0-2, fp16's loss scaling with fp16 off, the pipeline's with one
+    stage) are named in the notes the engine prints; at their defaults, or where they act,
+    nothing is said."""
+    idle = Config.from_dict({"zero_optimization": {"stage": 1, "stage3_max_live_parameters": 1},
+                             "fp16": {"loss_scale": 128}, "pipeline": {"schedule": "gpipe"}})
+    assert idle.notes() == ["fp16.loss_scale: no effect with fp16 disabled",
+                            "zero_optimization.stage3_max_live_parameters: no effect at stage 1",
+                            "pipeline.schedule: no effect at stages 1"]
+    acting = Config.from_dict({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1},
+                               "fp16": {"enabled": True, "loss_scale": 128},
+                               "pipeline": {"stages": 2, "schedule": "gpipe"}})
+    assert acting.notes() == []
+    plugin = {"zero_optimization": {"strategy": "hybrid", "stage3_max_live_parameters": 1}}
+    assert Config.from_dict(plugin).notes() == []  # a strategy may act on them at any stage

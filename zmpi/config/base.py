@@ -215,6 +215,13 @@ class _Section:
                 out += [f"{f.name}.{n}" for n in v.notes()]
         return out
 
+    def _idle(self, keys, why: str) -> list[str]:
+        """A note naming those of `keys` set away from their defaults, which have no effect
+        under the rest of this section (`why`): for `notes()`."""
+        defaults = {f.name: f.default for f in fields(self)}
+        idle = [k for k in keys if getattr(self, k) != defaults[k]]
+        return [f"{', '.join(idle)}: no effect {why}"] if idle else []
+
     def to_dict(self) -> dict:
         """JSON-ready dict that `from_dict` maps back to an equal object (None keys omitted)."""
         out = {}

@@ -135,6 +135,12 @@ class FP16Config(_Section):
         _check(0 <= self.initial_scale_power <= 64, "initial_scale_power",
                f"must be in 0..64, got {self.initial_scale_power}")
 
+    def notes(self) -> list[str]:
+        scaling = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                   "min_loss_scale")
+        return super().notes() + ([] if self.enabled else
+                                  self._idle(scaling, "with fp16 disabled"))
+
 
 @dataclass(frozen=True)
 class BF16Config(_Section):
@@ -293,6 +299,10 @@ class PipelineConfig(_Section):
             check_method(self.partition)
         except ValueError as e:
             raise ConfigError("partition", str(e)) from None
+
+    def notes(self) -> list[str]:
+        return super().notes() + ([] if self.stages > 1 else
+                                  self._idle(("partition", "schedule"), "at stages 1"))
 
 
 @dataclass(frozen=True)

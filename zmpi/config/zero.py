@@ -200,6 +200,13 @@ class ZeroConfig(_Section):
                zeropp[0] if zeropp else "", "ZeRO++ quantizes and partitions the parameter "
                f'gathers of ZeRO-3: it needs "stage": 3, got {self.stage}')
 
+    def notes(self) -> list[str]:
+        out = super().notes()
+        if self.strategy is None and self.stage < 3:  # a registered strategy may use them
+            out += self._idle(("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                               "stage3_max_live_parameters"), f"at stage {self.stage}")
+        return out
+
     @property
     def zeropp_keys(self) -> list[str]:
         """The ZeRO++ keys set away from their defaults (zmpi/zero/zeropp.py acts on them)."""
