@@ -224,7 +224,8 @@ def test_zmpi_estimate_prints_activations_beside_korthikanti():
     out = subprocess.run([sys.executable, "-m", "zmpi.cli", "estimate", *GPT2,
                           "--micro-batch", "4", "--recompute", "selective"],
                          capture_output=True, text=True, check=True, cwd=REPO_ROOT).stdout
-    want = gpt_activation_bytes(12, 768, 12, 50257, 1024, 4, 2, recompute="selective")
+    want = gpt_activation_bytes(12, 768, 12, 50257, 1024, 4, 2, recompute="selective",
+                                block=attention_block(1024, 4 * 12, on_device=True))
     assert ("activations per rank: micro-batch 4 x 1024 tokens, 12 heads, 2-byte "
             "activations (fp16), recompute selective") in out
     assert (f"per layer s b h ({want['A']:.4g} + 0 a s / h) = {want['layer'] / 1e6:.4g} MB; "
@@ -243,7 +244,9 @@ def test_zmpi_estimate_prints_activations_beside_korthikanti():
 def test_zmpi_estimate_json_is_the_formula(capsys, args, kw):
     got = estimate_json(capsys, "--micro-batch", "2", *args)["activation"]
     kw = {"n_head": 12, "act_bytes": 2, **kw}
-    want = gpt_activation_bytes(12, 768, vocab_size=50257, seq_len=1024, micro_batch=2, **kw)
+    block = attention_block(1024, 2 * kw["n_head"] // kw.get("tp", 1), on_device=True)
+    want = gpt_activation_bytes(12, 768, vocab_size=50257, seq_len=1024, micro_batch=2,
+                                block=block, **kw)  # the GPU's attention blocks
     assert got["zmpi"] == json.loads(json.dumps(want)) and got["n_head"] == kw["n_head"]
     assert got["korthikanti"] == korthikanti_activation_bytes(
         12, 768, kw["n_head"], 1024, 2, kw.get("tp", 1), kw.get("sequence_parallel", False),
@@ -251,7 +254,7 @@ def test_zmpi_estimate_json_is_the_formula(capsys, args, kw):
     assert estimate_json(capsys)["activation"] is None  # no --micro-batch
 
 
-def test_zmpi_estimate_refuses_activation_flags_that_cannot_act():
+def test_zmpi_estimate_refuses_activation_flags_that_cannot_act(capsys):
     for args, match in (
             (["--recompute", "full"], "without --micro-batch there is no activation memory "
                                       "for --recompute to act on"),
@@ -265,8 +268,11 @@ def test_zmpi_estimate_refuses_activation_flags_that_cannot_act():
              "give --n-head"),
             (["--micro-batch", "2", "--tp", "2", "--sequence-parallel", "--seq-len", "9"],
              "--seq-len 9 is not a multiple of --tp 2")):
-        with pytest.raises(SystemExit, match=match):
+        with pytest.raises(SystemExit) as exit_info:
             main(["estimate", *GPT2, *args])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and re.search(match, err), (args, err)
+        assert err.startswith("zmpi estimate: ") and len(err.splitlines()) == 1
 
 
 def test_the_docs_examples_print_what_is_pasted():

@@ -167,8 +167,9 @@ def test_time_model_engine_terms_on_a_cpu():
         step_time(fp32, layout, Hardware.from_dict(cpu))
     gpu = PRESETS["a100"].to_dict()
     gpu_job = Job(4, 64, 4, 65, 32, 16, 1, 8, "fp16")
-    assert step_time(gpu_job, layout, Hardware.from_dict({**gpu, "half_storage_rate": 1e8})) \
-        == step_time(gpu_job, layout, Hardware.from_dict(gpu))
+    with pytest.raises(ValueError, match="half_storage_rate act only on a CPU"):
+        Hardware.from_dict({**gpu, "half_storage_rate": 1e8})  # a GPU stores fp16 natively
+    assert step_time(gpu_job, layout, Hardware.from_dict(gpu)).total > 0
 
 
 def test_offload_transfers_are_the_engines(monkeypatch):
@@ -287,14 +288,31 @@ def test_plan_json_and_bad_inputs(tmp_path):
     assert r.returncode == 0, r.stderr
     answer = json.loads(r.stdout)
     assert answer["candidates"] and answer["fitting"] >= len(answer["candidates"])
+    (tmp_path / "hw.json").write_text(json.dumps(PRESETS["cpu"].to_dict()))
     for flags, message in (
             (["--n-head", "3"], "does not divide"),
             (["--hardware", "tpu9"], "tpu9"),
             (["--device-memory", "lots"], "--device-memory"),
-            (["--nodes", "0"], "nodes")):
-        r = _plan(*SMALL_FLAGS, *flags, "--out", str(tmp_path / "x.json"))
+            (["--nodes", "0"], "nodes"),
+            (["--n-layer", "5000"], "n_layer 5,000 is beyond what the planner takes"),
+            (["--n-head", "1", "--n-layer", "1", "--gpus-per-node", "4", "--global-batch", "3"],
+             "no layout of 4 ranks splits the global batch 3"),
+            (["--hardware", "a100", "--gpus-per-node", "16"],
+             "the a100 hardware has 8 devices per node"),
+            (["--out", str(tmp_path)], "a directory, not a file"),
+            (["--out", str(tmp_path / "no" / "p.json")], "no directory"),
+            (["--save-hardware", str(tmp_path / "x.json")], "name one file"),
+            (["--hardware", str(tmp_path / "hw.json"), "--save-hardware",
+              str(tmp_path / "hw.json"), "--out", str(tmp_path / "p.json")],
+             "is the --hardware file it would replace")):
+        given = {f for f in flags if f.startswith("--")}
+        pairs = zip(SMALL_FLAGS[::2], SMALL_FLAGS[1::2], strict=True)
+        base = [item for flag, value in pairs if flag not in given for item in (flag, value)]
+        out = [] if "--out" in given else ["--out", str(tmp_path / "x.json")]
+        r = _plan(*base, *flags, *out)
         assert r.returncode == 2 and message in r.stderr, (flags, r.stderr)
-        assert len(r.stderr.strip().splitlines()) == 1
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert json.loads((tmp_path / "hw.json").read_text()) == PRESETS["cpu"].to_dict()
     r = _plan(*SMALL_FLAGS, "--device-memory", "1kB", "--out", str(tmp_path / "x.json"))
     assert r.returncode == 1 and "no layout fits" in r.stderr
     assert not (tmp_path / "x.json").exists()

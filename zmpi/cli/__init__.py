@@ -149,10 +149,10 @@ def main(argv=None) -> None:
                    help="the model's parameter count Psi (e.g. 7.5e9); or give a GPT shape")
     for flag, text in (("--n-layer", "layers"), ("--d-model", "hidden size"),
                        ("--vocab-size", "vocabulary"), ("--seq-len", "context length")):
-        e.add_argument(flag, type=int, default=None if flag == "--n-layer" else
-                       {"--d-model": 768, "--vocab-size": 50257, "--seq-len": 1024}[flag],
+        default = estimate.SHAPE_DEFAULTS.get(flag[2:].replace("-", "_"))
+        e.add_argument(flag, type=int, default=None,
                        help=f"GPT shape instead of --params: {text}"
-                       + ("" if flag == "--n-layer" else " (default %(default)s)"))
+                       + ("" if default is None else f" (default {default})"))
     e.add_argument("--world-size", type=int, required=True,
                    help="ranks N (data-parallel ranks: N / --tp)")
     e.add_argument("--tp", type=int, default=1, metavar="T",
@@ -223,4 +223,8 @@ def main(argv=None) -> None:
                 print(f"zmpi train: {e}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
     else:
-        estimate.estimate(args)
+        try:
+            estimate.estimate(args)
+        except estimate.Refused as e:
+            print(e, file=sys.stderr, flush=True)
+            raise SystemExit(2) from None

@@ -7,37 +7,87 @@ al.'s count (docs/activation-memory.md)."""
 from __future__ import annotations
 
 import json
+import math
 
 from zmpi.memory import estimate_rows
 from zmpi.models.gpt import gpt_activation_bytes, gpt_num_params, korthikanti_activation_bytes
+from zmpi.nn.attention import attention_block
 
 # The activations' itemsize by --precision: fp16 computes in fp16 on a GPU, bf16 in fp32
 # (zmpi.backend.compute_dtype; on the NumPy backend fp16 computes in fp32 too)
 ACTIVATION_BYTES = {"fp16": 2, "bf16": 4, "fp32": 4}
 
 
+class Refused(SystemExit):
+    """A bad `zmpi estimate` input, in one line (str): the command prints it and exits with
+    code 2."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"zmpi estimate: {self.message}"
+
+
+SHAPE_DEFAULTS = {"d_model": 768, "vocab_size": 50257, "seq_len": 1024}  # GPT-2 small's
+
+
+def check_inputs(args) -> None:
+    """Refused unless the numbers can mean a model and a run: --params a finite whole count
+    >= 1, or a GPT shape of integers >= 1 (within zmpi plan's limits; its other flags filled
+    from SHAPE_DEFAULTS), never both; --world-size, --tp and the byte counts >= 1."""
+    from zmpi.plan.layout import JOB_LIMITS
+
+    shape = [f"--{k.replace('_', '-')}" for k in SHAPE_DEFAULTS if getattr(args, k) is not None]
+    if (args.params is None) == (args.n_layer is None):
+        raise Refused("give --params, or a GPT shape (--n-layer, --d-model, --vocab-size, "
+                      "--seq-len)")
+    if args.params is not None:
+        if shape:
+            raise Refused(f"{', '.join(shape)}: a GPT shape's, which --params replaces: give "
+                          "the shape with --n-layer, or --params alone")
+        if not (math.isfinite(args.params) and args.params >= 1 and args.params.is_integer()):
+            raise Refused(f"--params must be a whole number >= 1, got {args.params!r}")
+    else:
+        for key, default in SHAPE_DEFAULTS.items():
+            if getattr(args, key) is None:
+                setattr(args, key, default)
+        limits = {"n_layer": JOB_LIMITS["n_layer"], "d_model": JOB_LIMITS["d_model"],
+                  "vocab_size": JOB_LIMITS["vocab_size"], "seq_len": JOB_LIMITS["seq_len"]}
+        for key, most in limits.items():
+            value = getattr(args, key)
+            if not 1 <= value <= most:
+                raise Refused(f"--{key.replace('_', '-')} must be in 1..{most:,}, got {value}")
+    for flag, value in (("--world-size", args.world_size), ("--tp", args.tp),
+                        ("--param-bytes", args.param_bytes),
+                        ("--optimizer-bytes", args.optimizer_bytes)):
+        if value is not None and value < 1:
+            raise Refused(f"{flag} must be >= 1, got {value}")
+
+
 def estimate(args) -> None:
     """Print the ZeRO paper's per-rank model-state memory and traffic for each stage (or
     --stage); with offload flags, device and host memory (ZeRO-Offload); with --micro-batch,
-    the activations per rank (`activation_memory`); --json for a machine-readable answer."""
-    if (args.params is None) == (args.n_layer is None):
-        raise SystemExit("zmpi estimate: give --params, or a GPT shape (--n-layer, --d-model, "
-                         "--vocab-size, --seq-len)")
+    the activations per rank (`activation_memory`); --json for a machine-readable answer.
+    A bad input is Refused."""
+    check_inputs(args)
     tp = args.tp
     if tp < 1 or args.world_size % tp:
-        raise SystemExit(f"zmpi estimate: --tp {tp} does not divide --world-size "
+        raise Refused(f"--tp {tp} does not divide --world-size "
                          f"{args.world_size} into data-parallel replicas")
     if args.micro_batch is not None and (args.n_layer is None or args.micro_batch < 1):
-        raise SystemExit("zmpi estimate: --micro-batch needs a GPT shape and is >= 1")
+        raise Refused("--micro-batch needs a GPT shape and is >= 1")
     psi = args.params / tp if args.params is not None else gpt_num_params(
         args.n_layer, args.d_model, args.vocab_size, args.seq_len, tp)
     dp = args.world_size // tp
-    pb = args.param_bytes or (4 if args.precision == "fp32" else 2)
-    k = args.optimizer_bytes or 12
+    pb = args.param_bytes if args.param_bytes is not None else \
+        (4 if args.precision == "fp32" else 2)
+    k = args.optimizer_bytes if args.optimizer_bytes is not None else 12
     stages = range(4) if args.stage is None else [args.stage]
     rows = estimate_rows(psi, dp, stages, pb, k, args.offload_optimizer, args.offload_param)
     if args.sequence_parallel and (tp == 1 or args.micro_batch is None):
-        raise SystemExit("zmpi estimate: --sequence-parallel needs --tp above 1 and "
+        raise Refused("--sequence-parallel needs --tp above 1 and "
                          "--micro-batch")
     tensor = tensor_traffic(args) if tp > 1 and args.micro_batch else None
     ops = tensor_ops(args) if tensor is not None else None
@@ -113,27 +163,28 @@ def activation_memory(args) -> dict | None:
         ("--cpu-checkpointing", args.cpu_checkpointing)) if value]
     if args.micro_batch is None:
         if given:
-            raise SystemExit("zmpi estimate: without --micro-batch there is no activation "
+            raise Refused("without --micro-batch there is no activation "
                              f"memory for {', '.join(given)} to act on")
         return None
     tp, recompute = args.tp, args.recompute or "none"
     if (args.partition_activations or args.cpu_checkpointing) and recompute != "full":
-        raise SystemExit("zmpi estimate: --partition-activations and --cpu-checkpointing act "
+        raise Refused("--partition-activations and --cpu-checkpointing act "
                          "on the inputs full recompute keeps: add --recompute full")
     if args.partition_activations and (tp == 1 or args.sequence_parallel):
-        raise SystemExit("zmpi estimate: --partition-activations splits the kept inputs over "
+        raise Refused("--partition-activations splits the kept inputs over "
                          "the tensor ranks: it needs --tp above 1, without --sequence-parallel "
                          "(whose kept inputs are each rank's share already)")
     n_head = args.n_head if args.n_head is not None else max(args.d_model // 64, tp)
     if n_head < 1 or args.d_model % n_head or n_head % tp:
-        raise SystemExit(f"zmpi estimate: {n_head} heads"
+        raise Refused(f"{n_head} heads"
                          + ("" if args.n_head is not None else " (the default)")
                          + f" must divide --d-model {args.d_model} and be a multiple of --tp "
                          f"{tp}: give --n-head")
     if args.sequence_parallel and args.seq_len % tp:
-        raise SystemExit(f"zmpi estimate: --seq-len {args.seq_len} is not a multiple of --tp "
+        raise Refused(f"--seq-len {args.seq_len} is not a multiple of --tp "
                          f"{tp}, as sequence parallelism needs")
     act_bytes = ACTIVATION_BYTES[args.precision]
+    block = attention_block(args.seq_len, args.micro_batch * n_head // tp, on_device=True)
     shape = {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": n_head,
              "seq_len": args.seq_len, "micro_batch": args.micro_batch, "tp": tp,
              "sequence_parallel": args.sequence_parallel, "recompute": recompute}
@@ -141,7 +192,7 @@ def activation_memory(args) -> dict | None:
             "partition": args.partition_activations, "cpu": args.cpu_checkpointing,
             "zmpi": gpt_activation_bytes(vocab_size=args.vocab_size, act_bytes=act_bytes,
                                          partition=args.partition_activations,
-                                         cpu=args.cpu_checkpointing, **shape),
+                                         cpu=args.cpu_checkpointing, block=block, **shape),
             "korthikanti": korthikanti_activation_bytes(**shape)}
 
 

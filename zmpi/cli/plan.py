@@ -3,8 +3,10 @@ their memory and time, and the best one written as a config `zmpi train` runs as
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
+from pathlib import Path
 
 from zmpi.models.gpt import gpt_num_params
 from zmpi.plan.hardware import parse_size
@@ -53,16 +55,28 @@ def run(args) -> None:
         device = None if args.device_memory is None else \
             parse_size(args.device_memory, "--device-memory")
         host = None if args.host_memory is None else parse_size(args.host_memory, "--host-memory")
+        _check_outputs(args)
         say = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
         hw = load_hardware(args.hardware, progress=say)
+        if hw.on_gpu and job.gpus_per_node > hw.devices_per_node:
+            raise ValueError(f"--gpus-per-node {job.gpus_per_node}: the {hw.name} hardware has "
+                             f"{hw.devices_per_node} devices per node (its node's links); give "
+                             "a hardware file for larger nodes")
     except ValueError as e:
         print(f"zmpi plan: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.save_hardware:
         hw.save(args.save_hardware)
     start = time.perf_counter()
-    result = plan(job, hw, device, host, args.top)
+    result = plan(job, hw, device, host, args.top,
+                  progress=lambda line: print(line, file=sys.stderr, flush=True))
     seconds = time.perf_counter() - start
+    if not result.considered:
+        print(f"zmpi plan: no layout of {job.world_size} ranks splits the global batch "
+              f"{job.global_batch}: the data-parallel ranks (the ranks over tp x pp, tp dividing "
+              f"the {job.n_head} heads within a node, pp at most the {job.n_layer + 2} units) "
+              "must divide it; give another --global-batch or fewer ranks", file=sys.stderr)
+        raise SystemExit(2)
     if args.json:
         print(json.dumps({"job": job.__dict__, "hardware": hw.to_dict(),
                           "considered": result.considered, "fitting": result.fitting,
@@ -77,9 +91,32 @@ def run(args) -> None:
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(to_config(job, result.best[0].layout), fh, indent=2)
         fh.write("\n")
-    launch = f"mpiexec -n {job.world_size} python -m zmpi.cli train --config {args.out}"
+    launch = (f"mpiexec -n {job.world_size} python -m zmpi.cli train --config "
+              f"{shlex.quote(args.out)}")
     print(f"wrote {args.out} (layout 1); run it: {launch}",
           file=sys.stderr if args.json else sys.stdout)
+
+
+def _check_outputs(args) -> None:
+    """ValueError before any work if --out or --save-hardware cannot be written, or if two of
+    the files would be one: the plan over the saved hardware, or over the hardware read."""
+    paths = {"--out": args.out}
+    if args.save_hardware is not None:
+        paths["--save-hardware"] = args.save_hardware
+    for flag, path in paths.items():
+        if not path:
+            raise ValueError(f"{flag} needs a file name")
+        if Path(path).is_dir():
+            raise ValueError(f"{flag} {path}: a directory, not a file")
+        if not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{flag} {path}: no directory {Path(path).parent} to write it in")
+    if args.save_hardware is not None and \
+            Path(args.out).resolve() == Path(args.save_hardware).resolve():
+        raise ValueError(f"--out and --save-hardware name one file, {args.out}: give two")
+    if Path(args.hardware).is_file():
+        for flag, path in paths.items():
+            if Path(path).resolve() == Path(args.hardware).resolve():
+                raise ValueError(f"{flag} {path} is the --hardware file it would replace")
 
 
 def _gb(nbytes: float) -> str:
@@ -92,7 +129,8 @@ def _print_table(job: Job, hw, result, device, seconds) -> None:
     print(f"GPT {job.n_layer} layers, d {job.d_model}, {job.n_head} heads, vocab "
           f"{job.vocab_size}, seq {job.seq_len}: {psi / 1e9:.4g} B parameters, {job.precision}; "
           f"batch {job.global_batch}; {job.nodes} x {job.gpus_per_node} = {job.world_size} "
-          f"ranks of {hw.name} ({_gb(device)} GB each, plans use {RESERVE:.0%})")
+          f"ranks of {hw.name} ({_gb(device)} GB {'each' if hw.on_gpu else 'per node'}, plans "
+          f"use {RESERVE:.0%})")
     rejected = ", ".join(f"{n} need more {why}" for why, n in result.rejected.items() if n)
     print(f"{result.considered} layouts considered in {seconds:.1f} s, {result.fitting} fit"
           + (f" ({rejected})" if rejected else ""))

@@ -46,11 +46,12 @@ def attention_block(T: int, batch_heads: int, on_device: bool) -> int:
     return T if rows >= T else max(ATTENTION_BLOCK, rows // ATTENTION_BLOCK * ATTENTION_BLOCK)
 
 
-@functools.cache
 def causal_entries(T: int, block: int) -> int:
     """Score entries causal attention computes per sequence and head over T positions, in
-    query blocks of `block` rows each against the keys up to the block's end."""
-    return sum((min(i + block, T) - i) * min(i + block, T) for i in range(0, T, block))
+    query blocks of `block` rows each against the keys up to the block's end: the k = T //
+    block full blocks, block x (j + 1) block for block j, and the rest r rows against all T."""
+    k, r = divmod(T, block)
+    return block * block * k * (k + 1) // 2 + r * T
 
 
 @functools.cache

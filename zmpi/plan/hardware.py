@@ -40,8 +40,9 @@ class Link:
 class Hardware:
     """One kind of node and its devices (on a CPU, a rank is a device).
 
-    peak_flops: {"fp32", "fp16", "bf16"}: dense matmul FLOP/s per device at that compute
-        dtype (on a CPU fp16 and bf16 compute in fp32: the fp32 rate).
+    peak_flops: {"fp32", "fp16"}: dense matmul FLOP/s per device at that compute dtype (on a
+        CPU fp16 computes in fp32: the fp32 rate). zmpi computes bf16 in fp32, so "bf16" is
+        the fp32 rate, filled in by `from_dict`; a file may give it only equal to fp32.
     gemm_efficiency: the fraction of peak the model's large matmuls reach (the one efficiency
         constant; stated with the source of the figures).
     memory_bandwidth: bytes/s of device memory, for the elementwise work (LayerNorm, GELU,
@@ -120,6 +121,9 @@ class Hardware:
     source: str = ""
     measured: dict = field(default_factory=dict)  # raw measurements, for "this"
 
+    def __post_init__(self):
+        self.peak_flops.setdefault("bf16", self.peak_flops["fp32"])  # bf16 computes in fp32
+
     @property
     def on_gpu(self) -> bool:
         return self.cores_per_node is None
@@ -149,9 +153,13 @@ class Hardware:
         if not isinstance(d["name"], str) or not d["name"]:
             raise ValueError(f"hardware: name must be a non-empty string, got {d['name']!r}")
         flops = d["peak_flops"]
-        _check_keys(flops, set(DTYPES), set(), "peak_flops")
+        _check_keys(flops, set(DTYPES), {"bf16"}, "peak_flops")
         values["peak_flops"] = {k: parse_size(flops[k], f"peak_flops.{k}", "flops")
-                                for k in DTYPES}
+                                for k in flops}
+        if values["peak_flops"].get("bf16", values["peak_flops"]["fp32"]) != \
+                values["peak_flops"]["fp32"]:
+            raise ValueError("peak_flops.bf16: zmpi computes bf16 in fp32, priced at the fp32 "
+                             "rate: leave bf16 out (or give it equal to fp32)")
         for key in ("gemm_efficiency", "oversubscribed_efficiency"):  # fractions in (0, 1]
             values[key] = parse_size(d.get(key, 1.0), key, "number")
             if values[key] > 1:
@@ -179,6 +187,12 @@ class Hardware:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"hardware: {key} must be a positive integer, got {value!r}")
+        cpu_only = [k for k, unset in (("oversubscribed", None), ("half_storage_rate", None),
+                                       ("oversubscribed_efficiency", 1.0))
+                    if d.get(k, unset) != unset]
+        if d.get("cores_per_node") is None and cpu_only:
+            raise ValueError(f"hardware: {', '.join(cpu_only)} act only on a CPU (cores_per_node "
+                             "set): a GPU's ranks have a device each")
         if not isinstance(d.get("source", ""), str):
             raise ValueError(f"hardware: source must be a string, got {d['source']!r}")
         if not isinstance(d.get("measured", {}), dict):
@@ -271,7 +285,7 @@ GPU_NOTES = (
 PRESETS: dict[str, Hardware] = {
     "a100": Hardware(
         name="a100",
-        peak_flops={"fp32": 19.5e12, "fp16": 312e12, "bf16": 312e12},
+        peak_flops={"fp32": 19.5e12, "fp16": 312e12},
         gemm_efficiency=0.75,
         memory_bandwidth=2.039e12,
         device_memory=80 * GiB,
@@ -294,7 +308,7 @@ PRESETS: dict[str, Hardware] = {
     ),
     "h100": Hardware(
         name="h100",
-        peak_flops={"fp32": 67e12, "fp16": 989e12, "bf16": 989e12},
+        peak_flops={"fp32": 67e12, "fp16": 989e12},
         gemm_efficiency=0.75,
         memory_bandwidth=3.35e12,
         device_memory=80 * GiB,
@@ -315,7 +329,7 @@ PRESETS: dict[str, Hardware] = {
     ),
     "v100": Hardware(
         name="v100",
-        peak_flops={"fp32": 15.7e12, "fp16": 125e12, "bf16": 15.7e12},
+        peak_flops={"fp32": 15.7e12, "fp16": 125e12},
         gemm_efficiency=0.75,
         memory_bandwidth=900e9,
         device_memory=32 * GiB,
@@ -337,7 +351,7 @@ PRESETS: dict[str, Hardware] = {
     ),
     "cpu": Hardware(
         name="cpu",
-        peak_flops={"fp32": 72e9, "fp16": 72e9, "bf16": 72e9},
+        peak_flops={"fp32": 72e9, "fp16": 72e9},
         gemm_efficiency=0.9,
         memory_bandwidth=0.7 * 409.6e9 / 128,
         device_memory=512 * GiB,

@@ -5,6 +5,7 @@ every candidate layout of a job (`layouts`), and the DeepSpeed-style config that
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 PRECISIONS = ("fp16", "bf16", "fp32")
@@ -12,6 +13,9 @@ OFFLOADS = ("none", "optimizer", "optimizer+param")
 RECOMPUTES = ("none", "selective", "full")
 SCHEDULES = ("1f1b", "gpipe")
 BUCKET_NUMEL = 50_000_000  # reduce_ and allgather_bucket_size of a plan's config (elements)
+JOB_LIMITS = {  # the most of each a Job takes: far beyond any model trained
+    "n_layer": 1024, "d_model": 1 << 20, "n_head": 1 << 16, "vocab_size": 1 << 24,
+    "seq_len": 1 << 24, "global_batch": 1 << 32, "nodes": 1 << 20, "gpus_per_node": 1 << 12}
 
 
 @dataclass(frozen=True)
@@ -32,11 +36,13 @@ class Job:
     precision: str = "fp16"
 
     def __post_init__(self):
-        for name in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len", "global_batch",
-                     "nodes", "gpus_per_node"):
+        for name, most in JOB_LIMITS.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            if value > most:
+                raise ValueError(f"{name} {value:,} is beyond what the planner takes (at most "
+                                 f"{most:,}, far beyond any model trained)")
         if self.d_model % self.n_head:
             raise ValueError(f"n_head {self.n_head} does not divide d_model {self.d_model}")
         if self.precision not in PRECISIONS:
@@ -89,7 +95,9 @@ class Layout:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n in increasing order (pairs up to sqrt(n): a batch of 2e9 is quick)."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
 
 
 def stage_offloads(stage: int) -> list[str]:

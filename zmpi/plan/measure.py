@@ -395,15 +395,24 @@ def load_hardware(spec, progress=None) -> Hardware:
     if name.lower() == "this":
         return measure_this(progress=progress)
     path = Path(name)
+    if path.is_dir():
+        raise ValueError(f"hardware file {name}: a directory, not a JSON file")
     if not path.is_file():
         if path.suffix or len(path.parts) > 1:
             raise ValueError(f"hardware file {name}: not found")
         raise ValueError(f"unknown hardware {name!r}: a preset ({', '.join(PRESETS)}), "
                          f"'this' (measure this machine) or the path of a JSON file")
+    from zmpi.config import parse_json
+
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = parse_json(path.read_text(encoding="utf-8"))  # a repeated key is an error
+    except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"hardware file {name}: not readable as JSON: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"hardware file {name}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"hardware file {name}: holds a JSON {type(data).__name__}, not an "
+                         "object")
     try:
         return Hardware.from_dict(data)
     except ValueError as e:

@@ -13,11 +13,13 @@ The methods are DeepSpeed's `partition_method` values:
                  head ride along
 
 `partition` minimises the heaviest stage (exactly, by dynamic programming over the split
-points), every stage holding at least one unit; among equally heavy splits it takes the one
-whose stages fill from the front, so the ties are the same on every rank.
+points, each split found by bisection: O(stages n log n)), every stage holding at least one
+unit; among equally heavy splits it takes the one whose stages fill from the front, so the
+ties are the same on every rank.
 """
 from __future__ import annotations
 
+import bisect
 import re
 
 
@@ -69,14 +71,25 @@ def partition(weights: list[int], stages: int) -> list[int]:
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0
     for k in range(1, stages + 1):
+        before, row, cuts = best[k - 1], best[k], cut[k]
         for j in range(k, n - (stages - k) + 1):
-            for i in range(j - 1, k - 2, -1):  # the last stage is [i, j); latest i first
-                last = prefix[j] - prefix[i]
-                if last >= best[k][j]:  # only grows as i falls: no earlier i can be lighter
-                    break
-                heaviest = max(best[k - 1][i], last)
-                if heaviest < best[k][j]:
-                    best[k][j], cut[k][j] = heaviest, i
+            # the last stage is [i, j), k - 1 <= i < j. max(before[i], its weight) falls with i
+            # until the stages before weigh at least as much as it (before[i] never falls as i
+            # grows, the last stage never grows): bisect for that first i, `cross`
+            lo, hi = k - 1, j
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if before[mid] >= prefix[j] - prefix[mid]:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            cross = lo
+            left = prefix[j] - prefix[cross - 1] if cross > k - 1 else inf
+            right = before[cross] if cross < j else inf
+            if right <= left:  # ties go to the latest i: where before[] still equals it
+                row[j], cuts[j] = right, bisect.bisect_right(before, right, cross, j) - 1
+            else:
+                row[j], cuts[j] = left, cross - 1
     bounds = [n]
     for k in range(stages, 0, -1):
         bounds.append(cut[k][bounds[-1]])
