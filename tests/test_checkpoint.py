@@ -350,9 +350,23 @@ def test_ckpt_cli_inspect_verify_consolidate(tmp_path):
     assert cli("verify", tmp_path / "c").returncode == 0
     out = cli("consolidate", tmp_path / "c", tmp_path / "m.npz", "--npz")
     assert out.returncode == 0 and (tmp_path / "m.npz").is_file(), out.stderr
-    flip_byte(next((tmp_path / "c" / "step1").glob("*.h5")), 300)
+    shard = next((tmp_path / "c" / "step1").glob("*.h5"))
+    before = shard.read_bytes()
+    for target, message in ((shard, "inside the checkpoint directory"),  # would destroy it
+                            (tmp_path / "c" / "latest", "inside the checkpoint directory"),
+                            (tmp_path, "a directory"),
+                            (tmp_path / "no" / "m.h5", "no directory")):
+        out = cli("consolidate", tmp_path / "c", target)
+        assert out.returncode == 1 and message in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1
+    assert shard.read_bytes() == before and cli("verify", tmp_path / "c").returncode == 0
+    out = cli("inspect", tmp_path / "c" / "step1")  # a tag's directory, not the checkpoints'
+    assert out.returncode == 1 and "this is one checkpoint (tag step1)" in out.stderr
+    flip_byte(shard, 300)
     out = cli("verify", tmp_path / "c")
     assert out.returncode == 1 and "corrupt" in out.stdout, out.stdout + out.stderr
+    out = cli("consolidate", tmp_path / "c", tmp_path / "m.h5")
+    assert out.returncode == 1 and not list(tmp_path.glob("m.h5*"))  # no partial file left
     out = cli("inspect", tmp_path / "nowhere")
     assert out.returncode == 1 and "missing" in out.stderr
 

@@ -28,6 +28,12 @@ def zmpi_train(n, *args, timeout=120):
                       args=["train", *TINY, *map(str, args)])
 
 
+def _tiny_with(flag, value) -> list[str]:
+    """TINY with `flag`'s value replaced."""
+    i = TINY.index(flag)
+    return [*TINY[:i + 1], value, *TINY[i + 2:]]
+
+
 def one_line_error(result, code=1):
     """The run failed with `code` and one line on stderr, no traceback."""
     assert result.returncode == code, result.describe()
@@ -265,16 +271,29 @@ def test_train_resume_offers_and_takes_the_newest_sound_checkpoint(tmp_path):
 @pytest.mark.mpi
 def test_train_resume_of_another_model_offers_no_other_checkpoint(tmp_path):
     """A sound checkpoint of another model is refused without the hint for a damaged one
-    (an older checkpoint of the same run would fail the same way)."""
+    (an older checkpoint of the same run would fail the same way); another head count, which
+    no parameter's shape shows, is refused by the config's model section; another batch
+    resumes with a note."""
     ck = tmp_path / "ck"
     assert zmpi_train(1, "--steps", "2", "--save-every", "2", "--ckpt-dir", ck, "--out",
                       tmp_path / "a").returncode == 0
-    wider = ["32" if arg == "16" else arg for arg in TINY]  # --d-model 32
+    wider = _tiny_with("--d-model", "32")
     result = launch_mpi(CLI, 1, timeout=120, args=[
         "train", *wider, "--steps", "4", "--resume", ck, "--out", tmp_path / "b"])
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.describe()
     assert "cannot resume" in result.stderr and "verifies" not in result.stderr, \
         result.describe()
+    heads = _tiny_with("--n-head", "1")
+    result = launch_mpi(CLI, 1, timeout=120, args=[
+        "train", *heads, "--steps", "4", "--resume", ck, "--out", tmp_path / "c"])
+    assert result.returncode == 1, result.describe()
+    assert "mismatch: the checkpoint is of a different model (model.n_head: checkpoint 2, " \
+           "this run 1)" in result.stderr, result.describe()
+    batch = _tiny_with("--batch", "8")
+    result = launch_mpi(CLI, 1, timeout=120, args=[
+        "train", *batch, "--steps", "4", "--resume", ck, "--out", tmp_path / "d"])
+    assert result.returncode == 0, result.describe()
+    assert "train_batch_size is 8 (the checkpoint had 4)" in result.stdout, result.describe()
 
 
 @pytest.mark.mpi

@@ -129,7 +129,8 @@ def test_train_save_every_and_resume(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [".zmpi-lock", "latest", "step4"]
     out = _train(tmp_path, 2, "--stage", "3", "--steps", "8", "--resume", tmp_path / "ck",
                  "--out", tmp_path / "second").stdout
-    assert "resumed from" in out and "step 4, saved by 2 ranks with stage3" in out
+    assert "resumed from" in out and \
+        "step 4, saved by 2 ranks, dp 2 x pp 1 x tp 1, with stage3" in out
     whole, second = _losses(tmp_path / "whole"), _losses(tmp_path / "second")
     assert sorted(second) == [4, 5, 6, 7]
     assert [second[s] for s in second] == [whole[s] for s in second]

@@ -122,6 +122,7 @@ class Loaded:
     client_state: dict
     notes: list[str]
     run_id: str  # the run that saved it, which the loading engine continues
+    mesh: dict  # {"dp", "pp", "tp"} of the run that saved it
 
 
 def check_same_model(manifest: dict, layout, splits, where) -> None:
@@ -305,6 +306,7 @@ class Checkpointer:
             manifest = read_manifest(ckpt)
             check_same_model(manifest, state.saved_layout, state.saved_splits,
                              ckpt / MANIFEST)
+            state.check_model(manifest, ckpt / MANIFEST)
             same_dtype = manifest["dtype"] == state.dtype.name
             with ShardReader(ckpt, manifest, verify) as reader:
                 states = {s: read_owned(reader, s, layout, strategy.rank,
@@ -327,7 +329,8 @@ class Checkpointer:
             self.run_id = manifest["run_id"]
         return Loaded(ckpt, manifest["tag"], manifest["world_size"], manifest["strategy"],
                       manifest["global_steps"], manifest["client_state"], notes,
-                      manifest["run_id"])
+                      manifest["run_id"], manifest.get("mesh") or
+                      {"dp": manifest["world_size"], "pp": 1, "tp": 1})
 
 
 class RanksReadDifferently(CheckpointError):

@@ -119,6 +119,10 @@ def resolve_tag(directory, tag: str | None) -> Path:
     if tag is None:
         latest = directory / LATEST
         if not latest.is_file():
+            if (directory / MANIFEST).is_file():  # a tag's own directory
+                raise CheckpointError(f"{directory}: mismatch: this is one checkpoint (tag "
+                                      f"{directory.name}), not a checkpoint directory: give "
+                                      f"{directory.parent} with the tag {directory.name}")
             tags = sorted(p.name for p in directory.iterdir() if (p / MANIFEST).is_file())
             raise CheckpointError(f"{latest}: missing: no '{LATEST}' file, so no complete "
                                   f"checkpoint was saved here (complete tags: {tags or 'none'})")
@@ -370,7 +374,8 @@ def open_shard(ckpt: Path, manifest: dict, index: int, verify: bool = True):
     entry = manifest["files"][index]
     path = Path(ckpt) / entry["file"]
     if not path.is_file():
-        raise CheckpointError(f"{path}: missing: shard file of rank {rank} is not there")
+        what = "is not there" if not path.exists() else "is not a regular file"
+        raise CheckpointError(f"{path}: missing: shard file of rank {rank} {what}")
     size = path.stat().st_size
     if size != entry["bytes"]:
         word = "truncated" if size < entry["bytes"] else "corrupt"

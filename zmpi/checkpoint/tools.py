@@ -105,6 +105,7 @@ def consolidate(directory, out, tag=None, npz=False) -> Path:
     ckpt = resolve_tag(directory, tag)
     manifest = read_manifest(ckpt)
     out = Path(out)
+    _check_output(out, Path(directory))
     tmp = out.with_name(out.name + ".tmp")
     dtype = np.dtype(manifest["master_dtype"])
     tied = manifest["tied"]
@@ -118,12 +119,30 @@ def consolidate(directory, out, tag=None, npz=False) -> Path:
                               local[name])
                 yield name, flat.reshape(shape)
 
-        if npz:
-            _write_npz(tmp, tensors(), tied)
-        else:
-            _write_h5(tmp, tensors(), tied, manifest, ckpt)
-    os.replace(tmp, out)
+        try:
+            if npz:
+                _write_npz(tmp, tensors(), tied)
+            else:
+                _write_h5(tmp, tensors(), tied, manifest, ckpt)
+            os.replace(tmp, out)
+        except OSError as e:
+            raise CheckpointError(f"{out}: not written: {e.strerror or e}") from None
+        finally:
+            tmp.unlink(missing_ok=True)  # a failed write leaves no partial file behind
     return out
+
+
+def _check_output(out: Path, directory: Path) -> None:
+    """CheckpointError unless `out` can be a new file outside the checkpoint directory (a
+    path inside it could replace the very shards being read, or `latest`)."""
+    target = out.resolve()
+    if target == directory.resolve() or directory.resolve() in target.parents:
+        raise CheckpointError(f"{out}: inside the checkpoint directory {directory}; write the "
+                              "consolidated file elsewhere")
+    if target.is_dir():
+        raise CheckpointError(f"{out}: a directory; give a file name")
+    if not target.parent.is_dir():
+        raise CheckpointError(f"{out}: no directory {out.parent} to write it in")
 
 
 def _write_h5(path, tensors, tied, manifest, ckpt) -> None:

@@ -171,8 +171,11 @@ def _resume(args, engine, comm, log) -> int:
                         "a step")
     for note in notes:
         log.info(note)
-    log.info(f"resumed from {loaded.path} (step {first}, saved by {loaded.world_size} ranks "
-             f"with {loaded.strategy}) on {comm.size} ranks with {engine.strategy.name}")
+    saved = loaded.mesh
+    log.info(f"resumed from {loaded.path} (step {first}, saved by "
+             f"{saved['dp'] * saved['pp'] * saved['tp']} ranks, dp {saved['dp']} x pp "
+             f"{saved['pp']} x tp {saved['tp']}, with {loaded.strategy}) on {comm.size} ranks "
+             f"with {engine.strategy.name}")
     if first >= args.steps:
         _exit_bad_input(f"the checkpoint is at step {first}; ask for more --steps than that "
                         "to go on")

@@ -64,6 +64,20 @@ class TrainState:
         json.dumps(body["client_state"])  # TypeError now, not when the manifest is written
         return body
 
+    def check_model(self, manifest: dict, where) -> None:
+        """CheckpointError ("mismatch") if the checkpoint's config names a model shape (its
+        `model` section, as zmpi train and zmpi plan write it) that differs from this
+        engine's where both give a key: n_head above all, which no parameter's shape shows."""
+        from zmpi.checkpoint import CheckpointError
+
+        saved = manifest["config"].get("model") or {}
+        ours = self._engine.config.model.given()
+        differ = [f"model.{k}: checkpoint {saved[k]}, this run {ours[k]}"
+                  for k in sorted(set(saved) & set(ours)) if saved[k] != ours[k]]
+        if differ:
+            raise CheckpointError(f"{where}: mismatch: the checkpoint is of a different model "
+                                  f"({'; '.join(differ)})")
+
     def restore(self, manifest: dict, states: dict) -> list[str]:
         """Install a checkpoint read by zmpi.checkpoint (a collective). `states`: this rank's
         owned shard of each model state, in this engine's layout; without "params" (the
@@ -85,6 +99,12 @@ class TrainState:
                           ("weight_decay", opt.weight_decay), ("decoupled", opt.decoupled)):
             if saved[key] != ours:
                 notes.append(f"optimizer {key} is {ours!r} (the checkpoint had {saved[key]!r})")
+        for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                    "gradient_accumulation_steps"):
+            was, now = manifest["config"].get(key), getattr(engine.config, key)
+            if was is not None and was != now:
+                notes.append(f"{key} is {now} (the checkpoint had {was}): the data and the "
+                             "losses go on differently from the saved run")
         if "scheduler" in manifest and manifest["scheduler"] != engine.config.scheduler.to_dict():
             notes.append(f"the scheduler is {engine.config.scheduler.to_dict()} (the checkpoint "
                          f"had {manifest.get('scheduler')}); it goes on from step "
