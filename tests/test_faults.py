@@ -381,3 +381,21 @@ def test_a_timed_out_launch_says_where_each_rank_was(tmp_path):
     assert result.timed_out and result.returncode is None, result.describe()
     assert "wait_for_the_other_rank" in result.stderr, result.describe()
     assert "never_arrive" in result.stderr, result.describe()
+
+
+def test_a_run_that_raises_says_failed_in_run_json(tmp_path):
+    """RunRecord as a context: an exception before close (a save refused on preemption, a
+    non-finite loss) leaves run.json "failed" with the error, not "running"; a closed run
+    keeps its status."""
+    from types import SimpleNamespace
+
+    from zmpi.runinfo import RunRecord
+
+    rank0 = SimpleNamespace(rank=0, size=1)
+    with pytest.raises(RuntimeError), RunRecord(tmp_path / "a", rank0):
+        raise RuntimeError("the lock is held")
+    meta = json.loads((tmp_path / "a" / "run.json").read_text())
+    assert meta["status"] == "failed" and meta["error"] == "RuntimeError: the lock is held"
+    with RunRecord(tmp_path / "b", rank0) as record:
+        record.close(status="preempted")
+    assert json.loads((tmp_path / "b" / "run.json").read_text())["status"] == "preempted"

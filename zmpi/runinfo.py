@@ -163,6 +163,15 @@ class RunRecord:
             self._metrics.close()
             self._metrics = None
 
+    def __enter__(self) -> RunRecord:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        """A run that raises before `close` (a failed save, a non-finite loss, Ctrl-C) ends
+        with run.json's status "failed" and the error, not "running"."""
+        if kind is not None and self._metrics is not None:
+            self.close(status="failed", error=f"{kind.__name__}: {error}")
+
 
 class StepSummary:
     """What the end of a run reports about its steps, in constant memory however long the

@@ -78,68 +78,70 @@ def train(args) -> None:
     first = _resume(args, engine, comm, log) if args.resume is not None else 0
     if args.save_every:
         _claim(engine, ckpt_dir, args.overwrite_ckpt_dir, log)
-    record = RunRecord(out, comm, argv=sys.argv, config=cfg.to_dict(), model=vars(model_cfg),
-                       engine=engine.describe(), first_step=first)
-    guard = PreemptionGuard()
-    summary = StepSummary()  # what the end needs; the rows go to metrics.csv only
-    bar = tqdm(range(first, args.steps), disable=comm.rank != 0, file=sys.stdout,
-               mininterval=0.5, dynamic_ncols=True)
-    start = time.perf_counter()
-    for step in bar:
-        t0 = time.perf_counter()
-        loss = engine.train_step(*train_data.sample(step))
-        tokens_per_s = global_batch * args.seq_len / (time.perf_counter() - t0)
-        summary.add(loss)
-        record.append((step, loss, tokens_per_s, engine.scaler.scale, engine.lr,
-                       engine.scaler.skipped_steps))
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
-        if args.log_dir and step % cfg.steps_per_print == 0:
-            log.info(f"step {step} loss {loss:.4f} tokens/s {tokens_per_s:.0f}")
-        preempted = guard.requested(comm)
-        if preempted or (args.save_every and ((step + 1) % args.save_every == 0
-                                              or step + 1 == args.steps)):
+    # run.json says "failed" if anything below raises (RunRecord.__exit__)
+    with RunRecord(out, comm, argv=sys.argv, config=cfg.to_dict(), model=vars(model_cfg),
+                   engine=engine.describe(), first_step=first) as record:
+        guard = PreemptionGuard()
+        summary = StepSummary()  # what the end needs; the rows go to metrics.csv only
+        bar = tqdm(range(first, args.steps), disable=comm.rank != 0, file=sys.stdout,
+                   mininterval=0.5, dynamic_ncols=True)
+        start = time.perf_counter()
+        for step in bar:
             t0 = time.perf_counter()
-            path = engine.save_checkpoint(ckpt_dir, f"step{step + 1}", args.keep_last,
-                                          async_=args.async_save and not preempted,
-                                          client_state={"step": step + 1, "seed": args.seed})
-            if args.log_dir or preempted:
-                log.info(f"{'started saving' if args.async_save else 'saved'} {path} "
-                         f"({time.perf_counter() - t0:.2f} s)")
-        if preempted:
-            bar.close()
-            engine.close()  # finishes the save
-            log.info(f"zmpi train: {guard.received or 'a signal on another rank'}: stopped "
-                     f"after step {step}; go on with --resume {ckpt_dir}")
-            record.close(status="preempted", last_step=step, checkpoint=str(ckpt_dir))
-            return
-    elapsed = time.perf_counter() - start
-    engine.flush()  # a delayed update in flight lands before evaluation
-    log.info(traffic_line(engine, summary.steps))
-    profile = engine.phases.table(comm) if args.profile else None
-    if profile:
-        log.info("time per step by phase (ms):\n" + profile)
-    val_loss = np.mean([engine.eval_loss(*val_data.sample(i)) for i in range(4)])
-    mean_tps = summary.steps * global_batch * args.seq_len / elapsed
-    log.info(f"loss {summary.first_loss:.3f} -> {summary.last_loss:.3f} (val {val_loss:.3f}); "
-             f"{mean_tps:,.0f} tokens/s over {elapsed:.1f} s")
-    log.info(memory_table(engine, comm))
+            loss = engine.train_step(*train_data.sample(step))
+            tokens_per_s = global_batch * args.seq_len / (time.perf_counter() - t0)
+            summary.add(loss)
+            record.append((step, loss, tokens_per_s, engine.scaler.scale, engine.lr,
+                           engine.scaler.skipped_steps))
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+            if args.log_dir and step % cfg.steps_per_print == 0:
+                log.info(f"step {step} loss {loss:.4f} tokens/s {tokens_per_s:.0f}")
+            preempted = guard.requested(comm)
+            if preempted or (args.save_every and ((step + 1) % args.save_every == 0
+                                                  or step + 1 == args.steps)):
+                t0 = time.perf_counter()
+                path = engine.save_checkpoint(ckpt_dir, f"step{step + 1}", args.keep_last,
+                                              async_=args.async_save and not preempted,
+                                              client_state={"step": step + 1, "seed": args.seed})
+                if args.log_dir or preempted:
+                    log.info(f"{'started saving' if args.async_save else 'saved'} {path} "
+                             f"({time.perf_counter() - t0:.2f} s)")
+            if preempted:
+                bar.close()
+                engine.close()  # finishes the save
+                log.info(f"zmpi train: {guard.received or 'a signal on another rank'}: stopped "
+                         f"after step {step}; go on with --resume {ckpt_dir}")
+                record.close(status="preempted", last_step=step, checkpoint=str(ckpt_dir))
+                return
+        elapsed = time.perf_counter() - start
+        engine.flush()  # a delayed update in flight lands before evaluation
+        log.info(traffic_line(engine, summary.steps))
+        profile = engine.phases.table(comm) if args.profile else None
+        if profile:
+            log.info("time per step by phase (ms):\n" + profile)
+        val_loss = np.mean([engine.eval_loss(*val_data.sample(i)) for i in range(4)])
+        mean_tps = summary.steps * global_batch * args.seq_len / elapsed
+        log.info(f"loss {summary.first_loss:.3f} -> {summary.last_loss:.3f} (val {val_loss:.3f}); "
+                 f"{mean_tps:,.0f} tokens/s over {elapsed:.1f} s")
+        log.info(memory_table(engine, comm))
 
-    if mesh.pp == 1:  # sampling runs the whole model on every rank
-        prompt = (tokenizer.encode("ROMEO:\n") if tokenizer else val_tokens[:8].astype(np.int64))
-        ids = engine.model.generate(prompt[None, :], args.sample_tokens, temperature=0.8,
-                                    rng=args.seed, vocab=vocab_size)[0]
-        sample = tokenizer.decode(ids) if tokenizer else " ".join(map(str, ids.tolist()))
-        log.info("--- sample ---\n" + sample)
-    else:
-        sample = f"(no sample: each of the {mesh.pp} pipeline stages holds part of the model)"
-        log.info(sample)
-    if comm.rank == 0:
-        (out / "sample.txt").write_text(sample)
-    record.close(status="finished", val_loss=float(val_loss), tokens_per_s=mean_tps,
-                 profile=profile, **summary.as_dict(),
-                 memory=engine.memory.snapshot(), optimizer_timing=engine.update_timing)
-    log.info(f"wrote {out}/run.json, metrics.csv, sample.txt")
-    engine.close()
+        if mesh.pp == 1:  # sampling runs the whole model on every rank
+            prompt = (tokenizer.encode("ROMEO:\n") if tokenizer
+                      else val_tokens[:8].astype(np.int64))
+            ids = engine.model.generate(prompt[None, :], args.sample_tokens, temperature=0.8,
+                                        rng=args.seed, vocab=vocab_size)[0]
+            sample = tokenizer.decode(ids) if tokenizer else " ".join(map(str, ids.tolist()))
+            log.info("--- sample ---\n" + sample)
+        else:
+            sample = f"(no sample: each of the {mesh.pp} pipeline stages holds part of the model)"
+            log.info(sample)
+        if comm.rank == 0:
+            (out / "sample.txt").write_text(sample)
+        record.close(status="finished", val_loss=float(val_loss), tokens_per_s=mean_tps,
+                     profile=profile, **summary.as_dict(),
+                     memory=engine.memory.snapshot(), optimizer_timing=engine.update_timing)
+        log.info(f"wrote {out}/run.json, metrics.csv, sample.txt")
+        engine.close()
 
 
 def _resume(args, engine, comm, log) -> int:
