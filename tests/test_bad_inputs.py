@@ -380,3 +380,30 @@ def _namespace(tmp_path, config, **flags):
         "seq_len", "n_layer", "n_head", "d_model")}
     return argparse.Namespace(**{**base, "offload_optimizer": False, "offload_param": False,
                                  "steps": 10, "config": str(path), **flags})
+
+
+def test_output_paths_that_are_files_are_one_line(tmp_path):
+    """--out and --log-dir naming a file are input errors, found with the other checks (the
+    logger used to be made first, and a file as --log-dir was a traceback on every rank)."""
+    (tmp_path / "file").write_text("")
+    for flag in ("--out", "--log-dir"):
+        flags = [flag, str(tmp_path / "file")] + (["--out", str(tmp_path / "run")]
+                                                  if flag == "--log-dir" else [])
+        import contextlib
+        import io
+
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_info:
+            main(["train", *TINY, *flags])
+        assert exit_info.value.code == 2
+        assert _one_line(err.getvalue()) == f"zmpi train: {flag} {tmp_path / 'file'} is a " \
+                                            "file, not a directory"
+
+
+def test_stage_and_a_strategy_that_shards_alike_agree(tmp_path):
+    """--stage 3 with the hybrid strategy (a ZeRO-3 strategy) is no contradiction; with
+    stage 2 it is, found by what the strategy shards rather than by its name."""
+    assert build_config(_namespace(tmp_path, {}, stage=3, strategy="hybrid"), 1, [])
+    line = _train_fails(["--stage", "2", "--strategy", "hybrid"], tmp_path)
+    assert "zero_optimization.stage: 2 contradicts the strategy 'hybrid', which shards as " \
+           "ZeRO stage 3" in line, line

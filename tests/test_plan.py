@@ -333,3 +333,14 @@ def test_oversubscribed_efficiency_slows_only_ranks_beyond_the_cores():
         == step_time(job, dp, Hardware.from_dict(alone))
     with pytest.raises(ValueError, match="oversubscribed_efficiency"):
         Hardware.from_dict({**cpu, "oversubscribed_efficiency": 1.5})
+
+
+def test_a_long_search_reports_progress_even_when_nothing_fits():
+    """Every 20,000 layouts considered, fitting or not (the count used to be checked only
+    after a layout that fit)."""
+    from zmpi.plan.search import plan
+
+    job = Job(128, 25600, 160, 51200, 2048, 3072, 384, 8, "fp16")  # 37,272 layouts
+    said = []
+    result = plan(job, PRESETS["a100"], device_memory=1e9, progress=said.append)
+    assert result.fitting == 0 and said == ["20000 layouts considered, 0 fit"]

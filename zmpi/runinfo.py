@@ -167,10 +167,11 @@ class RunRecord:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        """A run that raises before `close` (a failed save, a non-finite loss, Ctrl-C) ends
-        with run.json's status "failed" and the error, not "running"."""
+        """A run that raises before `close` ends with run.json's status "failed" (a failed
+        save, a non-finite loss) or "interrupted" (Ctrl-C) and the error, not "running"."""
         if kind is not None and self._metrics is not None:
-            self.close(status="failed", error=f"{kind.__name__}: {error}")
+            self.close(status="interrupted" if issubclass(kind, KeyboardInterrupt) else "failed",
+                       error=f"{kind.__name__}: {error}")
 
 
 class StepSummary:

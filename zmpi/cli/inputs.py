@@ -293,7 +293,8 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
     if args.strategy is not None:
         _set(cfg, "zero_optimization.strategy", args.strategy, "--strategy", notes)
     strategy = _get(cfg, "zero_optimization.strategy") or None
-    if args.stage is not None and strategy not in (None, f"stage{args.stage}"):
+    built_in = strategy in ("stage0", "stage1", "stage2", "stage3")  # others: _check_stage_agrees
+    if args.stage is not None and built_in and strategy != f"stage{args.stage}":
         raise InputError(f"--stage {args.stage} contradicts the strategy "
                          f"{strategy!r} (from {'--strategy' if args.strategy else '--config'}); "
                          "give one of them")

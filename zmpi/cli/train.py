@@ -33,7 +33,6 @@ def train(args) -> None:
     from zmpi.runinfo import PreemptionGuard, RunRecord, StepSummary, rank_logger
 
     comm = Comm()
-    log = rank_logger(comm.rank, args.log_dir)
     where = f"config {args.config}" if args.config else "config from the flags"
     try:  # every input is checked on every rank before the first collective
         inputs, problem = _checked_inputs(args, comm.size), None
@@ -41,7 +40,10 @@ def train(args) -> None:
         inputs, problem = None, str(e)
     except ConfigError as e:
         inputs, problem = None, f"{where}: {e}"
+    except OSError as e:  # a path a node cannot search (EACCES), say
+        inputs, problem = None, f"{e.filename}: {e.strerror}"
     _agree_on_inputs(comm, problem, None if inputs is None else inputs_digest(inputs))
+    log = rank_logger(comm.rank, args.log_dir)  # --log-dir checked above
     tokenizer, train_tokens, val_tokens, vocab_size, config, notes = inputs
     model_vocab = _get(config, "model.vocab_size") or vocab_size  # checked: >= vocab_size
     model_cfg = GPTConfig(model_vocab, args.seq_len, args.n_layer, args.n_head, args.d_model)
@@ -137,11 +139,12 @@ def train(args) -> None:
             log.info(sample)
         if comm.rank == 0:
             (out / "sample.txt").write_text(sample)
+        memory, timing = engine.memory.snapshot(), engine.update_timing
+        engine.close()  # finishes an --async-save save: its failure makes the run "failed"
         record.close(status="finished", val_loss=float(val_loss), tokens_per_s=mean_tps,
-                     profile=profile, **summary.as_dict(),
-                     memory=engine.memory.snapshot(), optimizer_timing=engine.update_timing)
+                     profile=profile, **summary.as_dict(), memory=memory,
+                     optimizer_timing=timing)
         log.info(f"wrote {out}/run.json, metrics.csv, sample.txt")
-        engine.close()
 
 
 def _resume(args, engine, comm, log) -> int:
@@ -196,7 +199,11 @@ def _sound_alternative(directory) -> str:
         newest = resolve_tag(directory, None)
     except CheckpointError:
         newest = None
-    if newest is not None and not tools.verify(directory, newest.name):
+    try:
+        sound = newest is not None and not tools.verify(directory, newest.name)
+    except ValueError:  # a re-save's moved copy (.<tag>.partial): not a tag verify takes
+        sound = False
+    if sound:
         return ""  # the newest is sound: what failed (another model, say) is no damage
     for tag in fallback_tags(directory, newest):
         if not tools.verify(directory, tag):

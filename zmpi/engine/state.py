@@ -99,12 +99,10 @@ class TrainState:
                           ("weight_decay", opt.weight_decay), ("decoupled", opt.decoupled)):
             if saved[key] != ours:
                 notes.append(f"optimizer {key} is {ours!r} (the checkpoint had {saved[key]!r})")
-        for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
-                    "gradient_accumulation_steps"):
-            was, now = manifest["config"].get(key), getattr(engine.config, key)
-            if was is not None and was != now:
-                notes.append(f"{key} is {now} (the checkpoint had {was}): the data and the "
-                             "losses go on differently from the saved run")
+        was, now = manifest["config"].get("train_batch_size"), engine.config.train_batch_size
+        if was is not None and was != now:  # (micro-batch and accumulation follow the ranks)
+            notes.append(f"train_batch_size is {now} (the checkpoint had {was}): the data and "
+                         "the losses go on differently from the saved run")
         if "scheduler" in manifest and manifest["scheduler"] != engine.config.scheduler.to_dict():
             notes.append(f"the scheduler is {engine.config.scheduler.to_dict()} (the checkpoint "
                          f"had {manifest.get('scheduler')}); it goes on from step "

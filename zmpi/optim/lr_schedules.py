@@ -233,8 +233,9 @@ def check_params(kind: str, params: dict) -> dict:
         if not ok:
             raise ValueError(f"params.{key}: expected {want}, got {value!r}")
         lo, hi, words = SCHEDULES[kind].LIMITS.get(key, (-math.inf, math.inf, "finite"))
+        finite = not (isinstance(value, float) and not math.isfinite(value))  # ints: any size
         if value is not None and not isinstance(value, (bool, str)) and not (
-                math.isfinite(value) and lo <= value <= hi):
+                finite and lo <= value <= hi):
             raise ValueError(f"params.{key}: must be {words}, got {value!r}")
     SCHEDULES[kind](1.0, (0.9, 0.999), **full)  # the constructor's own checks
     return full

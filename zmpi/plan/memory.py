@@ -149,8 +149,7 @@ def layout_memory(job: Job, layout: Layout, on_gpu: bool) -> list[StageMemory]:
 
 def layout_peaks(job: Job, layout: Layout, on_gpu: bool) -> tuple[np.ndarray, np.ndarray]:
     """(device, host) peak bytes, each a float64 array over the pipeline stages (exact below
-    2^53 bytes, 9 PB; inf beyond float range): layout_memory's, faster (what the search tries
-    on every layout)."""
+    2^53 bytes, 9 PB): layout_memory's, faster (what the search tries on every layout)."""
     _, _, device, host = _stage_peaks(job, layout, on_gpu)
     return device, host
 
@@ -191,7 +190,7 @@ def _columns(records: list):
     holds the stages' values as a read-only float64 array: a dict field as a dict of arrays, a
     tuple field as an array of shape (len, stages). The peaks are then one array expression
     over the stages. float64, not int64: byte counts and their products are exact below 2^53
-    (9 PB), and an absurd layout's bytes grow to inf (never fits) where int64 would wrap."""
+    (9 PB), and beyond int64 they stay ordered (never fit) where int64 would wrap."""
     def column(values):
         if isinstance(values[0], dict):
             return {key: column([v[key] for v in values]) for key in values[0]}

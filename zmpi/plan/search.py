@@ -80,6 +80,8 @@ def plan(job: Job, hw: Hardware, device_memory: float | None = None,
     fitting, considered, rejected = [], 0, {"device memory": 0, "host memory": 0}
     for layout in layouts(job):
         considered += 1
+        if progress and considered % 20000 == 0:
+            progress(f"{considered} layouts considered, {len(fitting)} fit")
         device, host = layout_peaks(job, layout, on_gpu)
         if (device.max() if on_gpu else (device + host).max() * ranks_per_node) > \
                 RESERVE * device_memory:
@@ -89,8 +91,6 @@ def plan(job: Job, hw: Hardware, device_memory: float | None = None,
             rejected["host memory"] += 1
             continue
         fitting.append((step_time(job, layout, hw).total, layout))
-        if progress and considered % 20000 == 0:
-            progress(f"{considered} layouts considered, {len(fitting)} fit")
     fitting.sort(key=lambda x: (x[0], x[1].describe()))
     best = [evaluate(job, layout, hw) for _, layout in fitting[:top]]
     return Plan(best, considered, len(fitting), rejected)
