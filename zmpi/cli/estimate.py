@@ -53,10 +53,8 @@ def check_inputs(args) -> None:
         for key, default in SHAPE_DEFAULTS.items():
             if getattr(args, key) is None:
                 setattr(args, key, default)
-        limits = {"n_layer": JOB_LIMITS["n_layer"], "d_model": JOB_LIMITS["d_model"],
-                  "vocab_size": JOB_LIMITS["vocab_size"], "seq_len": JOB_LIMITS["seq_len"]}
-        for key, most in limits.items():
-            value = getattr(args, key)
+        for key in ("n_layer", *SHAPE_DEFAULTS):
+            value, most = getattr(args, key), JOB_LIMITS[key]
             if not 1 <= value <= most:
                 raise Refused(f"--{key.replace('_', '-')} must be in 1..{most:,}, got {value}")
     for flag, value in (("--world-size", args.world_size), ("--tp", args.tp),
@@ -73,9 +71,9 @@ def estimate(args) -> None:
     A bad input is Refused."""
     check_inputs(args)
     tp = args.tp
-    if tp < 1 or args.world_size % tp:
+    if args.world_size % tp:  # (tp >= 1: check_inputs)
         raise Refused(f"--tp {tp} does not divide --world-size "
-                         f"{args.world_size} into data-parallel replicas")
+                      f"{args.world_size} into data-parallel replicas")
     if args.micro_batch is not None and (args.n_layer is None or args.micro_batch < 1):
         raise Refused("--micro-batch needs a GPT shape and is >= 1")
     psi = args.params / tp if args.params is not None else gpt_num_params(
@@ -88,7 +86,7 @@ def estimate(args) -> None:
     rows = estimate_rows(psi, dp, stages, pb, k, args.offload_optimizer, args.offload_param)
     if args.sequence_parallel and (tp == 1 or args.micro_batch is None):
         raise Refused("--sequence-parallel needs --tp above 1 and "
-                         "--micro-batch")
+                      "--micro-batch")
     tensor = tensor_traffic(args) if tp > 1 and args.micro_batch else None
     ops = tensor_ops(args) if tensor is not None else None
     activation = activation_memory(args)
@@ -164,25 +162,25 @@ def activation_memory(args) -> dict | None:
     if args.micro_batch is None:
         if given:
             raise Refused("without --micro-batch there is no activation "
-                             f"memory for {', '.join(given)} to act on")
+                          f"memory for {', '.join(given)} to act on")
         return None
     tp, recompute = args.tp, args.recompute or "none"
     if (args.partition_activations or args.cpu_checkpointing) and recompute != "full":
         raise Refused("--partition-activations and --cpu-checkpointing act "
-                         "on the inputs full recompute keeps: add --recompute full")
+                      "on the inputs full recompute keeps: add --recompute full")
     if args.partition_activations and (tp == 1 or args.sequence_parallel):
         raise Refused("--partition-activations splits the kept inputs over "
-                         "the tensor ranks: it needs --tp above 1, without --sequence-parallel "
-                         "(whose kept inputs are each rank's share already)")
+                      "the tensor ranks: it needs --tp above 1, without --sequence-parallel "
+                      "(whose kept inputs are each rank's share already)")
     n_head = args.n_head if args.n_head is not None else max(args.d_model // 64, tp)
     if n_head < 1 or args.d_model % n_head or n_head % tp:
         raise Refused(f"{n_head} heads"
-                         + ("" if args.n_head is not None else " (the default)")
-                         + f" must divide --d-model {args.d_model} and be a multiple of --tp "
-                         f"{tp}: give --n-head")
+                      + ("" if args.n_head is not None else " (the default)")
+                      + f" must divide --d-model {args.d_model} and be a multiple of --tp "
+                      f"{tp}: give --n-head")
     if args.sequence_parallel and args.seq_len % tp:
         raise Refused(f"--seq-len {args.seq_len} is not a multiple of --tp "
-                         f"{tp}, as sequence parallelism needs")
+                      f"{tp}, as sequence parallelism needs")
     act_bytes = ACTIVATION_BYTES[args.precision]
     block = attention_block(args.seq_len, args.micro_batch * n_head // tp, on_device=True)
     shape = {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": n_head,

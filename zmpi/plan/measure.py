@@ -404,18 +404,11 @@ def load_hardware(spec, progress=None) -> Hardware:
                          f"'this' (measure this machine) or the path of a JSON file")
     from zmpi.config import parse_json
 
-    try:
-        data = parse_json(path.read_text(encoding="utf-8"))  # a repeated key is an error
+    try:  # parse_json: a repeated key is an error; from_dict refuses all but an object
+        return Hardware.from_dict(parse_json(path.read_text(encoding="utf-8")))
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"hardware file {name}: not readable as JSON: {e}") from None
-    except ValueError as e:
-        raise ValueError(f"hardware file {name}: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"hardware file {name}: holds a JSON {type(data).__name__}, not an "
-                         "object")
-    try:
-        return Hardware.from_dict(data)
-    except ValueError as e:
+    except ValueError as e:  # ConfigError too
         raise ValueError(f"hardware file {name}: {e}") from None
 
 
