@@ -83,10 +83,7 @@ def attention_forward(qkv, n_head, block=None, keep_probs=True):
     hd = C // n_head
     if block is None:
         block = attention_block(T, B * n_head, xp is not numpy)
-    heads = xp.empty((3, B, n_head, T, hd), dtype=qkv.dtype)  # q, k, v, each contiguous
-    xp.multiply(qkv.reshape(B, T, 3, n_head, hd).transpose(2, 0, 3, 1, 4),
-                _head_scales(xp, qkv.dtype, hd), out=heads)
-    q, k, v = heads[0], heads[1], heads[2]
+    q, k, v = split_heads(qkv, n_head)
     y = xp.empty((B, n_head, T, hd), dtype=v.dtype)
     probs = []
     for start, stop, att in _attention_blocks(q, k, block):
@@ -95,6 +92,18 @@ def attention_forward(qkv, n_head, block=None, keep_probs=True):
             probs.append(att)
     y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C)
     return y, (q, k, v, tuple(probs) if keep_probs else None, block)
+
+
+def split_heads(qkv, n_head):
+    """qkv (B, T, 3C) [q | k | v] -> heads (3, B, nh, T, hd): q scaled by 1/sqrt(hd), k, v, each
+    contiguous, in one pass (the layout both dense and block-sparse attention compute on)."""
+    xp = array_module(qkv)
+    B, T, C3 = qkv.shape
+    hd = C3 // 3 // n_head
+    heads = xp.empty((3, B, n_head, T, hd), dtype=qkv.dtype)
+    xp.multiply(qkv.reshape(B, T, 3, n_head, hd).transpose(2, 0, 3, 1, 4),
+                _head_scales(xp, qkv.dtype, hd), out=heads)
+    return heads
 
 
 def _attention_blocks(q, k, block):
