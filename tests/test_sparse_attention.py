@@ -179,13 +179,17 @@ def test_blocks_above_the_diagonal_are_ignored_when_causal(rng):
 
 
 @pytest.mark.parametrize("T, layout, message", [
-    (30, np.ones((2, 3, 3)), "sequence length 30 is not a multiple of block 8"),
-    (32, np.ones((2, 3, 3)), r"layout shape \(2, 3, 3\) is not .* = \(2, 4, 4\)"),
-    (32, np.ones((1, 4, 4)), r"layout shape \(1, 4, 4\)"),
-    (32, np.triu(np.ones((2, 4, 4)), 1), "head 0 keeps no key block in query block row 0 at or "
-                                         r"before the diagonal \(causal\)"),
+    (30, np.ones((2, 3, 3)), "sequence length 30 is not a positive multiple of "
+                             "sparse_attention.block 8"),
+    (32, np.ones((2, 3, 3)), r"shape \(2, 3, 3\) for sequence length 32 at block 8: expected "
+                             r"\(heads, 4, 4\)"),
+    (32, np.ones((1, 4, 4)), "a layout of 1 heads for n_head 2"),
+    (32, np.triu(np.ones((2, 4, 4)), 1), r"head 0, query block row 0 \(tokens 0-7\) keeps no "
+                                         r"key block \(and 7 more rows\)"),
 ])
 def test_bad_layouts_are_refused_naming_what_is_wrong(T, layout, message):
+    """The layout is checked as the layer runs it: under causal, blocks above the diagonal
+    do not count (the last case keeps only those)."""
     with pytest.raises(ValueError, match=message):
         sparse_attention_forward(np.zeros((1, T, 3 * 4)), 2, layout, 8)
 
@@ -193,5 +197,5 @@ def test_bad_layouts_are_refused_naming_what_is_wrong(T, layout, message):
 def test_a_row_without_keys_is_refused_when_not_causal():
     layout = np.ones((2, 4, 4))
     layout[1, 3] = 0
-    with pytest.raises(ValueError, match="head 1 keeps no key block in query block row 3$"):
+    with pytest.raises(ValueError, match=r"head 1, query block row 3 \(tokens 24-31\) keeps no"):
         sparse_attention_forward(np.zeros((1, 32, 12)), 2, layout, 8, causal=False)

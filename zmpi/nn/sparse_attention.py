@@ -28,6 +28,7 @@ import numpy
 from zmpi.backend import array_module
 from zmpi.nn.attention import _softmax_, softmax_backward, split_heads
 from zmpi.nn.functional import _f32
+from zmpi.nn.sparsity import causal_layout, check_layout
 
 
 class _Plan:
@@ -52,8 +53,7 @@ class _Plan:
 
 def _kept(layout, causal: bool):
     """The layout as bool (nh, nb, nb), intersected with the block-causal mask under causal."""
-    kept = numpy.asarray(layout) != 0
-    return kept & numpy.tri(kept.shape[-1], dtype=bool) if causal else kept
+    return causal_layout(layout) if causal else numpy.asarray(layout, bool)
 
 
 def sparse_attention_entries(layout, block: int, causal: bool = True) -> int:
@@ -67,16 +67,13 @@ def sparse_attention_entries(layout, block: int, causal: bool = True) -> int:
 
 
 def _plan(xp, layout, n_head: int, T: int, block: int, causal: bool) -> _Plan:
-    """The layout's _Plan, checked against the shapes (ValueError naming what is wrong)."""
-    if block < 1 or T % block:
-        raise ValueError(f"sparse attention: sequence length {T} is not a multiple of "
-                         f"block {block}")
-    layout = numpy.asarray(layout)
-    want = (n_head, T // block, T // block)
-    if layout.shape != want:
-        raise ValueError(f"sparse attention: layout shape {layout.shape} is not (n_head, "
-                         f"T/block, T/block) = {want}")
+    """The _Plan of the layout the layer runs (causal: intersected with the causal mask),
+    checked first (zmpi.nn.sparsity.check_layout: ValueError naming what is wrong)."""
     kept = _kept(layout, causal)
+    check_layout(kept, T, block)
+    if kept.shape[0] != n_head:
+        raise ValueError(f"sparse attention: a layout of {kept.shape[0]} heads for "
+                         f"n_head {n_head}")
     return _cached_plan(xp, kept.tobytes(), kept.shape, block, causal)
 
 
@@ -84,11 +81,6 @@ def _plan(xp, layout, n_head: int, T: int, block: int, causal: bool) -> _Plan:
 def _cached_plan(xp, kept_bytes: bytes, shape, block: int, causal: bool) -> _Plan:
     kept = numpy.frombuffer(kept_bytes, bool).reshape(shape)
     nh, nb, _ = shape
-    empty = numpy.argwhere(~kept.any(axis=-1))
-    if len(empty):
-        h, i = empty[0]
-        raise ValueError(f"sparse attention: layout head {h} keeps no key block in query block "
-                         f"row {i}" + (" at or before the diagonal (causal)" if causal else ""))
     triu = numpy.triu(numpy.ones((block, block), bool), k=1)
     futures = {}  # which heads end on their diagonal block -> that row's `future`
     gather, scatter, pad, future = [], [], [], []
@@ -121,13 +113,13 @@ def sparse_attention_forward(qkv, n_head, layout, block, causal=True, keep_probs
 
     qkv (B, T, 3C) holding [q | k | v] -> y (B, T, C). layout: (n_head, T/block, T/block) 0/1,
     a host NumPy array (its index arrays are made once and cached); every query block row of
-    every head must keep a key block (ValueError naming the head and row, as for a T not a
-    multiple of block or a layout of the wrong shape). cache = (q, kv, probs, plan): q (scaled)
-    (B, nh, nb, block, hd), kv (2, B, nh * nb, block, hd) and probs a tuple, per query block
-    row i, of its probabilities (B, nh, block, m_i * block) over its gathered key blocks,
-    float32 at least (sparse_attention_entries counts them). keep_probs=False (selective
-    recompute): probs is None and sparse_attention_backward recomputes each row's by the same
-    operations, so the gradients are bit for bit the same.
+    every head must keep a key block (zmpi.nn.sparsity.check_layout's ValueError naming the
+    head and row, as for a T not a multiple of block or a layout of the wrong shape).
+    cache = (q, kv, probs, plan): q (scaled) (B, nh, nb, block, hd), kv (2, B, nh * nb, block,
+    hd) and probs a tuple, per query block row i, of its probabilities (B, nh, block, m_i *
+    block) over its gathered key blocks, float32 at least (sparse_attention_entries counts
+    them). keep_probs=False (selective recompute): probs is None and sparse_attention_backward
+    recomputes each row's by the same operations, so the gradients are bit for bit the same.
     """
     xp = array_module(qkv)
     B, T, C3 = qkv.shape
