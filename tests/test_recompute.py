@@ -142,10 +142,10 @@ def test_too_few_slots_is_a_clear_error():
 @pytest.mark.mpi
 def test_recompute_through_the_engine_is_exact_everywhere():
     reports = run_mpi(RANKS_DIR / "recompute_checks.py", 2, timeout=300)
-    runs = {k: v for k, v in reports[0].items() if k not in ("rank", "options")}
+    runs = {k: v for k, v in reports[0].items() if k not in ("rank", "options", "slots")}
     assert len(runs) == 2 * (4 + 2 + 1 + 2)  # 2 policies x (dp2 x 4, tp2 x 2, sp x 1, pp2 x 2)
     for r in reports:
-        for name, run in ((k, v) for k, v in r.items() if k not in ("rank", "options")):
+        for name, run in ((k, v) for k, v in r.items() if k not in ("rank", "options", "slots")):
             assert run["equal"] and run["largest"] == 0.0 and run["losses_equal"], (name, run)
             assert run["peak"] < run["peak_none"], (name, run)
             if name.endswith("full"):
@@ -170,6 +170,22 @@ def test_recompute_through_the_engine_is_exact_everywhere():
         assert everything["timed_units"] == 4  # the embedding and 3 blocks, timed
         grouped = options["dp2_interval2"]
         assert grouped["peaks"]["recompute"] > grouped["peaks_full"]["recompute"]
+    # number_checkpoints at pp 2, 4 micro-batches: too few refused alike on both stages as the
+    # engine is built, naming the least, which the busier stage then fills exactly
+    for schedule in ("1f1b", "gpipe"):
+        runs = [r["slots"][schedule] for r in reports]
+        least = runs[0]["least"]
+        assert max(run["used"] for run in runs) == least, (schedule, runs)
+        for run in runs:
+            assert run["one"] == runs[0]["one"] and run["fewer"] == runs[0]["fewer"]
+            key = "activation_checkpointing.number_checkpoints: "
+            assert run["one"].startswith(f"{key}1 is fewer than the {least} inputs this layout "
+                                         "keeps at once"), run["one"]
+            assert run["fewer"].startswith(f"{key}{least - 1} is fewer"), run["fewer"]
+            assert run["one"].endswith(f"give {least} to {5 * 4}")  # 5 units x 4 micro-batches
+            assert all(np.isfinite(run["losses"]))
+    # a stage holds all 4 micro-batches under GPipe, p - s under 1F1B
+    assert reports[0]["slots"]["gpipe"]["least"] > reports[0]["slots"]["1f1b"]["least"]
 
 
 def test_the_config_section_acts_or_is_refused():
@@ -286,12 +302,13 @@ def test_kept_inputs_on_the_cupy_standin():
     assert out["device_slots"]["host"] == 0 and out["device_slots"]["device"] > 0
 
 
-def _engine(cfg, policy, interval=0, zero=None, keys=None, batch=2):
+def _engine(cfg, policy, interval=0, zero=None, keys=None, batch=2, accumulation=1):
     from zmpi.comm import Comm
     from zmpi.engine import Engine
 
     return Engine(GPT(cfg, seed=0), {
-        "train_micro_batch_size_per_gpu": batch, "zero_optimization": zero or {},
+        "train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": accumulation,
+        "zero_optimization": zero or {},
         "pipeline": {"activation_checkpoint_interval": interval},
         "activation_checkpointing": {"recompute": policy, **(keys or {})}}, Comm())
 
@@ -332,6 +349,34 @@ def test_a_backward_that_raises_lets_its_kept_inputs_go():
         model.forward_loss(idx, idx)  # the slots serve the next step
         model.backward_loss()
     assert ledger.current("activation") == ledger.current("saved_input")  # the buffer only
+
+
+def test_number_checkpoints_is_checked_as_the_engine_is_built():
+    """Too few slots for the inputs kept at once, or more than any layout of the model keeps
+    (1e12 was a MemoryError at the first step), are refused naming both bounds; the least
+    (one per recomputed unit, or group) trains. The 2-stage bounds: recompute_checks.py."""
+    cfg = GPTConfig(vocab_size=11, seq_len=8, n_layer=3, n_head=2, d_model=8)  # 5 units
+    idx = np.random.default_rng(1).integers(0, 11, (4, 8))
+
+    def slots(n):
+        return {"contiguous_memory_optimization": True, "number_checkpoints": n}
+
+    key = "activation_checkpointing.number_checkpoints: "
+    for n, interval, words in (
+            (3, 0, "3 is fewer than the 4 inputs this layout keeps at once (one per "
+                   "recomputed unit, or group of units, and micro-batch in flight on a pipeline "
+                   "stage): give 4 to 10"),
+            (1, 2, "1 is fewer than the 2 inputs this layout keeps at once"),
+            (10**12, 0, "1000000000000 is more than the 10 inputs any layout of this model "
+                        "keeps at once (one per unit and micro-batch; each slot is a buffer the "
+                        "size of the largest): give 4 to 10")):
+        with pytest.raises(ConfigError) as error:
+            _engine(cfg, "full", interval, keys=slots(n), accumulation=2)
+        assert str(error.value).startswith(key + words), error.value
+    for n, interval in ((4, 0), (2, 2), (10, 0)):
+        engine = _engine(cfg, "full", interval, keys=slots(n), accumulation=2)
+        assert np.isfinite(engine.train_step(idx, idx))
+        engine.close()
 
 
 def test_forwards_without_backward_keep_no_inputs():

@@ -10,12 +10,14 @@ against plain full recompute.
 Reports per (layout, strategy, policy) whether every parameter after 3 steps equals the run
 without recompute bit for bit, the largest difference, the losses' and the activation peak;
 per option also the peaks of the kept inputs on the device and the host, and of what the
-recomputes kept, beside those of plain full recompute.
+recomputes kept, beside those of plain full recompute; per pipeline schedule the
+number_checkpoints refused at pp 2 with 4 micro-batches and the slots the least accepted fills.
 """
 import numpy as np
 from _report import report
 
 from zmpi.comm import Comm
+from zmpi.config import ConfigError
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
 from zmpi.models.gpt import GPT, GPTConfig
@@ -63,6 +65,46 @@ def train(comm, tp, pp, sp, stage, policy, options=None, interval=0):
     return params, losses, peak, peaks
 
 
+def slot_limits(comm, schedule, micro_batches=4):
+    """activation_checkpointing.number_checkpoints at pp 2 under `schedule`: the message for 1
+    slot (it gives the layout's least, N) and for N - 1, both refused as the engine is built;
+    then 2 steps with N slots, and the most slots this rank's store held at once."""
+    def build(slots):
+        mesh = Mesh(comm, pp=2)
+        return Engine(GPT(CFG, seed=0), {
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro_batches,
+            "pipeline": {"stages": 2, "schedule": schedule},
+            "activation_checkpointing": {"recompute": "full",
+                                         "contiguous_memory_optimization": True,
+                                         "number_checkpoints": slots}}, comm, mesh=mesh)
+
+    def refused(slots):
+        try:
+            build(slots).close()
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    out = {"one": refused(1)}
+    least = int(out["one"].rsplit("give ", 1)[1].split()[0])
+    out["fewer"] = refused(least - 1) if least > 1 else None
+    engine = build(least)
+    store, used = engine.model.saved_inputs, [0]
+    take = store._take_slot
+
+    def counting(nbytes):  # the slots in use once this one is taken
+        slot = take(nbytes)
+        used[0] = max(used[0], len(store._used) + 1)
+        return slot
+
+    store._take_slot = counting
+    data = SyntheticSource(CFG.vocab_size, CFG.seq_len, micro_batches, 0, 1, seed=1)
+    out["losses"] = [engine.train_step(*data.sample(s)) for s in range(2)]
+    out.update(least=least, used=used[0], stage=engine.mesh.pp_rank)
+    engine.close()
+    return out
+
+
 def compare(got, want):
     """What the report says of a run against the one it must equal."""
     return {"equal": all(np.array_equal(got[0][n], w) for n, w in want[0].items()),
@@ -86,7 +128,8 @@ def main():
         full = train(comm, tp, pp, sp, stage, "full")
         got = train(comm, tp, pp, sp, stage, "full", keys, interval)
         options[name] = {**compare(got, want), "peaks": got[3], "peaks_full": full[3]}
-    report({**out, "options": options})
+    slots = {schedule: slot_limits(comm, schedule) for schedule in ("1f1b", "gpipe")}
+    report({**out, "options": options, "slots": slots})
 
 
 if __name__ == "__main__":

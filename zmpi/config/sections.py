@@ -270,9 +270,10 @@ class PipelineConfig(_Section):
     """`pipeline` (DeepSpeed's pipeline section): `stages` P, the pipeline-parallel degree of
     the process mesh; `partition`, how the model's units are split over the stages (DeepSpeed's
     partition_method: "parameters", "uniform" or "type:REGEX"); `schedule`, "1f1b" (default)
-    or "gpipe" (docs/pipeline.md); `activation_checkpoint_interval` k > 0, full recompute in
-    groups of k units, each keeping one input (docs/recompute.md; at any number of stages).
-    Micro-batches are gradient_accumulation_steps."""
+    or "gpipe", in any case (read as lower case; docs/pipeline.md);
+    `activation_checkpoint_interval` k > 0, full recompute in groups of k units, each keeping
+    one input (docs/recompute.md; at any number of stages). Micro-batches are
+    gradient_accumulation_steps."""
 
     _ALWAYS = {
         "pipe_partitioned": (False, "sends each stage's activations whole from every tensor "
@@ -293,8 +294,10 @@ class PipelineConfig(_Section):
         from zmpi.parallel.pipeline.partition import check_method
         from zmpi.parallel.pipeline.schedule import SCHEDULES
 
-        _check(self.schedule in SCHEDULES, "schedule", f"{self.schedule!r}: use one of "
-               f"{', '.join(SCHEDULES)} (the interleaved schedule is not built)")
+        _check(self.schedule.lower() in SCHEDULES, "schedule", f"{self.schedule!r}: use "
+               f"one of {', '.join(SCHEDULES)}, in any case (the interleaved schedule is "
+               "not built)")
+        object.__setattr__(self, "schedule", self.schedule.lower())
         try:
             check_method(self.partition)
         except ValueError as e:

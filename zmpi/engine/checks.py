@@ -2,6 +2,7 @@
 
     check_mesh(mesh, config, model)           the mesh is the config's; a tp > 1 model is split
     check_units(units, unit_params)           every unit has parameters, none is shared
+    check_input_slots(model, config, mesh, n) number_checkpoints fits the layout's kept inputs
     check_same_on_replicas(initial, comm)     every replica built the same initial model
     agreed_across_stages(mesh, build)         build()'s error raised on every pipeline stage
     storage_dtype(config, unit_params)        fp16/bf16 from the config, else the model's
@@ -84,6 +85,36 @@ def check_units(units, unit_params) -> None:
     seen = {}
     for u, params in enumerate(unit_params):
         if not params:
+def check_input_slots(model, config, mesh, units: int) -> None:
+    """ConfigError unless activation_checkpointing.number_checkpoints (the slots of
+    contiguous_memory_optimization), where given, holds every input full recompute keeps at
+    once on every rank: its `model`'s recomputed units or groups (UnitModel.inputs_kept) times
+    the micro-batches its pipeline stage holds at once (1 without pipelining); and is at most
+    `units` (the whole model's) x micro-batches, the most any layout of the model keeps (each
+    slot is a buffer the size of the largest kept input). A collective over the pipeline
+    group where pp > 1, so every stage refuses alike, before the first step."""
+    from zmpi.config import ConfigError
+    from zmpi.parallel.pipeline.schedule import in_flight
+
+    slots = config.activation_checkpointing.number_checkpoints
+    if slots is None:
+        return
+    m = config.gradient_accumulation_steps
+    held = 1 if mesh.pp == 1 else in_flight(config.pipeline.schedule, mesh.pp_rank, mesh.pp, m)
+    need = model.inputs_kept() * held
+    if mesh.pp > 1:
+        need = int(mesh.pp_comm.allreduce_scalar(need, op="max"))
+    least, most = max(need, 1), units * m
+    if not least <= slots <= most:
+        why = (f"fewer than the {need} inputs this layout keeps at once (one per recomputed "
+               "unit, or group of units, and micro-batch in flight on a pipeline stage)"
+               if slots < least else f"more than the {most} inputs any layout of this model "
+               "keeps at once (one per unit and micro-batch; each slot is a buffer the size "
+               "of the largest)")
+        raise ConfigError("activation_checkpointing.number_checkpoints",
+                          f"{slots} is {why}: give {least} to {most}")
+
+
             raise ValueError(f"unit {u} ({type(units[u]).__name__}) has no parameters")
         for name, p in params.items():
             if id(p) in seen:

@@ -40,6 +40,7 @@ from zmpi.comm import make_progress
 from zmpi.engine.checks import (
     agreed_across_stages,
     as_one_unit,
+    check_input_slots,
     check_mesh,
     check_model_shape,
     check_replicas,
@@ -104,6 +105,7 @@ class Engine(EngineTraffic):
 
         if not isinstance(model, UnitModel):
             model = as_one_unit(model, comm)
+        whole_units = len(model.units)
         if self.mesh.pp > 1:  # this rank keeps and trains its stage's units
             model = PipelineStage(model, self.mesh.pp_rank, self.mesh.pp,
                                   self.config.pipeline.partition)
@@ -115,6 +117,7 @@ class Engine(EngineTraffic):
                             InputStore(self.mesh.tp_comm if ac.partition_activations else None,
                                        ac.cpu_checkpointing, ac.number_checkpoints,
                                        ac.synchronize_checkpoint_boundary, ac.profile))
+        check_input_slots(model, self.config, self.mesh, whole_units)
         self.model = model
         units = list(model.units)
         names = {id(p): name for name, p in model.named_parameters()}  # model-wide names

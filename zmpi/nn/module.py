@@ -77,6 +77,12 @@ class UnitModel(Module):
         finally:
             self._inference = previous
 
+    def inputs_kept(self) -> int:
+        """How many inputs one forward keeps for full recompute: one per group of recomputed
+        units (see `forward`); 0 without it."""
+        every = self.checkpoint_every
+        return -(-self._recomputed() // every) if every else 0
+
     def forward(self, x):
         """Run the units in order; returns the last unit's output (logits).
 

@@ -2,6 +2,7 @@
 micro-batches in one training step, and the timeline that order makes.
 
     ops = schedule("1f1b", stage=0, stages=4, micro_batches=8)   # [("F", 0), ("F", 1), ...]
+    in_flight("1f1b", stage=0, stages=4, micro_batches=8)        # 4: p - s micro-batches held
     t = timeline("1f1b", stages=4, micro_batches=8, forward_s=1.0, backward_s=2.0)
     t.bubble            # idle fraction of the step: (p - 1) / (m + p - 1) for uniform units
     t.peak_in_flight    # per stage: micro-batches whose activations are held at once
@@ -38,6 +39,22 @@ def schedule(name: str, stage: int, stages: int, micro_batches: int) -> list[tup
     return ops + backwards[m - warmup:]
 
 
+def in_flight(name: str, stage: int, stages: int, micro_batches: int) -> int:
+    """The most micro-batches stage `stage` holds at once (forwarded, not yet backwarded):
+    m under GPipe, min(p - s, m) under 1F1B."""
+    return _peak(schedule(name, stage, stages, micro_batches))
+
+
+def _peak(ops) -> int:
+    """The most micro-batches forwarded and not yet backwarded at once in `ops`, in order
+    (each starts with "F" or "B")."""
+    held = peak = 0
+    for op, *_ in ops:
+        held += 1 if op == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
 @dataclass
 class Timeline:
     """When each op of each stage ran: spans[s] = [(op, micro-batch, start, end)]."""
@@ -57,14 +74,7 @@ class Timeline:
     @property
     def peak_in_flight(self) -> list[int]:
         """Per stage: the most micro-batches forwarded and not yet backwarded at once."""
-        peaks = []
-        for ops in self.spans:
-            held = peak = 0
-            for op, *_ in ops:
-                held += 1 if op == "F" else -1
-                peak = max(peak, held)
-            peaks.append(peak)
-        return peaks
+        return [_peak(ops) for ops in self.spans]
 
 
 def timeline(name: str, stages: int, micro_batches: int, forward_s=1.0,
