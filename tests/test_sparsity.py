@@ -14,6 +14,7 @@ import inspect
 import itertools
 import json
 import random
+import re
 import subprocess
 import sys
 
@@ -376,3 +377,28 @@ def test_kept_blocks_counts_over_heads():
     fixed = FixedSparsityConfig(3, block=2, attention="unidirectional").make_layout(16)
     assert kept_blocks(fixed) == 3 * (1 + 2 + 3 + 4 + 2 + 3 + 4 + 5)  # the first picture above
     assert kept_blocks(MODES["dense"](5, block=4).make_layout(24)) == 5 * 6 * 6
+
+
+DOC = REPO_ROOT / "docs" / "sparse-attention.md"
+
+
+def test_the_docs_example_runs_and_its_table_gives_each_modes_keys_and_defaults():
+    """docs/sparse-attention.md: the Python example as written; the keys table row by row equal
+    to mode_keys (a default in JSON, '-' where the mode does not take the key)."""
+    text = DOC.read_text()
+    (code,) = [b for b in re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+               if "sparsity_from_dict" in b]
+    exec(compile(code, str(DOC), "exec"), {})
+    header, _rule, *rows = [line for line in text.splitlines()
+                            if line.startswith("|") and line.count("|") == len(MODES) + 2]
+    modes = [cell.strip(" `") for cell in header.split("|")[2:-1]]
+    assert modes == list(MODES)
+    table = {}
+    for row in rows:
+        key, *cells = [cell.strip(" `") for cell in row.split("|")[1:-1]]
+        for mode, cell in zip(modes, cells, strict=True):
+            if cell != "-":
+                table.setdefault(mode, {})[key] = json.loads(cell)
+    expected = {mode: {k: list(v) if isinstance(v, tuple) else v
+                       for k, v in mode_keys(mode).items()} for mode in MODES}
+    assert table == expected
