@@ -402,3 +402,23 @@ def test_the_docs_example_runs_and_its_table_gives_each_modes_keys_and_defaults(
     expected = {mode: {k: list(v) if isinstance(v, tuple) else v
                        for k, v in mode_keys(mode).items()} for mode in MODES}
     assert table == expected
+
+
+def test_keys_that_leave_the_layout_unchanged_are_noted():
+    """different_layout_per_head where heads cannot differ, a seed with no random blocks:
+    accepted (DeepSpeed takes them) and named in notes(); where they act, no note."""
+    for mode, section in [("dense", {}), ("bslongformer", {}), ("fixed", {}),
+                          ("variable", {"seed": 5}), ("bigbird", {"num_random_blocks": 0})]:
+        cfg = sparsity_from_dict({"mode": mode, "different_layout_per_head": True, **section}, 4)
+        layout = cfg.make_layout(128)
+        assert (layout == layout[:1]).all()  # every head the same: the key had no effect
+        assert cfg.notes()[0].startswith("different_layout_per_head: accepted without effect")
+    assert sparsity_from_dict({"mode": "variable", "seed": 5}, 4).notes() == \
+        ["seed: accepted without effect (num_random_blocks is 0)"]
+    for section in [{"mode": "bigbird", "seed": 5},
+                    {"num_different_global_patterns": 2, "attention": "unidirectional"},
+                    {"mode": "variable", "num_random_blocks": 1, "seed": 3}]:
+        cfg = sparsity_from_dict({**section, "different_layout_per_head": True}, 4)
+        layout = cfg.make_layout(128)
+        assert not (layout == layout[:1]).all() and cfg.notes() == []
+    assert sparsity_from_dict({}, 4).notes() == []

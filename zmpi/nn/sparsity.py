@@ -107,6 +107,21 @@ class SparsityConfig:
         layouts = numpy.stack([self._head_layout(h, n, rng) for h in range(heads)])
         return numpy.broadcast_to(layouts, (self.num_heads, n, n)).copy()
 
+    def notes(self) -> list[str]:
+        """The keys set away from their defaults that leave every layout as it would be without
+        them, one line each ("key: accepted without effect (why)"), as the config's notes."""
+        out = []
+        if self.different_layout_per_head and not self._heads_differ():
+            out.append("different_layout_per_head: accepted without effect (every head gets "
+                       f"the same {self.mode!r} layout with these keys)")
+        if getattr(self, "seed", 0) and not self.num_random_blocks:
+            out.append("seed: accepted without effect (num_random_blocks is 0)")
+        return out
+
+    def _heads_differ(self) -> bool:
+        """Whether different_layout_per_head can give heads different layouts."""
+        return False
+
     def _random_stream(self):
         """The source of random blocks, one stream over all heads (None: the mode has none)."""
         return None
@@ -209,6 +224,9 @@ class FixedSparsityConfig(SparsityConfig):
                     f"{local // glob} groups of num_global_blocks {glob} in a window of "
                     f"num_local_blocks {local}")
 
+    def _heads_differ(self):
+        return self.num_different_global_patterns > 1
+
     def _head_layout(self, h, n, rng):
         local, size = self.num_local_blocks, self.num_global_blocks
         causal = self.attention == "unidirectional"
@@ -244,6 +262,9 @@ class VariableSparsityConfig(SparsityConfig):
         _check_global_ranges(self)
         _check_horizontal(self)
 
+    def _heads_differ(self):
+        return self.num_random_blocks > 0
+
     def _random_stream(self):
         return random.Random(self.seed)
 
@@ -278,6 +299,9 @@ class BigBirdSparsityConfig(SparsityConfig):
             _refuse(_key("num_random_blocks"), f"{self.num_random_blocks} random blocks with "
                     "attention 'unidirectional': block row 0 has 1 block to draw from "
                     "(DeepSpeed's random.sample fails there too)")
+
+    def _heads_differ(self):
+        return self.num_random_blocks > 0
 
     def _random_stream(self):
         return random.Random(self.seed)
