@@ -5,7 +5,8 @@
 One thread, the attention core alone (no projections): forward + backward of
 zmpi.nn.attention (dense causal, query blocks of ATTENTION_BLOCK rows) and of
 zmpi.nn.sparse_attention on the same qkv (B, T, 3C) for each --seq-lens T and each layout of
---layouts, the median of --repeats calls after a warm-up. Layouts (causal, --block):
+--layouts: the least of --repeats rounds that run dense and each layout in turn (after a
+warm-up each). Layouts (causal, --block):
   window  a sliding window of --local-blocks blocks (the query's own and the ones before it)
           plus the first --global-blocks blocks as global keys: O(T) kept blocks;
   fixed   DeepSpeed's "fixed" (zmpi.nn.sparsity's FixedSparsityConfig, num_local_blocks
@@ -17,9 +18,10 @@ sparse is faster at every longer T measured. Timings on a shared machine compare
 paths, not hardware.
 """
 import argparse
+import math
 import os
-import statistics
 import sys
+import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -32,44 +34,51 @@ from zmpi.nn.sparse_attention import (  # noqa: E402
     sparse_attention_backward,
     sparse_attention_forward,
 )
-from zmpi.plan.measure import call_seconds  # noqa: E402
+from zmpi.nn.sparsity import FixedSparsityConfig, causal_layout, kept_blocks  # noqa: E402
 
 
 def window_layout(n_head, nb, local, global_):
     """(n_head, nb, nb): block row i keeps blocks i - local + 1 .. i and 0 .. global_ - 1."""
-    rows = np.arange(nb)[:, None]
-    cols = np.arange(nb)[None, :]
+    rows, cols = np.arange(nb)[:, None], np.arange(nb)[None, :]
     keep = ((cols <= rows) & (cols > rows - local)) | (cols < global_)
     return np.broadcast_to(np.tril(keep), (n_head, nb, nb))
 
 
 def fixed_layout(n_head, nb, local, global_, block):
-    from zmpi.nn.sparsity import FixedSparsityConfig, causal_layout
+    """DeepSpeed's unidirectional "fixed" layout, as causal attention runs it."""
     config = FixedSparsityConfig(num_heads=n_head, block=block, num_local_blocks=local,
                                  num_global_blocks=global_, attention="unidirectional")
     return causal_layout(config.make_layout(nb * block))
 
 
-def layout_maker(name, args):
-    """nb -> layout, or None when this zmpi cannot make `name` (reported, skipped)."""
-    if name == "window":
-        return lambda nb: window_layout(args.n_head, nb, args.local_blocks, args.global_blocks)
-    if name == "fixed":
-        try:
-            import zmpi.nn.sparsity  # noqa: F401
-        except ImportError:
-            return None
-        return lambda nb: fixed_layout(args.n_head, nb, args.local_blocks, args.global_blocks,
-                                       args.block)
-    raise SystemExit(f"--layouts: unknown layout {name!r} (window, fixed)")
+LAYOUTS = {  # name -> (args, nb) -> layout
+    "window": lambda a, nb: window_layout(a.n_head, nb, a.local_blocks, a.global_blocks),
+    "fixed": lambda a, nb: fixed_layout(a.n_head, nb, a.local_blocks, a.global_blocks, a.block),
+}
 
 
-def step_seconds(forward, backward, qkv, dy, repeats):
-    """Median seconds of one forward + backward."""
+def fastest_steps(steps: dict, repeats: int) -> dict:
+    """{name: the least seconds of one call of steps[name]}, over `repeats` rounds that call
+    each once in turn (after a warm-up call each), so that a shared machine's noise falls on
+    all alike; the least is the figure that does not move with the neighbours
+    (zmpi.plan.measure.fastest_seconds)."""
+    for step in steps.values():
+        step()
+    best = dict.fromkeys(steps, math.inf)
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def attention_step(forward, backward, qkv, dy):
+    """One forward + backward of an attention core."""
     def step():
         y, cache = forward(qkv)
         backward(dy, cache)
-    return statistics.median(call_seconds(step, repeats))
+    return step
 
 
 def crossover(rows):
@@ -94,44 +103,44 @@ def main():
     parser.add_argument("--seq-lens", default="256,512,1024,2048,4096")
     parser.add_argument("--layouts", default="window,fixed")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds; the least is kept")
     parser.add_argument("--out", default=None, help="results folder (table.md, table.csv, "
                                                      "run.json)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    makers = {}
-    for name in args.layouts.split(","):
-        maker = layout_maker(name, args)
-        if maker is None:
-            print(f"layout {name}: not available in this zmpi (no zmpi.nn.sparsity), skipped")
-        else:
-            makers[name] = maker
+    names = args.layouts.split(",")
+    if not set(names) <= LAYOUTS.keys():
+        parser.error(f"--layouts: {', '.join(sorted(set(names) - LAYOUTS.keys()))} unknown "
+                     f"(known: {', '.join(LAYOUTS)})")
     rows = []
     for T in (int(t) for t in args.seq_lens.split(",")):
         qkv = rng.standard_normal((args.batch, T, 3 * args.d_model)).astype(args.dtype)
         dy = rng.standard_normal((args.batch, T, args.d_model)).astype(args.dtype)
-        dense_s = step_seconds(lambda x: A.attention_forward(x, args.n_head),
-                               A.attention_backward, qkv, dy, args.repeats)
         nb = T // args.block
-        causal_blocks = args.n_head * nb * (nb + 1) // 2
-        for name, make in makers.items():
-            layout = make(nb)
-            sparse_s = step_seconds(
+        layouts = {name: LAYOUTS[name](args, nb) for name in names}
+        steps = {"dense": attention_step(lambda x: A.attention_forward(x, args.n_head),
+                                         A.attention_backward, qkv, dy)}
+        for name, layout in layouts.items():
+            steps[name] = attention_step(
                 lambda x, layout=layout: sparse_attention_forward(x, args.n_head, layout,
                                                                   args.block),
-                sparse_attention_backward, qkv, dy, args.repeats)
-            kept = int(np.tril(layout).sum())
+                sparse_attention_backward, qkv, dy)
+        seconds = fastest_steps(steps, args.repeats)
+        causal_blocks = args.n_head * nb * (nb + 1) // 2
+        for name, layout in layouts.items():
+            kept = kept_blocks(causal_layout(layout))
             rows.append({"T": T, "layout": name, "kept_blocks": kept,
-                         "kept_share": kept / causal_blocks, "dense_ms": dense_s * 1e3,
-                         "sparse_ms": sparse_s * 1e3, "speedup": dense_s / sparse_s})
+                         "kept_share": kept / causal_blocks, "dense_ms": seconds["dense"] * 1e3,
+                         "sparse_ms": seconds[name] * 1e3,
+                         "speedup": seconds["dense"] / seconds[name]})
             r = rows[-1]
             print(f"T {T:>5}  {name:<6}  kept {r['kept_share']:6.1%} of the causal blocks  "
                   f"dense {r['dense_ms']:8.1f} ms  sparse {r['sparse_ms']:8.1f} ms  "
                   f"({r['speedup']:.2f}x)", flush=True)
-    crossovers = {name: crossover([r for r in rows if r["layout"] == name]) for name in makers}
+    crossovers = {name: crossover([r for r in rows if r["layout"] == name]) for name in names}
     md = [f"Attention core forward + backward on one thread, {args.dtype}, d_model "
-          f"{args.d_model}, {args.n_head} heads, B {args.batch}, block {args.block} (median of "
-          f"{args.repeats}); crossover T (sparse faster from there on): "
+          f"{args.d_model}, {args.n_head} heads, B {args.batch}, block {args.block} (the least "
+          f"of {args.repeats} rounds); crossover T (sparse faster from there on): "
           + ", ".join(f"{k} {v}" for k, v in crossovers.items()), "",
           "| T | layout | kept blocks | of causal | dense ms | sparse ms | speed-up |",
           "|---" * 7 + "|"]
