@@ -2,11 +2,15 @@
 mask, written here in plain float64 NumPy over the whole T x T matrix; float64 finite
 differences; zmpi's dense attention for a layout of all ones; selective recompute's bits."""
 
+import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from gradcheck import check
+from mpi_util import REPO_ROOT, STANDIN
 
 from zmpi.nn import attention as A
 from zmpi.nn.sparse_attention import (
@@ -199,3 +203,34 @@ def test_a_row_without_keys_is_refused_when_not_causal():
     layout[1, 3] = 0
     with pytest.raises(ValueError, match=r"head 1, query block row 3 \(tokens 24-31\) keeps no"):
         sparse_attention_forward(np.zeros((1, 32, 12)), 2, layout, 8, causal=False)
+
+
+# The same layouts and data on NumPy and on the CuPy stand-in (tests/standin: device arrays
+# refuse NumPy operands): whether each output is the same bit for bit.
+ON_THE_STANDIN = """
+import json, sys
+import numpy as np, cupy
+sys.path.insert(0, "tests")
+from test_sparse_attention import random_layout
+from zmpi.nn.sparse_attention import sparse_attention_backward, sparse_attention_forward
+rng = np.random.default_rng(0)
+out = {}
+for causal in (True, False):
+    for keep_probs in (True, False):
+        qkv, dy = rng.standard_normal((2, 32, 24)), rng.standard_normal((2, 32, 8))
+        layout = random_layout(rng, 2, 4)
+        y, cache = sparse_attention_forward(qkv, 2, layout, 8, causal, keep_probs)
+        dqkv = sparse_attention_backward(dy, cache)
+        y_d, cache = sparse_attention_forward(cupy.asarray(qkv), 2, layout, 8, causal, keep_probs)
+        dqkv_d = sparse_attention_backward(cupy.asarray(dy), cache)
+        out[f"{causal} {keep_probs}"] = [np.array_equal(y_d.get(), y),
+                                         np.array_equal(dqkv_d.get(), dqkv)]
+print(json.dumps(out))
+"""
+
+
+def test_the_cupy_path_on_the_standin_equals_numpy():
+    out = json.loads(subprocess.run([sys.executable, "-c", ON_THE_STANDIN], env=STANDIN,
+                                    cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+                                    timeout=120).stdout)
+    assert len(out) == 4 and all(y and dqkv for y, dqkv in out.values()), out

@@ -142,10 +142,9 @@ def sparse_attention_forward(qkv, n_head, layout, block, causal=True, keep_probs
 def _gathered(kv, plan):
     """(i, k, v) of each query block row i: its kept key and value blocks side by side,
     (B, nh, m_i * block, hd) each, contiguous copies."""
-    xp = array_module(kv)
     _, B, _, block, hd = kv.shape
     for i, index in enumerate(plan.gather):
-        g = xp.take(kv, index, axis=2)  # (2, B, nh, m_i, block, hd)
+        g = kv[:, :, index]  # (2, B, nh, m_i, block, hd)
         g = g.reshape(2, B, index.shape[0], index.shape[1] * block, hd)
         yield i, g[0], g[1]
 
