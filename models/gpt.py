@@ -11,7 +11,7 @@ gets gradient from both ends of the model but is owned (and named) only by unit 
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy
 
@@ -38,11 +38,23 @@ from zmpi.parallel.tensor.regions import (
 )
 from zmpi.parallel.tensor.vocab import (
     VocabParallelCrossEntropy,
+    real_rows,
     vocab_head_backward,
     vocab_lookup,
     vocab_lookup_backward,
     vocab_parameter,
+    vocab_shard,
 )
+
+GPU_VOCAB_MULTIPLE = 128  # the vocabulary's padding on a GPU: aligned LM-head GEMMs
+
+
+def default_vocab_multiple(on_gpu: bool) -> int:
+    """The vocabulary's padding multiple when none is given: 128 on a GPU (tensor-core GEMMs
+    want every dimension a multiple of 8, and cuBLAS picks its fastest kernels at multiples of
+    128: nanoGPT's 50257 -> 50304), 1 on a CPU (BLAS gains nothing from it; the padded columns
+    would only cost time)."""
+    return GPU_VOCAB_MULTIPLE if on_gpu else 1
 
 
 @dataclass
@@ -52,34 +64,39 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     d_model: int = 128
+    # the token table (and the tied LM head's logits) padded to a multiple of this (times tp);
+    # None: default_vocab_multiple of the backend. Padding is never a token: docs/gpu.md
+    vocab_multiple: int | None = None
 
 
 def gpt_unit_numels(n_layer: int, d_model: int, vocab_size: int, seq_len: int,
-                    tp: int = 1) -> list[int]:
-    """Parameters one rank holds in each of zmpi's GPT units, [embedding, block x n_layer,
-    LM head], with tensor parallelism over `tp` ranks: the token embedding's ceil(V / tp) d
-    rows (the vocabulary padded) and the position embedding's seq_len d; per block
+                    tp: int = 1, vocab_multiple: int = 1) -> list[int]:
+    """Parameters one rank allocates in each of zmpi's GPT units, [embedding, block x n_layer,
+    LM head], with tensor parallelism over `tp` ranks and the vocabulary padded to a multiple
+    of vocab_multiple x tp (`vocab_shard`): the token embedding's Vp / tp rows and the position
+    embedding's seq_len d; per block
     (12 d^2 + 7 d) / tp split (qkv, fc with biases; proj, mlp.proj weights) and 6 d replicated
     (two LayerNorms, the two row-parallel biases); the head's final LayerNorm, 2 d (it reads
     the tied embedding)."""
     d = d_model
-    embedding = (-(-vocab_size // tp) + seq_len) * d
+    embedding = (vocab_shard(vocab_size, tp, 0, vocab_multiple)[2] + seq_len) * d
     return [embedding, *[(12 * d * d + 7 * d) // tp + 6 * d] * n_layer, 2 * d]
 
 
 def gpt_num_params(n_layer: int, d_model: int, vocab_size: int, seq_len: int,
-                   tp: int = 1) -> int:
-    """Parameters of zmpi's GPT (tied LM head) that one rank holds with tensor parallelism
-    over `tp` ranks (1: the whole model), the sum of `gpt_unit_numels`. At tp = 1:
-    V d + T d + L (12 d^2 + 13 d) + 2 d."""
-    return sum(gpt_unit_numels(n_layer, d_model, vocab_size, seq_len, tp))
+                   tp: int = 1, vocab_multiple: int = 1) -> int:
+    """Parameters of zmpi's GPT (tied LM head) that one rank allocates with tensor parallelism
+    over `tp` ranks and the vocabulary padded to a multiple of vocab_multiple x tp, the sum of
+    `gpt_unit_numels`. At tp = 1 and vocab_multiple 1 it is the model's parameters,
+    V d + T d + L (12 d^2 + 13 d) + 2 d; otherwise what a rank allocates (padding included)."""
+    return sum(gpt_unit_numels(n_layer, d_model, vocab_size, seq_len, tp, vocab_multiple))
 
 
 def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: int,
                          seq_len: int, micro_batch: int, act_bytes: int = 4, tp: int = 1,
                          sequence_parallel: bool = False, recompute: str = "none",
                          partition: bool = False, cpu: bool = False, id_bytes: int = 8,
-                         block: int | None = None) -> dict:
+                         block: int | None = None, vocab_multiple: int = 1) -> dict:
     """The activations one rank of zmpi's GPT keeps for backward for one micro-batch of
     `micro_batch` sequences of `seq_len` tokens: what the ledger counts as "activation", array
     by array as the layers cache them (docs/activation-memory.md lists every one).
@@ -92,7 +109,8 @@ def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: in
     "full" only): each kept input split over the tp ranks (ceil(n / tp) elements each; not
     with sequence_parallel) / kept on the host. block: the attention's query rows per block
     (its probabilities are the lower-triangular blocks of the s x s matrix); None: this
-    backend's, `A.attention_block`.
+    backend's, `A.attention_block`. vocab_multiple: the vocabulary's padding (the logits
+    have Vp / tp columns, `vocab_shard`).
 
     Returns bytes per rank, {
       "layer": one transformer block's caches (with "full": only while it runs, in its forward
@@ -136,10 +154,11 @@ def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: in
     layer = 2 * layernorm + 2 * p * n * h + (12 * p + 4 * f) * n * (h // tp) + probs
     embedding = id_bytes * n + 8 * s  # the ids (tp > 1: this rank's local ids), positions
     head = layernorm + p * n * h  # ln_f, the LM head's (gathered) input
-    if tp == 1:  # the logits (n, V), each row's log-sum-exp and the targets
-        loss = p * n * vocab_size + f * n + id_bytes * n
+    columns = vocab_shard(vocab_size, tp, 0, vocab_multiple)[2]  # the padded vocabulary's
+    if tp == 1:  # the logits (n, Vp), each row's log-sum-exp and the targets
+        loss = p * n * columns + f * n + id_bytes * n
     else:  # this rank's logit columns, log-sum-exp, local target ids and the held mask
-        loss = p * n * -(-vocab_size // tp) + f * n + id_bytes * n + n
+        loss = p * n * columns + f * n + id_bytes * n + n
     out = {"layer": layer, "A": (layer - probs) / (s * b * h), "B": probs / (a * s * s * b),
            "embedding": embedding, "head": head, "loss": loss,
            "kept_per_layer": 0, "kept": 0, "host": 0}
@@ -183,18 +202,18 @@ def korthikanti_activation_bytes(n_layer: int, d_model: int, n_head: int, seq_le
 class TokenPositionEmbedding(Module):
     """Unit 0: x = wte[idx] + wpe[arange(T)].  idx (B, T) int -> x (B, T, C), compute dtype.
 
-    wte (V, C) token embedding (also the LM head's output projection), wpe (seq_len, C). With
-    `tp` (a tensor-parallel Comm), wte is this rank's rows of the padded table and the lookup
+    wte (Vp, C) token embedding (also the LM head's output projection), the vocabulary padded to
+    a multiple of `vocab_multiple` (zero rows, never looked up), wpe (seq_len, C). With `tp` (a
+    tensor-parallel Comm), wte is this rank's Vp / tp rows of the padded table and the lookup
     sums over tp (zmpi.parallel.tensor.vocab); wpe stays whole. With sequence_parallel the sum
     is a reduce-scatter to this rank's sequence shard, x (B, T/tp, C), to which the rank adds
     its own positions' wpe rows (wpe is marked `sequence_parallel`: its gradient is partial).
     """
 
     def __init__(self, vocab_size, seq_len, d_model, rng, dtype, tp=None,
-                 sequence_parallel=False):
+                 sequence_parallel=False, vocab_multiple=1):
         self.tp, self.vocab_size = tp, vocab_size
-        self.wte = normal_parameter(rng, (vocab_size, d_model), 0.02, dtype) if tp is None \
-            else vocab_parameter(vocab_size, d_model, tp, rng, dtype)
+        self.wte = vocab_parameter(vocab_size, d_model, tp, rng, dtype, multiple=vocab_multiple)
         self.wpe = normal_parameter(rng, (seq_len, d_model), 0.02, dtype)
         self.scatter = ReduceScatterToSequenceRegion(tp) if sequence_parallel else None
         if sequence_parallel:
@@ -211,9 +230,12 @@ class TokenPositionEmbedding(Module):
         if self.scatter is not None:  # this rank's positions; refused before any collective
             n = sequence_shard(T, self.tp)
             positions = positions[self.tp.rank * n:(self.tp.rank + 1) * n]
-        tok, tok_cache = embedding_lookup(self.wte, idx) if self.tp is None else \
-            vocab_lookup(self.wte, idx, self.tp, self.vocab_size,
-                         reduce=self.scatter is None)  # (B, T, C)
+        if self.tp is None:  # ids in [0, V): padding rows are never looked up
+            F.check_indices(idx, self.vocab_size, "embedding indices")
+            tok, tok_cache = embedding_lookup(self.wte, idx, check=False)  # (B, T, C)
+        else:
+            tok, tok_cache = vocab_lookup(self.wte, idx, self.tp, self.vocab_size,
+                                          reduce=self.scatter is None)
         if self.scatter is not None:
             tok = self.scatter.forward(tok)  # the sum over tp, this rank's (B, T/tp, C)
         # positions are in range (T <= seq_len above): no check, no device sync
@@ -234,12 +256,14 @@ class TokenPositionEmbedding(Module):
 
 
 class LMHead(Module):
-    """Last unit: logits = ln_f(x) @ wte.T.  x (B, T, C) -> logits (B, T, V).
+    """Last unit: logits = ln_f(x) @ wte.T.  x (B, T, C) -> logits (B, T, Vp).
 
-    Owns ln_f; borrows wte from the embedding unit (`shared_units = (embedding,)`). Under
-    tensor parallelism the logits are this rank's Vp/T columns (never gathered: the loss is
-    zmpi.parallel.tensor.vocab's), padding rows get no gradient, and backward sums the input
-    gradient over tp. With sequence_parallel, x is this rank's sequence shard (B, T/tp, C):
+    Owns ln_f; borrows wte from the embedding unit (`shared_units = (embedding,)`). The
+    padding columns (ids >= V of the padded vocabulary) are -inf (`F.mask_padding`): any loss
+    or sampling gives them probability 0, and their gradient, and so the padding rows' of wte,
+    is exactly 0. Under tensor parallelism the logits are this rank's Vp/T columns (never
+    gathered: the loss is zmpi.parallel.tensor.vocab's), and backward sums the input gradient
+    over tp. With sequence_parallel, x is this rank's sequence shard (B, T/tp, C):
     ln_f runs on it (and is marked `sequence_parallel`), then the sequence is gathered before
     the logits (GatherFromSequenceRegion), whose backward reduce-scatters the input gradient.
     """
@@ -260,20 +284,20 @@ class LMHead(Module):
         h = self.ln_f.forward(x)  # (B, T, C); sequence parallel: (B, T/tp, C)
         if self.gather is not None:
             h = self.gather.forward(h)  # (B, T, C)
-        logits, (h, _) = F.linear_forward(h, compute_data(self.wte).T)  # (B, T, V)
+        logits, (h, _) = F.linear_forward(h, compute_data(self.wte).T)  # (B, T, Vp)
         self._save(h)
-        return logits
+        return F.mask_padding(logits, real_rows(self.wte))
 
     def backward(self, dlogits):
         h = self._pop()
         embedding = self.shared_units[0]
         if embedding.tp is not None:  # this rank's vocabulary rows; dh summed over tp
-            dh = vocab_head_backward(self.wte, h, dlogits, embedding.tp, embedding.vocab_size,
+            dh = vocab_head_backward(self.wte, h, dlogits, embedding.tp,
                                      reduce=self.gather is None)
             if self.gather is not None:  # the sum over tp, this rank's sequence shard
                 dh = self.gather.backward(dh)
             return self.ln_f.backward(dh)
-        WT = compute_data(self.wte).T  # (C, V)
+        WT = compute_data(self.wte).T  # (C, Vp)
         dh, dWT, _ = F.linear_backward(dlogits.astype(WT.dtype, copy=False), (h, WT))
         accumulate_grad_(self.wte, dWT.T)
         return self.ln_f.backward(dh)
@@ -289,9 +313,10 @@ class GPT(UnitModel):
     tp: the mesh's tensor-parallel Comm (`mesh.tp_comm`). Each block is then split by its
     layers' plans (zmpi.parallel.tensor.plan: attention by heads, the MLP column then row) as
     it is built; the token embedding (tied to the LM head) is split by vocabulary rows, padded
-    to a multiple of T, and the loss is the vocabulary-parallel cross-entropy, so the (B, T, V)
-    logits are never gathered; the LayerNorms and the position embedding are replicated. The
-    slices of the T ranks put together are the model the same seed builds without `tp`.
+    to a multiple of vocab_multiple x T, and the loss is the vocabulary-parallel cross-entropy,
+    so the (B, T, V) logits are never gathered; the LayerNorms and the position embedding are
+    replicated. The slices of the T ranks put together are the model the same seed builds
+    without `tp`.
 
     sequence_parallel (with tp of 2 ranks or more; without, it changes nothing): sequence
     parallelism (Korthikanti et al. 2022). Between the tensor-parallel regions each rank holds
@@ -305,7 +330,12 @@ class GPT(UnitModel):
     """
 
     def __init__(self, config, seed=0, dtype=numpy.float32, tp=None, sequence_parallel=False):
-        self.config = c = config
+        multiple = config.vocab_multiple
+        if multiple is None:
+            multiple = default_vocab_multiple(backend.is_gpu)
+        elif type(multiple) is not int or multiple < 1:
+            raise ValueError(f"vocab_multiple must be an integer >= 1, got {multiple!r}")
+        self.config = c = replace(config, vocab_multiple=multiple)
         self.tp = tp if tp is not None and tp.size > 1 else None
         if not isinstance(sequence_parallel, bool):
             raise TypeError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
@@ -316,12 +346,13 @@ class GPT(UnitModel):
         rng = numpy.random.default_rng(seed)
         proj_std = 0.02 / math.sqrt(2 * c.n_layer)
         embedding = TokenPositionEmbedding(c.vocab_size, c.seq_len, c.d_model, rng, dtype,
-                                           self.tp, sp)
+                                           self.tp, sp, multiple)
         # each block is split as soon as it is built: no rank holds the whole model
         blocks = [parallelize(Block(c.d_model, c.n_head, rng=rng, dtype=dtype,
                                     proj_std=proj_std), self.tp, sp)
                   for _ in range(c.n_layer)]
-        loss = None if self.tp is None else VocabParallelCrossEntropy(self.tp, c.vocab_size)
+        loss = None if self.tp is None else VocabParallelCrossEntropy(self.tp, c.vocab_size,
+                                                                      multiple=multiple)
         super().__init__([embedding, *blocks, LMHead(embedding, c.d_model, dtype, sp)],
                          loss=loss)
 

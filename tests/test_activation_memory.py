@@ -27,6 +27,7 @@ from zmpi.memory import MemoryLedger
 from zmpi.models.gpt import (
     GPT,
     GPTConfig,
+    default_vocab_multiple,
     gpt_activation_bytes,
     korthikanti_activation_bytes,
 )
@@ -147,7 +148,8 @@ print(json.dumps(peaks))
 def test_fp16_on_a_device_keeps_2_byte_activations(T, B):
     """On a device fp16 computes in fp16: the activations are 2 bytes, the LayerNorm
     statistics, GELU's tanh, the probabilities and the loss's log-sum-exp float32, the
-    attention in one block of all T rows (a GPU's). Run on the CuPy
+    attention in one block of all T rows and the logits over the vocabulary padded to 128
+    (a GPU's). Run on the CuPy
     stand-in (tests/standin), the Engine's ledger as on a GPU; fp32 there as a control."""
     env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT / 'tests' / 'standin'}:{REPO_ROOT}",
            "ZMPI_BACKEND": "cupy", "OMP_NUM_THREADS": "1"}
@@ -158,7 +160,8 @@ def test_fp16_on_a_device_keeps_2_byte_activations(T, B):
     block = attention_block(T, B * SHAPE["n_head"], on_device=True)  # the GPU's blocks
     for precision, act_bytes in (("fp16", 2), ("fp32", 4)):
         for policy in POLICIES:
-            want = formula(T, B, policy, act_bytes, block=block)["device"]
+            want = formula(T, B, policy, act_bytes, block=block,
+                           vocab_multiple=default_vocab_multiple(on_gpu=True))["device"]
             assert peaks[f"{precision} {policy}"] == want, (precision, policy)
 
 

@@ -12,6 +12,8 @@ and after step 6 from the uninterrupted run, relative to the move training made 
 the worst). Rank 0 writes each saver's parameters at the save to WORK_DIR/<case>.npz, for the
 offline tools (verify, consolidate). A checkpoint loaded into a model whose whole shapes
 differ (a vocabulary of 14, whose local slices at tp 2 are the same shape) is refused.
+The PADDED cases pad the vocabulary to a multiple (GPTConfig.vocab_multiple, times tp) at the
+saving and/or the loading layout: 13 -> 16 (8 rows a rank at tp 2), 128, 32 a rank at tp 4.
 """
 import sys
 from pathlib import Path
@@ -49,10 +51,16 @@ CASES = {
     "pp2tp2s1_to_pp4s2": (((2, 2), {"stage": 1}), (4, (1, 4), {"stage": 2}), "fp64"),
     "tp2s0_to_2ranks_pp2s3": (((2, 1), {"stage": 0}), (2, (1, 2), {"stage": 3}), "fp64"),
     "pp2s2_same_fp32": (((1, 2), {"stage": 2}), (4, (1, 2), {"stage": 2}), "fp32"),
+    # the vocabulary padded (PADDED) at the save, the load or both
+    "tp2pad8s3_to_tp1s1": (((2, 1), {"stage": 3}), (4, (1, 1), {"stage": 1}), "fp64"),
+    "tp1pad128s2_to_tp4pad32s3": (((1, 1), {"stage": 2}), (4, (4, 1), {"stage": 3}), "fp64"),
+    "tp4s1_to_tp1pad128s0": (((4, 1), {"stage": 1}), (4, (1, 1), {"stage": 0}), "fp64"),
 }
+PADDED = {"tp2pad8s3_to_tp1s1": (8, 1), "tp1pad128s2_to_tp4pad32s3": (128, 32),
+          "tp4s1_to_tp1pad128s0": (1, 128)}  # case: (vocab_multiple saving, loading)
 
 
-def build(comm, tp, zero, precision, vocab=CFG.vocab_size, pp=1):
+def build(comm, tp, zero, precision, vocab=CFG.vocab_size, pp=1, multiple=1):
     dtype, mixed = PRECISION[precision]
     mesh = Mesh(comm, tp=tp, pp=pp)
     config = {**mixed, "train_micro_batch_size_per_gpu": BATCH // mesh.dp,
@@ -60,7 +68,7 @@ def build(comm, tp, zero, precision, vocab=CFG.vocab_size, pp=1):
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
               "tensor_parallel": {"autotp_size": tp}, "pipeline": {"stages": pp},
               "zero_optimization": {**zero, "reduce_bucket_size": 2000}}
-    cfg = GPTConfig(vocab, CFG.seq_len, CFG.n_layer, CFG.n_head, CFG.d_model)
+    cfg = GPTConfig(vocab, CFG.seq_len, CFG.n_layer, CFG.n_head, CFG.d_model, multiple)
     engine = Engine(GPT(cfg, seed=0, dtype=dtype, tp=mesh.tp_comm), config, comm, mesh=mesh)
     rows = SyntheticSource(CFG.vocab_size, CFG.seq_len, BATCH, mesh.dp_rank, mesh.dp, seed=1)
     return engine, rows
@@ -82,7 +90,8 @@ def main():
     pair = world.split(0 if world.rank < 2 else 1)  # a 2-rank job inside the 4-rank one
     for case, (((tp, pp), zero), (ranks, (tp2, pp2), zero2), precision) in CASES.items():
         ckpt = work / case
-        engine, rows = build(world, tp, zero, precision, pp=pp)
+        saving, loading = PADDED.get(case, (1, 1))
+        engine, rows = build(world, tp, zero, precision, pp=pp, multiple=saving)
         init = engine.gather_parameters()
         train(engine, rows, range(SAVE_AT))
         engine.save_checkpoint(ckpt)
@@ -95,7 +104,7 @@ def main():
         result = {}
         if ranks == world.size or world.rank < ranks:
             comm = world if ranks == world.size else pair
-            engine, rows = build(comm, tp2, zero2, precision, pp=pp2)
+            engine, rows = build(comm, tp2, zero2, precision, pp=pp2, multiple=loading)
             loaded = engine.load_checkpoint(ckpt)
             result["loaded_step"] = loaded.global_steps
             result["after_load"] = largest_difference(engine.gather_parameters(), at_save)

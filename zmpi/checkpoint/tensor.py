@@ -73,16 +73,20 @@ class TensorSplits:
     @classmethod
     def of_model(cls, unit_params, tp) -> TensorSplits:
         """The splits of a built model's parameters (`unit_params`: name -> Parameter per
-        unit) over the Comm `tp` (a collective over it when tp.size > 1)."""
+        unit) over the Comm `tp` (a collective over it when tp.size > 1). At tp.size 1 only
+        the padded ones (a vocabulary padded to aligned GEMMs, `tp_full` real rows of more):
+        a split over one rank whose "full" drops the padding, so a padded checkpoint loads
+        into an unpadded model, or any other split, and back."""
         mine = {}
         for params in unit_params:
             for name, p in params.items():
                 axis = getattr(p, "tp_split", None)
-                if axis is not None:
+                if axis is not None and (tp.size > 1 or getattr(p, "tp_full", None)
+                                         not in (None, p.shape[axis])):
                     mine[name] = (axis, getattr(p, "tp_full", None), runs_of(p.tp_index))
-        if tp.size == 1:
+        if not mine:
             return cls()
-        every = tp.allgather_object(mine)
+        every = [mine] if tp.size == 1 else tp.allgather_object(mine)
         splits = {}
         for name, (axis, full, _) in mine.items():
             index = tuple(tuple(map(tuple, ranks[name][2])) for ranks in every)

@@ -46,7 +46,8 @@ def train(args) -> None:
     log = rank_logger(comm.rank, args.log_dir)  # --log-dir checked above
     tokenizer, train_tokens, val_tokens, vocab_size, config, notes = inputs
     model_vocab = _get(config, "model.vocab_size") or vocab_size  # checked: >= vocab_size
-    model_cfg = GPTConfig(model_vocab, args.seq_len, args.n_layer, args.n_head, args.d_model)
+    model_cfg = GPTConfig(model_vocab, args.seq_len, args.n_layer, args.n_head, args.d_model,
+                          _get(config, "model.vocab_multiple") or None)
     try:
         args.seed = config["seed"]  # the config's, unless --seed overrides it
         # the mesh first: a tensor-parallel GPT is split over its tp group as it is built

@@ -168,18 +168,22 @@ class ModelConfig(_Section):
     """`model` (zmpi's): the GPT shape the config is for (what `zmpi plan` writes): n_layer,
     d_model, n_head, seq_len and vocab_size (the model's vocabulary, at least the data's;
     None: the data's). `zmpi train` builds this model (its flags override a key, with a
-    note); an Engine given another model raises ConfigError naming the key. Empty: any."""
+    note); an Engine given another model raises ConfigError naming the key. Empty: any.
+    `vocab_multiple`: the token table padded to a multiple of it (times tp) for aligned LM-head
+    GEMMs; None: 128 on a GPU, 1 on a CPU (docs/gpu.md). Not a shape: a checkpoint loads
+    across paddings."""
 
     n_layer: int | None = None
     d_model: int | None = None
     n_head: int | None = None
     seq_len: int | None = None
     vocab_size: int | None = None
+    vocab_multiple: int | None = None
 
     SHAPE = ("n_layer", "d_model", "n_head", "seq_len", "vocab_size")
 
     def _validate(self):
-        self._at_least(1, *self.SHAPE)
+        self._at_least(1, *self.SHAPE, "vocab_multiple")
         if self.d_model is not None and self.n_head is not None:
             _check(self.d_model % self.n_head == 0, "n_head",
                    f"{self.n_head} does not divide d_model {self.d_model}")

@@ -70,11 +70,15 @@ def check_mesh(mesh, config, model) -> None:
 
 
 def check_model_shape(config, model) -> None:
-    """ConfigError unless the model has the shape the config's `model` section gives (a model
-    without a GPT `config` matches only an empty section)."""
+    """ConfigError unless the model has the shape the config's `model` section gives, and its
+    vocab_multiple where given (a model without a GPT `config` matches only an empty
+    section)."""
     from zmpi.config import ConfigError
 
-    for key, value in config.model.given().items():
+    given = config.model.given()
+    if config.model.vocab_multiple is not None:
+        given["vocab_multiple"] = config.model.vocab_multiple
+    for key, value in given.items():
         built = getattr(getattr(model, "config", None), key, None)
         if built != value:
             raise ConfigError(f"model.{key}", f"the config is for {key} {value}, the model "

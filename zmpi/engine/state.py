@@ -57,7 +57,7 @@ class TrainState:
             "client_state": client_state or {}, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "git_revision": git_revision() if engine.comm.rank == 0 else None,
         }
-        if self.splits.size > 1:
+        if self.splits.size > 1 or self.saved_splits.splits:  # split or padded (tensor.py)
             body["tensor"] = self.saved_splits.to_dict()
         if self.stages > 1:
             body["pipeline"] = {"stages": self.stages, "bounds": engine.model.bounds}

@@ -97,12 +97,14 @@ def tensor_norm_sq(engine, sumsq: float, grads, grad_scale: float) -> float:
 
 
 def gather_tensor_slices(value, parameter, tp) -> np.ndarray:
-    """The whole value of `parameter` from every tensor rank's slice (`value`, host), or a
-    copy of `value` where it is not split (a collective over `tp` when it is)."""
+    """The whole value of `parameter` from every tensor rank's slice (`value`, host), its
+    padding dropped (a padded vocabulary, at any tp), or a copy of `value` where it is not
+    split (a collective over `tp` when it is and tp.size > 1)."""
     axis = getattr(parameter, "tp_split", None)
-    if axis is None or tp.size == 1:
+    if axis is None:
         return value.copy()
-    parts = tp.allgather_object((np.asarray(parameter.tp_index), np.ascontiguousarray(value)))
+    mine = (np.asarray(parameter.tp_index), np.ascontiguousarray(value))
+    parts = [mine] if tp.size == 1 else tp.allgather_object(mine)
     shape = list(value.shape)
     shape[axis] = sum(len(index) for index, _ in parts)
     full = np.empty(shape, value.dtype)

@@ -263,6 +263,16 @@ _gelu_backward = kernels.fused(_gelu_backward_twin, kernels.cuda_gelu_backward)
 # -- softmax cross-entropy --------------------------------------------------------------------
 
 
+def mask_padding(logits, real: int):
+    """`logits` (..., Vp) with its columns from `real` on (a padded vocabulary's) set to -inf,
+    in place, and returned: a softmax over them, and so the cross-entropy and sampling, gives
+    them probability exactly 0 and the loss's gradient there is exactly 0. One strided fill, or
+    nothing when there is no padding."""
+    if real < logits.shape[-1]:
+        logits[..., real:] = -numpy.inf
+    return logits
+
+
 def cross_entropy_forward(logits, targets, ignore_index=None, normalizer=None):
     """Sum over counted positions of -log softmax(logits)[target], divided by `normalizer`
     (default: the number of counted positions, i.e. the mean, as PyTorch's reduction="mean").

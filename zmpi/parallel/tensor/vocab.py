@@ -2,10 +2,13 @@
 VocabParallelEmbedding and vocab_parallel_cross_entropy), with explicit forward and backward.
 
 The (V, C) token table is split by rows over the tp ranks of `tp` (a zmpi Comm, normally
-`mesh.tp_comm`). V is padded up to Vp, a multiple of tp (Megatron's
-make-vocab-size-divisible-by), so every rank holds Vp/tp rows: rank r holds rows
-[r Vp/tp, (r+1) Vp/tp) of the padded table. Padding rows (ids >= V) are zero, are never looked
-up, and never receive a gradient; their logits are excluded from the softmax.
+`mesh.tp_comm`). V is padded up to Vp, a multiple of `multiple` x tp (Megatron's
+make-vocab-size-divisible-by times tp; `multiple` 128 makes the LM head's GEMMs aligned on a
+GPU), so every rank holds Vp/tp rows, a multiple of `multiple`: rank r holds rows
+[r Vp/tp, (r+1) Vp/tp) of the padded table. This is the one padding of the vocabulary: models/gpt.py
+pads its table with it at tp = 1 too (`vocab_parameter` with tp None). Padding rows (ids >= V)
+are zero, are never looked up, and never receive a gradient; their logits are -inf in the
+softmax (`F.mask_padding`), so their probability and gradient are exactly 0.
 
     emb = VocabParallelEmbedding(V, C, tp, rng, dtype)      # weight (Vp/tp, C), this rank's rows
     head = VocabParallelLMHead(emb)                          # logits_local = h @ weight.T
@@ -33,13 +36,29 @@ from zmpi.nn.losses import Loss
 from zmpi.nn.parameter import Parameter, accumulate_grad_, compute_data, live
 
 
-def vocab_shard(vocab_size: int, size: int, rank: int) -> tuple[int, int, int]:
+def vocab_shard(vocab_size: int, size: int = 1, rank: int = 0,
+                multiple: int = 1) -> tuple[int, int, int]:
     """(Vp, start, rows): the padded vocabulary (vocab_size rounded up to a multiple of
-    `size`), and this rank's rows [start, start + rows) of it, rows = Vp / size."""
+    `multiple` x `size`), and this rank's rows [start, start + rows) of it, rows = Vp / size
+    (a multiple of `multiple`)."""
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-    rows = -(-vocab_size // size)
+    if multiple < 1:
+        raise ValueError(f"the vocabulary's padding multiple must be >= 1, got {multiple}")
+    rows = -(-vocab_size // (multiple * size)) * multiple
     return rows * size, rank * rows, rows
+
+
+def real_rows(weight) -> int:
+    """How many rows of `weight` (a `vocab_parameter`, this rank's slice) are real ids; the
+    last rows beyond them pad."""
+    return _real_rows(weight.tp_full, int(weight.tp_index[0]), len(weight.tp_index))
+
+
+def _held(weight, tp) -> tuple[int, int]:
+    """(start, rows): the rows of the padded table that `weight`, this rank's slice, holds."""
+    rows = weight.shape[0]
+    return tp.rank * rows, rows
 
 
 def _real_rows(vocab_size: int, start: int, rows: int) -> int:
@@ -59,12 +78,16 @@ def _local_ids(ids, start: int, rows: int, xp):
     return xp.where(held, local, rows), held
 
 
-def vocab_parameter(vocab_size, d_model, tp, rng=None, dtype=numpy.float32, std=0.02):
-    """This rank's rows of a (V, C) table split by rows over `tp`: the full table is drawn from
-    `rng` exactly as zmpi.nn's normal_parameter draws it (so the generator advances as for the
-    serial table); padding rows (ids >= V) are zero. The Parameter carries `tp_split = 0`,
-    `tp_index` (its rows of the padded table) and `tp_full = V` (gathering drops the padding)."""
-    _, start, rows = vocab_shard(vocab_size, tp.size, tp.rank)
+def vocab_parameter(vocab_size, d_model, tp, rng=None, dtype=numpy.float32, std=0.02,
+                    multiple=1):
+    """This rank's rows of a (V, C) table split by rows over `tp` (None: one rank holding
+    every row) and padded as `vocab_shard` says: the full table is drawn from `rng` exactly as
+    zmpi.nn's normal_parameter draws it (so the generator advances as for the unpadded serial
+    table); padding rows (ids >= V) are zero. The Parameter carries `tp_split = 0`, `tp_index`
+    (its rows of the padded table) and `tp_full = V` (gathering and checkpoints drop the
+    padding)."""
+    size, rank = (1, 0) if tp is None else (tp.size, tp.rank)
+    _, start, rows = vocab_shard(vocab_size, size, rank, multiple)
     full = numpy.random.default_rng(rng).normal(0.0, std, (vocab_size, d_model)).astype(dtype)
     local = numpy.zeros((rows, d_model), dtype=dtype)
     real = _real_rows(vocab_size, start, rows)
@@ -84,7 +107,7 @@ def vocab_lookup(weight, idx, tp, vocab_size, check=True, reduce=True):
     idx = xp.asarray(idx)
     if check:
         F.check_indices(idx, vocab_size, "embedding indices")
-    _, start, rows = vocab_shard(vocab_size, tp.size, tp.rank)
+    start, rows = _held(W, tp)
     local, held = _local_ids(idx, start, rows, xp)
     y = W[xp.minimum(local, rows - 1)].astype(compute_dtype(W), copy=False)
     y *= held[..., None]  # ids held elsewhere: zero rows
@@ -104,16 +127,18 @@ class VocabParallelEmbedding(Module):
     """y = W[idx] with W (V, C) split by rows over `tp`.  idx (...) int in [0, V) -> y (..., C),
     the full embedding on every rank, in the compute dtype.
 
-    weight: Parameter (Vp/tp, C), this rank's rows of the padded table (`vocab_parameter`).
-    Forward: `vocab_lookup` (one allreduce over tp); backward: `vocab_lookup_backward` (no
-    communication); returns None.
+    weight: Parameter (Vp/tp, C), this rank's rows of the padded table (`vocab_parameter`,
+    padded to a multiple of `multiple` x tp). Forward: `vocab_lookup` (one allreduce over tp);
+    backward: `vocab_lookup_backward` (no communication); returns None.
     """
 
-    def __init__(self, vocab_size, d_model, tp, rng=None, dtype=numpy.float32, std=0.02):
+    def __init__(self, vocab_size, d_model, tp, rng=None, dtype=numpy.float32, std=0.02,
+                 multiple=1):
         self.tp = tp
         self.vocab_size = vocab_size
-        self.padded_vocab_size, self.start, self.rows = vocab_shard(vocab_size, tp.size, tp.rank)
-        self.weight = vocab_parameter(vocab_size, d_model, tp, rng, dtype, std)
+        self.padded_vocab_size, self.start, self.rows = vocab_shard(vocab_size, tp.size, tp.rank,
+                                                                    multiple)
+        self.weight = vocab_parameter(vocab_size, d_model, tp, rng, dtype, std, multiple)
 
     @property
     def real_rows(self) -> int:
@@ -133,7 +158,7 @@ class VocabParallelEmbedding(Module):
 class VocabParallelLMHead(Module):
     """logits_local = h @ weight.T with `weight` the embedding's local rows (tied, as
     models/gpt.py's LMHead borrows wte).  h (..., C), replicated -> (..., Vp/tp), this rank's
-    slice of the padded logits (padding columns are 0; VocabParallelCrossEntropy excludes them).
+    slice of the padded logits (padding columns -inf: `F.mask_padding`).
 
     Borrows the embedding (`shared_units`), reads its weight at call time and accumulates into
     the same weight.grad (padding rows get none). Backward returns the full dh: each rank's
@@ -149,27 +174,26 @@ class VocabParallelLMHead(Module):
         return self.shared_units[0]
 
     def forward(self, h):
-        W = compute_data(self.embedding.weight)  # (Vp/tp, C)
+        emb = self.embedding
+        W = compute_data(emb.weight)  # (Vp/tp, C)
         logits, (h, _) = F.linear_forward(h.astype(W.dtype, copy=False), W.T)
         self._save(h)
-        return logits
+        return F.mask_padding(logits, emb.real_rows)
 
     def backward(self, dlogits):
         emb = self.embedding
-        return vocab_head_backward(emb.weight, self._pop(), dlogits, emb.tp, emb.vocab_size)
+        return vocab_head_backward(emb.weight, self._pop(), dlogits, emb.tp)
 
 
-def vocab_head_backward(weight, h, dlogits, tp, vocab_size, reduce=True):
+def vocab_head_backward(weight, h, dlogits, tp, reduce=True):
     """Backward of logits_local = h @ weight.T with `weight` this rank's rows of a padded
-    (V, C) table: accumulates into weight.grad (padding rows get none) and returns dh, summed
-    over tp (each rank's is a partial sum over its vocabulary rows); reduce=False: this rank's
-    partial dh (the caller sums it, e.g. by a reduce-scatter along the sequence)."""
+    (V, C) table: accumulates into weight.grad and returns dh, summed over tp (each rank's is a
+    partial sum over its vocabulary rows); reduce=False: this rank's partial dh (the caller sums
+    it, e.g. by a reduce-scatter along the sequence). dlogits is 0 at padding columns (the
+    softmax of -inf), so padding rows get a gradient of exactly 0."""
     WT = compute_data(weight).T  # (C, Vp/tp)
     dh, dWT, _ = F.linear_backward(dlogits.astype(WT.dtype, copy=False), (h, WT))
-    _, start, rows = vocab_shard(vocab_size, tp.size, tp.rank)
-    dW = dWT.T
-    dW[_real_rows(vocab_size, start, rows):] = 0  # padding rows never receive a gradient
-    accumulate_grad_(weight, dW)
+    accumulate_grad_(weight, dWT.T)
     return _allreduce(tp, dh) if reduce else dh
 
 
@@ -180,16 +204,18 @@ class VocabParallelCrossEntropy(Loss):
     gathered (..., V) logits (same ignore_index, normalizer and count contract; float32, or
     float64 for float64 logits), without gathering them: three allreduces of one value per
     position over tp (the max, the sum of exp, the target's logit, to which only the rank
-    holding the target contributes). Padding columns are -inf in the softmax. Backward returns
-    this rank's slice of dloss (softmax - onehot) / normalizer (zero at padding columns and at
-    ignored positions) and communicates nothing.
+    holding the target contributes). Padding columns (`multiple`: as the embedding's) are -inf
+    in the softmax whatever they hold (`F.mask_padding`). Backward returns this rank's slice of
+    dloss (softmax - onehot) / normalizer (zero at padding columns and at ignored positions)
+    and communicates nothing.
     """
 
-    def __init__(self, tp, vocab_size, ignore_index=None):
+    def __init__(self, tp, vocab_size, ignore_index=None, multiple=1):
         self.tp = tp
         self.vocab_size = vocab_size
         self.ignore_index = ignore_index
-        self.padded_vocab_size, self.start, self.rows = vocab_shard(vocab_size, tp.size, tp.rank)
+        self.padded_vocab_size, self.start, self.rows = vocab_shard(vocab_size, tp.size, tp.rank,
+                                                                    multiple)
 
     def forward(self, outputs, targets, normalizer=None):
         xp = array_module(outputs)
@@ -210,9 +236,7 @@ class VocabParallelCrossEntropy(Loss):
             targets = xp.where(mask, targets, 0)  # any valid index; masked out below
         if normalizer is None:
             normalizer = N if mask is None else max(int(mask.sum()), 1)
-        real = _real_rows(self.vocab_size, self.start, self.rows)
-        if real < self.rows:
-            z[:, real:] = -xp.inf  # padding columns: exp gives 0
+        F.mask_padding(z, _real_rows(self.vocab_size, self.start, self.rows))
         zmax = z.max(axis=-1)  # (N,)
         _allreduce(self.tp, zmax, "max")  # 1: the global max of each position
         z -= zmax[:, None]
