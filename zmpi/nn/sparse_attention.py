@@ -164,27 +164,28 @@ def _row_probs(q_i, k_g, pad, future):
 
 def sparse_attention_backward(dy, cache):
     """dy (B, T, C) -> dqkv (B, T, 3C), block row by block row as the forward (recomputing
-    each row's probabilities when the forward kept none), with the products and their order
-    of attention_backward: dq = (ds k) / sqrt(hd), dk^T = q'^T ds, dv^T = dy^T p of each row's
-    gathered blocks; dk and dv summed into their key blocks row after row (in place, by the
-    plan's scatter indices, which never repeat a block within a row)."""
+    each row's probabilities when the forward kept none). With q' = q / sqrt(hd), s = q' k^T
+    over a row's gathered blocks: dq = (ds k) / sqrt(hd), dk = ds^T q', dv = p^T dy, dk and
+    dv summed into their key blocks row after row (in place, by the plan's scatter indices,
+    which never repeat a block within a row; as (S, hd) products, so that each block's rows
+    are contiguous in both the product and the sum)."""
     xp = array_module(dy)
     q, kv, probs, plan = cache
     B, nh, nb, block, hd = q.shape
     T = nb * block
     dyh = xp.ascontiguousarray(dy.reshape(B, nb, block, nh, hd).transpose(0, 3, 1, 2, 4))
     dqkv = xp.empty((B, nb, block, 3, nh, hd), dtype=q.dtype)
-    dkvT = xp.zeros((2, B, nh * (nb + 1), hd, block), dtype=q.dtype)  # + a spare block a head
+    dkv = xp.zeros((2, B, nh * (nb + 1), block, hd), dtype=q.dtype)  # + a spare block a head
     for i, k_g, v_g in _gathered(kv, plan):
         q_i, dy_i, m = q[:, :, i], dyh[:, :, i], plan.gather[i].shape[1]
         att = _row_probs(q_i, k_g, plan.pad[i], plan.future[i]) if probs is None else probs[i]
-        dvT = xp.matmul(dy_i.swapaxes(-1, -2), att.astype(dy.dtype, copy=False))  # (B,nh,hd,S)
+        dv = xp.matmul(att.astype(dy.dtype, copy=False).swapaxes(-1, -2), dy_i)  # (B,nh,S,hd)
         ds = softmax_backward(xp.matmul(dy_i, v_g.swapaxes(-1, -2)), att)  # (B, nh, block, S)
         xp.multiply(xp.matmul(ds, k_g).transpose(0, 2, 1, 3), 1.0 / math.sqrt(hd),
                     out=dqkv[:, i, :, 0])
-        dkT = xp.matmul(q_i.swapaxes(-1, -2), ds)  # (B, nh, hd, S)
-        for acc, d in ((dkvT[0], dkT), (dkvT[1], dvT)):
-            acc[:, plan.scatter[i]] += d.reshape(B, nh, hd, m, block).transpose(0, 1, 3, 2, 4)
-    dkv = dkvT.reshape(2, B, nh, nb + 1, hd, block)[:, :, :, :nb]
-    dqkv[:, :, :, 1:] = dkv.transpose(1, 3, 5, 0, 2, 4)  # (B, nb, block, 2, nh, hd)
+        dk = xp.matmul(ds.swapaxes(-1, -2), q_i)  # (B, nh, S, hd)
+        for total, d in ((dkv[0], dk), (dkv[1], dv)):
+            total[:, plan.scatter[i]] += d.reshape(B, nh, m, block, hd)
+    dkv = dkv.reshape(2, B, nh, nb + 1, block, hd)[:, :, :, :nb]
+    dqkv[:, :, :, 1:] = dkv.transpose(1, 3, 4, 0, 2, 5)  # (B, nb, block, 2, nh, hd)
     return dqkv.reshape(B, T, 3 * nh * hd)
