@@ -11,12 +11,13 @@ side by side, so a row is one batched matmul over (B, nh) against m x block keys
 blocks any head keeps in the row; a head that keeps fewer is padded with masked blocks). Work
 and memory: B x nh x block^2 x (kept blocks, so padded), O(w T) for a window of w blocks.
 
-The arithmetic is dense attention's (zmpi.nn.attention), operation for operation: q scaled
-before q k^T, the softmax in float32 at least, the products in the input dtype, key gradients
-summed over the block rows in order; so a layout of all ones gives attention_forward's bits
-at the same block size. On a GPU each operation here is a launch per block row (the CuPy path
-works but is launch-bound); a fused kernel would replace the row loop of the forward
-(`_row_probs` and the value product) and of the backward.
+The arithmetic is dense attention's (zmpi.nn.attention): q scaled before q k^T, the softmax
+in float32 at least, the products in the input dtype, the same dot products in the same order
+(dk and dv as the transposes of dense's products), key gradients summed over the block rows
+in order; so a layout of all ones gives attention_forward's bits at the same block size (on
+this project's BLAS: tests/test_sparse_attention.py checks it). On a GPU each operation here is
+a launch per block row (the CuPy path works, about 35 launches a row forward and backward, but
+is launch-bound): a fused kernel would replace the row loops.
 
 Shapes: B batch, T time, C channels, nh heads, hd = C // nh head size, nb = T // block.
 """
