@@ -85,10 +85,6 @@ def check_model_shape(config, model) -> None:
                               f"given has {built}")
 
 
-def check_units(units, unit_params) -> None:
-    seen = {}
-    for u, params in enumerate(unit_params):
-        if not params:
 def check_input_slots(model, config, mesh, units: int) -> None:
     """ConfigError unless activation_checkpointing.number_checkpoints (the slots of
     contiguous_memory_optimization), where given, holds every input full recompute keeps at
@@ -119,6 +115,10 @@ def check_input_slots(model, config, mesh, units: int) -> None:
                           f"{slots} is {why}: give {least} to {most}")
 
 
+def check_units(units, unit_params) -> None:
+    seen = {}
+    for u, params in enumerate(unit_params):
+        if not params:
             raise ValueError(f"unit {u} ({type(units[u]).__name__}) has no parameters")
         for name, p in params.items():
             if id(p) in seen:
