@@ -8,9 +8,40 @@ which give the same bits as NumPy (tests/test_host_kernels.py). This process kee
 its environment asks for (compiled by default), so the engine tests that run in it use them,
 and the ZeRO-Offload suite's ranks ask for them again (tests/test_offload.py).
 `ZMPI_NUMBA=1 make test` runs every process with them.
+
+The `tmpfs` fixture mounts a small or read-only file system for the disk-fault tests.
 """
 import os
+import subprocess
+
+import pytest
 
 from zmpi import host_kernels  # noqa: F401  (loaded now, by the environment as it was given)
 
 os.environ.setdefault("ZMPI_NUMBA", "0")
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(options) -> a new directory on a tmpfs of its own, mounted with `options` (a
+    small size for a full disk, "size=64k"; "ro" for a read-only mount) and unmounted after
+    the test. Skips the test where this process cannot mount one (not root, no
+    CAP_SYS_ADMIN, not Linux): CI runs it as root on Linux."""
+    mounted = []
+
+    def mount(options: str):
+        point = tmp_path / f"tmpfs{len(mounted)}"
+        point.mkdir()
+        try:
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+                                  capture_output=True, text=True, timeout=30)
+        except FileNotFoundError:
+            pytest.skip("no mount command here")
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or 'mount failed'})")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", str(point)], check=True)

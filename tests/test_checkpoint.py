@@ -7,9 +7,12 @@ save their own; B resumes A's at 4 ranks in a new mpiexec and loads C's); the te
 on the reports and on the parameter dumps (.npz) the jobs wrote.
 """
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -256,6 +259,15 @@ def test_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path, kill_at):
 
     engine = build("3/fp16", Comm())  # the 2-rank checkpoint, on one rank
     assert engine.load_checkpoint(tmp_path).client_state == {"step": 2}
+    # the killed save's staging directory (there until the rename: fsyncs 1-4) is removed
+    # at the next claim of the directory, which says so; it used to stay for good
+    partial = tmp_path / ".step3.partial"
+    assert partial.is_dir() == (kill_at < 6)
+    assert engine.claim_checkpoint_dir(tmp_path).notes == (
+        [f"removed {partial}, left by a save that did not finish (its writer is gone)"]
+        if kill_at < 6 else [])
+    assert not partial.exists()
+    engine.close()
 
 
 # ---- single-process API behaviour ------------------------------------------------------------
@@ -352,23 +364,53 @@ def test_ckpt_cli_inspect_verify_consolidate(tmp_path):
     assert out.returncode == 0 and (tmp_path / "m.npz").is_file(), out.stderr
     shard = next((tmp_path / "c" / "step1").glob("*.h5"))
     before = shard.read_bytes()
-    for target, message in ((shard, "inside the checkpoint directory"),  # would destroy it
-                            (tmp_path / "c" / "latest", "inside the checkpoint directory"),
-                            (tmp_path, "a directory"),
-                            (tmp_path / "no" / "m.h5", "no directory")):
-        out = cli("consolidate", tmp_path / "c", target)
-        assert out.returncode == 1 and message in out.stderr, out.stderr
+    os.mkfifo(tmp_path / "fifo")  # it was replaced by the zip (and /dev/full, by a device)
+    (tmp_path / "null").symlink_to("/dev/null")
+    for args, message in (([shard], "inside the checkpoint directory"),  # would destroy it
+                          ([tmp_path / "c" / "latest"], "inside the checkpoint directory"),
+                          ([tmp_path], "a directory"),
+                          ([tmp_path / "no" / "m.h5"], "no directory"),
+                          ([tmp_path / "fifo", "--npz"], "fifo: a FIFO, not a regular file"),
+                          ([tmp_path / "null"], "a character device, not a regular file"),
+                          ([tmp_path / "m.h5", "--tag", "../x"], "must be a plain file name")):
+        out = cli("consolidate", tmp_path / "c", *args)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
         assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1
     assert shard.read_bytes() == before and cli("verify", tmp_path / "c").returncode == 0
+    assert stat.S_ISFIFO((tmp_path / "fifo").stat().st_mode)
+    assert (tmp_path / "null").resolve() == Path("/dev/null")
+    assert not list(tmp_path.glob("*.tmp"))
     out = cli("inspect", tmp_path / "c" / "step1")  # a tag's directory, not the checkpoints'
     assert out.returncode == 1 and "this is one checkpoint (tag step1)" in out.stderr
     flip_byte(shard, 300)
     out = cli("verify", tmp_path / "c")
     assert out.returncode == 1 and "corrupt" in out.stdout, out.stdout + out.stderr
+    assert out.stdout.splitlines()[-1] == "1 problem"  # was "1 problems"
     out = cli("consolidate", tmp_path / "c", tmp_path / "m.h5")
     assert out.returncode == 1 and not list(tmp_path.glob("m.h5*"))  # no partial file left
     out = cli("inspect", tmp_path / "nowhere")
     assert out.returncode == 1 and "missing" in out.stderr
+
+
+@pytest.mark.parametrize("npz", [False, True])
+def test_consolidate_on_a_full_or_read_only_disk_is_one_line_and_leaves_nothing(tmp_path,
+                                                                               tmpfs, npz):
+    """A full disk (a tmpfs of 8 KiB, the model's HDF5 is ~20 KiB) is exit 1, one line, no
+    .tmp file: HDF5 never sees the failed write (it crashed the process with exit 139 after
+    ~24 "Exception ignored" tracebacks). A read-only mount is refused before anything is
+    read, exit 2 (its clean-up's unlink raised EROFS: a traceback)."""
+    engine = _engine(stage=0)
+    _steps(engine, 0, 1)
+    engine.save_checkpoint(tmp_path / "c")
+    full, read_only = tmpfs("size=8k"), tmpfs("ro,size=8k")
+    for directory, code, message in ((full, 1, "not written: No space left on device"),
+                                     (read_only, 2, "Read-only file system")):
+        out = subprocess.run([sys.executable, "-m", "zmpi.cli", "ckpt", "consolidate",
+                              tmp_path / "c", directory / "m.h5", *(["--npz"] if npz else [])],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == code and message in out.stderr, (out.returncode, out.stderr)
+        assert len(out.stderr.splitlines()) == 1 and out.stdout == ""
+        assert list(directory.iterdir()) == []  # no .tmp, no partial file
 
 
 def test_bf16_round_trip_and_a_change_of_storage_dtype(tmp_path):

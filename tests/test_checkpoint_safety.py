@@ -205,6 +205,37 @@ def test_a_kill_between_the_renames_of_a_re_save_loses_nothing(saved, tmp_path):
     assert read_manifest(tools.resolve_tag(copy, None))["global_steps"] == 2
 
 
+def test_a_dead_saves_partial_directory_is_removed_never_a_live_writers(saved, tmp_path):
+    """A save's staging directory (.<tag>.partial) that a kill left is removed by the next
+    claim of the directory, which says so; while a writer holds the directory's lock, its
+    staging directory is its own: a second claim is refused and removes nothing."""
+    from zmpi.engine import Engine
+    from zmpi.models.gpt import GPT, GPTConfig
+
+    def engine():
+        return Engine(GPT(GPTConfig(16, 8, 1, 2, 16)), {"train_micro_batch_size_per_gpu": 2})
+
+    copy = tmp_path / "copy"
+    shutil.copytree(saved, copy)
+    live = engine()
+    live.load_checkpoint(copy)  # continues the saver's run
+    live.claim_checkpoint_dir(copy)
+    for tag in ("step3", "step2"):  # a new tag's save, a re-save's: both in flight
+        shutil.copytree(copy / "step2", copy / f".{tag}.partial")
+        (copy / f".{tag}.partial" / MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match="in use"):
+        engine().claim_checkpoint_dir(copy)
+    assert listing(copy) == [".step2.partial", ".step3.partial", LOCK, "latest", "step2"]
+    live.close()  # as a SIGKILL would: the lock goes with the writer
+    successor = engine()
+    successor.load_checkpoint(copy)
+    assert successor.claim_checkpoint_dir(copy).notes == [
+        f"removed {copy / name}, left by a save that did not finish (its writer is gone)"
+        for name in (".step2.partial", ".step3.partial")]
+    assert listing(copy) == [LOCK, "latest", "step2"] and tools.verify(copy) == []
+    successor.close()
+
+
 # ---- zmpi train ---------------------------------------------------------------------------
 @pytest.mark.mpi
 def test_train_refuses_another_runs_directory_and_keeps_its_checkpoints(tmp_path):

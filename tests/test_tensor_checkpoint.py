@@ -44,7 +44,7 @@ def test_a_checkpoint_saved_at_one_tensor_layout_loads_at_another(work):
 def test_a_model_of_other_whole_shapes_is_refused(work):
     _, reports = work
     for r in reports:
-        assert "mismatch: the checkpoint is of a different model (1 parameters differ; " \
+        assert "mismatch: the checkpoint is of a different model (1 parameter of another shape; " \
             "units.0.wte: checkpoint (13, 16), model (14, 16))" in r["other_model"]
 
 
@@ -69,6 +69,10 @@ def test_offline_tools_read_a_tensor_parallel_checkpoint(work, tmp_path):
             assert got["units.0.wte"].shape == (13, 16)  # the padding left out
             for name in want.files:
                 np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+            whole = sum(got[name].size for name in got.files if name != "__tied__")
+        # the whole model's count: at tp 2 it gave one tensor rank's slices (15,040 of 28,576)
+        assert f"  {whole:,} parameters in " in tools.inspect(work / case)
+        assert tp == 1 or manifest["num_params"] < whole
 
 
 def test_a_tampered_split_is_refused(work, tmp_path):

@@ -29,6 +29,7 @@ from zmpi.checkpoint.store import (
     write_atomic,
 )
 from zmpi.checkpoint.tensor import TensorSplits
+from zmpi.words import count
 from zmpi.zero.flat import ModelLayout
 
 _ENVELOPE = ("files", "format", "version", "checksum", "state_crc")  # unknown to the shards
@@ -161,9 +162,10 @@ def check_fields(m: dict) -> None:
         raise ValueError(f"mesh has tp {m['mesh']['tp']}, the tensor splits are over {tp}")
     pp = _check_pipeline(m.get("pipeline"), len(m["layout"]["units"]))
     if m.get("mesh", {"pp": 1})["pp"] != pp:
-        raise ValueError(f"mesh has pp {m['mesh']['pp']}, the pipeline has {pp} stages")
+        raise ValueError(f"mesh has pp {m['mesh']['pp']}, the pipeline has "
+                         f"{count(pp, 'stage')}")
     if len(m["files"]) != n * tp * pp:
-        raise ValueError(f"files lists {len(m['files'])} shards for world_size {n}"
+        raise ValueError(f"files lists {count(len(m['files']), 'shard')} for world_size {n}"
                          + (f" x tp {tp}" if tp > 1 else "") + (f" x pp {pp}" if pp > 1 else ""))
     for i, entry in enumerate(m["files"]):
         if type(entry) is not dict:
@@ -218,8 +220,10 @@ def _check_layout(layout: dict, world_size: int, num_params: int) -> set:
             names.add(p["name"])
             offset += math.prod(shape)
         if offset > padded:
-            raise ValueError(f"{where} holds {offset} elements in padded_numel {padded}")
+            raise ValueError(f"{where} holds {count(offset, 'element')} in padded_numel "
+                             f"{padded}")
         total += offset
     if total != num_params:
-        raise ValueError(f"layout holds {total} parameters, num_params says {num_params}")
+        raise ValueError(f"layout holds {count(total, 'parameter')}, num_params says "
+                         f"{num_params}")
     return names

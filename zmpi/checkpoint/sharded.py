@@ -53,6 +53,7 @@ from zmpi.checkpoint.store import (
     write_shard,
 )
 from zmpi.checkpoint.tensor import read_resliced
+from zmpi.words import count
 
 
 def agree(comm, what: str, fn, *args):
@@ -135,7 +136,8 @@ def check_same_model(manifest: dict, layout, splits, where) -> None:
     diffs = [f"{n}: checkpoint {saved.get(n, 'absent')}, model {ours.get(n, 'absent')}"
              for n in sorted(set(saved) | set(ours)) if saved.get(n) != ours.get(n)]
     raise CheckpointError(f"{where}: mismatch: the checkpoint is of a different model "
-                          f"({len(diffs)} parameters differ; {'; '.join(diffs[:3])})")
+                          f"({count(len(diffs), 'parameter')} of another shape; "
+                          f"{'; '.join(diffs[:3])})")
 
 
 def read_owned(reader: ShardReader, state: str, layout, rank: int, dtype, splits,

@@ -36,6 +36,7 @@ temporary name, flushed, fsync'ed and renamed (`write_atomic`).
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
@@ -44,6 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
+from zmpi.files import fsync_dir, replacing, write_atomic  # noqa: F401  (the format's)
+from zmpi.words import count
 from zmpi.zero.flat import ModelLayout
 
 FORMAT = "zmpi-checkpoint"
@@ -147,11 +150,14 @@ def moved_dir(directory: Path, tag: str) -> Path:
 
 
 def repair(directory: Path) -> list[str]:
-    """Finish the replacement of a re-saved tag that a kill interrupted (see resolve_tag):
-    the complete copy goes back to its tag. Run by the directory's single writer. Returns
-    what it did, for the log."""
+    """Clean up after saves that a kill interrupted, run by the directory's single writer
+    (the holder of its lock, ownership.py: the writers of those saves are gone). Finish the
+    replacement of a re-saved tag (see resolve_tag): the complete copy goes back to its tag.
+    Then remove every other staging directory: a save that never reached its rename is not a
+    checkpoint (the tag it would have become is left as it was). Returns what it did, for
+    the log."""
     done = []
-    for old in Path(directory).glob(".*.old"):
+    for old in sorted(Path(directory).glob(".*.old")):
         tag = old.name[1:-len(".old")]
         final, new = Path(directory) / tag, staging_dir(directory, tag)
         if not final.exists():
@@ -160,34 +166,15 @@ def repair(directory: Path) -> list[str]:
             done.append(f"restored {final} from {source.name} (a re-save was interrupted)")
         if old.exists():
             shutil.rmtree(old)
+    for partial in sorted(Path(directory).glob(".*.partial")):
+        if partial.is_dir() and not partial.is_symlink():
+            shutil.rmtree(partial)
+            done.append(f"removed {partial}, left by a save that did not finish (its writer "
+                        "is gone)")
     return done
 
 
-# ---- atomic files ---------------------------------------------------------------------------
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that a crash leaves either the old file or the new one (and
-    a failed write, e.g. a full disk, leaves the old one and no temporary file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
+# ---- checksums -----------------------------------------------------------------------------
 def file_crc32(path: Path) -> int:
     crc = 0
     with open(path, "rb") as f:
@@ -274,35 +261,45 @@ def write_shard(path: Path, layout: ModelLayout, rank: int, states: dict, attrs:
     file at `path` atomically, but the parameters named in `skip` (a pipeline stage's held
     copies); returns {"file", "bytes", "crc32"} for the manifest. A failed write (a full
     disk, a file too large) raises CheckpointError and leaves no file."""
-    import h5py
-
-    tmp = path.with_name(path.name + ".tmp")
     pieces = [piece for piece in layout.owned_pieces(rank) if piece[0] not in skip]
     shapes = layout.shapes()
-    sink = _GuardedFile(tmp)
+    try:
+        with replacing(path) as tmp:
+            with writing_hdf5(tmp) as f:
+                f.attrs.update(attrs)
+                for state, shard in states.items():
+                    group = f.create_group(state)
+                    for name, start, at, n in pieces:
+                        data = _disk_view(shard[at : at + n])
+                        ds = group.create_dataset(name, data=data, fletcher32=True,
+                                                  chunks=(_chunk(n, data.itemsize),))
+                        ds.attrs["start"] = start
+                        ds.attrs["shape"] = list(shapes[name])
+                        if data.dtype != shard.dtype:
+                            ds.attrs["dtype"] = shard.dtype.name
+            crc = file_crc32(tmp)  # read back from the page cache
+    except OSError as e:
+        raise CheckpointError(f"{path}: not written: {e.strerror or e}") from None
+    return {"file": path.name, "bytes": path.stat().st_size, "crc32": crc}
+
+
+@contextlib.contextmanager
+def writing_hdf5(path: Path):
+    """A new HDF5 file at `path` for the block to fill, written through a `_GuardedFile` and
+    fsync'ed when the block ends. A disk error in any of its writes (ENOSPC, EFBIG, EIO) is
+    raised then, as the OSError, once HDF5 has finished: never from a destructor, never as a
+    crash. The caller discards the file."""
+    import h5py
+
+    sink = _GuardedFile(path)
     try:
         with h5py.File(sink, "w") as f:
-            f.attrs.update(attrs)
-            for state, shard in states.items():
-                group = f.create_group(state)
-                for name, start, at, n in pieces:
-                    data = _disk_view(shard[at : at + n])
-                    ds = group.create_dataset(name, data=data, fletcher32=True,
-                                              chunks=(_chunk(n, data.itemsize),))
-                    ds.attrs["start"] = start
-                    ds.attrs["shape"] = list(shapes[name])
-                    if data.dtype != shard.dtype:
-                        ds.attrs["dtype"] = shard.dtype.name
+            yield f
         sink.sync()
     finally:
         sink.close()
-        if sink.error is not None:
-            tmp.unlink(missing_ok=True)
     if sink.error is not None:
-        raise CheckpointError(f"{path}: not written: {sink.error.strerror or sink.error}")
-    crc = file_crc32(tmp)  # read back from the page cache
-    os.replace(tmp, path)
-    return {"file": path.name, "bytes": path.stat().st_size, "crc32": crc}
+        raise sink.error
 
 
 # ---- reading --------------------------------------------------------------------------------
@@ -360,7 +357,8 @@ class ShardReader:
             filled += b - a
         if filled != len(out):
             raise CheckpointError(f"{self.ckpt}: corrupt: the shards hold {filled} of the "
-                                  f"{len(out)} elements [{start}:{stop}] of {state}/{name}")
+                                  f"{count(len(out), 'element')} [{start}:{stop}] of "
+                                  f"{state}/{name}")
 
 
 def open_shard(ckpt: Path, manifest: dict, index: int, verify: bool = True):
@@ -379,8 +377,8 @@ def open_shard(ckpt: Path, manifest: dict, index: int, verify: bool = True):
     size = path.stat().st_size
     if size != entry["bytes"]:
         word = "truncated" if size < entry["bytes"] else "corrupt"
-        raise CheckpointError(f"{path}: {word}: {size} bytes, the manifest records "
-                              f"{entry['bytes']}")
+        raise CheckpointError(f"{path}: {word}: {count(size, 'byte')}, the manifest records "
+                              f"{entry['bytes']:,}")
     if verify and file_crc32(path) != entry["crc32"]:
         raise CheckpointError(f"{path}: corrupt: CRC-32 checksum mismatch (bytes changed)")
     try:

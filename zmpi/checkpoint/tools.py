@@ -29,27 +29,34 @@ from zmpi.checkpoint.store import (
     file_pieces,
     open_shard,
     resolve_tag,
+    writing_hdf5,
 )
 from zmpi.checkpoint.tensor import TensorSplits, read_resliced
+from zmpi.files import check_output, replacing
+from zmpi.words import count
 
 
 def inspect(directory, tag=None) -> str:
-    """A human-readable summary of a checkpoint (its manifest and files)."""
+    """A human-readable summary of a checkpoint (its manifest and files). The parameters are
+    the whole model's, under tensor parallelism too (the manifest's num_params counts one
+    tensor rank's slices)."""
     ckpt = resolve_tag(directory, tag)
     m = read_manifest(ckpt)
     opt = m["optimizer"]
     total = sum(f["bytes"] for f in m["files"])
+    splits, layout = m["splits_obj"], m["layout_obj"]
+    whole = sum(math.prod(shape) for shape in splits.whole_shapes(layout).values())
     lines = [
         f"checkpoint {ckpt} (tag {m['tag']}, format {m['format']} v{m['version']})",
         f"  saved {m['saved_at']} by git {m['git_revision']}",
         f"  global step {m['global_steps']}, optimizer step {opt['step_count']} (lr {opt['lr']},"
         f" betas {opt['betas']}, eps {opt['eps']}, weight decay {opt['weight_decay']}"
         f"{', decoupled' if opt['decoupled'] else ''})",
-        f"  {m['num_params']:,} parameters in {len(m['layout']['units'])} units, "
-        f"{len(m['layout_obj'].shapes())} tensors; tied: {m['tied'] or 'none'}",
+        f"  {count(whole, 'parameter')} in {count(len(layout.units), 'unit')}, "
+        f"{count(len(layout.shapes()), 'tensor')}; tied: {m['tied'] or 'none'}",
         f"  world size {m['world_size']}"
-        + (f" x tensor-parallel {m['splits_obj'].size} ({len(m['splits_obj'].splits)} split "
-           "tensors)" if m["splits_obj"].size > 1 else "")
+        + (f" x tensor-parallel {splits.size} ({count(len(splits.splits), 'split tensor')})"
+           if splits.size > 1 else "")
         + (f" x pipeline {m['pipeline']['stages']} (stages split the units at "
            f"{m['pipeline']['bounds']})" if "pipeline" in m else "")
         + f", strategy {m['strategy']}, params {m['dtype']}, master and Adam "
@@ -57,7 +64,7 @@ def inspect(directory, tag=None) -> str:
         f"  loss scaler: {m['loss_scaler'] or 'off'}; delayed update pending: "
         f"{m['unpublished_update']}",
         f"  client state: {json.dumps(m['client_state'])}",
-        f"  {len(m['files'])} shard files, {total / 2**20:.2f} MiB:",
+        f"  {count(len(m['files']), 'shard file')}, {total / 2**20:.2f} MiB:",
     ]
     lines += [f"    {f['file']}  {f['bytes']:>12,} bytes  crc32 {f['crc32']:08x}"
               for f in m["files"]]
@@ -101,12 +108,20 @@ def verify(directory, tag=None) -> list[str]:
 def consolidate(directory, out, tag=None, npz=False) -> Path:
     """Write every parameter's full master value (fp32; fp64 for an fp64 model) to `out` as
     one HDF5 file (datasets named after the parameters) or, with npz, a NumPy .npz. Written
-    under a temporary name and renamed. Returns the output path."""
+    under a temporary name and renamed. Returns the output path.
+
+    A bad `out` is a ValueError before anything is read (inside the checkpoint directory, where
+    it could replace the very shards being read or `latest`; or what `zmpi.files.check_output`
+    refuses: a directory, a device, FIFO or socket, a directory that cannot be written); a
+    failed write (a full disk) a CheckpointError, leaving no file behind."""
     ckpt = resolve_tag(directory, tag)
     manifest = read_manifest(ckpt)
     out = Path(out)
-    _check_output(out, Path(directory))
-    tmp = out.with_name(out.name + ".tmp")
+    target, inside = out.resolve(), Path(directory).resolve()
+    if target == inside or inside in target.parents:
+        raise ValueError(f"output {out}: inside the checkpoint directory {directory}; write "
+                         "the consolidated file elsewhere")
+    check_output(out, "output")
     dtype = np.dtype(manifest["master_dtype"])
     tied = manifest["tied"]
     saved, local = manifest["splits_obj"], manifest["layout_obj"].shapes()
@@ -120,35 +135,21 @@ def consolidate(directory, out, tag=None, npz=False) -> Path:
                 yield name, flat.reshape(shape)
 
         try:
-            if npz:
-                _write_npz(tmp, tensors(), tied)
-            else:
-                _write_h5(tmp, tensors(), tied, manifest, ckpt)
-            os.replace(tmp, out)
+            with replacing(out) as tmp:
+                if npz:
+                    _write_npz(tmp, tensors(), tied)
+                else:
+                    _write_h5(tmp, tensors(), tied, manifest, ckpt)
         except OSError as e:
             raise CheckpointError(f"{out}: not written: {e.strerror or e}") from None
-        finally:
-            tmp.unlink(missing_ok=True)  # a failed write leaves no partial file behind
     return out
 
 
-def _check_output(out: Path, directory: Path) -> None:
-    """CheckpointError unless `out` can be a new file outside the checkpoint directory (a
-    path inside it could replace the very shards being read, or `latest`)."""
-    target = out.resolve()
-    if target == directory.resolve() or directory.resolve() in target.parents:
-        raise CheckpointError(f"{out}: inside the checkpoint directory {directory}; write the "
-                              "consolidated file elsewhere")
-    if target.is_dir():
-        raise CheckpointError(f"{out}: a directory; give a file name")
-    if not target.parent.is_dir():
-        raise CheckpointError(f"{out}: no directory {out.parent} to write it in")
-
-
 def _write_h5(path, tensors, tied, manifest, ckpt) -> None:
+    """Through store.writing_hdf5: a full disk is an OSError here, not an HDF5 crash."""
     import h5py
 
-    with h5py.File(path, "w") as f:
+    with writing_hdf5(path) as f:
         for name, value in tensors:
             f.create_dataset(name, data=value)
         for alias, owner in tied.items():
@@ -159,8 +160,12 @@ def _write_h5(path, tensors, tied, manifest, ckpt) -> None:
 
 
 def _write_npz(path, tensors, tied) -> None:
-    """np.savez's format, one array at a time (np.savez needs them all in memory)."""
-    with zipfile.ZipFile(path, "w", allowZip64=True) as z:
-        for name, value in itertools.chain(tensors, [("__tied__", np.array(json.dumps(tied)))]):
-            with z.open(name + ".npy", "w", force_zip64=True) as f:
-                np.lib.format.write_array(f, value)
+    """np.savez's format, one array at a time (np.savez needs them all in memory), fsync'ed."""
+    with open(path, "wb") as fh:
+        with zipfile.ZipFile(fh, "w", allowZip64=True) as z:
+            for name, value in itertools.chain(tensors,
+                                               [("__tied__", np.array(json.dumps(tied)))]):
+                with z.open(name + ".npy", "w", force_zip64=True) as f:
+                    np.lib.format.write_array(f, value)
+        fh.flush()
+        os.fsync(fh.fileno())
