@@ -30,6 +30,9 @@ from zmpi.nn import (
 )
 from zmpi.nn import attention as A
 from zmpi.nn import functional as F
+from zmpi.nn import sparse_attention as S
+from zmpi.nn.layers import sparse_layout
+from zmpi.nn.sparsity import SparsityConfig, sparsity_from_dict
 from zmpi.parallel.tensor.plan import mark_sequence_parallel, parallelize
 from zmpi.parallel.tensor.regions import (
     GatherFromSequenceRegion,
@@ -96,7 +99,8 @@ def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: in
                          seq_len: int, micro_batch: int, act_bytes: int = 4, tp: int = 1,
                          sequence_parallel: bool = False, recompute: str = "none",
                          partition: bool = False, cpu: bool = False, id_bytes: int = 8,
-                         block: int | None = None, vocab_multiple: int = 1) -> dict:
+                         block: int | None = None, vocab_multiple: int = 1,
+                         sparsity=None) -> dict:
     """The activations one rank of zmpi's GPT keeps for backward for one micro-batch of
     `micro_batch` sequences of `seq_len` tokens: what the ledger counts as "activation", array
     by array as the layers cache them (docs/activation-memory.md lists every one).
@@ -110,7 +114,10 @@ def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: in
     with sequence_parallel) / kept on the host. block: the attention's query rows per block
     (its probabilities are the lower-triangular blocks of the s x s matrix); None: this
     backend's, `A.attention_block`. vocab_multiple: the vocabulary's padding (the logits
-    have Vp / tp columns, `vocab_shard`).
+    have Vp / tp columns, `vocab_shard`). sparsity: a zmpi.nn.sparsity SparsityConfig for
+    n_head heads (block-sparse attention): the probabilities are the causal layout's kept
+    blocks, padded per row as `sparse_attention_entries` says, of the tensor rank whose heads
+    keep the most (with different_layout_per_head ranks differ); `block` is then unused.
 
     Returns bytes per rank, {
       "layer": one transformer block's caches (with "full": only while it runs, in its forward
@@ -146,8 +153,13 @@ def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: in
         block = A.attention_block(s, b * a // tp, backend.is_gpu)
     p, f = act_bytes, max(4, act_bytes)
     n = b * s  # positions
-    rows = A.causal_entries(s, block)
-    probs = 0 if recompute == "selective" else f * (a // tp) * b * rows
+    if sparsity is None:
+        entries = (a // tp) * A.causal_entries(s, block)  # this rank's heads' probabilities
+    else:
+        layout, heads = sparse_layout(sparsity, s), a // tp
+        entries = max(S.sparse_attention_entries(layout[r * heads:(r + 1) * heads],
+                                                  sparsity.block) for r in range(tp))
+    probs = 0 if recompute == "selective" else f * b * entries
     layernorm = f * (n // shard) * (h + 1)  # xhat (b, s, h) and rstd (b, s, 1), or the shard
     # ln1, ln2; the inputs of qkv and fc, whole (gathered under sequence parallelism); this
     # rank's q, k, v, proj input, GELU input, mlp.proj input (act_bytes) and GELU's tanh (f)
@@ -303,6 +315,17 @@ class LMHead(Module):
         return self.ln_f.backward(dh)
 
 
+def _sparsity(spec, n_head: int):
+    """The SparsityConfig of GPT's `sparse_attention` argument (None, a DeepSpeed section or a
+    SparsityConfig), for n_head heads."""
+    if spec is None or isinstance(spec, SparsityConfig):
+        if spec is not None and spec.num_heads != n_head:
+            raise ValueError(f"a sparse attention layout of {spec.num_heads} heads for "
+                             f"n_head={n_head}")
+        return spec
+    return sparsity_from_dict(spec, n_head)
+
+
 class GPT(UnitModel):
     """GPT-2: token+position embedding, n_layer pre-LN blocks, final LayerNorm, tied LM head.
 
@@ -327,9 +350,16 @@ class GPT(UnitModel):
     and the embedding raise a ValueError). The replicated parameters whose gradients each rank
     computes from its shard (LayerNorms, wpe) are marked `sequence_parallel`; the engine sums
     their gradients over the tensor ranks.
+
+    sparse_attention: None (dense attention), a DeepSpeed `sparse_attention` section (dict) or
+    a zmpi.nn.sparsity SparsityConfig for n_head heads: every block's attention is block-sparse
+    over that layout intersected with the causal mask (zmpi.nn.sparse_attention;
+    docs/sparse-attention.md), each tensor rank running its own heads' layouts. The batch's T
+    must then be a multiple of the layout's block (`check_batch` raises a ValueError).
     """
 
-    def __init__(self, config, seed=0, dtype=numpy.float32, tp=None, sequence_parallel=False):
+    def __init__(self, config, seed=0, dtype=numpy.float32, tp=None, sequence_parallel=False,
+                 sparse_attention=None):
         multiple = config.vocab_multiple
         if multiple is None:
             multiple = default_vocab_multiple(backend.is_gpu)
@@ -340,6 +370,7 @@ class GPT(UnitModel):
         if not isinstance(sequence_parallel, bool):
             raise TypeError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
         self.sequence_parallel = sp = sequence_parallel and self.tp is not None
+        self.sparse_attention = sparsity = _sparsity(sparse_attention, c.n_head)
         if self.tp is not None and c.n_head % tp.size:
             raise ValueError(f"n_head={c.n_head} is not divisible by the tensor-parallel size "
                              f"{tp.size}: every rank must hold an equal share of the heads")
@@ -349,7 +380,7 @@ class GPT(UnitModel):
                                            self.tp, sp, multiple)
         # each block is split as soon as it is built: no rank holds the whole model
         blocks = [parallelize(Block(c.d_model, c.n_head, rng=rng, dtype=dtype,
-                                    proj_std=proj_std), self.tp, sp)
+                                    proj_std=proj_std, sparsity=sparsity), self.tp, sp)
                   for _ in range(c.n_layer)]
         loss = None if self.tp is None else VocabParallelCrossEntropy(self.tp, c.vocab_size,
                                                                       multiple=multiple)
@@ -368,6 +399,8 @@ class GPT(UnitModel):
             raise ValueError(f"inputs {inputs.shape} and targets {targets.shape} differ")
         if self.sequence_parallel:
             sequence_shard(inputs.shape[1], self.tp)
+        if self.sparse_attention is not None:  # T a multiple of the block, no empty row
+            sparse_layout(self.sparse_attention, inputs.shape[1])
         F.check_indices(inputs, c.vocab_size, "inputs (token ids)")
         F.check_indices(targets, c.vocab_size, "targets (token ids)",
                         getattr(self.loss_fn, "ignore_index", None))
@@ -402,15 +435,20 @@ class GPT(UnitModel):
 
     def _window(self, idx):
         """(the model's input for the token after `idx`, the position of idx's last token in
-        it): the last seq_len tokens. Under sequence parallelism at most seq_len rounded down
-        to a multiple of tp.size (at least tp.size), padded on the right to such a multiple;
-        the padding changes no earlier position (causal attention)."""
-        window = idx[:, -self.config.seq_len:]
-        if not self.sequence_parallel:
-            return window, -1
-        T = self.tp.size
-        window = idx[:, -max(self.config.seq_len // T * T, T):]
-        pad = numpy.zeros((len(window), -window.shape[1] % T), window.dtype)
+        it): the last seq_len tokens. Where the model's T must be a multiple of m (tp.size
+        under sequence parallelism, the block of sparse attention, or both), at most L =
+        seq_len rounded down to a multiple of m (at least m), padded on the right to such a
+        multiple, and with sparse attention to L itself (a layout may need that many block
+        rows: the one training checked); the padding changes no earlier position (causal
+        attention)."""
+        m = math.lcm(self.tp.size if self.sequence_parallel else 1,
+                     1 if self.sparse_attention is None else self.sparse_attention.block)
+        if m == 1:
+            return idx[:, -self.config.seq_len:], -1
+        L = max(self.config.seq_len // m * m, m)
+        window = idx[:, -L:]
+        short = L - window.shape[1] if self.sparse_attention else -window.shape[1] % m
+        pad = numpy.zeros((len(window), short), window.dtype)
         return numpy.concatenate([window, pad], axis=1), window.shape[1] - 1
 
     def _gathered(self, logits):

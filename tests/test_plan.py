@@ -2,9 +2,12 @@
 stages, model states) checked against the real model and strategies, the time model's
 formulas, the config it writes (zmpi train runs it), and the command's answers to bad input.
 The predictions against what runs measure: tests/test_plan_validation.py."""
+import dataclasses
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mpi_util import CLI, REPO_ROOT, launch_mpi
@@ -299,7 +302,7 @@ def test_plan_json_and_bad_inputs(tmp_path):
              "no layout of 4 ranks splits the global batch 3"),
             (["--hardware", "a100", "--gpus-per-node", "16"],
              "the a100 hardware has 8 devices per node"),
-            (["--out", str(tmp_path)], "a directory, not a file"),
+            (["--out", str(tmp_path)], "a directory; give a file name"),
             (["--out", str(tmp_path / "no" / "p.json")], "no directory"),
             (["--save-hardware", str(tmp_path / "x.json")], "name one file"),
             (["--hardware", str(tmp_path / "hw.json"), "--save-hardware",
@@ -316,6 +319,55 @@ def test_plan_json_and_bad_inputs(tmp_path):
     r = _plan(*SMALL_FLAGS, "--device-memory", "1kB", "--out", str(tmp_path / "x.json"))
     assert r.returncode == 1 and "no layout fits" in r.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_step_time_that_is_not_finite_is_refused_not_ranked(tmp_path):
+    """A hardware file with an absurd figure ("layer_overhead": 1e308) printed nan step
+    times, ranked the layouts on them and wrote plan.json, exit 0: now the file is refused
+    (its figures bounded, docs/plan.md), and plan() refuses a prediction that is not finite
+    from a Hardware made without the bounds."""
+    hw = dataclasses.replace(PRESETS["cpu"], layer_overhead=1e308)
+    with pytest.raises(ValueError, match=r"the predicted step time of .* on cpu is (inf|nan)"):
+        plan(Job(2, 32, 2, 65, 16, 4, 1, 2, "fp32"), hw)
+    (tmp_path / "hw.json").write_text(json.dumps(hw.to_dict()))
+    r = _plan(*SMALL_FLAGS[:-1], str(tmp_path / "hw.json"), "--out", str(tmp_path / "p.json"))
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.splitlines() == [f"zmpi plan: hardware file {tmp_path / 'hw.json'}: "
+                                     "hardware: layer_overhead 1e+308 is outside the plausible "
+                                     "range 0 to 10 s"]
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, tmpfs):
+    """--out / --save-hardware on a device (a link to /dev/full: a write through it was a
+    traceback at the end, exit 1), a FIFO or a read-only mount: one line, exit 2, before
+    the hardware is read (a measurement would come first) or anything is written. A disk
+    that fills by the end: one line, exit 1, the file as it was (no partial file)."""
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "full").symlink_to("/dev/full")
+    read_only, full = tmpfs("ro,size=64k"), tmpfs("size=4k")
+    (full / "filler").write_bytes(b"x" * 4096)
+    for flag, path, message in (
+            ("--out", tmp_path / "full", "(a link to /dev/full): a character device, not a "
+             "regular file"),
+            ("--save-hardware", tmp_path / "fifo", "a FIFO, not a regular file"),
+            ("--out", read_only / "p.json", f"cannot write in {read_only}: Read-only file "
+             "system"),
+            ("--save-hardware", read_only / "hw.json", "Read-only file system")):
+        out = [] if flag == "--out" else ["--out", str(tmp_path / "p.json")]
+        r = _plan(*SMALL_FLAGS[:-1], str(tmp_path / "missing.json"), flag, str(path), *out)
+        assert r.returncode == 2 and message in r.stderr, (flag, path, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == "", r.stderr
+    assert not (tmp_path / "p.json").exists()
+    assert (tmp_path / "full").resolve() == Path("/dev/full")
+    for flag in ("--out", "--save-hardware"):
+        out = [] if flag == "--out" else ["--out", str(tmp_path / "p.json")]
+        r = _plan(*SMALL_FLAGS, flag, str(full / "x.json"), *out)
+        assert r.returncode == 1, r.stderr
+        assert r.stderr.strip().splitlines()[-1] == \
+            f"zmpi plan: {full / 'x.json'}: not written: No space left on device"
+        assert "Traceback" not in r.stderr and sorted(p.name for p in full.iterdir()) == \
+            ["filler"]
 
 
 def test_oversubscribed_efficiency_slows_only_ranks_beyond_the_cores():

@@ -83,6 +83,13 @@ def main(argv=None) -> None:
                    help="activation recompute (activation_checkpointing.recompute): selective "
                    "drops the attention probabilities, full keeps only each unit's input; the "
                    "same gradients, less activation memory, more compute (default none)")
+    t.add_argument("--sparse-attention", metavar="MODE", default=None,
+                   choices=("none", "dense", "fixed", "variable", "bigbird", "bslongformer",
+                            "local"),
+                   help="block-sparse attention (the config's sparse_attention section) with "
+                   "that mode's DeepSpeed defaults (block 16), or the config's keys where it "
+                   "names the same mode; none: dense attention. --seq-len a multiple of the "
+                   "block (docs/sparse-attention.md)")
     t.add_argument("--shard-group-size", type=int, metavar="G", default=None,
                    help="hybrid strategies: shard over groups of G ranks (default: a node)")
     t.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,

@@ -317,10 +317,50 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
         _set(cfg, "seed", args.seed, "--seed", notes)
     if args.recompute is not None:
         _set(cfg, "activation_checkpointing.recompute", args.recompute, "--recompute", notes)
+    if getattr(args, "profile", False) and (  # --profile times the recomputes too
+            _get(cfg, "activation_checkpointing.recompute") == "full"
+            or _get(cfg, "pipeline.activation_checkpoint_interval")):
+        _set(cfg, "activation_checkpointing.profile", True, "--profile", notes)
+    if getattr(args, "sparse_attention", None) is not None:
+        _sparse_attention_from_flag(cfg, args.sparse_attention, notes)
     for name in MODEL_FLAGS:
         _set(cfg, f"model.{name}", getattr(args, name), f"--{name.replace('_', '-')}", notes)
     cfg.setdefault("seed", 0)
     return cfg
+
+
+def _sparse_attention_from_flag(cfg: dict, mode: str, notes: list) -> None:
+    """--sparse-attention MODE: the config's sparse_attention section if it is of that mode
+    already (its keys kept), else {"mode": MODE} (that mode's defaults), with a note naming
+    the section it replaces. "none" removes the section (dense attention)."""
+    from zmpi.nn.sparsity import DEFAULT_MODE
+
+    section = cfg.get("sparse_attention")
+    given = section.get("mode", DEFAULT_MODE) if isinstance(section, dict) and section else None
+    if given == mode:
+        return
+    if section:
+        notes.append(f"--sparse-attention {mode} replaces the config's sparse_attention "
+                     f"{json.dumps(section)}")
+    if mode == "none":
+        cfg.pop("sparse_attention", None)
+    else:
+        cfg["sparse_attention"] = {"mode": mode}
+
+
+def _check_sparse_layout(resolved, seq_len: int, n_head: int) -> None:
+    """The config's sparse layout at --seq-len for the model's heads: seq_len a multiple of
+    the block and every query block row keeping a key block (ConfigError, one line)."""
+    from zmpi.config import ConfigError
+    from zmpi.nn.layers import sparse_layout
+
+    sparsity = resolved.sparse_attention.sparsity(n_head)
+    if sparsity is None:
+        return
+    try:
+        sparse_layout(sparsity, seq_len)
+    except ValueError as e:
+        raise ConfigError("sparse_attention", f"at --seq-len {seq_len}: {e}") from None
 
 
 def _checked_inputs(args, world_size: int):
@@ -357,6 +397,7 @@ def _checked_inputs(args, world_size: int):
         raise InputError(f"--seq-len {args.seq_len} is not divisible by the tensor-parallel "
                          f"size {tp.autotp_size}: sequence parallelism gives every tensor rank "
                          "an equal share of the positions")
+    _check_sparse_layout(resolved, args.seq_len, args.n_head)
     planned = resolved.model.vocab_size
     if planned is not None and planned < vocab_size:
         raise ConfigError("model.vocab_size", f"{planned} is smaller than the vocabulary of "

@@ -8,11 +8,13 @@ import sys
 import time
 from pathlib import Path
 
+from zmpi.files import check_output, write_atomic
 from zmpi.models.gpt import gpt_num_params
 from zmpi.plan.hardware import parse_size
 from zmpi.plan.layout import PRECISIONS, Job, to_config
 from zmpi.plan.measure import load_hardware
 from zmpi.plan.search import RESERVE, plan
+from zmpi.words import count
 
 
 def add_parser(sub) -> None:
@@ -66,13 +68,17 @@ def run(args) -> None:
         print(f"zmpi plan: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.save_hardware:
-        hw.save(args.save_hardware)
+        _write(args.save_hardware, hw.save)
     start = time.perf_counter()
-    result = plan(job, hw, device, host, args.top,
-                  progress=lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        result = plan(job, hw, device, host, args.top,
+                      progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except ValueError as e:
+        print(f"zmpi plan: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     seconds = time.perf_counter() - start
     if not result.considered:
-        print(f"zmpi plan: no layout of {job.world_size} ranks splits the global batch "
+        print(f"zmpi plan: no layout of {count(job.world_size, 'rank')} splits the global batch "
               f"{job.global_batch}: the data-parallel ranks (the ranks over tp x pp, tp dividing "
               f"the {job.n_head} heads within a node, pp at most the {job.n_layer + 2} units) "
               "must divide it; give another --global-batch or fewer ranks", file=sys.stderr)
@@ -88,9 +94,8 @@ def run(args) -> None:
         print("zmpi plan: no layout fits; give more nodes, more memory, or a smaller model or "
               "batch", file=sys.stderr)
         raise SystemExit(1)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump(to_config(job, result.best[0].layout), fh, indent=2)
-        fh.write("\n")
+    config = json.dumps(to_config(job, result.best[0].layout), indent=2) + "\n"
+    _write(args.out, lambda path: write_atomic(Path(path), config.encode()))
     launch = (f"mpiexec -n {job.world_size} python -m zmpi.cli train --config "
               f"{shlex.quote(args.out)}")
     print(f"wrote {args.out} (layout 1); run it: {launch}",
@@ -98,18 +103,15 @@ def run(args) -> None:
 
 
 def _check_outputs(args) -> None:
-    """ValueError before any work if --out or --save-hardware cannot be written, or if two of
-    the files would be one: the plan over the saved hardware, or over the hardware read."""
+    """ValueError before any work if --out or --save-hardware cannot be written
+    (zmpi.files.check_output: a directory, a device or FIFO, a read-only or missing
+    directory), or if two of the files would be one: the plan over the saved hardware, or
+    over the hardware read."""
     paths = {"--out": args.out}
     if args.save_hardware is not None:
         paths["--save-hardware"] = args.save_hardware
     for flag, path in paths.items():
-        if not path:
-            raise ValueError(f"{flag} needs a file name")
-        if Path(path).is_dir():
-            raise ValueError(f"{flag} {path}: a directory, not a file")
-        if not Path(path).resolve().parent.is_dir():
-            raise ValueError(f"{flag} {path}: no directory {Path(path).parent} to write it in")
+        check_output(path, flag)
     if args.save_hardware is not None and \
             Path(args.out).resolve() == Path(args.save_hardware).resolve():
         raise ValueError(f"--out and --save-hardware name one file, {args.out}: give two")
@@ -119,6 +121,16 @@ def _check_outputs(args) -> None:
                 raise ValueError(f"{flag} {path} is the --hardware file it would replace")
 
 
+def _write(path: str, write) -> None:
+    """write(path), a failure of the disk (full, say: checked writable at the start) one line
+    and exit code 1; the file is then as it was (written whole or not at all)."""
+    try:
+        write(path)
+    except OSError as e:
+        print(f"zmpi plan: {path}: not written: {e.strerror or e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
 def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.3g}"
 
@@ -126,11 +138,11 @@ def _gb(nbytes: float) -> str:
 def _print_table(job: Job, hw, result, device, seconds) -> None:
     psi = gpt_num_params(job.n_layer, job.d_model, job.vocab_size, job.seq_len)
     device = hw.device_memory if device is None else device
-    print(f"GPT {job.n_layer} layers, d {job.d_model}, {job.n_head} heads, vocab "
-          f"{job.vocab_size}, seq {job.seq_len}: {psi / 1e9:.4g} B parameters, {job.precision}; "
-          f"batch {job.global_batch}; {job.nodes} x {job.gpus_per_node} = {job.world_size} "
-          f"ranks of {hw.name} ({_gb(device)} GB {'each' if hw.on_gpu else 'per node'}, plans "
-          f"use {RESERVE:.0%})")
+    print(f"GPT {count(job.n_layer, 'layer')}, d {job.d_model}, {count(job.n_head, 'head')}, "
+          f"vocab {job.vocab_size}, seq {job.seq_len}: {psi / 1e9:.4g} B parameters, "
+          f"{job.precision}; batch {job.global_batch}; {job.nodes} x {job.gpus_per_node} = "
+          f"{count(job.world_size, 'rank')} of {hw.name} ({_gb(device)} GB "
+          f"{'each' if hw.on_gpu else 'per node'}, plans use {RESERVE:.0%})")
     rejected = ", ".join(f"{n} need more {why}" for why, n in result.rejected.items() if n)
     print(f"{result.considered} layouts considered in {seconds:.1f} s, {result.fitting} fit"
           + (f" ({rejected})" if rejected else ""))

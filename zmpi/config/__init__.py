@@ -55,10 +55,12 @@ from .sections import (
     SchedulerConfig,
     TensorParallelConfig,
 )
+from .sparse import SparseAttentionConfig
 from .zero import OffloadConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = ["ConfigError", "AUTO", "OptimizerConfig", "SchedulerConfig", "FP16Config",
            "BF16Config", "OffloadConfig", "OffloadParamConfig", "ZeroConfig",
            "TensorParallelConfig", "PipelineConfig", "ActivationCheckpointingConfig",
-           "RECOMPUTE", "DebugConfig", "MemoryBudgetConfig", "AioConfig", "ModelConfig", "Config",
+           "RECOMPUTE", "DebugConfig", "MemoryBudgetConfig", "AioConfig", "ModelConfig",
+           "SparseAttentionConfig", "Config",
            "parse_json"]

@@ -24,6 +24,7 @@ from .sections import (
     SchedulerConfig,
     TensorParallelConfig,
 )
+from .sparse import SparseAttentionConfig
 from .zero import ZeroConfig
 
 __all__ = ["Config"]
@@ -73,6 +74,7 @@ class Config(_Section):
     memory_budget: MemoryBudgetConfig = field(default_factory=MemoryBudgetConfig)
     aio: AioConfig = field(default_factory=AioConfig)  # the NVMe tier's file I/O
     model: ModelConfig = field(default_factory=ModelConfig)
+    sparse_attention: SparseAttentionConfig = field(default_factory=SparseAttentionConfig)
     seed: int = 0
     steps_per_print: int = 10
     kernels: str = "fused"  # zmpi.kernels: one launch per fused op on a GPU, or "composed"

@@ -1,6 +1,7 @@
 """The engine's diagnostics: what is checked once at set-up, and what finds a failure's cause.
 
     check_mesh(mesh, config, model)           the mesh is the config's; a tp > 1 model is split
+    check_sparse_attention(config, model)     the model's attention is the config's
     check_units(units, unit_params)           every unit has parameters, none is shared
     check_input_slots(model, config, mesh, n) number_checkpoints fits the layout's kept inputs
     check_same_on_replicas(initial, comm)     every replica built the same initial model
@@ -113,6 +114,26 @@ def check_input_slots(model, config, mesh, units: int) -> None:
                "of the largest)")
         raise ConfigError("activation_checkpointing.number_checkpoints",
                           f"{slots} is {why}: give {least} to {most}")
+
+
+def check_sparse_attention(config, model) -> None:
+    """ConfigError unless the model's attention is the config's `sparse_attention`: the same
+    layout config for the model's heads (a model without a `sparse_attention` attribute is
+    dense)."""
+    from zmpi.config import ConfigError
+
+    built = getattr(model, "sparse_attention", None)
+    if not config.sparse_attention.enabled and built is None:
+        return
+    heads = getattr(getattr(model, "config", None), "n_head", None)
+    want = config.sparse_attention.sparsity(heads) if heads is not None else None
+    if built != want:
+        say = "dense" if built is None else f"{type(built).__name__}"
+        raise ConfigError("sparse_attention", (
+            f"the config gives {config.sparse_attention.to_dict()} but the model was built "
+            f"with {say} attention" if config.sparse_attention.enabled else
+            f"the config has none but the model was built with {say}") + "; build it as "
+            "GPT(..., sparse_attention=config['sparse_attention']) from the same section")
 
 
 def check_units(units, unit_params) -> None:

@@ -43,6 +43,7 @@ from zmpi.engine.checks import (
     check_input_slots,
     check_mesh,
     check_model_shape,
+    check_sparse_attention,
     check_replicas,
     check_same_on_replicas,
     check_units,
@@ -92,6 +93,7 @@ class Engine(EngineTraffic):
             comm, tp=config.tensor_parallel.autotp_size, pp=config.pipeline.stages)
         check_mesh(self.mesh, config, model)
         check_model_shape(config, model)
+        check_sparse_attention(config, model)
         self.config = config.resolve_batch(self.mesh.dp)
         self.micro_batch = self.config.train_micro_batch_size_per_gpu
         self.accumulation = self.config.gradient_accumulation_steps

@@ -13,6 +13,7 @@ Init (GPT-2): weights normal(0, std), biases 0, LayerNorm weight 1 and bias 0. `
 `numpy.random.Generator` or a seed; initial values are made on the host with NumPy.
 """
 
+import functools
 import math
 
 import numpy
@@ -20,8 +21,10 @@ import numpy
 from zmpi.backend import compute_dtype
 from zmpi.nn import attention as A
 from zmpi.nn import functional as F
+from zmpi.nn import sparse_attention as S
 from zmpi.nn.module import Module
 from zmpi.nn.parameter import Parameter, accumulate_grad_, compute_data, grad_out, live
+from zmpi.nn.sparsity import DenseSparsityConfig, causal_layout, check_layout
 
 
 def normal_parameter(rng, shape, std, dtype):
@@ -133,12 +136,30 @@ class GELU(Module):
         return F.gelu_backward(dy, self._pop())
 
 
+@functools.lru_cache(maxsize=8)
+def sparse_layout(sparsity, T: int) -> numpy.ndarray:
+    """sparsity's layout for T positions intersected with the causal mask, checked (every query
+    block row keeps a key block): made once per (config, T), shared by the layers."""
+    if T % sparsity.block:
+        raise ValueError(f"sequence length {T} is not a multiple of sparse_attention.block "
+                         f"{sparsity.block}")
+    layout = causal_layout(sparsity.make_layout(T))
+    check_layout(layout, T, sparsity.block)
+    return layout
+
+
 class CausalSelfAttention(Module):
     """Multi-head causal self-attention.  x (B, T, C) -> y (B, T, C).
 
     qkv: Linear (C, 3C) producing [q | k | v]; proj: Linear (C, C), init std `proj_std`
     (GPT-2 scales it by 1/sqrt(2 n_layer) because it writes into the residual stream).
-    Under tensor parallelism (zmpi.parallel.tensor.plan) each rank keeps n_head / T heads.
+    Under tensor parallelism (zmpi.parallel.tensor.plan) each rank keeps n_head / T heads,
+    heads [head_offset, head_offset + n_head) of the model's.
+
+    sparsity (a zmpi.nn.sparsity SparsityConfig for the model's heads, or None): block-sparse
+    attention (zmpi.nn.sparse_attention) over its layout intersected with the causal mask,
+    made once per sequence length T (a multiple of its block) for this layer's heads. Mode
+    "dense" runs the dense kernels (its layout keeps every block: the same numbers).
     """
 
     tp_plan = {"qkv": "colwise_heads", "proj": "rowwise"}
@@ -146,24 +167,47 @@ class CausalSelfAttention(Module):
     # which backward recomputes (bit for bit); set by UnitModel.set_recompute
     recompute_core = False
 
-    def __init__(self, d_model, n_head, rng=None, dtype=numpy.float32, std=0.02, proj_std=None):
+    head_offset = 0  # this rank's first head of the model's (tensor parallelism)
+
+    def __init__(self, d_model, n_head, rng=None, dtype=numpy.float32, std=0.02, proj_std=None,
+                 sparsity=None):
         if d_model % n_head:
             raise ValueError(f"d_model={d_model} is not divisible by n_head={n_head}")
+        if sparsity is not None and sparsity.num_heads != n_head:
+            raise ValueError(f"a sparse attention layout of {sparsity.num_heads} heads for "
+                             f"n_head={n_head}")
         rng = numpy.random.default_rng(rng)
-        self.n_head = n_head
+        self.n_head, self.sparsity = n_head, sparsity
         self.qkv = Linear(d_model, 3 * d_model, rng=rng, dtype=dtype, std=std)
         self.proj = Linear(d_model, d_model, rng=rng, dtype=dtype,
                            std=std if proj_std is None else proj_std)
 
     def forward(self, x):
-        y, cache = A.attention_forward(self.qkv.forward(x), self.n_head,
-                                       keep_probs=not self.recompute_core)  # (B, T, C)
+        qkv = self.qkv.forward(x)  # (B, T, 3C)
+        if self._dense:
+            y, cache = A.attention_forward(qkv, self.n_head, keep_probs=not self.recompute_core)
+        else:
+            y, cache = S.sparse_attention_forward(qkv, self.n_head, self.layout(qkv.shape[1]),
+                                                  self.sparsity.block,
+                                                  keep_probs=not self.recompute_core)
         self._save(cache)
-        return self.proj.forward(y)
+        return self.proj.forward(y)  # (B, T, C)
 
     def backward(self, dy):
         cache = self._pop()
-        return self.qkv.backward(A.attention_backward(self.proj.backward(dy), cache))
+        backward = A.attention_backward if self._dense else S.sparse_attention_backward
+        return self.qkv.backward(backward(self.proj.backward(dy), cache))
+
+    @property
+    def _dense(self) -> bool:
+        """Dense attention: no sparsity, or mode "dense" (every block kept: the dense kernels,
+        which query blocks of their own size, give its numbers bit for bit)."""
+        return self.sparsity is None or isinstance(self.sparsity, DenseSparsityConfig)
+
+    def layout(self, T: int) -> numpy.ndarray:
+        """This layer's heads' block layout at sequence length T (n_head, T/block, T/block),
+        intersected with the causal mask; ValueError if T is not a multiple of the block."""
+        return sparse_layout(self.sparsity, T)[self.head_offset:self.head_offset + self.n_head]
 
 
 class Dense(Module):
@@ -213,11 +257,12 @@ class Block(Module):
 
     tp_plan = {"ln1": "sequence", "ln2": "sequence"}  # zmpi.parallel.tensor.plan
 
-    def __init__(self, d_model, n_head, rng=None, dtype=numpy.float32, std=0.02, proj_std=None):
+    def __init__(self, d_model, n_head, rng=None, dtype=numpy.float32, std=0.02, proj_std=None,
+                 sparsity=None):
         rng = numpy.random.default_rng(rng)
         self.ln1 = LayerNorm(d_model, dtype=dtype)
         self.attn = CausalSelfAttention(d_model, n_head, rng=rng, dtype=dtype, std=std,
-                                        proj_std=proj_std)
+                                        proj_std=proj_std, sparsity=sparsity)
         self.ln2 = LayerNorm(d_model, dtype=dtype)
         self.mlp = MLP(d_model, rng=rng, dtype=dtype, std=std, proj_std=proj_std)
 

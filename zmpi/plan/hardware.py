@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field, fields
 from decimal import Decimal
 from pathlib import Path
 
+from zmpi.files import write_atomic
+
 
 @dataclass(frozen=True)
 class Link:
@@ -145,48 +147,49 @@ class Hardware:
     @classmethod
     def from_dict(cls, d: dict) -> Hardware:
         """The Hardware a `to_dict` (or a JSON file of it) describes, checked strictly: an
-        unknown or missing key, a non-positive or malformed figure is a ValueError naming
-        the key. Sizes, rates and latencies may be numbers (bytes, bytes/s, FLOP/s, seconds)
-        or strings with units ("80GB", "600GB/s", "5us", "312TFLOP/s": see `parse_size`)."""
+        unknown or missing key, a malformed figure or one outside its plausible range
+        (RANGES, COUNT_RANGE) is a ValueError naming the key. Sizes, rates and latencies
+        may be numbers (bytes, bytes/s, FLOP/s, seconds) or strings with units ("80GB",
+        "600GB/s", "5us", "312TFLOP/s": see `parse_size`)."""
         _check_keys(d, {f.name for f in fields(cls)}, _OPTIONAL, "hardware")
         values = dict(d)
         if not isinstance(d["name"], str) or not d["name"]:
             raise ValueError(f"hardware: name must be a non-empty string, got {d['name']!r}")
         flops = d["peak_flops"]
         _check_keys(flops, set(DTYPES), {"bf16"}, "peak_flops")
-        values["peak_flops"] = {k: parse_size(flops[k], f"peak_flops.{k}", "flops")
+        values["peak_flops"] = {k: _figure(flops[k], f"peak_flops.{k}", "flops")
                                 for k in flops}
         if values["peak_flops"].get("bf16", values["peak_flops"]["fp32"]) != \
                 values["peak_flops"]["fp32"]:
             raise ValueError("peak_flops.bf16: zmpi computes bf16 in fp32, priced at the fp32 "
                              "rate: leave bf16 out (or give it equal to fp32)")
-        for key in ("gemm_efficiency", "oversubscribed_efficiency"):  # fractions in (0, 1]
-            values[key] = parse_size(d.get(key, 1.0), key, "number")
-            if values[key] > 1:
-                raise ValueError(f"{key} must be in (0, 1], got {d[key]!r}")
+        for key in ("gemm_efficiency", "oversubscribed_efficiency"):
+            values[key] = _figure(d.get(key, 1.0), key, "fraction")
         for key, kind in _QUANTITIES.items():
-            values[key] = parse_size(d[key], key, kind)
+            values[key] = _figure(d[key], key, kind)
         for key in _OVERHEADS:  # seconds, or "20us"; 0 allowed
             overhead = d.get(key, 0.0)
             values[key] = 0.0 if overhead == 0 and not isinstance(overhead, bool) \
-                else parse_size(overhead, key, "latency")
+                else _figure(overhead, key, "latency")
         for key, kind in _OPTIONAL_RATES.items():
             if d.get(key) is not None:
-                values[key] = parse_size(d[key], key, kind)
+                values[key] = _figure(d[key], key, kind)
         for key in (*_LINKS, "oversubscribed"):
             link = d.get(key)
             if key == "oversubscribed" and link is None:
                 continue
             _check_keys(link, {"bandwidth", "latency"}, set(), key)
-            values[key] = Link(parse_size(link["bandwidth"], f"{key}.bandwidth", "bandwidth"),
-                               parse_size(link["latency"], f"{key}.latency", "latency"),
+            values[key] = Link(_figure(link["bandwidth"], f"{key}.bandwidth", "bandwidth"),
+                               _figure(link["latency"], f"{key}.latency", "latency"),
                                per_call=key == "oversubscribed")
         for key in ("devices_per_node", "cores_per_node"):
             value = d.get(key)
             if key == "cores_per_node" and value is None:
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"hardware: {key} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or \
+                    not 1 <= value <= COUNT_RANGE[1]:
+                raise ValueError(f"hardware: {key} must be an integer from 1 to "
+                                 f"{COUNT_RANGE[1]:,}, got {value!r}")
         cpu_only = [k for k, unset in (("oversubscribed", None), ("half_storage_rate", None),
                                        ("oversubscribed_efficiency", 1.0))
                     if d.get(k, unset) != unset]
@@ -200,8 +203,9 @@ class Hardware:
         return cls(**values)
 
     def save(self, path) -> None:
-        """Write `to_dict()` as JSON (numbers in bytes, bytes/s, FLOP/s, seconds)."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write `to_dict()` as JSON (numbers in bytes, bytes/s, FLOP/s, seconds), whole or
+        not at all (an OSError)."""
+        write_atomic(Path(path), (json.dumps(self.to_dict(), indent=2) + "\n").encode())
 
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -213,6 +217,27 @@ _OPTIONAL = {"cores_per_node", *_OVERHEADS, *_OPTIONAL_RATES, "oversubscribed",
 _LINKS = ("intra_node", "inter_node", "host_device")
 _QUANTITIES = {"memory_bandwidth": "bandwidth", "device_memory": "bytes",
                "host_memory": "bytes", "host_adam_rate": "number"}
+RANGES = {  # kind: (least, most, unit) of a hardware figure, in base units: from a slow core
+    #         of a small VM to far beyond any device built, so that no prediction overflows
+    "flops": (1e6, 1e18, "FLOP/s"),  # peak_flops: 1 MFLOP/s to 1 EFLOP/s per device
+    "bandwidth": (1e3, 1e15, "B/s"),  # links, memory_bandwidth, the optional rates in B/s
+    "bytes": (2.0**20, 2.0**60, "B"),  # device_memory, host_memory: 1 MiB to 1 EiB
+    "latency": (0.0, 10.0, "s"),  # link latencies (> 0) and the overheads (>= 0)
+    "number": (1e3, 1e15, "/s"),  # host_adam_rate, host_add_rate, half_storage_rate
+    "fraction": (0.01, 1.0, ""),  # gemm_efficiency, oversubscribed_efficiency
+}
+COUNT_RANGE = (1, 1 << 20)  # devices_per_node, cores_per_node
+
+
+def _figure(text, key: str, kind: str) -> float:
+    """parse_size(text, key, kind) inside RANGES[kind] (a fraction: a plain number), else a
+    ValueError naming `key` and the range."""
+    value = parse_size(text, key, "number" if kind == "fraction" else kind)
+    least, most, unit = RANGES[kind]
+    if not least <= value <= most:
+        raise ValueError(f"hardware: {key} {text!r} is outside the plausible range {least:g} "
+                         f"to {most:g}{' ' + unit if unit else ''}")
+    return value
 
 
 def _check_keys(d, known: set, optional: set, what: str) -> None:

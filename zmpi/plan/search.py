@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from zmpi.plan.hardware import Hardware
@@ -72,7 +73,8 @@ def plan(job: Job, hw: Hardware, device_memory: float | None = None,
     `device_memory` (default the hardware's) and whose node's ranks together need at most
     `host_memory` (default the hardware's) on the host. On a CPU (hw.cores_per_node set) a
     node's ranks share one memory, device_memory: their device and host bytes together must
-    fit RESERVE of it."""
+    fit RESERVE of it. A ValueError if a fitting layout's predicted time is not finite (a
+    Hardware made without from_dict's ranges)."""
     device_memory = hw.device_memory if device_memory is None else device_memory
     host_memory = hw.host_memory if host_memory is None else host_memory
     ranks_per_node = min(job.gpus_per_node, job.world_size)
@@ -90,7 +92,11 @@ def plan(job: Job, hw: Hardware, device_memory: float | None = None,
         if on_gpu and host.max() * ranks_per_node > host_memory:
             rejected["host memory"] += 1
             continue
-        fitting.append((step_time(job, layout, hw).total, layout))
+        seconds = step_time(job, layout, hw).total
+        if not math.isfinite(seconds):  # never rank layouts on nan or inf
+            raise ValueError(f"the predicted step time of {layout.describe()} on {hw.name} is "
+                             f"{seconds}: a hardware figure is beyond what the model can price")
+        fitting.append((seconds, layout))
     fitting.sort(key=lambda x: (x[0], x[1].describe()))
     best = [evaluate(job, layout, hw) for _, layout in fitting[:top]]
     return Plan(best, considered, len(fitting), rejected)

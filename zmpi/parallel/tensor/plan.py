@@ -18,6 +18,7 @@ holds one unit's full weights for a moment and never the whole model. The styles
     colwise_heads  the fused [q | k | v] Linear of attention -> ColumnParallelLinear holding
                    this rank's heads of each of q, k and v (so the local qkv is again
                    [q | k | v] for n_head / T heads); the module's `n_head` becomes n_head / T
+                   and its `head_offset` the first of them (rank x n_head / T)
     sequence       a replicated module (a LayerNorm) that runs on the sequence shard under
                    sequence parallelism: its Parameters are marked `sequence_parallel = True`
                    (`mark_sequence_parallel`); without sequence parallelism, nothing
@@ -87,7 +88,7 @@ def _colwise_heads(module, name, tp, sequence_parallel):
     hd = C // module.n_head
     mine = numpy.arange(tp.rank * heads * hd, (tp.rank + 1) * heads * hd)  # within q, k or v
     columns = numpy.concatenate([part * C + mine for part in range(3)])
-    module.n_head = heads
+    module.n_head, module.head_offset = heads, tp.rank * heads  # the model's heads it keeps
     return ColumnParallelLinear.from_full(_host(layer.weight), _host(layer.bias), tp, columns,
                                           layer.weight.dtype, sequence_parallel=sequence_parallel)
 
