@@ -167,6 +167,11 @@ def test_heads_keeping_different_numbers_of_blocks_are_padded(rng):
     layout[0, 0, 2] = True  # above the diagonal: counted only when not causal
     assert sparse_attention_entries(layout, 4) == 4**2 * 2 * (1 + 1 + 3)
     assert sparse_attention_entries(layout, 4, causal=False) == 4**2 * 2 * (2 + 1 + 3)
+    for causal in (True, False):  # the padding reads a block of its own head
+        _, (_, _, _, plan) = sparse_attention_forward(rng.standard_normal((1, 12, 12)), 2,
+                                                      layout, 4, causal)
+        for index in plan.gather:
+            assert np.all(index // 3 == np.arange(2)[:, None]), index
 
 
 def test_blocks_above_the_diagonal_are_ignored_when_causal(rng):

@@ -94,8 +94,8 @@ def _cached_plan(xp, kept_bytes: bytes, shape, block: int, causal: bool) -> _Pla
             slots[h, :len(c) - diagonal[h]] = c[:len(c) - diagonal[h]]
             slots[h, m - diagonal[h]:] = c[len(c) - diagonal[h]:]
         padding = slots < 0
-        heads = numpy.arange(nh)[:, None]
-        gather.append(xp.asarray(heads * nb + numpy.where(padding, slots[:, :1], slots)))
+        heads, first = numpy.arange(nh)[:, None], numpy.array([c[:1] for c in cols])
+        gather.append(xp.asarray(heads * nb + numpy.where(padding, first, slots)))
         scatter.append(xp.asarray(heads * (nb + 1) + numpy.where(padding, nb, slots)))
         pad.append(xp.asarray(numpy.repeat(numpy.where(padding, -numpy.inf, 0), block, axis=1)
                               .astype(numpy.float32)[:, None]) if padding.any() else None)
