@@ -1,19 +1,23 @@
-"""zmpi's GPU path, counted and timed: kernel launches and device syncs per step, and on a
-GPU tokens/s and MFU beside PyTorch eager.
+"""zmpi's GPU path, counted and timed: kernel launches, dtype casts and device syncs per step,
+and on a GPU tokens/s and MFU beside PyTorch eager.
 
     python experiments/bench_gpu.py --count --out results/gpu_counts    # anywhere (stand-in)
     make bench-gpu                       # on a GPU: GPT-2 small, T 1024, stages 0-3, + counts
 
 Counts (--count; any machine): the training steps run on the project's CuPy stand-in
 (tests/standin, a strict CuPy double whose arithmetic runs on the host), which counts every
-device operation a GPU runs as a kernel launch or copy of its own, and every blocking
+device operation a GPU runs as a kernel launch or copy of its own, those of them that are
+dtype casts (CuPy's cupy_copy__float16_float32 and the like) apart, and every blocking
 device -> host transfer (a sync). Per stage and precision: the launches of one step of a GPT
 with n layers and with n + 2 (the same seed and batch; the second step, after warm-up), so
 that (difference) / 2 is what one transformer layer costs, forward, backward and its share of
 the update, and the rest is what the embedding, the LM head, the loss and the optimizer cost
 outside the layers. Both kernel modes: "fused" (the default) and "composed" (zmpi.kernels).
-The counts depend on the program, not on the sizes (one attention block up to T = 4096 at the
-default shape), so the default shape is small.
+The counts depend on the program, not on the sizes, except through the attention's query
+blocks (each block is launches of its own): the count cuts its queries into as many blocks
+as GPT-2 small's at --batch sequences of --seq-len (at 8 x 1024: two, as the timed run), so
+that the stand-in's count is the one a trace of the timed run would see, and the default
+shape is small.
 
 Timing (without --count; needs CuPy and a GPU): GPT-2 small (124 M parameters, 12 layers,
 d 768, 12 heads, vocab 50257) at T 1024, fp16, micro-batch --batch per rank, ZeRO stages 0-3 on
@@ -52,8 +56,8 @@ def engine_config(stage: int, precision: str, batch: int, kernels: str = "fused"
             "kernels": kernels}
 
 
-def step_counts(comm, stage, precision, n_layer, seq_len, kernels) -> tuple[int, int]:
-    """(launches, syncs) of the second training step of a GPT on the stand-in."""
+def step_counts(comm, stage, precision, n_layer, seq_len, kernels) -> tuple[int, int, int]:
+    """(launches, casts, syncs) of the second training step of a GPT on the stand-in."""
     import cupy
 
     from zmpi.data import SyntheticSource
@@ -64,31 +68,50 @@ def step_counts(comm, stage, precision, n_layer, seq_len, kernels) -> tuple[int,
     engine = Engine(GPT(cfg, seed=0), engine_config(stage, precision, 1, kernels), comm)
     data = SyntheticSource(cfg.vocab_size, seq_len, comm.size, comm.rank, comm.size, seed=1)
     engine.train_step(*data.sample(0))
-    launches, syncs = cupy.LAUNCHES[0], cupy.SYNCS[0]
+    before = cupy.LAUNCHES[0], cupy.CASTS[0], cupy.SYNCS[0]
     engine.train_step(*data.sample(1))
-    counts = cupy.LAUNCHES[0] - launches, cupy.SYNCS[0] - syncs
+    counts = tuple(c[0] - b for c, b in zip((cupy.LAUNCHES, cupy.CASTS, cupy.SYNCS), before,
+                                            strict=True))
     engine.close()
     return counts
 
 
+def match_attention_blocks(seq_len: int, batch: int) -> int:
+    """Make the counting GPT (batch 1, SMALL's heads) cut its attention queries into the
+    blocks GPT-2 small's would be cut into at `batch` sequences of seq_len on a GPU (the
+    rows per block follow the scores' bytes: zmpi.nn.attention.attention_block). Returns the
+    rows per block."""
+    from zmpi.nn import attention as A
+
+    rows = A.attention_block(seq_len, batch * GPT2_SMALL["n_head"], True)
+    A.ATTENTION_BLOCK_BYTES = rows * 4 * SMALL["n_head"] * seq_len
+    assert A.attention_block(seq_len, SMALL["n_head"], True) == rows
+    return rows
+
+
 def count(args, comm) -> list[dict]:
-    """Launches per layer and outside, and syncs per step, for every stage, precision and
-    kernel mode (see the module docstring)."""
+    """Launches and casts per layer and outside, and syncs per step, for every stage,
+    precision and kernel mode (see the module docstring)."""
+    block = match_attention_blocks(args.seq_len, args.batch)
+    blocks = -(-args.seq_len // block)
     rows = []
     for kernels in ("fused", "composed"):
         for stage in (0, 1, 2, 3):
             for precision in ("fp32", "fp16"):
                 a = step_counts(comm, stage, precision, args.n_layer, args.seq_len, kernels)
                 b = step_counts(comm, stage, precision, args.n_layer + 2, args.seq_len, kernels)
-                per_layer = (b[0] - a[0]) / 2
+                launches, casts = (b[0] - a[0]) / 2, (b[1] - a[1]) / 2
                 rows.append({"kernels": kernels, "stage": stage, "precision": precision,
-                             "launches_per_layer": per_layer,
-                             "launches_outside": a[0] - args.n_layer * per_layer,
-                             "syncs_per_step": a[1], "syncs_per_step_more_layers": b[1]})
+                             "attention_blocks": blocks, "launches_per_layer": launches,
+                             "launches_outside": a[0] - args.n_layer * launches,
+                             "casts_per_layer": casts,
+                             "casts_outside": a[1] - args.n_layer * casts,
+                             "syncs_per_step": a[2], "syncs_per_step_more_layers": b[2]})
                 if comm.rank == 0:
-                    print(f"{kernels:8s} stage {stage} {precision}: {per_layer:g} launches per "
-                          f"layer, {rows[-1]['launches_outside']:g} outside, "
-                          f"{a[1]} syncs per step", file=sys.stderr, flush=True)
+                    print(f"{kernels:8s} stage {stage} {precision}: {launches:g} launches "
+                          f"({casts:g} casts) per layer, {rows[-1]['launches_outside']:g} "
+                          f"({rows[-1]['casts_outside']:g}) outside, {a[2]} syncs per step",
+                          file=sys.stderr, flush=True)
     return rows
 
 
@@ -97,7 +120,8 @@ def count_on_standin(args) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": f"{STANDIN}{os.pathsep}{REPO}", "ZMPI_BACKEND": "cupy",
            "ZMPI_CUDA_AWARE": os.environ.get("ZMPI_CUDA_AWARE", "1")}
     out = subprocess.run([sys.executable, __file__, "--count", "--json", "--seq-len",
-                          str(args.seq_len), "--n-layer", str(args.n_layer)],
+                          str(args.seq_len), "--n-layer", str(args.n_layer), "--batch",
+                          str(args.batch)],
                          env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.splitlines()[-1])
 
@@ -191,7 +215,9 @@ def main():
     parser.add_argument("--seq-len", type=int, default=None,
                         help="T (default: 256 counting, 1024 timing)")
     parser.add_argument("--n-layer", type=int, default=2, help="counting: layers (and +2)")
-    parser.add_argument("--batch", type=int, default=8, help="timing: micro-batch per rank")
+    parser.add_argument("--batch", type=int, default=8,
+                        help="timing: micro-batch per rank; counting: the attention blocks of "
+                             "GPT-2 small at this micro-batch")
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
@@ -246,11 +272,13 @@ def markdown(rows) -> list[str]:
         return lines
     if timed:
         lines.append("")
-    lines += ["| kernels | stage | precision | launches per layer | launches outside | "
-              "syncs per step |", "|---|---|---|---|---|---|"]
+    lines += [f"On the CuPy stand-in, attention in {counted[0]['attention_blocks']} query "
+              "block(s) a layer:", "",
+              "| kernels | stage | precision | launches per layer (casts) | launches outside "
+              "(casts) | syncs per step |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['kernels']} | {r['stage']} | {r['precision']} | {r['launches_per_layer']:g} "
-              f"| {r['launches_outside']:g} | {r['syncs_per_step']} |"
-              for r in counted]
+              f"({r['casts_per_layer']:g}) | {r['launches_outside']:g} ({r['casts_outside']:g}) "
+              f"| {r['syncs_per_step']} |" for r in counted]
     return lines
 
 

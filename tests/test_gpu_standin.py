@@ -265,20 +265,23 @@ yg, _ = F.gelu_forward(xp.asarray(g))
 err_gelu = np.abs(backend.to_host(yg).astype(np.float64) - want_g).max() / np.abs(want_g).max()
 qkv = (rng.standard_normal((1, 4, 3 * 8)) * 40).astype(np.float16)  # q.k ~ 1e4: softmax input
 (att,) = A.attention_forward(xp.asarray(qkv), 2)[1][3]  # one block of 4 rows
-assert att.dtype == np.float32
-att = backend.to_host(att)
-print(err_ln, err_gelu, float(np.abs(att.sum(-1) - 1).max()), bool(np.isfinite(att).all()))
+assert att.dtype == np.float16  # the input's dtype, computed in float32 and rounded once
+att = backend.to_host(att).astype(np.float64)
+# each row's sum within the rounding of its (at most 4) probabilities
+err_sum = np.abs(att.sum(-1) - 1).max() / (4 * np.finfo(np.float16).eps)
+print(err_ln, err_gelu, float(err_sum), bool(np.isfinite(att).all()))
 """
 
 
 @pytest.mark.parametrize("backend", ["numpy", "standin"])
 def test_fp16_normalisation_gelu_softmax_run_in_fp32(backend):
     """Inputs that overflow fp16 inside LayerNorm (x^2), GELU (x^3) and the attention scores
-    give fp32-accurate results, on the host and on the (stand-in) device alike."""
+    give fp32-accurate results, on the host and on the (stand-in) device alike (where the
+    probabilities are rounded once to float16, as written)."""
     env = STANDIN if backend == "standin" else child_env(ZMPI_BACKEND="numpy")
     out = subprocess.run([sys.executable, "-c", KERNELS], env={**env, "OMP_NUM_THREADS": "1"},
                          cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
     err_ln, err_gelu, softmax_sum, finite = out.split()
     assert float(err_ln) < 5e-3  # fp16 output rounding only (|y| <= ~3)
     assert float(err_gelu) < 1e-3
-    assert float(softmax_sum) < 1e-6 and finite == "True"
+    assert float(softmax_sum) <= 1 and finite == "True"

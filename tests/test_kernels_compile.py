@@ -100,9 +100,9 @@ def _expected_dtype(ctype, t, acc):
 def test_signatures_parse():
     signatures = _signatures()
     assert set(signatures) == {
-        "layernorm_forward", "layernorm_backward", "column_sums", "gelu_forward",
-        "gelu_backward", "causal_softmax", "softmax_backward", "cross_entropy_forward",
-        "cross_entropy_backward", "adam", "sum_of_squares"}
+        "layernorm_forward", "layernorm_backward", "column_sums", "column_sums_total",
+        "gelu_forward", "gelu_backward", "causal_softmax", "softmax_backward",
+        "cross_entropy_forward", "cross_entropy_backward", "adam", "sum_of_squares"}
     assert signatures["adam"][4] == (False, "long long")
 
 
@@ -117,11 +117,13 @@ def _launches(dtype, master):
     acc = kernels.acc_dtype(dtype)
     x, w, b = a(2, 3, 8), a(8), a(8)
     kernels.cuda_layernorm_forward(x, w, b, 1e-5)
-    kernels.cuda_layernorm_backward(a(2, 3, 8), (a(2, 3, 8, d=acc), a(2, 3, 1, d=acc), w))
+    for grads in ((None, None), (a(8), a(8))):  # the parameters' gradients, or new arrays
+        kernels.cuda_layernorm_backward(a(2, 3, 8), (a(2, 3, 8, d=acc), a(2, 3, 1, d=acc), w),
+                                        *grads)
     kernels.cuda_gelu_forward(a(4, 33))
     kernels.cuda_gelu_backward(a(4, 33), (a(4, 33), a(4, 33, d=acc)))
     kernels.cuda_causal_softmax(a(2, 2, 4, 9), 5)
-    kernels.cuda_softmax_backward(a(2, 2, 4, 9), a(2, 2, 4, 9, d=acc))
+    kernels.cuda_softmax_backward(a(2, 2, 4, 9), a(2, 2, 4, 9))
     z, targets = a(6, 11), rng.integers(0, 11, 6).astype(np.int64)
     for ignore in (None, -100):
         kernels.cuda_cross_entropy_rows(z, targets, ignore, 0.25)

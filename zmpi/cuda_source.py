@@ -115,6 +115,20 @@ extern "C" __global__ void column_sums(const T* dy, const ACC* xhat, ACC* partia
     partial[((long long)gridDim.y + blockIdx.y) * C + c] = sb;
 }
 
+// dw[c], db[c]: the sums of column_sums' partials (2, parts, C), rounded once as written
+extern "C" __global__ void column_sums_total(const ACC* partial, T* dw, T* db, const int parts,
+                                             const int C) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    ACC sw = 0, sb = 0;
+    for (int p = 0; p < parts; ++p) {
+        sw += partial[(long long)p * C + c];
+        sb += partial[((long long)parts + p) * C + c];
+    }
+    store(dw + c, sw);
+    store(db + c, sb);
+}
+
 #define GELU_S 0.7978845608028654  // sqrt(2 / pi)
 
 // y = 0.5 x (1 + t), t = tanh(sqrt(2/pi) x (1 + 0.044715 x^2)). Both kernels take the
@@ -151,9 +165,10 @@ __device__ void row_max_sum_exp(const T* row, const int n, ACC* shared, ACC& m, 
     z = block_reduce(z, shared, false);
 }
 
-// probs (rows, S) of scores (rows, S): softmax over the keys a query may see. Row r is query
-// start + r % R; its keys 0 .. start + r % R; the later ones get probability 0.
-extern "C" __global__ void causal_softmax(const T* scores, ACC* probs, const int R, const int S,
+// probs (rows, S) of scores (rows, S), both T (computed in ACC): softmax over the keys a query
+// may see. Row r is query start + r % R; its keys 0 .. start + r % R; the later ones get
+// probability 0.
+extern "C" __global__ void causal_softmax(const T* scores, T* probs, const int R, const int S,
                                           const int start) {
     __shared__ ACC shared[32];
     const long long o = blockIdx.x * (long long)S;
@@ -161,19 +176,20 @@ extern "C" __global__ void causal_softmax(const T* scores, ACC* probs, const int
     ACC m, z;
     row_max_sum_exp(scores + o, seen, shared, m, z);
     for (int c = threadIdx.x; c < S; c += blockDim.x)
-        probs[o + c] = c < seen ? acc_exp(to_acc(scores[o + c]) - m) / z : (ACC)0;
+        store(probs + o + c, c < seen ? acc_exp(to_acc(scores[o + c]) - m) / z : (ACC)0);
 }
 
-// dscores = probs (dprobs - sum(dprobs probs)), per row
-extern "C" __global__ void softmax_backward(const T* dprobs, const ACC* probs, T* dscores,
+// dscores = probs (dprobs - sum(dprobs probs)), per row; all T, computed in ACC
+extern "C" __global__ void softmax_backward(const T* dprobs, const T* probs, T* dscores,
                                             const int S) {
     __shared__ ACC shared[32];
     const long long o = blockIdx.x * (long long)S;
     ACC dot = 0;
-    for (int c = threadIdx.x; c < S; c += blockDim.x) dot += to_acc(dprobs[o + c]) * probs[o + c];
+    for (int c = threadIdx.x; c < S; c += blockDim.x)
+        dot += to_acc(dprobs[o + c]) * to_acc(probs[o + c]);
     dot = block_reduce(dot, shared, false);
     for (int c = threadIdx.x; c < S; c += blockDim.x)
-        store(dscores + o + c, (to_acc(dprobs[o + c]) - dot) * probs[o + c]);
+        store(dscores + o + c, (to_acc(dprobs[o + c]) - dot) * to_acc(probs[o + c]));
 }
 
 // loss[r] = (lse - logits[r, t]) inv_normalizer (0 where t == ignore), lse[r] = log sum exp

@@ -21,7 +21,13 @@ So the CPU and the stand-in run every fused op's twin, tests check the twins aga
 composed path and against float64 finite differences, and the GPU-marked tests check each CUDA
 launcher against its twin on a GPU. The kernels accumulate in float32 (float64 for float64
 arrays), read and write float16/float32/float64, and are compiled without FMA contraction
-(--fmad=false) so that their roundings follow the twins' operation by operation.
+(--fmad=false) so that their roundings follow the twins' operation by operation. Activations
+keep their dtype through them: float16 in, float16 out, float32 only in registers (and in
+what a backward reuses at full precision: LayerNorm's x-hat and 1/std, GELU's tanh, the
+loss's log-sum-exp).
+
+`matmul` is the batched product of 16-bit matrices (attention's): cuBLAS on them as they are,
+with float32 accumulation, where CuPy's own matmul casts both to float32 and the product back.
 
 This module and zmpi.cuda_source (the kernels' C++) are the only ones with CUDA; zmpi.backend
 is the only one that knows which array module runs.
@@ -51,13 +57,14 @@ def mode() -> str:
     return _mode[0]
 
 
-def fused(twin, cuda, in_place: bool = False):
+def fused(twin, cuda, in_place: bool = False, launches: int = 1):
     """The op that runs `twin(*args)` or `cuda(*args)` as the table in the module docstring
     says. The first argument decides: a device array under "fused" takes the fused path, with
     every device array argument made C-contiguous first (a copy, and a launch, only when it is
     not: the kernels index rows and columns of contiguous arrays). in_place: the op updates
     its arguments, which must then be C-contiguous already (ValueError: a copy would be
-    updated instead)."""
+    updated instead). launches: the GPU operations `cuda` runs (what the stand-in counts for
+    the twin)."""
 
     @functools.wraps(twin)
     def op(*args):
@@ -71,10 +78,44 @@ def fused(twin, cuda, in_place: bool = False):
         args = tuple(xp.ascontiguousarray(a) if backend.is_device_array(a) else a for a in args)
         launch_twin = getattr(xp, "launch_twin", None)  # a CuPy without CUDA: the stand-in
         if launch_twin is not None:
-            return launch_twin(twin, *args)
+            return launch_twin(twin, *args, launches=launches)
         return cuda(*args)
 
     return op
+
+
+def matmul(a, b, out=None):
+    """a @ b (into `out` if given) for arrays of more than two dimensions. On a GPU under
+    "fused", float16 operands with the same batch shape run as one cuBLAS strided batched GEMM
+    on tensor cores, float32 accumulation, read through their strides (a transposed or sliced
+    operand is not copied when its matrices have a unit stride and its batches one stride) and
+    written in float16: CuPy 14's matmul instead casts both operands to float32, multiplies
+    without tensor cores and casts the product back (three cast kernels a product). Anything
+    else (NumPy, float32, 2-D, "composed") is the array module's matmul. The stand-in runs
+    `_matmul_twin` as the GEMM's one launch."""
+    if (_mode[0] == "composed" or not backend.is_device_array(a) or a.ndim < 3
+            or a.dtype != np.float16 or b.dtype != a.dtype or a.shape[:-2] != b.shape[:-2]
+            or a.shape[-1] != b.shape[-2] or out is not None
+            and (out.dtype != a.dtype or out.shape != (*a.shape[:-1], b.shape[-1]))):
+        return backend.array_module(a, b).matmul(a, b, out=out)
+    xp = backend.xp
+    a, b = (x if _gemm_layout(x) else xp.ascontiguousarray(x) for x in (a, b))
+    into = out if out is not None and (_gemm_layout(out) or (1,))[0] == 0 else None
+    launch_twin = getattr(xp, "launch_twin", None)  # a CuPy without CUDA: the stand-in
+    c = launch_twin(_matmul_twin, a, b, into) if launch_twin else cuda_matmul(a, b, into)
+    if out is None or c is out:
+        return c
+    out[...] = c  # a copy: cuBLAS writes only row-major matrices one batch stride apart
+    return out
+
+
+def _matmul_twin(a, b, out):
+    """The product as cuBLAS makes it: float32 accumulation, rounded once to a's dtype."""
+    product = np.matmul(a, b, dtype=np.float32)
+    if out is None:
+        return product.astype(a.dtype)
+    out[...] = product
+    return out
 
 
 # -- compiling and launching SOURCE (zmpi/cuda_source.py) -------------------------------------
@@ -131,6 +172,49 @@ def _scalar(dtype, value):
 
 # -- CUDA launchers: the twins' contracts (zmpi.nn.functional, .attention, zmpi.optim.adam) ----
 
+def _gemm_layout(x):
+    """(cuBLAS's op, leading dimension, batch stride) of the matrices on x's last two axes, in
+    elements: op 0 when they are row-major, 1 when column-major (a transposed view); None
+    when they are neither or the batch axes are not one stride apart."""
+    *batch, rows, cols = x.shape
+    strides = [s // x.itemsize for s in x.strides]
+    kept = [(n, s) for n, s in zip(batch, strides[:-2], strict=True) if n != 1]
+    if not all(s0 == n1 * s1 for (_, s0), (n1, s1) in zip(kept, kept[1:], strict=False)):
+        return None
+    batch_stride = kept[-1][1] if kept else 0
+    if strides[-1] == 1 and strides[-2] >= max(cols, 1):
+        return 0, strides[-2], batch_stride
+    if strides[-2] == 1 and strides[-1] >= max(rows, 1):
+        return 1, strides[-1], batch_stride
+    return None
+
+
+def cuda_matmul(a, b, out):
+    """`matmul` of float16 a (..., M, K) and b (..., K, N) of one batch shape, both with a
+    `_gemm_layout`: cuBLAS gemmStridedBatchedEx, float16 in and out, CUBLAS_COMPUTE_32F,
+    tensor cores; into `out` (None, or row-major matrices one batch stride apart). Row-major
+    C = A B is column-major C^T = B^T A^T: cuBLAS multiplies b's matrices by a's."""
+    from cupy_backends.cuda.libs import cublas
+
+    xp = backend.xp
+    *batch, M, K = a.shape
+    N = b.shape[-1]
+    c = xp.empty((*batch, M, N), a.dtype) if out is None else out
+    if c.size and K == 0:
+        c.fill(0)
+    elif c.size:
+        (op_a, lda, stride_a), (op_b, ldb, stride_b) = _gemm_layout(a), _gemm_layout(b)
+        _, ldc, stride_c = _gemm_layout(c)
+        half = xp.cuda.runtime.CUDA_R_16F
+        one, zero = np.ones((), np.float32), np.zeros((), np.float32)  # host scalars
+        cublas.gemmStridedBatchedEx(
+            xp.cuda.device.get_cublas_handle(), op_b, op_a, N, M, K, one.ctypes.data,
+            b.data.ptr, half, ldb, stride_b, a.data.ptr, half, lda, stride_a, zero.ctypes.data,
+            c.data.ptr, half, ldc, stride_c, c.size // (M * N), cublas.CUBLAS_COMPUTE_32F,
+            cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP)
+    return c
+
+
 def cuda_layernorm_forward(x, w, b, eps):
     xp, C = backend.xp, x.shape[-1]
     acc = acc_dtype(x.dtype)
@@ -143,7 +227,7 @@ def cuda_layernorm_forward(x, w, b, eps):
     return y, (xhat, rstd, w)
 
 
-def cuda_layernorm_backward(dy, cache):
+def cuda_layernorm_backward(dy, cache, dw=None, db=None):
     xhat, rstd, w = cache
     xp, C = backend.xp, dy.shape[-1]
     rows = dy.size // C
@@ -154,8 +238,10 @@ def cuda_layernorm_backward(dy, cache):
     partial = xp.empty((2, parts, C), xhat.dtype)
     _launch("column_sums", dy.dtype, (-(-C // THREADS), parts),
             (dy, xhat, partial, np.int64(rows), np.int32(C)))
-    dw_db = partial.sum(axis=1)  # (2, C)
-    return dx, dw_db[0], dw_db[1]
+    dw, db = (xp.empty(C, dy.dtype) if a is None else a for a in (dw, db))
+    _launch("column_sums_total", dy.dtype, -(-C // THREADS),
+            (partial, dw, db, np.int32(parts), np.int32(C)))
+    return dx, dw, db
 
 
 def cuda_gelu_forward(x):
@@ -175,17 +261,19 @@ def cuda_gelu_backward(dy, cache):
 
 def cuda_causal_softmax(scores, start):
     R, S = scores.shape[-2], scores.shape[-1]
-    probs = backend.xp.empty(scores.shape, acc_dtype(scores.dtype))
+    probs = backend.xp.empty_like(scores)
     _launch("causal_softmax", scores.dtype, scores.size // S,
             (scores, probs, np.int32(R), np.int32(S), np.int32(start)))
     return probs
 
 
 def cuda_softmax_backward(dprobs, probs):
+    """(probs of another dtype than dprobs', e.g. a float32 softmax's, are cast to it first:
+    one cast kernel)"""
     S = probs.shape[-1]
     dscores = backend.xp.empty_like(dprobs)
     _launch("softmax_backward", dprobs.dtype, probs.size // S,
-            (dprobs, probs, dscores, np.int32(S)))
+            (dprobs, probs.astype(dprobs.dtype, copy=False), dscores, np.int32(S)))
     return dscores
 
 
@@ -222,3 +310,4 @@ def cuda_sum_of_squares(x, scale, dtype):
     _launch("sum_of_squares", x.dtype, blocks, (x, partial, np.int64(x.size),
                                                 _scalar(dtype, scale)), acc=dtype)
     return partial.sum()
+

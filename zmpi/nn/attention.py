@@ -1,7 +1,10 @@
 """Causal self-attention, forward and backward (NumPy or CuPy), in the style of
 zmpi.nn.functional: `y, cache = attention_forward(qkv, n_head)`, `dqkv = attention_backward(dy,
 cache)`. The mask with the softmax, and the softmax's backward, are fused ops (zmpi.kernels):
-one CUDA kernel each on a GPU, their `_..._twin` here elsewhere.
+one CUDA kernel each on a GPU, their `_..._twin` here elsewhere. The products are
+`kernels.matmul`: on a GPU, float16 batched GEMMs on tensor cores without casts. Everything
+stays in qkv's dtype (float16 on a GPU: the probabilities too, computed in float32 inside the
+softmax's kernel); the CPU computes in float32.
 
 Shapes: B batch, T time, C channels, nh heads, hd = C // nh head size.
 """
@@ -72,8 +75,8 @@ def attention_forward(qkv, n_head, block=None, keep_probs=True):
 
     qkv (B, T, 3C) holding [q | k | v] -> y (B, T, C).  cache = (q, k, v, probs, block), with
     q (scaled), k, v (B, nh, T, hd) and probs a tuple of each block's attention probabilities
-    (B, nh, rows, keys up to the block's last row), float32 at least (the softmax never runs
-    in float16). keep_probs=False (selective recompute, Korthikanti et al. 2022): probs is
+    (B, nh, rows, keys up to the block's last row), in qkv's dtype (computed in float32 at
+    least). keep_probs=False (selective recompute, Korthikanti et al. 2022): probs is
     None and attention_backward recomputes each block's probabilities from q and k by the
     same operations, so the gradients are bit for bit the same without the O(T^2) cache.
     """
@@ -87,7 +90,7 @@ def attention_forward(qkv, n_head, block=None, keep_probs=True):
     y = xp.empty((B, n_head, T, hd), dtype=v.dtype)
     probs = []
     for start, stop, att in _attention_blocks(q, k, block):
-        xp.matmul(att.astype(v.dtype, copy=False), v[:, :, :stop], out=y[:, :, start:stop])
+        kernels.matmul(att, v[:, :, :stop], out=y[:, :, start:stop])
         if keep_probs:
             probs.append(att)
     y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C)
@@ -108,19 +111,19 @@ def split_heads(qkv, n_head):
 
 def _attention_blocks(q, k, block):
     """(start, stop, probabilities (B, nh, stop - start, stop)) of each block of `block` query
-    rows: softmax(q k^T) (q already scaled) with the future masked, in float32 at least."""
-    xp = array_module(q)
+    rows: softmax(q k^T) (q already scaled) with the future masked, in q's dtype."""
     T = q.shape[-2]
     for start in range(0, T, block):
         stop = min(start + block, T)
-        scores = xp.matmul(q[:, :, start:stop], k[:, :, :stop].swapaxes(-1, -2))  # (B,nh,r,s)
+        scores = kernels.matmul(q[:, :, start:stop], k[:, :, :stop].swapaxes(-1, -2))
         yield start, stop, causal_softmax(scores, start)
 
 
 def causal_softmax(scores, start):
-    """Probabilities (float32 at least) of scores (B, nh, R, S) whose row i is query position
-    start + i and sees keys 0 .. start + i: softmax over those, 0 for the later ones. Fused:
-    one kernel on a GPU. `scores` may be overwritten."""
+    """Probabilities of scores (B, nh, R, S) whose row i is query position start + i and sees
+    keys 0 .. start + i: softmax over those, 0 for the later ones; computed in float32 at
+    least (float16 scores never overflow it) and returned in scores' dtype. Fused: one kernel
+    on a GPU. `scores` may be overwritten."""
     return _causal_softmax(scores, start)
 
 
@@ -131,7 +134,7 @@ def _causal_softmax_twin(scores, start):
     # -inf above the diagonal of the block's last `rows` keys; every row keeps its diagonal,
     # so the row max stays finite
     att[..., start:] += _future_mask(xp, rows, att.dtype)[:, :att.shape[-1] - start]
-    return _softmax_(att)
+    return _softmax_(att).astype(scores.dtype, copy=False)
 
 
 @functools.cache
@@ -143,14 +146,15 @@ def _future_mask(xp, rows: int, dtype):
 
 def softmax_backward(dprobs, probs):
     """dscores = probs (dprobs - sum(dprobs probs)) over the last axis, in dprobs' dtype
-    (computed in probs' dtype). Fused: one kernel on a GPU."""
+    (computed in float32 at least, or probs' dtype if wider). Fused: one kernel on a GPU."""
     return _softmax_backward(dprobs, probs)
 
 
 def _softmax_backward_twin(dprobs, probs):
-    d = dprobs.astype(probs.dtype)  # a copy we may overwrite
-    d -= (d * probs).sum(axis=-1, keepdims=True)
-    d *= probs
+    f = array_module(probs).promote_types(_f32(dprobs), probs.dtype)
+    d, p = dprobs.astype(f), probs.astype(f, copy=False)  # d: a copy we may overwrite
+    d -= (d * p).sum(axis=-1, keepdims=True)
+    d *= p
     return d.astype(dprobs.dtype, copy=False)
 
 
@@ -175,18 +179,19 @@ def attention_backward(dy, cache):
     dkT = dvT = None  # (B, nh, hd, T), summed over the blocks
     for start, stop, att in blocks:  # (B, nh, r, s): rows [start, stop) against keys [0, s)
         dy_b = dyh[:, :, start:stop]  # (B, nh, r, hd)
-        dvT_b = xp.matmul(dy_b.swapaxes(-1, -2), att.astype(dy.dtype, copy=False))
-        ds = softmax_backward(xp.matmul(dy_b, v[:, :, :stop].swapaxes(-1, -2)), att)
-        xp.multiply(xp.matmul(ds, k[:, :, :stop]).transpose(0, 2, 1, 3), 1.0 / math.sqrt(hd),
-                    out=dqkv[:, start:stop, 0])
-        dkT_b = xp.matmul(q[:, :, start:stop].swapaxes(-1, -2), ds)  # (B, nh, hd, s)
+        dvT_b = kernels.matmul(dy_b.swapaxes(-1, -2), att)
+        ds = softmax_backward(kernels.matmul(dy_b, v[:, :, :stop].swapaxes(-1, -2)), att)
+        dq = kernels.matmul(ds, k[:, :, :stop]).transpose(0, 2, 1, 3)  # (B, r, nh, hd)
+        xp.multiply(dq, 1.0 / math.sqrt(hd), out=dqkv[:, start:stop, 0])
+        dkT_b = kernels.matmul(q[:, :, start:stop].swapaxes(-1, -2), ds)  # (B, nh, hd, s)
         if stop == T and dkT is None:  # one block: nothing to sum
             dkT, dvT = dkT_b, dvT_b
             continue
         if dkT is None:
             dkT, dvT = xp.zeros((2, B, nh, hd, T), dtype=q.dtype)
-        dkT[..., :stop] += dkT_b
-        dvT[..., :stop] += dvT_b
+        # one kernel each (`dkT[..., :stop] += dkT_b` adds, then copies the slice onto itself)
+        for total, part in ((dkT, dkT_b), (dvT, dvT_b)):
+            xp.add(total[..., :stop], part, out=total[..., :stop])
     dqkv[:, :, 1] = dkT.transpose(0, 3, 1, 2)
     dqkv[:, :, 2] = dvT.transpose(0, 3, 1, 2)
     return dqkv.reshape(B, T, 3 * nh * hd)

@@ -128,14 +128,17 @@ def layernorm_forward(x, w, b, eps=1e-5):
     return _layernorm_forward(x, w, b, eps)
 
 
-def layernorm_backward(dy, cache):
-    """dy (..., C) -> dx (..., C) in dy's dtype, dw (C,), db (C,) (float32 at least).
+def layernorm_backward(dy, cache, dw=None, db=None):
+    """dy (..., C) -> dx (..., C), dw (C,), db (C,), all in dy's dtype (computed in float32 at
+    least: dw and db are rounded once, as they are written). dw, db: arrays of dy's dtype to
+    write those two into (the parameters' gradients, `parameter.grad_out`), or None.
 
     With g = dy * w: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), the three terms being
     the direct path and the paths through mean and variance (llm.c doc/layernorm/layernorm.md).
-    Fused: dx in one kernel on a GPU, dw and db in a second and a sum of its partials.
+    Fused: dx in one kernel on a GPU, the column sums of dw and db in a second, written by a
+    third that sums its partials.
     """
-    return _layernorm_backward(dy, cache)
+    return _layernorm_backward(dy, cache, dw, db)
 
 
 def _layernorm_forward_twin(x, w, b, eps):
@@ -152,14 +155,14 @@ def _layernorm_forward_twin(x, w, b, eps):
     return y.astype(x.dtype, copy=False), (xhat, rstd, w)
 
 
-def _layernorm_backward_twin(dy, cache):
+def _layernorm_backward_twin(dy, cache, dw_out, db_out):
     """layernorm_backward in two buffers of dy's size."""
     xhat, rstd, w = cache
     xp, C = array_module(xhat), dy.shape[-1]
     dy32 = dy.astype(xhat.dtype, copy=False)
     t = dy32 * xhat  # (..., C): first dy * xhat, then g * xhat, then xhat * mean(g * xhat)
-    dw = t.reshape(-1, C).sum(axis=0)  # (C,)
-    db = dy32.reshape(-1, C).sum(axis=0)  # (C,)
+    dw = _written(t.reshape(-1, C).sum(axis=0), dw_out, dy.dtype)  # (C,)
+    db = _written(dy32.reshape(-1, C).sum(axis=0), db_out, dy.dtype)  # (C,)
     g = dy32 * w.astype(xhat.dtype, copy=False)  # (..., C), becomes dx
     xp.multiply(g, xhat, out=t)
     m = t.mean(axis=-1, keepdims=True)
@@ -170,8 +173,17 @@ def _layernorm_backward_twin(dy, cache):
     return g.astype(dy.dtype, copy=False), dw, db
 
 
+def _written(a, out, dtype):
+    """a in `dtype`, written into `out` when it is given."""
+    if out is None:
+        return a.astype(dtype, copy=False)
+    out[...] = a
+    return out
+
+
 _layernorm_forward = kernels.fused(_layernorm_forward_twin, kernels.cuda_layernorm_forward)
-_layernorm_backward = kernels.fused(_layernorm_backward_twin, kernels.cuda_layernorm_backward)
+_layernorm_backward = kernels.fused(_layernorm_backward_twin, kernels.cuda_layernorm_backward,
+                                    launches=3)
 
 
 # -- gelu -------------------------------------------------------------------------------------

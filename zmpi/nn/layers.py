@@ -118,8 +118,10 @@ class LayerNorm(Module):
 
     def backward(self, dy):
         xhat, rstd = self._pop()
-        dx, dw, db = F.layernorm_backward(dy, (xhat, rstd, compute_data(self.weight)))
-        accumulate_grad_(self.weight, dw)
+        dx, dw, db = F.layernorm_backward(dy, (xhat, rstd, compute_data(self.weight)),
+                                          grad_out(self.weight, dy.dtype),
+                                          grad_out(self.bias, dy.dtype))
+        accumulate_grad_(self.weight, dw)  # nothing left to do when written into the grad
         accumulate_grad_(self.bias, db)
         return dx
 

@@ -139,7 +139,8 @@ def _sum_of_squares_twin(grads, scale, dtype):
 
 
 _adam_device = kernels.fused(_adam_twin, kernels.cuda_adam, in_place=True)
-_sum_of_squares_device = kernels.fused(_sum_of_squares_twin, kernels.cuda_sum_of_squares)
+_sum_of_squares_device = kernels.fused(_sum_of_squares_twin, kernels.cuda_sum_of_squares,
+                                        launches=2)  # the kernel, the sum of its partials
 
 
 def _check_shapes(param, grads, m, v) -> None:

@@ -19,8 +19,20 @@ It also counts what a GPU would pay for (stand-in only): `LAUNCHES[0]`, the devi
 a GPU runs as one kernel launch or copy each (a ufunc, a reduction, an operator, a copy that
 astype / reshape / ravel / fancy indexing / assignment makes, a matmul plus the operand copies
 CuPy makes for it, a host <-> device transfer, a fused kernel run through `launch_twin`;
-views, `empty` and scalar attributes are free), and `SYNCS[0]`, the blocking device -> host
-value transfers. `trace()` records where each launch came from (file:line of the caller).
+views, `empty` and scalar attributes are free); `CASTS[0]`, those of them that are dtype
+casts, kernels CuPy names `cupy_copy__float16_float32` and the like (also in LAUNCHES); and
+`SYNCS[0]`, the blocking device -> host value transfers. `trace()` records where each launch
+came from (file:line of the caller), `trace(casts=True)` where each cast did.
+
+Casts as CuPy 14.2 launches them (cupy/_core): an astype, a copy, an assignment
+(`a[...] = b`), copyto or ascontiguousarray(dtype=) that changes the dtype is one
+`cupy_copy` kernel between the two dtypes. A ufunc with inputs of mixed dtypes, or an `out=`
+of another dtype, converts inside its own kernel (`cupy_add__float16_float32_float32`): no
+cast. A reduction with `dtype=` likewise. A matmul of more than two dimensions
+(`_routines_linalg.matmul`) computes float16 in float32: it casts each float16 operand to
+float32 (one kernel each, which also makes it contiguous), runs an fp32 GEMM and casts the
+float32 product into the float16 result; a 2-D one (`dot`) runs float16 on tensor cores and
+casts only operands of mixed dtypes.
 """
 import weakref
 
@@ -32,33 +44,45 @@ __version__ = "13.0.0-standin"
 STANDIN = True
 SYNCS = [0]  # stand-in only: device -> host value transfers so far (float(), int(), .get())
 LAUNCHES = [0]  # stand-in only: kernel launches and copies a GPU would run so far
-_TRACE = [None]  # a Counter of launch sites while trace() is on
+CASTS = [0]  # stand-in only: of those, the dtype casts (cupy_copy between two dtypes)
+_TRACE = [None, False]  # a Counter of launch (or cast) sites while trace() is on; casts only?
 
 
-def _launch(n=1):
-    """Count n launches (and their call site while tracing)."""
+def _launch(n=1, casts=0):
+    """Count n launches, `casts` of them dtype casts (and their call site while tracing)."""
     LAUNCHES[0] += n
-    if _TRACE[0] is not None and n:
+    CASTS[0] += casts
+    counted = casts if _TRACE[1] else n
+    if _TRACE[0] is not None and counted:
         import sys
 
         frame = sys._getframe(1)
         while frame.f_globals.get("__name__", "").startswith(("cupy", "cupyx")):
             frame = frame.f_back
         site = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
-        _TRACE[0][site] += n
+        _TRACE[0][site] += counted
+
+
+def _cast(src_dtype, dtype):
+    """One copy kernel from src_dtype to dtype: a launch, and a cast if the dtypes differ."""
+    _launch(1, int(_np.dtype(src_dtype) != _np.dtype(dtype)))
 
 
 class trace:
-    """`with cupy.trace() as sites:` counts launches by call site (a collections.Counter)."""
+    """`with cupy.trace() as sites:` counts launches by call site (a collections.Counter);
+    `trace(casts=True)` counts only the casts."""
+
+    def __init__(self, casts=False):
+        self.casts = casts
 
     def __enter__(self):
         import collections
 
-        _TRACE[0] = collections.Counter()
+        _TRACE[:] = collections.Counter(), self.casts
         return _TRACE[0]
 
     def __exit__(self, *exc):
-        _TRACE[0] = None
+        _TRACE[:] = None, False
 
 
 def _copied(src, result):
@@ -254,7 +278,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
         return _wrap(result)
 
     def __setitem__(self, key, value):
-        _launch()
+        _cast(value.dtype if isinstance(value, ndarray) else self.dtype, self.dtype)
         self._a[_unwrap(key)] = _unwrap(value)
 
     # -- methods
@@ -270,7 +294,7 @@ class ndarray:  # noqa: N801 (CuPy's name)
         out = self._a.astype(dtype, copy=copy)
         if out is self._a:
             return self
-        _launch()
+        _cast(self.dtype, out.dtype)
         return ndarray(out)
 
     def copy(self):
@@ -374,9 +398,17 @@ for _name in ("add", "subtract", "multiply", "divide", "true_divide", "exp", "lo
 
 for _name in ("where", "triu", "tril", "stack", "concatenate", "einsum",
               "sum", "zeros_like", "empty_like", "ones_like", "full_like", "take_along_axis",
-              "argmax", "broadcast_to", "expand_dims", "clip", "cumsum", "copyto", "arange",
+              "argmax", "broadcast_to", "expand_dims", "clip", "cumsum", "arange",
               "linspace", "full", "packbits", "unpackbits"):
     globals()[_name] = _function(getattr(_np, _name))
+
+
+def copyto(dst, src, **kwargs):
+    """One copy kernel (a cast when the dtypes differ)."""
+    if not isinstance(dst, ndarray):
+        raise TypeError(f"copyto needs a cupy ndarray, got {type(dst)}")
+    _cast(getattr(src, "dtype", dst.dtype), dst.dtype)
+    _np.copyto(dst._a, _unwrap(src), **kwargs)
 
 for _name in ("float16", "float32", "float64", "int8", "int32", "int64", "uint8", "uint16",
               "bool_", "integer", "floating", "inf", "nan", "pi", "newaxis", "dtype",
@@ -385,24 +417,33 @@ for _name in ("float16", "float32", "float64", "int8", "int32", "int64", "uint8"
 
 
 def _matmul_copies(a, b, out):
-    """The copies CuPy's matmul makes before and after its one cuBLAS call
-    (cupy/_core/_routines_linalg.pyx): operands cast to the result dtype; a batched product
-    (ndim > 2) makes both operands C-contiguous, a 2-D one takes any matrix with a unit stride
-    along one axis; an `out` that is not C-contiguous of the result dtype gets a copy."""
-    dtype, batched = _np.promote_types(a.dtype, b.dtype), max(a.ndim, b.ndim) > 2
-    n = 0  # (the module's `sum` is cupy.sum)
+    """(launches, casts) of the copies CuPy 14.2's matmul makes around its one cuBLAS call
+    (cupy/_core/_routines_linalg.pyx). A batched product (ndim > 2) runs in the result dtype,
+    float32 for float16: each operand of another dtype is cast (one kernel, contiguous), one of
+    that dtype copied unless C-contiguous, and a product of another dtype than the result's,
+    or an `out` that is not C-contiguous, is copied (cast) into it. A 2-D one (`dot`, float16
+    on tensor cores) casts operands of mixed dtypes to the result dtype, takes any matrix with
+    a unit stride along one axis, and copies (casts) into an `out` that is not C-contiguous of
+    the result dtype."""
+    ret, batched = _np.promote_types(a.dtype, b.dtype), max(a.ndim, b.ndim) > 2
+    dtype = _np.dtype(_np.float32) if batched and ret == _np.float16 else ret
+    launches = casts = 0
     for x in (a, b):
-        n += x.dtype != dtype
-        n += not x.flags.c_contiguous if batched else x.ndim == 2 and x.itemsize not in x.strides
-    if out is not None and not (out.flags.c_contiguous and out.dtype == dtype):
-        n += 1
-    return n
+        cast = x.dtype != dtype
+        casts += cast
+        launches += cast or (not x.flags.c_contiguous if batched
+                             else x.ndim == 2 and x.itemsize not in x.strides)
+    result = ret if out is None else out.dtype
+    if dtype != result or out is not None and not out.flags.c_contiguous:
+        launches += 1
+        casts += dtype != result
+    return int(launches), int(casts)
 
 
 def matmul(a, b, out=None):
     """One cuBLAS call, plus the copies CuPy makes for it (`_matmul_copies`)."""
     a_, b_ = _unwrap(a), _unwrap(b)
-    _launch(_matmul_copies(a_, b_, None if out is None else _unwrap(out)))
+    _launch(*_matmul_copies(a_, b_, None if out is None else _unwrap(out)))
     return _matmul_function(a, b, out=out)
 
 
@@ -412,12 +453,13 @@ ndarray.__matmul__ = lambda self, other: matmul(self, other)
 ndarray.__rmatmul__ = lambda self, other: matmul(other, self)
 
 
-def launch_twin(twin, *args):
-    """Stand-in only: run a fused kernel as its NumPy twin, counted as one launch. The twin
-    gets the arguments with device arrays unwrapped (scalars as they are), may write into
-    them, and its array results come back as device arrays. A GPU runs the kernel's CUDA
-    source instead (zmpi.kernels); this is how the stand-in runs the same program."""
-    _launch()
+def launch_twin(twin, *args, launches=1):
+    """Stand-in only: run a fused op as its NumPy twin, counted as the `launches` GPU
+    operations its CUDA launcher runs (none of them a cast). The twin gets the arguments with
+    device arrays unwrapped (scalars as they are), may write into them, and its array results
+    come back as device arrays. A GPU runs the kernel's CUDA source instead (zmpi.kernels);
+    this is how the stand-in runs the same program."""
+    _launch(launches)
     given = {}  # id of an unwrapped argument -> its device array
 
     def unwrap(a):  # arrays, also inside tuples (a cache)
@@ -454,7 +496,7 @@ def asarray(a, dtype=None, order=None):
     """Host -> device (an explicit copy), or a device array as is."""
     if isinstance(a, ndarray):
         return a if dtype is None or a.dtype == dtype else a.astype(dtype)
-    _launch()  # a host -> device copy
+    _launch()  # a host -> device copy (NumPy casts on the host first)
     return ndarray(_np.array(a, dtype=dtype, copy=True))
 
 
@@ -462,10 +504,14 @@ array = asarray
 
 
 def ascontiguousarray(a, dtype=None):
+    """`a` itself when it is C-contiguous of `dtype` (as CuPy: an op that writes into the
+    result writes into `a`), else a copy."""
     if not isinstance(a, ndarray):
         _refuse(a)
+    if a.flags.c_contiguous and a.ndim and (dtype is None or _np.dtype(dtype) == a.dtype):
+        return a
     result = _np.ascontiguousarray(a._a, dtype=dtype)
-    _launch(_copied(a._a, result))
+    _launch(_copied(a._a, result), int(result.dtype != a.dtype))
     return ndarray(result)
 
 
