@@ -203,7 +203,7 @@ def test_batch_that_does_not_split_and_strategy_flag(tmp_path):
     flags = _config(tmp_path, {"train_batch_size": 7, "gradient_accumulation_steps": 2})
     line = _train_fails(flags, tmp_path)
     assert line == (f"zmpi train: global batch 7 (train_batch_size in {flags[1]}) does not "
-                    "split over 1 data-parallel ranks x 2 accumulation steps")
+                    "split over 1 data-parallel rank x 2 accumulation steps")
     line = _train_fails(["--strategy", "zmpi_no_such_module:Foo"], tmp_path)
     assert line.startswith("zmpi train: config from the flags: zero_optimization.strategy: "
                            "cannot load partition strategy")
@@ -309,7 +309,7 @@ def test_two_ranks_print_the_line_once(tmp_path, case):
     else:
         extra = _config(tmp_path, {"train_batch_size": 7})
         message = (f"zmpi train: global batch 7 (train_batch_size in {extra[1]}) does not "
-                   "split over 2 data-parallel ranks x 1 accumulation steps")
+                   "split over 2 data-parallel ranks x 1 accumulation step")
     result = launch_mpi(CLI, 2, timeout=60, args=[
         "train", *_tiny_with(extra), "--out", tmp_path / "run", *extra])
     assert result.returncode == 2, result.describe()
@@ -380,6 +380,25 @@ def _namespace(tmp_path, config, **flags):
         "seq_len", "n_layer", "n_head", "d_model")}
     return argparse.Namespace(**{**base, "offload_optimizer": False, "offload_param": False,
                                  "steps": 10, "config": str(path), **flags})
+
+
+def test_model_shape_keys_given_as_whole_floats_build_that_model(tmp_path):
+    """model.vocab_size 1e3 or 100.0 (JSON floats) passed the config's checks and then was a
+    TypeError in GPT; like every shape key it is the integer it names, and 100.5 is refused."""
+    import contextlib
+    import io
+
+    for text, vocab in (("1e3", 1000), ("100.0", 100)):
+        flags = _config(tmp_path, f'{{"model": {{"vocab_size": {text}}}}}')
+        out = tmp_path / f"run{vocab}"
+        with contextlib.redirect_stdout(io.StringIO()):
+            main(["train", *TINY, *flags, "--out", str(out)])
+        run = json.loads((out / "run.json").read_text())
+        assert run["model"]["vocab_size"] == vocab and run["config"]["model"]["vocab_size"] \
+            == vocab and type(run["config"]["model"]["vocab_size"]) is int
+    flags = _config(tmp_path, '{"model": {"vocab_size": 100.5}}')
+    assert _train_fails(flags, tmp_path) == f"zmpi train: config {flags[1]}: model.vocab_size: " \
+                                            "expected int or null, got float (100.5)"
 
 
 def test_output_paths_that_are_files_are_one_line(tmp_path):

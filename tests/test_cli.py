@@ -177,6 +177,56 @@ def test_shard_group_size_flag():
     assert cfg["zero_optimization"] == {"strategy": "hybrid", "shard_group_size": 2}
 
 
+def _train_here(*flags) -> str:
+    """`zmpi train` in this process (one rank); its stdout."""
+    import contextlib
+    import io
+
+    from zmpi.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["train", *map(str, flags)])
+    return out.getvalue()
+
+
+def test_the_run_names_its_stage_and_where_it_came_from(tmp_path):
+    """Without --config zmpi train runs ZeRO-3; a config without a stage runs DeepSpeed's
+    stage 0 (docs/recompute.md's JSON ran at stage 0, `--recompute full` alone at stage 3,
+    and --help said 3 for both). The first line says which and why, counts in the singular
+    where one, and --profile times full recompute on its own (its column read 0.0 unless the
+    config also set activation_checkpointing.profile)."""
+    recompute = tmp_path / "recompute.json"
+    recompute.write_text(json.dumps({"activation_checkpointing": {"recompute": "full"}}))
+    staged = tmp_path / "staged.json"
+    staged.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    tiny = ["--steps", "1", "--n-layer", "1", "--d-model", "16", "--n-head", "2", "--seq-len",
+            "8", "--batch", "2", "--sample-tokens", "0"]
+    for i, (flags, said) in enumerate((
+            ([], "stage3 (zmpi train's default without --config)"),
+            (["--config", staged], f"stage2 (zero_optimization.stage in {staged})"),
+            (["--config", staged, "--stage", "1"], "stage1 (--stage)"),
+            (["--strategy", "stage0"], "stage0 (--strategy)"))):
+        out = _train_here(*tiny, *flags, "--out", tmp_path / f"run{i}")
+        first = next(line for line in out.splitlines() if line.startswith("zmpi train: GPT"))
+        assert f"1 rank (dp 1 x pp 1 x tp 1), {said}, float32, " in first, first
+        assert first.endswith(", 1 step") and "over 1 step:" in out, out
+    out = _train_here("--config", recompute, "--profile", "--steps", "3", "--n-layer", "2",
+                      "--d-model", "64", "--n-head", "2", "--seq-len", "32", "--batch", "4",
+                      "--sample-tokens", "0", "--out", tmp_path / "profiled")
+    assert f"stage0 (DeepSpeed's default: {recompute} gives no zero_optimization.stage)" in out
+    run = json.loads((tmp_path / "profiled" / "run.json").read_text())
+    assert run["config"]["activation_checkpointing"]["profile"] is True
+    units = run["profile"].splitlines()[-4:]  # the embedding, 2 blocks (recomputed), LM head
+    assert [u.split()[1] for u in units] == ["TokenPositionEmbedding", "Block", "Block", "LMHead"]
+    assert all(float(u.split()[-1]) > 0 for u in units[1:3]), units
+    help_text = subprocess.run([sys.executable, "-m", "zmpi.cli", "train", "--help"],
+                               capture_output=True, text=True, cwd=REPO_ROOT).stdout
+    assert "ZeRO stage (default: without --config 3; with --config its " \
+           "zero_optimization.stage, and 0 where it gives none, as in DeepSpeed)" in \
+           " ".join(help_text.split()), help_text
+
+
 SMALL = ["--n-layer", "1", "--d-model", "32", "--seq-len", "32", "--sample-tokens", "5",
          "--steps", "4"]
 

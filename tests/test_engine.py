@@ -148,7 +148,7 @@ def test_deepspeed_adam_means_decoupled_decay_unless_adam_w_mode_false():
 
 @pytest.mark.parametrize("zero,message", [
     ({"stage": 3, "shard_group_size": 1}, "'stage3' does not split the ranks into groups"),
-    ({"strategy": "hybrid", "shard_group_size": 2}, "2 does not divide the 1 ranks"),
+    ({"strategy": "hybrid", "shard_group_size": 2}, "2 does not divide the 1 rank "),
     ({"strategy": "hybrid", "shard_group_size": 0}, "must be >= 1"),
 ])
 def test_shard_group_size_errors(zero, message):

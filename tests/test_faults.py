@@ -202,9 +202,13 @@ def test_sigterm_saves_a_checkpoint_exits_0_and_resume_equals_an_uninterrupted_r
     assert cut.returncode == 0, cut.describe()
     assert time.monotonic() - sent < 10
     run = json.loads((tmp_path / "cut" / "run.json").read_text())
-    assert run["status"] == "preempted" and f"{PREEMPT.name}: stopped after step" in cut.stdout
-    stopped = run["last_step"] + 1
+    stopped = run["last_step"] + 1  # metrics.csv's step column counts from 0
     assert 20 <= stopped < steps
+    # the line and the checkpoint's tag count the steps done alike (it said "after step 105"
+    # beside step106)
+    assert run["status"] == "preempted" and f"{PREEMPT.name}: stopped after {stopped} steps " \
+        f"(checkpoint step{stopped}); go on with --resume" in cut.stdout, cut.stdout[-500:]
+    assert (tmp_path / "cut" / "checkpoints" / f"step{stopped}").is_dir()
     assert len((tmp_path / "cut" / "metrics.csv").read_text().splitlines()) == stopped + 1
     resumed = launch_mpi(CLI, 2, timeout=180, args=[*TRAIN, "--steps", steps, "--save-every",
                                                     steps, "--out", tmp_path / "cut",

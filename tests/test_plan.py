@@ -269,11 +269,13 @@ SMALL_FLAGS = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--vocab", 
 
 def test_the_plan_runs_as_is(tmp_path):
     """The config `zmpi plan` writes trains under `zmpi train --config` unchanged: the model
-    of its `model` section, on the layout it chose."""
+    of its `model` section, on the layout it chose. The plan itself runs under mpiexec, as
+    docs/plan.md's calibration (`mpiexec -n 2 zmpi plan --hardware this`) does: rank 0 alone
+    prints it and writes the file (every rank did)."""
     out = tmp_path / "plan.json"
-    r = _plan(*SMALL_FLAGS, "--out", str(out))
-    assert r.returncode == 0, r.stderr
-    assert "layouts considered" in r.stdout and f"--config {out}" in r.stdout
+    r = launch_mpi(CLI, 2, ["plan", *SMALL_FLAGS, "--out", str(out)], timeout=120)
+    assert r.returncode == 0, r.describe()
+    assert r.stdout.count("layouts considered") == 1 and r.stdout.count(f"--config {out}") == 1
     config = json.loads(out.read_text())
     assert config["model"] == {"n_layer": 2, "d_model": 32, "n_head": 2, "vocab_size": 65,
                                "seq_len": 16}

@@ -200,6 +200,15 @@ def test_train_with_tp_2_and_sequence_parallelism(tmp_path):
     meta = json.loads((tmp_path / "run.json").read_text())
     assert meta["engine"]["mesh"] == {"dp": 1, "pp": 1, "tp": 2}
     assert meta["config"]["tensor_parallel"] == {"autotp_size": 2, "sequence_parallel": True}
+    # the tensor traffic line counts the reduce-scatters and allgathers (it counted only the
+    # allreduces: 0.001 MiB a step here): per step 4 L + 2 of each over N = 4 x 8 positions
+    # of C = 16 fp32, a rank sending half; 4 allreduces: 3 of N (the cross-entropy) and the
+    # 224 sequence-parallel gradients (ln1, ln2, wpe, ln_f), a rank sending all of each
+    n, c = 4 * 8, 16
+    per_step = (2 * (4 * 1 + 2) * n * c * 4 // 2 + (3 * n + 224) * 4) / 2**20
+    line = next(line for line in result.stdout.splitlines() if "tensor-parallel" in line)
+    said = float(line.split("tensor-parallel ")[1].split("(")[1].split()[0])
+    assert said == round(per_step, 3), (line, per_step)
 
 
 @pytest.mark.mpi

@@ -26,6 +26,7 @@ import sys
 from zmpi.checkpoint import CheckpointError
 from zmpi.cli import ckpt, estimate, plan, train
 from zmpi.cli.inputs import (
+    DEFAULT_STAGE,
     DEFAULTS,
     MODEL_FLAGS,
     SCHEDULE_FLAGS,
@@ -64,7 +65,9 @@ def main(argv=None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a char-level GPT on Tiny Shakespeare")
     t.add_argument("--config", help="DeepSpeed-style JSON config (flags below override it)")
-    t.add_argument("--stage", type=int, choices=range(4), help="ZeRO stage (default 3)")
+    t.add_argument("--stage", type=int, choices=range(4),
+                   help=f"ZeRO stage (default: without --config {DEFAULT_STAGE}; with --config its "
+                   "zero_optimization.stage, and 0 where it gives none, as in DeepSpeed)")
     t.add_argument("--strategy", help="a registered partition strategy, an installed "
                    "entry point, or package.module:ClassName (overrides the stage)")
     t.add_argument("--tp", type=int, metavar="T", default=None,
@@ -128,7 +131,8 @@ def main(argv=None) -> None:
     t.add_argument("--profile", action="store_true",
                    help="print (and save in run.json) each rank's time per step by phase: "
                    "forward, backward, step, optimizer, waited-for communication (the "
-                   "first step, a warm-up, left out when there are more)")
+                   "first step, a warm-up, left out when there are more), and per unit, with "
+                   "full recompute its recomputes' (activation_checkpointing.profile)")
     t.add_argument("--out", help="output directory (default runs/<time>)")
     t.add_argument("--log-dir", help="every rank logs to LOG_DIR/rank<r>.log")
     t.add_argument("--save-every", type=int, metavar="K", default=0,

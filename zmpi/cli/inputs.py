@@ -12,6 +12,7 @@ DEFAULTS = {  # the demo: ~0.8M parameters, about 1.5 minutes on 2 cores
     "steps": 600, "batch": 32, "seq_len": 64, "n_layer": 4, "n_head": 4, "d_model": 128,
     "lr": 3e-3,
 }
+DEFAULT_STAGE = 3  # without --config, --stage or --strategy; a config without a stage: 0
 
 
 class InputError(SystemExit):
@@ -66,12 +67,10 @@ def resolve_model_args(args) -> None:
 def check_args(args) -> None:
     """Every check of `zmpi train`'s flags and the config's model section that needs no
     data and no MPI (InputError or ConfigError, one line); fills the model flags
-    (`resolve_model_args`) and the default stage. Run on every rank inside
-    `_checked_inputs`, so a problem found on some ranks only ends them all alike."""
+    (`resolve_model_args`). Run on every rank inside `_checked_inputs`, so a problem found
+    on some ranks only ends them all alike."""
     resolve_model_args(args)
     check_train_args(args)
-    if args.stage is None and not args.config and not args.strategy:
-        args.stage = 3
     if (args.resume_tag or args.resume_fallback) and args.resume is None:
         raise InputError("--resume-tag and --resume-fallback act only with --resume")
     if args.overwrite_ckpt_dir and not args.save_every:
@@ -249,6 +248,7 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
     split evenly over both.
     """
     from zmpi.config import AUTO, Config
+    from zmpi.words import count
 
     notes = [] if notes is None else notes
     cfg = _read_config(args.config) if args.config else {}
@@ -275,9 +275,9 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
         if batch < 1:
             raise InputError(f"--batch must be >= 1, got {batch}")
         if batch % (world_size * accumulation):
-            raise InputError(f"global batch {batch} ({source}) does not split over {world_size} "
-                             f"data-parallel "
-                             f"ranks x {accumulation} accumulation steps")
+            raise InputError(f"global batch {batch} ({source}) does not split over "
+                             f"{count(world_size, 'data-parallel rank')} x "
+                             f"{count(accumulation, 'accumulation step')}")
         _set(cfg, "train_micro_batch_size_per_gpu", batch // (world_size * accumulation),
              "--batch", notes)
         _set(cfg, "train_batch_size", batch, "--batch", notes)
@@ -288,8 +288,9 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
         _set(cfg, "optimizer.params.lr", args.lr, "--lr", notes)
     _schedule_from_flags(cfg, args, notes)
     cfg.setdefault("gradient_clipping", 1.0)
-    if args.stage is not None:
-        _set(cfg, "zero_optimization.stage", args.stage, "--stage", notes)
+    if args.stage is not None or not (args.config or args.strategy):
+        stage = DEFAULT_STAGE if args.stage is None else args.stage
+        _set(cfg, "zero_optimization.stage", stage, "--stage", notes)
     if args.strategy is not None:
         _set(cfg, "zero_optimization.strategy", args.strategy, "--strategy", notes)
     strategy = _get(cfg, "zero_optimization.strategy") or None
@@ -392,6 +393,7 @@ def _checked_inputs(args, world_size: int):
     notes = []
     config = build_config(args, world_size, notes)
     resolved = Config.from_dict(config)
+    config["model"] = resolved.model.to_dict()  # its shape as ints: vocab_size 1e3 is 1000
     tp = resolved.tensor_parallel
     if tp.sequence_parallel and tp.autotp_size > 1 and args.seq_len % tp.autotp_size:
         raise InputError(f"--seq-len {args.seq_len} is not divisible by the tensor-parallel "
@@ -411,6 +413,21 @@ def _checked_inputs(args, world_size: int):
     _check_stage_agrees(config, strategy)
     _check_nvme_paths(resolved)
     return tokenizer, train_tokens, val_tokens, vocab_size, config, notes
+
+
+def stage_origin(args, config: dict) -> str:
+    """Where the ZeRO stage (or strategy) of `config` (build_config's) came from, for the
+    run's first line: a flag, the --config's key, or a default: without --config zmpi
+    train's DEFAULT_STAGE, with one that gives no stage DeepSpeed's 0."""
+    zero = config.get("zero_optimization") or {}
+    if args.strategy is not None or args.stage is not None:
+        return "--strategy" if args.strategy is not None else "--stage"
+    if not args.config:
+        return "zmpi train's default without --config"
+    for key in ("strategy", "stage"):
+        if zero.get(key) is not None:
+            return f"zero_optimization.{key} in {args.config}"
+    return f"DeepSpeed's default: {args.config} gives no zero_optimization.stage"
 
 
 def _check_stage_agrees(config: dict, strategy) -> None:

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from zmpi.cli.inputs import _rank
 from zmpi.files import check_output, write_atomic
 from zmpi.models.gpt import gpt_num_params
 from zmpi.plan.hardware import parse_size
@@ -48,7 +49,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> None:
-    """`zmpi plan`: exits with code 2 and one line on a bad input, 1 if no layout fits."""
+    """`zmpi plan`: exits with code 2 and one line on a bad input, 1 if no layout fits.
+    Under mpiexec (`--hardware this` then measures on every rank) rank 0 alone reports and
+    writes; the other ranks end once the hardware is measured."""
     try:
         job = Job(args.n_layer, args.d_model, args.n_head, args.vocab, args.seq_len,
                   args.global_batch, args.nodes, args.gpus_per_node, args.precision)
@@ -65,8 +68,11 @@ def run(args) -> None:
                              f"{hw.devices_per_node} devices per node (its node's links); give "
                              "a hardware file for larger nodes")
     except ValueError as e:
-        print(f"zmpi plan: {e}", file=sys.stderr)
+        if _rank() == 0:
+            print(f"zmpi plan: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if _rank() != 0:
+        return
     if args.save_hardware:
         _write(args.save_hardware, hw.save)
     start = time.perf_counter()

@@ -2,7 +2,8 @@
 formula (`memory_table`) and the traffic each rank sent (`traffic_line`)."""
 from __future__ import annotations
 
-from zmpi.memory import DEVICES, MODEL_STATE
+from zmpi.memory import ARRAY_OPS, DEVICES, MODEL_STATE
+from zmpi.words import count
 
 
 def memory_table(engine, comm) -> str:
@@ -40,8 +41,10 @@ def traffic_line(engine, steps: int) -> str:
     for kind, sent in engine.sent_bytes().items():
         parts.append(f"{kind} {sent / 2**20:.2f} MiB ({sent / 2**20 / max(steps, 1):.3f} per "
                      f"step; declared {declared.get(kind, 0) / 2**20:.3f} without accumulation)")
-    if engine.mesh.tp > 1:  # Megatron's 4 allreduces of B x T x C per layer and step
-        sent = engine.traffic_by_dimension()["tp"].get("allreduce", {}).get("sent", 0)
+    if engine.mesh.tp > 1:  # Megatron's 4 allreduces of B x T x C per layer and step, or
+        # under sequence parallelism as many reduce-scatters and allgathers (the same bytes)
+        sent = sum(c["sent"] for op, c in engine.traffic_by_dimension()["tp"].items()
+                   if op in ARRAY_OPS)
         parts.append(f"tensor-parallel {sent / 2**20:.2f} MiB "
                      f"({sent / 2**20 / max(steps, 1):.3f} per step)")
-    return f"traffic sent by this rank over {steps} steps: " + "; ".join(parts)
+    return f"traffic sent by this rank over {count(steps, 'step')}: " + "; ".join(parts)

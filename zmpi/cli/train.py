@@ -17,10 +17,12 @@ from zmpi.cli.inputs import (
     _exit_bad_input,
     _get,
     inputs_digest,
+    stage_origin,
 )
 from zmpi.cli.report import memory_table, traffic_line
 from zmpi.models.gpt import GPT, GPTConfig, gpt_num_params
 from zmpi.parallel.mesh import Mesh
+from zmpi.words import count
 
 
 def train(args) -> None:
@@ -69,10 +71,10 @@ def train(args) -> None:
     val_data = BatchSampler(val_tokens, args.seq_len, global_batch, mesh.dp_rank, mesh.dp,
                             seed=args.seed + 1)
     total = gpt_num_params(args.n_layer, args.d_model, model_vocab, args.seq_len)
-    log.info(f"zmpi train: GPT {total:,} params, {comm.size} ranks (dp {mesh.dp} x pp {mesh.pp} x "
-             f"tp {mesh.tp}), "
-             f"{engine.strategy.name}, {engine.dtype.name}, global batch {global_batch} x "
-             f"{args.seq_len} tokens, {args.steps} steps")
+    log.info(f"zmpi train: GPT {total:,} params, {count(comm.size, 'rank')} (dp {mesh.dp} x "
+             f"pp {mesh.pp} x tp {mesh.tp}), {engine.strategy.name} "
+             f"({stage_origin(args, config)}), {engine.dtype.name}, global batch "
+             f"{global_batch} x {args.seq_len} tokens, {count(args.steps, 'step')}")
 
     out = Path(comm.bcast_object(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"))
     # with --save-every, a resumed run saves where it resumed from (unless --ckpt-dir)
@@ -102,8 +104,8 @@ def train(args) -> None:
             preempted = guard.requested(comm)
             if preempted or (args.save_every and ((step + 1) % args.save_every == 0
                                                   or step + 1 == args.steps)):
-                t0 = time.perf_counter()
-                path = engine.save_checkpoint(ckpt_dir, f"step{step + 1}", args.keep_last,
+                t0, tag = time.perf_counter(), f"step{step + 1}"  # tags count steps done
+                path = engine.save_checkpoint(ckpt_dir, tag, args.keep_last,
                                               async_=args.async_save and not preempted,
                                               client_state={"step": step + 1, "seed": args.seed})
                 if args.log_dir or preempted:
@@ -113,7 +115,8 @@ def train(args) -> None:
                 bar.close()
                 engine.close()  # finishes the save
                 log.info(f"zmpi train: {guard.received or 'a signal on another rank'}: stopped "
-                         f"after step {step}; go on with --resume {ckpt_dir}")
+                         f"after {count(step + 1, 'step')} (checkpoint {tag}); go on "
+                         f"with --resume {ckpt_dir}")
                 record.close(status="preempted", last_step=step, checkpoint=str(ckpt_dir))
                 return
         elapsed = time.perf_counter() - start
@@ -179,8 +182,9 @@ def _resume(args, engine, comm, log) -> int:
         log.info(note)
     saved = loaded.mesh
     log.info(f"resumed from {loaded.path} (step {first}, saved by "
-             f"{saved['dp'] * saved['pp'] * saved['tp']} ranks, dp {saved['dp']} x pp "
-             f"{saved['pp']} x tp {saved['tp']}, with {loaded.strategy}) on {comm.size} ranks "
+             f"{count(saved['dp'] * saved['pp'] * saved['tp'], 'rank')}, dp {saved['dp']} x pp "
+             f"{saved['pp']} x tp {saved['tp']}, with {loaded.strategy}) on "
+             f"{count(comm.size, 'rank')} "
              f"with {engine.strategy.name}")
     if first >= args.steps:
         _exit_bad_input(f"the checkpoint is at step {first}; ask for more --steps than that "

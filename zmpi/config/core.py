@@ -9,6 +9,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from zmpi.words import count
+
 from .base import AUTO, ConfigError, _check, _Section, parse_json
 from .onebit import check_onebit_layout
 from .sections import (
@@ -176,8 +178,8 @@ class Config(_Section):
             accum = 1 if "gradient_accumulation_steps" in auto else accum
             other = accum if key == "train_micro_batch_size_per_gpu" else micro
             _check(batch % (other * world_size) == 0, key,
-                   f"'auto': train_batch_size {batch} does not split over {world_size} ranks x "
-                   f"{other}")
+                   f"'auto': train_batch_size {batch} does not split over "
+                   f"{count(world_size, 'rank')} x {other}")
             derived = {"gradient_accumulation_steps": accum,
                        key: batch // (other * world_size)}
         new = self.replace(**derived)

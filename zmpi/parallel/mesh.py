@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zmpi.words import count
+
 DIMENSIONS = ("dp", "pp", "tp")
 
 
@@ -51,8 +53,8 @@ def mesh_sizes(size: int, tp: int = 1, pp: int = 1) -> tuple[int, int, int]:
         if type(value) is not int or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if size % (tp * pp):
-        raise ValueError(f"tp x pp = {tp} x {pp} = {tp * pp} does not divide the {size} ranks "
-                         "into data-parallel replicas")
+        raise ValueError(f"tp x pp = {tp} x {pp} = {tp * pp} does not divide the "
+                         f"{count(size, 'rank')} into data-parallel replicas")
     return size // (tp * pp), pp, tp
 
 

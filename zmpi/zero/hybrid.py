@@ -27,6 +27,7 @@ sharding is memory: model states shrink by G, not by N. G = 1 is data parallelis
 G = N is ZeRO-3 (ZeRO-2). A checkpoint holds G shards, written by the first replica group.
 """
 from zmpi.config import ConfigError
+from zmpi.words import count
 from zmpi.zero.registry import register
 from zmpi.zero.stage2 import Stage2
 from zmpi.zero.stage3 import Stage3
@@ -45,8 +46,8 @@ class HybridSharding:
             raise ConfigError(_KEY, f"the ranks disagree on the group size ({low:g} to "
                                     f"{high:g} ranks per node); set it explicitly")
         if comm.size % size:
-            raise ConfigError(_KEY, f"{size} does not divide the {comm.size} ranks into "
-                                    "equal shard groups")
+            raise ConfigError(_KEY, f"{size} does not divide the {count(comm.size, 'rank')} "
+                                    "into equal shard groups")
         return comm.split(comm.rank // size), comm.split(comm.rank % size)
 
     @classmethod
