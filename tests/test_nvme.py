@@ -11,15 +11,21 @@ and back exactly; the files are removed by close(). The same for stage 3's param
 on NVMe. In one process: NvmeOptimizerState against HostAdam, the handles, and every failure
 (the path, the space, a failed write), of both tiers.
 """
+import contextlib
 import errno
 import gc
+import io
+import json
 import os
+import re
+import socket
+import subprocess
 import sys
 import warnings
 
 import numpy as np
 import pytest
-from mpi_util import RANKS_DIR, run_mpi
+from mpi_util import RANKS_DIR, launch_mpi, run_mpi
 
 from zmpi.checkpoint import CheckpointError
 from zmpi.config import AioConfig, Config, ConfigError, OffloadConfig
@@ -186,6 +192,94 @@ def test_without_direct_io_the_file_is_buffered_and_synced(tmp_path, monkeypatch
     state.close()
 
 
+def test_a_changed_or_cut_swap_file_is_an_error(tmp_path):
+    """Issue 49: 80 KB overwritten in a swap file mid-run were trained on silently (the loss
+    went from 2.70 back to 4.17, exit 0). Every block written records its CRC32 and every
+    read checks it, so a changed byte is an NVMeError naming the block, as a file cut short
+    is; a slice reads its whole blocks, so it is checked too."""
+    state = NvmeOptimizerState(5000, np.float32, _offload(tmp_path), None, MemoryLedger())
+    values = np.arange(5000, dtype=np.float32)
+    for s in state.states:
+        s[...] = values
+    assert np.array_equal(state.adam_m[1500:1600], values[1500:1600])
+    fd = os.open(state.file.path, os.O_WRONLY)
+    os.pwrite(fd, b"\x01", state.region * 4 + 5000)  # adam_m's element 1250, in its 2nd block
+    os.fsync(fd)
+    os.close(fd)
+    with pytest.raises(NVMeError, match=r"reading adam_m: read of adam_m elements \[1024, "
+                                        r"2048\) at byte 24576 of .*optimizer\.bin failed: "
+                                        r"checksum mismatch at byte 24576: CRC32 "):
+        state.adam_m[1500:1600]
+    assert np.array_equal(state.master[1000:1100], values[1000:1100])  # the others read
+    state.adam_m[...] = values  # written whole again: sound
+    assert np.array_equal(np.asarray(state.adam_m), values)
+    os.truncate(state.file.path, state.region * 4 * 2 + 8192)
+    with pytest.raises(NVMeError, match=r"reading adam_v: read of adam_v elements \[2048, "
+                                        r"3072\) .* unexpected end of file"):
+        np.asarray(state.adam_v)
+    state.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_dead_runs_swap_directory_is_removed_at_start(tmp_path):
+    """Issue 49: a run killed with SIGKILL (or aborted: MPI_Abort skips close and atexit)
+    left its swap files, and the next run's reservation then failed with ENOSPC. A swap
+    directory is locked while its process lives; the next SwapFile on the drive removes the
+    unlocked ones and says so, and leaves a live one alone. On a 1 MiB tmpfs (skipped where
+    this process cannot mount one), two 600 KiB files fit only once the dead one is gone."""
+    drive = tmp_path / "drive"
+    drive.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(drive)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        child = subprocess.Popen([sys.executable, "-c", (
+            "import sys, time; from zmpi.offload.files import SwapFile; "
+            f"f = SwapFile({str(drive)!r}, 600 * 1024, 600 * 1024); "
+            "print(f.dir, flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+        dead = child.stdout.readline().strip()
+        child.kill()
+        child.wait()
+        assert os.path.exists(f"{dead}/optimizer.bin")
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            live = files.SwapFile(drive, 600 * 1024, 600 * 1024)
+        assert re.fullmatch(
+            rf"zmpi: removed {re.escape(dead)}, the swap directory of a run that ended without "
+            rf"removing it \(pid {child.pid} on {re.escape(socket.gethostname())}, since "
+            r"[0-9T:-]+; 0\.6 MiB\)\n", err.getvalue()), err.getvalue()
+        assert not os.path.exists(dead)
+        assert files.remove_dead(drive) == [] and os.path.exists(live.path)  # held: alive
+        live.close()
+        assert os.listdir(drive) == []
+    finally:
+        subprocess.run(["umount", str(drive)], check=True)
+
+
+@pytest.mark.mpi
+def test_a_changed_swap_file_ends_the_job_in_one_line_leaving_no_files(tmp_path):
+    """Issue 49: a swap file changed mid-run is caught by its checksum on the rank that reads
+    it; the others cannot know, so the job is aborted with one line from that rank, and the
+    abort removes every rank's swap directory (MPI_Abort skips close() and atexit: each rank
+    removes its own first, the aborting rank what its killed peers on the host left)."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    config = tmp_path / "nvme.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "nvme", "nvme_path": str(swap), "buffer_size": 1024, "buffer_count": 6}}}))
+    result = launch_mpi(RANKS_DIR / "nvme_tamper.py", 2, timeout=120, args=[
+        "train", "--config", config, "--steps", 6, "--n-layer", 1, "--d-model", 32,
+        "--seq-len", 16, "--batch", 4, "--sample-tokens", 0, "--out", tmp_path / "run"])
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.describe()
+    said = [line for line in result.ranks_stderr() if "zmpi" in line]
+    assert len(said) == 1 and re.fullmatch(
+        r"\[rank 1\] zmpi train: optimizer step 3: read of master elements \[0, 1024\) at "
+        r"byte 0 of .*/zmpi-nvme-\w+/optimizer\.bin failed: checksum mismatch at byte 0: "
+        r"CRC32 \w+ of 4096 bytes, written as \w+ of 4096 \(the file was changed behind "
+        r"zmpi's back\); aborting the MPI job", said[0]), result.describe()
+    assert os.listdir(swap) == []
+
+
 def test_handles_refuse_what_would_change_a_copy(tmp_path):
     state = NvmeOptimizerState(5000, np.float32, _offload(tmp_path), None, MemoryLedger())
     part = state.master[10:20]
@@ -272,6 +366,10 @@ def test_bad_paths_are_clear_errors(tmp_path, monkeypatch):
         with pytest.raises(NVMeError, match=f"nvme_path {path}: not a directory"):
             _engine(path)
     # root may write anywhere: the permission checks are shown by what they see
+    if os.path.isdir("/proc"):  # root passes the permission check; making a directory fails
+        with pytest.raises(NVMeError, match="nvme_path /proc: (cannot create a directory|not "
+                                            "writable)"):
+            _engine("/proc")
     monkeypatch.setattr(files.os, "access", lambda path, mode: False)
     with pytest.raises(NVMeError, match="not writable by this process"):
         _engine(tmp_path)

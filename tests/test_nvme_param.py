@@ -56,6 +56,30 @@ def test_store_reads_writes_and_gathers_like_the_array(tmp_path):
         store.handle[0:1]
 
 
+def test_a_changed_shard_file_is_an_error(tmp_path):
+    """Issue 49: the parameter shard's file is checked as the optimizer tier's is (CRC32 of
+    each unit's extent, written and read whole): a changed byte fails the read or gather of
+    its unit, naming it; the other units read."""
+    cfg = OffloadParamConfig(device="nvme", nvme_path=str(tmp_path), buffer_size=4096,
+                             buffer_count=2, max_in_cpu=0)
+    store = NvmeParamShard(SLICES, np.float16, cfg, None, MemoryLedger())
+    values = np.arange(5000).astype(np.float16)
+    store.handle[...] = values
+    fd = os.open(store.file.path, os.O_WRONLY)
+    os.pwrite(fd, b"\x01", store._offset(3) + 10)
+    os.fsync(fd)
+    os.close(fd)
+    with pytest.raises(NVMeError, match=r"reading params: read of the parameter shard of unit "
+                                        r"3 \(elements \[3001, 5000\)\) at byte \d+ of "
+                                        r".*params\.bin failed: checksum mismatch"):
+        store.handle[4000:4001]
+    assert np.array_equal(store.handle[0:3001], values[:3001])
+    out = np.empty(1999, np.float16)
+    with pytest.raises(NVMeError, match="gathering unit 3: .* checksum mismatch"):
+        store.iallgather(3, out, Comm()).wait()
+    store.close()
+
+
 SMALL = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=2, d_model=16)
 
 

@@ -33,6 +33,7 @@ from zmpi.cli.inputs import (
     _rank,
 )
 from zmpi.config import RECOMPUTE
+from zmpi.offload.files import NVMeError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -233,6 +234,10 @@ def main(argv=None) -> None:
             if _rank() == 0:
                 print(f"zmpi train: {e}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
+        except NVMeError as e:  # this rank's drive failed in a step: its peers cannot know
+            from zmpi.comm.faults import fail_alone
+
+            fail_alone(f"zmpi train: {e}", 1)
     else:
         try:
             estimate.estimate(args)

@@ -123,6 +123,25 @@ def _end_local_peers(wait: float = 1.0) -> None:
         pass
 
 
+_AT_ABORT: list = []  # what an abort runs before MPI_Abort (at_abort)
+
+
+def at_abort(fn) -> None:
+    """Have every abort in zmpi call fn() before MPI_Abort, which skips `close()`,
+    finalizers and atexit, and before this rank ends its peers: the NVMe tier registers the
+    removal of its swap files, its own and those of the job's other ranks on this host
+    (`local_peer_pids`), which are killed without a chance to (zmpi.offload.files). fn must
+    be quick and safe to call more than once (a weakref.finalize is); its errors are
+    ignored. Finalizers that have run are dropped at the next registration."""
+    _AT_ABORT[:] = [f for f in _AT_ABORT if getattr(f, "alive", True)]
+    _AT_ABORT.append(fn)
+
+
+def local_peer_pids() -> list[int]:
+    """The pids of this job's other ranks on this host (those an abort ends)."""
+    return [pid for pid, _, _ in _PEERS]
+
+
 def _abort(code: int) -> None:
     """End the whole job with exit code `code`; never returns.
 
@@ -134,7 +153,13 @@ def _abort(code: int) -> None:
     SIGSTOP stayed behind for ever, and the aborting rank ran on. So this rank then SIGKILLs
     the job's other ranks on its host itself (`_end_local_peers`; ranks on other hosts are left
     to the launcher) and ends with os._exit(code). An MPI whose MPI_Abort ends the calling
-    process itself leaves the peers to its launcher, as before."""
+    process itself leaves the peers to its launcher, as before. The `at_abort` hooks run
+    first (they remove the swap files of this rank and its peers on this host)."""
+    for fn in _AT_ABORT:
+        try:
+            fn()
+        except Exception:  # the job is being aborted: nothing may stop that
+            pass
     MPI.COMM_WORLD.Abort(code)
     _end_local_peers()
     for stream in (sys.stdout, sys.stderr):
@@ -143,6 +168,23 @@ def _abort(code: int) -> None:
         except Exception:  # ending anyway
             pass
     os._exit(code)
+
+
+def fail_alone(message: str, code: int) -> None:
+    """End the job for a failure of this rank's own that its peers cannot know of (its swap
+    file failed a read in a step): `message` as one line on stderr, tagged with the rank
+    under several, then the job aborted (`_abort`: the at_abort hooks remove this rank's
+    swap files and what its peers on this host leave); one rank exits with `code`. Never
+    returns."""
+    world = MPI.COMM_WORLD
+    if world.Get_size() == 1:
+        print(message, file=sys.stderr, flush=True)
+        raise SystemExit(code)
+    sys.stdout.flush()
+    sys.stderr.write(f"[rank {world.Get_rank()}] {message}; aborting the MPI job\n")
+    sys.stderr.flush()
+    time.sleep(_FORWARD_S)
+    _abort(code)
 
 
 def install_abort_on_exception():

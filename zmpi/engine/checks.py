@@ -170,18 +170,20 @@ def agreed_across_stages(mesh, build):
     where it has pipeline stages: a check of a stage's own units (ZeRO-3's live parameter
     limit, the memory budget) can fail on some stages only, whose peers would then wait for
     ever in the next collective across stages. Every rank raises the first failing rank's
-    error, naming the stages it failed on when not all: a ConfigError or ValueError as such,
-    a MemoryError as OutOfMemory, anything else as RuntimeError naming its type (only the
-    messages travel: one pickled allgather, pp > 1 only)."""
+    error, naming the stages it failed on when not all: a ConfigError, ValueError or
+    NVMeError as such, a MemoryError as OutOfMemory, anything else as RuntimeError naming its
+    type (only the messages travel: one pickled allgather, pp > 1 only)."""
     if mesh.pp == 1:
         return build()
     from zmpi.comm.agree import agreed_call
     from zmpi.config import ConfigError
     from zmpi.memory import OutOfMemory
+    from zmpi.offload import NVMeError
 
     def describe(e):
         kind = next(k for k, t in (("config", ConfigError), ("value", ValueError),
-                                   ("memory", MemoryError), ("other", Exception))
+                                   ("memory", MemoryError), ("nvme", NVMeError),
+                                   ("other", Exception))
                     if isinstance(e, t))
         text = f"{type(e).__name__}: {e}" if kind == "other" else str(e)
         return ((kind, e.key, e.msg, text) if kind == "config" else (kind, "", "", text),
@@ -197,7 +199,8 @@ def agreed_across_stages(mesh, build):
         f"of {mesh.pp})"
     if kind == "config":
         raise ConfigError(key, msg + where) from error
-    raise {"value": ValueError, "memory": OutOfMemory, "other": RuntimeError}[kind](
+    raise {"value": ValueError, "memory": OutOfMemory, "nvme": NVMeError,
+           "other": RuntimeError}[kind](
         text + where) from error
 
 

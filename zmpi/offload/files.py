@@ -1,13 +1,26 @@
 """The files of the NVMe tier: one rank's swap file, reserved whole, opened with O_DIRECT
-where the filesystem allows it, removed on close, on collection or at exit; and the
-4 KiB-aligned host buffers direct I/O reads into and writes from (zmpi.offload.nvme says what
-goes in them).
+where the filesystem allows it, removed on close, on collection, at exit or when the job is
+aborted; and the 4 KiB-aligned host buffers direct I/O reads into and writes from
+(zmpi.offload.nvme says what goes in them).
+
+A swap directory is locked (an advisory `flock` on its `.zmpi-lock`, which names the process)
+for as long as its process lives, however that ends, as a checkpoint directory is
+(zmpi.checkpoint.ownership). A run killed with SIGKILL leaves its directory behind, unlocked:
+the next SwapFile made under the same nvme_path removes it before it reserves its own file
+(`remove_dead`), and says so on stderr, so a dead run's files cannot fill the drive. An
+abort, which skips close() and atexit, removes this rank's directory and those of the job's
+other ranks on this host, which it kills (zmpi.comm.faults.at_abort).
 """
 from __future__ import annotations
 
+import fcntl
+import functools
+import json
 import mmap
 import os
 import shutil
+import socket
+import sys
 import tempfile
 import time
 import weakref
@@ -37,11 +50,62 @@ def aligned_empty(numel: int, dtype, pinned: bool) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype, count=numel)
 
 
-def _remove(fds: list, directory: str) -> None:
+PREFIX, LOCK = "zmpi-nvme-", ".zmpi-lock"
+
+
+def _remove(fds: list, directory: str, lock) -> None:
     for fd in fds:
         os.close(fd)
     fds.clear()
     shutil.rmtree(directory, ignore_errors=True)
+    lock.close()  # after the removal: no other process may find the directory unlocked
+
+
+def _locked(directory: Path):
+    """The open lock file of swap directory `directory`, locked (exclusive, non-blocking),
+    or None where another process holds it (or the directory is gone)."""
+    try:
+        f = open(directory / LOCK, "r+")  # noqa: SIM115 (held while the directory lives)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
+
+
+def _holder(text: str) -> dict:
+    """What a swap directory's lock file says of its process: pid, host, since ({} where it
+    says nothing readable)."""
+    try:
+        holder = json.loads(text)
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def remove_dead(root: Path) -> list[str]:
+    """Remove the swap directories under `root` whose process has ended without removing
+    them (SIGKILL, a node's crash): those whose lock no process holds. Returns a line for
+    each one removed. A directory being made is not yet named PREFIX* (SwapFile renames it
+    once it is locked), so a live one is never taken for dead."""
+    said = []
+    for path in sorted(root.glob(PREFIX + "*")):
+        lock = _locked(path)
+        if lock is None:
+            continue
+        holder = _holder(lock.read())
+        who = (f"pid {holder['pid']} on {holder['host']}, since {holder['since']}"
+               if {"pid", "host", "since"} <= holder.keys() else "an unknown process")
+        size = sum(f.stat().st_size for f in path.glob("*.bin"))
+        shutil.rmtree(path, ignore_errors=True)
+        lock.close()
+        if not path.exists():
+            said.append(f"removed {path}, the swap directory of a run that ended without "
+                        f"removing it ({who}; {size / _MiB:,.1f} MiB)")
+    return said
 
 
 def drop_pages(fd: int, offset: int, nbytes: int) -> None:
@@ -54,13 +118,62 @@ def sync_and_drop(fd: int, offset: int, nbytes: int) -> None:
 
 
 def check_nvme_dir(nvme_path) -> Path:
-    """`nvme_path` as a Path; NVMeError unless it is a directory this process can write in."""
+    """`nvme_path` as a Path; NVMeError unless it is a directory this process can write in
+    (a directory is made and removed there: root passes the permission check on /proc and
+    on a read-only mount, and only trying finds them)."""
     root = Path(nvme_path)
     if not root.is_dir():
         raise NVMeError(f"nvme_path {root}: not a directory (create it on the NVMe drive)")
     if not os.access(root, os.W_OK | os.X_OK):
         raise NVMeError(f"nvme_path {root}: not writable by this process")
+    os.rmdir(_make_dir(root, ".zmpi-probe-"))
     return root
+
+
+def _make_dir(root: Path, prefix: str) -> str:
+    try:
+        return tempfile.mkdtemp(prefix=prefix, dir=root)
+    except OSError as e:
+        raise NVMeError(f"nvme_path {root}: cannot create a directory: "
+                        f"{e.strerror or e}") from e
+
+
+def _remove_peers_dirs(root: Path) -> None:
+    """As the job is aborted: remove the swap directories under `root` that this job's other
+    ranks on this host hold (their locks name them), which they cannot, being killed; their
+    space is freed as they end."""
+    from zmpi.comm.faults import local_peer_pids
+
+    peers, host = set(local_peer_pids()), socket.gethostname()
+    for path in root.glob(PREFIX + "*"):
+        try:
+            holder = _holder((path / LOCK).read_text())
+        except OSError:
+            continue
+        if holder.get("host") == host and holder.get("pid") in peers:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _make_locked_dir(root: Path) -> tuple[str, object]:
+    """A new swap directory PREFIX* under `root`, and its lock file, held: made under a
+    hidden name, locked, then renamed, so `remove_dead` never finds one unlocked."""
+    made = _make_dir(root, "." + PREFIX)
+    lock = None
+    try:
+        lock = open(Path(made) / LOCK, "w")  # noqa: SIM115 (held while the directory lives)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: no one else has it
+        lock.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                               "since": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+        lock.flush()
+        named = str(root / Path(made).name[1:])
+        os.rename(made, named)
+        return named, lock
+    except OSError as e:
+        shutil.rmtree(made, ignore_errors=True)
+        if lock is not None:
+            lock.close()
+        raise NVMeError(f"nvme_path {root}: cannot create a directory: "
+                        f"{e.strerror or e}") from e
 
 
 class SwapFile:
@@ -68,24 +181,28 @@ class SwapFile:
     reserved whole. `need` is what the node's ranks need together, named in the error when
     the drive has less free space than this rank's `nbytes` (`what` names the data): the
     other ranks may have reserved theirs already, so a node-wide shortage is the reservation's
-    error (ENOSPC). Removed by close(), on collection or at exit."""
+    error (ENOSPC). Removed by close(), on collection, at exit or before the job is aborted
+    (zmpi.comm.faults.at_abort); a dead run's directories under `nvme_path` are removed first
+    (`remove_dead`, the module's docstring)."""
 
     def __init__(self, nvme_path, nbytes: int, need: int, name: str = "optimizer",
                  what: str = "optimizer state"):
+        from zmpi.comm.faults import at_abort
+
         root = check_nvme_dir(nvme_path)
+        for line in remove_dead(root):
+            print(f"zmpi: {line}", file=sys.stderr, flush=True)
         stat = os.statvfs(root)
         free = stat.f_bavail * stat.f_frsize
         if free < nbytes:
             raise NVMeError(f"nvme_path {root}: {free / _MiB:,.1f} MiB free, the {what} "
                             f"of this rank needs {nbytes / _MiB:,.1f} MiB (this node's ranks "
                             f"{need / _MiB:,.1f} MiB together)")
-        try:
-            self.dir = tempfile.mkdtemp(prefix="zmpi-nvme-", dir=root)
-        except OSError as e:
-            raise NVMeError(f"nvme_path {root}: cannot create a directory: "
-                            f"{e.strerror or e}") from e
+        self.dir, lock = _make_locked_dir(root)
         self.path, self._fds = Path(self.dir) / f"{name}.bin", []
-        self._finalizer = weakref.finalize(self, _remove, self._fds, self.dir)
+        self._finalizer = weakref.finalize(self, _remove, self._fds, self.dir, lock)
+        at_abort(self._finalizer)
+        at_abort(functools.partial(_remove_peers_dirs, root))
         try:
             self.fd, self.direct = self._open(nbytes)
         except OSError as e:

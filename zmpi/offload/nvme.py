@@ -26,11 +26,13 @@ read into again only after its writes are done. Adam is elementwise, so the bloc
 change no bit: the state and the parameters equal CPU offload's exactly (tests/test_nvme.py).
 
 Failures. A failed request raises NVMeError, which names the state, the elements, the file and
-the OS error. It is raised only after every request in flight has finished. If a pass that
-writes fails, the state on disk is part old, part new. Every later use then raises, until all
-three states have been written whole again (a checkpoint load does that), so a half-updated
-state is never trained on silently. The files are removed by close(), when the object is
-collected, and at exit.
+the OS error; so does a block that reads back other than it was written (its CRC32, checked
+on every read: zmpi.offload.aio), or a file cut short. It is raised only after every request
+in flight has finished. If a pass that writes fails, the state on disk is part old, part new.
+Every later use then raises, until all three states have been written whole again (a
+checkpoint load does that), so a half-updated state is never trained on silently. The files
+are removed by close(), when the object is collected, at exit and when the job is aborted
+(zmpi.offload.files).
 """
 from __future__ import annotations
 
@@ -240,11 +242,11 @@ class NvmeOptimizerState(SwappedStore):
 
     # ---- streaming -----------------------------------------------------------------------
     def _extents(self, lo: int, hi: int) -> list[tuple[int, int]]:
-        """The file extents (element ranges of the swapped part, 4 KiB-aligned, each at most
-        a block) that cover [lo, hi)."""
-        a = lo // self.align * self.align
-        b = min(-(-hi // self.align) * self.align, self.region)
-        return [(x, min(x + self.block, b)) for x in range(a, b, self.block or 1)]
+        """The blocks (element ranges of the swapped part: [k B, (k + 1) B), the last one cut
+        at the region's 4 KiB-aligned end) that cover [lo, hi): whole blocks, always, so that
+        a read covers what one write did and its checksums apply (zmpi.offload.aio)."""
+        step = self.block or 1
+        return [(x, min(x + step, self.region)) for x in range(lo // step * step, hi, step)]
 
     def _offset(self, state: int, x: int) -> int:
         return (state * self.region + x) * self.dtype.itemsize
