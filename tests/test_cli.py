@@ -1,5 +1,6 @@
 """The `zmpi` command: `estimate` reproduces the paper's table; `train` runs end to end."""
 import json
+import os
 import subprocess
 import sys
 
@@ -338,3 +339,37 @@ def test_estimate_from_a_shape_per_stage_precision_offload_and_json():
                              capture_output=True, text=True, cwd=REPO_ROOT)
     assert refused.returncode != 0
     assert "--sequence-parallel needs --tp above 1 and --micro-batch" in refused.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", ["memory_budget", "small_drive"])
+def test_engine_build_failures_are_one_line_from_rank_0(tmp_path, case):
+    """Issue 49: what building the engine raises alike on every rank was a traceback from
+    each rank: a model beyond the config's memory_budget (OutOfMemory: the input, exit 2), an
+    nvme_path on a drive too small for the swap files (NVMeError: the machine, exit 1; a
+    300 KiB tmpfs, skipped where this process cannot mount one)."""
+    config, zero = tmp_path / "c.json", {"stage": 3}
+    if case == "small_drive":
+        drive = tmp_path / "drive"
+        drive.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(drive)],
+                          capture_output=True).returncode:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        zero = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(drive)}}
+    config.write_text(json.dumps({"zero_optimization": zero, **(
+        {"memory_budget": {"device": 100000}} if case == "memory_budget" else {})}))
+    try:
+        result = launch_mpi(CLI, 2, timeout=60, args=[
+            "train", "--config", config, "--n-layer", "2", "--d-model", "128", "--steps", "1",
+            "--out", tmp_path / "run"])
+    finally:
+        if case == "small_drive":
+            assert os.listdir(drive) == []  # nothing reserved, nothing left
+            subprocess.run(["umount", str(drive)], check=True)
+    want = {"memory_budget": (2, f"zmpi train: config {config}: device memory budget of 0.1 "
+                                 "MiB exceeded: params (param, "),
+            "small_drive": (1, f"zmpi train: nvme_path {tmp_path / 'drive'}: 0.3 MiB free, "
+                               "the optimizer state of this rank needs ")}[case]
+    lines = result.ranks_stderr()
+    assert result.returncode == want[0] and len(lines) == 1, result.describe()
+    assert lines[0].startswith(want[1]), result.describe()

@@ -404,3 +404,47 @@ def test_a_run_that_raises_says_failed_in_run_json(tmp_path):
     with RunRecord(tmp_path / "b", rank0) as record:
         record.close(status="preempted")
     assert json.loads((tmp_path / "b" / "run.json").read_text())["status"] == "preempted"
+
+
+def _main_in_process(*argv):
+    """`zmpi train SMALL argv` in this process (one rank): (exit code, stderr)."""
+    import contextlib
+    import io
+
+    from zmpi import cli
+
+    err, handlers = io.StringIO(), {s: signal.getsignal(s) for s in (signal.SIGTERM,
+                                                                     signal.SIGUSR1)}
+    try:
+        with contextlib.redirect_stderr(err):
+            cli.main([*map(str, SMALL), *map(str, argv)])
+        return 0, err.getvalue()
+    except SystemExit as e:
+        return e.code, err.getvalue()
+    finally:
+        for s, h in handlers.items():  # zmpi train's PreemptionGuard took them
+            signal.signal(s, h)
+
+
+def test_resume_into_another_runs_out_is_refused(tmp_path):
+    """Issue 49: runs X and Y, each with its own --out; resuming Y with --out X spliced Y's
+    steps into X's metrics.csv and replaced X's run.json. run.json names its run (the run id
+    a resumed run takes from its checkpoint), so that is refused in one line (exit 2) with X
+    untouched, while Y resumes into its own --out."""
+    x, y = tmp_path / "x", tmp_path / "y"
+    for out in (x, y):
+        assert _main_in_process("--steps", 2, "--save-every", 2, "--out", out)[0] == 0
+    ids = {out: json.loads((out / "run.json").read_text())["run_id"] for out in (x, y)}
+    assert len(set(ids.values())) == 2 and all(len(i) == 32 for i in ids.values())
+    kept = {name: (x / name).read_bytes() for name in ("run.json", "metrics.csv")}
+    code, err = _main_in_process("--steps", 4, "--resume", y / "checkpoints", "--out", x)
+    assert code == 2 and err == (
+        f"zmpi train: --out {x} holds another run's record (run {ids[x][:12]}; this run is "
+        f"{ids[y][:12]}): give another directory (a resumed run goes on in the --out of the "
+        "run that saved its checkpoint)\n")
+    assert kept == {name: (x / name).read_bytes() for name in kept}
+    assert _main_in_process("--steps", 4, "--resume", "--out", y)[0] == 0
+    meta = json.loads((y / "run.json").read_text())
+    assert meta["run_id"] == ids[y] and meta["first_step"] == 2
+    assert [int(row.split(",")[0]) for row in
+            (y / "metrics.csv").read_text().splitlines()[1:]] == [0, 1, 2, 3]

@@ -114,11 +114,39 @@ def _drop_rows_from(path: Path, first: int) -> int:
     return dropped
 
 
+def foreign_run(out: str | Path, run_id: str) -> str | None:
+    """Why run `run_id` may not write its record into directory `out`: its run.json is
+    another run's (it names another run id, or none: written before zmpi recorded them, or
+    it does not read), or `out` cannot be made. None where `out` holds no run.json or run
+    `run_id`'s, which a resumed run goes on with (the run id travels in its checkpoints'
+    manifests: zmpi.checkpoint.ownership). Made here, if missing (one process: rank 0)."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        text = (out / "run.json").read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"--out {out}: {e.strerror}"
+    try:
+        owner = json.loads(text).get("run_id")
+    except (ValueError, AttributeError):
+        owner = None
+    if owner == run_id:
+        return None
+    whose = (f"run {owner[:12]}" if isinstance(owner, str) and owner else
+             "a run.json naming no run (unreadable, or written before zmpi recorded them)")
+    return (f"--out {out} holds another run's record ({whose}; this run is "
+            f"{run_id[:12]}): give another directory (a resumed run goes on in the --out of "
+            "the run that saved its checkpoint)")
+
+
 class RunRecord:
     """A run's output directory, written as the run goes (rank 0; other ranks do nothing):
     run.json at the start (status "running") and again at the end (its final status and
     results), metrics.csv appended and flushed every step. A run that is killed keeps what it
-    did.
+    did. run.json names the run (`run_id` in `meta`, the engine's), so that no other run
+    writes into the directory (`foreign_run`, checked before).
 
     metrics.csv has one row per step. A run that starts at step `first_step` (a resumed run:
     the checkpoint's step; else 0) in a directory that already has a metrics.csv first drops

@@ -21,6 +21,7 @@ from zmpi.cli.inputs import (
 )
 from zmpi.cli.report import memory_table, traffic_line
 from zmpi.models.gpt import GPT, GPTConfig, gpt_num_params
+from zmpi.offload.files import NVMeError
 from zmpi.parallel.mesh import Mesh
 from zmpi.words import count
 
@@ -32,7 +33,7 @@ def train(args) -> None:
     from zmpi.config import ConfigError
     from zmpi.data import BatchSampler
     from zmpi.engine import Engine
-    from zmpi.runinfo import PreemptionGuard, RunRecord, StepSummary, rank_logger
+    from zmpi.runinfo import PreemptionGuard, RunRecord, StepSummary, foreign_run, rank_logger
 
     comm = Comm()
     where = f"config {args.config}" if args.config else "config from the flags"
@@ -58,8 +59,8 @@ def train(args) -> None:
         model = GPT(model_cfg, seed=args.seed, tp=mesh.tp_comm,
                     sequence_parallel=_get(config, "tensor_parallel.sequence_parallel") is True)
         engine = Engine(model, config, comm, mesh=mesh)
-    except (ConfigError, ValueError) as e:  # alike on every rank: one line from rank 0
-        _exit_bad_input(f"{where}: {e}")
+    except (ValueError, MemoryError, NVMeError, OSError) as e:  # alike on every rank
+        _exit_build_failure(e, where, comm.rank)
     for note in notes:
         log.info(note)
     cfg = engine.config
@@ -81,11 +82,15 @@ def train(args) -> None:
     ckpt_dir = Path(args.ckpt_dir or (args.resume if args.save_every else None)
                     or out / "checkpoints")
     first = _resume(args, engine, comm, log) if args.resume is not None else 0
+    # --out is this run's own (a resumed run's: the run id its checkpoint recorded) or new
+    refused = comm.bcast_object(foreign_run(out, engine.run_id) if comm.rank == 0 else None)
+    if refused:
+        _exit_bad_input(refused)
     if args.save_every:
         _claim(engine, ckpt_dir, args.overwrite_ckpt_dir, log)
     # run.json says "failed" if anything below raises (RunRecord.__exit__)
     with RunRecord(out, comm, argv=sys.argv, config=cfg.to_dict(), model=vars(model_cfg),
-                   engine=engine.describe(), first_step=first) as record:
+                   engine=engine.describe(), first_step=first, run_id=engine.run_id) as record:
         guard = PreemptionGuard()
         summary = StepSummary()  # what the end needs; the rows go to metrics.csv only
         bar = tqdm(range(first, args.steps), disable=comm.rank != 0, file=sys.stdout,
@@ -149,6 +154,21 @@ def train(args) -> None:
                      profile=profile, **summary.as_dict(), memory=memory,
                      optimizer_timing=timing)
         log.info(f"wrote {out}/run.json, metrics.csv, sample.txt")
+
+
+def _exit_build_failure(error, where: str, rank: int):
+    """End `zmpi train` on what building the engine raised alike on every rank (the engine
+    agrees on a failure of some ranks: zmpi.engine.checks.agreed_across_stages,
+    zmpi.offload.files.open_on_every_rank): one line from rank 0, no traceback. Exit code 2
+    for what the inputs ask (a config the engine refuses, a ConfigError or ValueError; a
+    model that the config's memory_budget cannot hold, an OutOfMemory), 1 for what the
+    machine lacks (the NVMe drive's space, an NVMeError; a file system, an OSError)."""
+    if isinstance(error, (ValueError, MemoryError)):
+        _exit_bad_input(f"{where}: {error}")
+    said = f"{error.filename}: {error.strerror}" if isinstance(error, OSError) else error
+    if rank == 0:
+        print(f"zmpi train: {said}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
 
 
 def _resume(args, engine, comm, log) -> int:
