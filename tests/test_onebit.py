@@ -328,3 +328,43 @@ def test_bench_at_a_tiny_size_and_its_report_section(tmp_path):
                     "results", "--out", report], env={**env}, check=True, cwd=REPO_ROOT)
     section = report.read_text().split("## 10.")[1]
     assert "| OneBitAdam (freeze_step 4) |" in section and "loss.png" in section
+
+
+def test_resume_across_optimizer_types_says_what_is_dropped(tmp_path):
+    """Issue 49: a OneBitAdam checkpoint loaded as AdamW (or the other way round) gave no
+    note (the notes compared lr, betas, eps and weight decay only). The master weights, m, v
+    and the step count carry over; the note says so, and what does not: 1-bit Adam's error
+    feedback (never saved) and the v it froze; into OneBitAdam, when it compresses."""
+    from zmpi.data import SyntheticSource
+    from zmpi.engine import Engine
+    from zmpi.models.gpt import GPT, GPTConfig
+
+    def engine(kind):
+        params = {"lr": 1e-2, **({"freeze_step": 2} if kind == "OneBitAdam" else {})}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return Engine(GPT(GPTConfig(16, 8, 1, 2, 16), seed=0), {
+                "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": kind,
+                                                                    "params": params}})
+
+    data = SyntheticSource(16, 8, 4, seed=1)
+    for saved, loaded, compresses in (("OneBitAdam", "AdamW", None),
+                                      ("AdamW", "OneBitAdam", "from the first step")):
+        first = engine(saved)
+        for step in range(3):
+            first.train_step(*data.sample(step))
+        first.save_checkpoint(tmp_path / saved)
+        second = engine(loaded)
+        notes = second.load_checkpoint(tmp_path / saved).notes
+        said = [n for n in notes if n.startswith("the optimizer is")]
+        assert len(said) == 1 and said[0].startswith(
+            f"the optimizer is {loaded} (the checkpoint had {saved}): the master weights, m, v "
+            "and the step count (3) carry over"), notes
+        assert ("error feedback (never saved) is dropped" in said[0]) == (saved == "OneBitAdam")
+        assert compresses is None or f"compresses {compresses}" in said[0]
+        for state in ("master", "adam_m", "adam_v"):
+            assert np.array_equal(getattr(first.strategy, state),
+                                  getattr(second.strategy, state)), state
+    same = engine("OneBitAdam")
+    assert not any("optimizer is" in n for n in
+                   same.load_checkpoint(tmp_path / "OneBitAdam").notes)

@@ -99,6 +99,9 @@ class TrainState:
                           ("weight_decay", opt.weight_decay), ("decoupled", opt.decoupled)):
             if saved[key] != ours:
                 notes.append(f"optimizer {key} is {ours!r} (the checkpoint had {saved[key]!r})")
+        kind = manifest["config"].get("optimizer", {}).get("type", "AdamW")
+        if kind != base.type:
+            notes.append(_optimizer_change(kind, base.type, opt))
         was, now = manifest["config"].get("train_batch_size"), engine.config.train_batch_size
         if was is not None and was != now:  # (micro-batch and accumulation follow the ranks)
             notes.append(f"train_batch_size is {now} (the checkpoint had {was}): the data and "
@@ -125,3 +128,20 @@ class TrainState:
         if engine.delayed.unpublished and not delayed:
             engine.flush()
         return notes
+
+
+def _optimizer_change(saved: str, kind: str, opt) -> str:
+    """The note for a checkpoint of optimizer type `saved` loaded by optimizer `opt` of type
+    `kind` (types as the config normalises them: Adam, AdamW, OneBitAdam): what carries over
+    and what does not. 1-bit Adam's error feedback is each rank's own and never saved
+    (zmpi.optim.onebit)."""
+    note = (f"the optimizer is {kind} (the checkpoint had {saved}): the master weights, m, v "
+            f"and the step count ({opt.step_count}) carry over")
+    if saved == "OneBitAdam":
+        note += ("; 1-bit Adam's error feedback (never saved) is dropped, and v, which it "
+                 "froze after its freeze_step, is updated again")
+    if kind == "OneBitAdam":
+        when = ("from the first step, with the checkpoint's v as the frozen one"
+                if opt.step_count >= opt.freeze_step else f"after step {opt.freeze_step}")
+        note += f"; 1-bit Adam's error feedback starts at zero and it compresses {when}"
+    return note
