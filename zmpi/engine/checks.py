@@ -96,6 +96,7 @@ def check_input_slots(model, config, mesh, units: int) -> None:
     group where pp > 1, so every stage refuses alike, before the first step."""
     from zmpi.config import ConfigError
     from zmpi.parallel.pipeline.schedule import in_flight
+    from zmpi.words import count
 
     slots = config.activation_checkpointing.number_checkpoints
     if slots is None:
@@ -109,9 +110,9 @@ def check_input_slots(model, config, mesh, units: int) -> None:
     if not least <= slots <= most:
         why = (f"fewer than the {need} inputs this layout keeps at once (one per recomputed "
                "unit, or group of units, and micro-batch in flight on a pipeline stage)"
-               if slots < least else f"more than the {most} inputs any layout of this model "
-               "keeps at once (one per unit and micro-batch; each slot is a buffer the size "
-               "of the largest)")
+               if slots < least else f"more than the {count(most, 'input')} any layout of this "
+               "model keeps at once (one per unit and micro-batch; each slot is a buffer the "
+               "size of the largest)")
         raise ConfigError("activation_checkpointing.number_checkpoints",
                           f"{slots} is {why}: give {least} to {most}")
 
