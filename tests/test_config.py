@@ -341,6 +341,13 @@ def test_auto_values():
                     "scheduler.params.warmup_num_steps")]:
         with pytest.raises(ConfigError, match=rf"^{key}: 'auto' has nothing to be derived"):
             Config.from_dict(d)
+    # the flag named is the one zmpi train fills that key from (--steps never fills a warm-up)
+    for key, hint in [("warmup_num_steps", r"give a value \(zmpi train takes it from "
+                                           r"--warmup-steps\)$"),
+                      ("total_num_steps", r"\(zmpi train fills it from --steps\)$"),
+                      ("warmup_type", r"give a value$")]:
+        with pytest.raises(ConfigError, match=rf"^scheduler.params.{key}: .*{hint}"):
+            Config.from_dict({"scheduler": {"type": "WarmupDecayLR", "params": {key: "auto"}}})
 
 
 def test_scheduler_section():

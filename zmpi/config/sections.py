@@ -82,6 +82,11 @@ class OptimizerConfig(_Section):
         return {"type": flat.pop("type"), "params": flat}
 
 
+# what zmpi train puts in place of a scheduler parameter's "auto" (zmpi.cli.inputs)
+_TRAIN_FILLS = {"total_num_steps": "fills it from --steps", "warmup_max_lr": "fills it from --lr",
+                "warmup_min_lr": "makes it 0", "warmup_num_steps": "takes it from --warmup-steps"}
+
+
 @dataclass(frozen=True)
 class SchedulerConfig(_Section):
     """`scheduler`: a learning-rate schedule, {"type": "WarmupDecayLR", "params": {...}}, with
@@ -98,8 +103,9 @@ class SchedulerConfig(_Section):
         from zmpi.optim.lr_schedules import check_params
 
         for k, v in self.params.items():
-            _check(v != AUTO, f"params.{k}", "'auto' has nothing to be derived from here; "
-                   "give a value (zmpi train fills it from --steps, --warmup-steps and --lr)")
+            hint = f" (zmpi train {_TRAIN_FILLS[k]})" if k in _TRAIN_FILLS else ""
+            _check(v != AUTO, f"params.{k}",
+                   f"'auto' has nothing to be derived from here; give a value{hint}")
         try:
             check_params(self.type, self.params)
         except ValueError as e:
