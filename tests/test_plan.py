@@ -323,6 +323,18 @@ def test_plan_json_and_bad_inputs(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
+def test_the_table_counts_in_the_right_number(capsys):
+    """'1 layers', '1 heads', '1 ranks', '1 need more' were printed as such."""
+    from zmpi.cli.plan import _print_table
+    from zmpi.plan.search import Plan
+
+    _print_table(Job(1, 32, 1, 65, 16, 4, 1, 1, "fp32"), PRESETS["cpu"],
+                 Plan([], 2, 1, {"device memory": 1, "host memory": 0}), None, 0.1)
+    out = capsys.readouterr().out
+    assert out.startswith("GPT 1 layer, d 32, 1 head, ") and " 1 x 1 = 1 rank of cpu " in out
+    assert "2 layouts considered in 0.1 s, 1 fit (1 needs more device memory)" in out
+
+
 def test_a_step_time_that_is_not_finite_is_refused_not_ranked(tmp_path):
     """A hardware file with an absurd figure ("layer_overhead": 1e308) printed nan step
     times, ranked the layouts on them and wrote plan.json, exit 0: now the file is refused

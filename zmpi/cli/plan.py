@@ -149,7 +149,8 @@ def _print_table(job: Job, hw, result, device, seconds) -> None:
           f"{job.precision}; batch {job.global_batch}; {job.nodes} x {job.gpus_per_node} = "
           f"{count(job.world_size, 'rank')} of {hw.name} ({_gb(device)} GB "
           f"{'each' if hw.on_gpu else 'per node'}, plans use {RESERVE:.0%})")
-    rejected = ", ".join(f"{n} need more {why}" for why, n in result.rejected.items() if n)
+    rejected = ", ".join(f"{n} need{'s' if n == 1 else ''} more {why}"
+                         for why, n in result.rejected.items() if n)
     print(f"{result.considered} layouts considered in {seconds:.1f} s, {result.fitting} fit"
           + (f" ({rejected})" if rejected else ""))
     if not result.best:
