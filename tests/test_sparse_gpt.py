@@ -198,3 +198,51 @@ def test_a_sparse_gpt_trains_as_in_one_process_at_every_layout_of_4_ranks():
         assert run["names_match"] and run["same_loss_everywhere"], name
     for r in reports[1:]:
         assert r["runs"] == runs
+
+
+def test_zmpi_estimate_counts_the_sparse_layouts_activations(capsys):
+    from zmpi.cli import main
+
+    shape = ["--n-layer", "2", "--d-model", "256", "--vocab-size", "100", "--seq-len", "1024",
+             "--world-size", "2", "--micro-batch", "2", "--precision", "fp32", "--json"]
+    main(["estimate", *shape, "--sparse-attention", '{"mode": "bigbird", "block": 32}'])
+    got = json.loads(capsys.readouterr().out)["activation"]
+    sparsity = sparsity_from_dict({"mode": "bigbird", "block": 32}, 4)
+    want = gpt_activation_bytes(2, 256, 4, 100, 1024, 2, 4, sparsity=sparsity)
+    assert got["zmpi"] == json.loads(json.dumps(want))
+    main(["estimate", *shape])
+    assert json.loads(capsys.readouterr().out)["activation"]["zmpi"]["device"] > want["device"]
+    for flags, says in ((["--sparse-attention", "fixd"], "sparse_attention.mode"),
+                        (["--seq-len", "1000", "--sparse-attention", "fixed"],
+                         "not a multiple of sparse_attention.block 16")):
+        with pytest.raises(SystemExit) as e:
+            main(["estimate", *shape, *flags])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_zmpi_plan_prices_the_sparse_activations_and_writes_the_section(tmp_path):
+    from zmpi.plan.layout import Job, to_config
+    from zmpi.plan.memory import micro_batch_activation
+
+    args = (4, 512, 8, 1000, 4096, 16, 1, 8)
+    dense, sparse = Job(*args), Job(*args, "fp16", '{"mode": "local"}')
+    assert micro_batch_activation(sparse, 1, False, "none", 1, True)["device"] < \
+        micro_batch_activation(dense, 1, False, "none", 1, True)["device"] / 2
+    config = Config.from_dict(to_config(sparse, next(iter(_layouts(sparse)))))
+    assert config.sparse_attention.to_dict() == {"mode": "local"}
+    with pytest.raises(ValueError, match="not a multiple of sparse_attention.block 16"):
+        Job(4, 512, 8, 1000, 4008, 16, 1, 8, "fp16", '{"mode": "local"}')
+    run = subprocess.run([sys.executable, str(CLI), "plan", "--n-layer", "2", "--d-model", "64",
+                          "--n-head", "4", "--vocab", "100", "--seq-len", "256",
+                          "--global-batch", "8", "--nodes", "1", "--gpus-per-node", "2",
+                          "--sparse-attention", '{"mode": "bigbird", "blok": 8}',
+                          "--out", str(tmp_path / "p.json")],
+                         capture_output=True, text=True, timeout=120, env=child_env())
+    assert run.returncode == 2 and "sparse_attention.blok: unknown key" in run.stderr
+    assert not (tmp_path / "p.json").exists()
+
+
+def _layouts(job):
+    from zmpi.plan.layout import layouts
+
+    return layouts(job)

@@ -191,6 +191,10 @@ def main(argv=None) -> None:
                    help="with --tp and --micro-batch: the traffic of sequence parallelism "
                    "(reduce-scatters and allgathers in place of the blocks' allreduces) and its "
                    "activations (the LayerNorms' on the sequence shard)")
+    e.add_argument("--sparse-attention", metavar="MODE|JSON", default=None,
+                   help="with --micro-batch: block-sparse attention's activations, a mode at "
+                   "DeepSpeed's defaults (fixed, bigbird, ...) or a sparse_attention section "
+                   "as JSON (docs/sparse-attention.md)")
     e.add_argument("--stage", type=int, choices=range(4), default=None,
                    help="one ZeRO stage (default: all four)")
     e.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16",

@@ -157,6 +157,7 @@ def activation_memory(args) -> dict | None:
     None without --micro-batch. A flag that cannot act is a SystemExit naming it."""
     given = [flag for flag, value in (
         ("--n-head", args.n_head is not None), ("--recompute", args.recompute is not None),
+        ("--sparse-attention", args.sparse_attention is not None),
         ("--partition-activations", args.partition_activations),
         ("--cpu-checkpointing", args.cpu_checkpointing)) if value]
     if args.micro_batch is None:
@@ -181,17 +182,37 @@ def activation_memory(args) -> dict | None:
     if args.sequence_parallel and args.seq_len % tp:
         raise Refused(f"--seq-len {args.seq_len} is not a multiple of --tp "
                       f"{tp}, as sequence parallelism needs")
+    sparsity = _sparsity(args.sparse_attention, n_head, args.seq_len)
     act_bytes = ACTIVATION_BYTES[args.precision]
     block = attention_block(args.seq_len, args.micro_batch * n_head // tp, on_device=True)
     shape = {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": n_head,
              "seq_len": args.seq_len, "micro_batch": args.micro_batch, "tp": tp,
              "sequence_parallel": args.sequence_parallel, "recompute": recompute}
     return {"n_head": n_head, "recompute": recompute, "act_bytes": act_bytes,
+            "sparse_attention": None if sparsity is None else args.sparse_attention,
             "partition": args.partition_activations, "cpu": args.cpu_checkpointing,
             "zmpi": gpt_activation_bytes(vocab_size=args.vocab_size, act_bytes=act_bytes,
                                          partition=args.partition_activations,
-                                         cpu=args.cpu_checkpointing, block=block, **shape),
+                                         cpu=args.cpu_checkpointing, block=block,
+                                         sparsity=sparsity, **shape),
             "korthikanti": korthikanti_activation_bytes(**shape)}
+
+
+def _sparsity(flag, n_head: int, seq_len: int):
+    """--sparse-attention's layout config for n_head heads (None without the flag), its
+    layout checked at seq_len; Refused (one line) if it cannot be made."""
+    from zmpi.config import ConfigError
+    from zmpi.config.sparse import sparse_attention_flag
+    from zmpi.nn.layers import sparse_layout
+
+    if flag is None:
+        return None
+    try:
+        sparsity = sparse_attention_flag(flag).sparsity(n_head)
+        sparse_layout(sparsity, seq_len)
+    except (ConfigError, ValueError) as e:
+        raise Refused(f"--sparse-attention {flag}: {e}") from None
+    return sparsity
 
 
 def print_activations(act: dict, args) -> None:
@@ -202,8 +223,9 @@ def print_activations(act: dict, args) -> None:
                                         ("on the host", act["cpu"])) if on)
     print(f"activations per rank: micro-batch {args.micro_batch} x {args.seq_len} tokens, "
           f"{act['n_head']} heads, {act['act_bytes']}-byte activations ({args.precision}), "
-          f"recompute {act['recompute']}{', kept inputs ' + kept if kept else ''} "
-          "(docs/activation-memory.md)")
+          f"recompute {act['recompute']}{', kept inputs ' + kept if kept else ''}"
+          + (f", sparse attention {act['sparse_attention']}" if act["sparse_attention"] else "")
+          + " (docs/activation-memory.md)")
     layer = f"s b h ({z['A']:.4g} + {z['B']:.4g} a s / h) = {_size(z['layer'])}"
     if act["recompute"] != "full":
         print(f"  per layer {layer}; Korthikanti et al.: s b h ({k['A']:.4g} + {k['B']:.4g} "

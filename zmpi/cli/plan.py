@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 from zmpi.cli.inputs import _rank
+from zmpi.config import ConfigError
+from zmpi.config.sparse import sparse_attention_flag
 from zmpi.files import check_output, write_atomic
 from zmpi.models.gpt import gpt_num_params
 from zmpi.plan.hardware import parse_size
@@ -32,6 +34,10 @@ def add_parser(sub) -> None:
                    help="vocabulary size")
     p.add_argument("--precision", choices=PRECISIONS, default="fp16",
                    help="parameter and gradient storage (default fp16)")
+    p.add_argument("--sparse-attention", metavar="MODE|JSON", default=None,
+                   help="block-sparse attention: a mode at DeepSpeed's defaults (fixed, "
+                   "bigbird, ...) or a sparse_attention section as JSON; the activations count "
+                   "its kept blocks and the config written carries it (docs/sparse-attention.md)")
     p.add_argument("--hardware", default="a100",
                    help="a100, h100, v100, cpu, this (measure this machine), or a JSON file "
                    "(docs/plan.md#hardware; default a100)")
@@ -48,13 +54,26 @@ def add_parser(sub) -> None:
                    help="print the job, hardware and candidates as JSON instead of a table")
 
 
+def _sparse_section(flag: str | None) -> str | None:
+    """--sparse-attention as the Job's canonical JSON section (None without it); ValueError
+    naming the key if it is no layout."""
+    if flag is None:
+        return None
+    try:
+        section = sparse_attention_flag(flag).to_dict()
+    except ConfigError as e:
+        raise ValueError(f"--sparse-attention: {e}") from None
+    return json.dumps(section, sort_keys=True)
+
+
 def run(args) -> None:
     """`zmpi plan`: exits with code 2 and one line on a bad input, 1 if no layout fits.
     Under mpiexec (`--hardware this` then measures on every rank) rank 0 alone reports and
     writes; the other ranks end once the hardware is measured."""
     try:
         job = Job(args.n_layer, args.d_model, args.n_head, args.vocab, args.seq_len,
-                  args.global_batch, args.nodes, args.gpus_per_node, args.precision)
+                  args.global_batch, args.nodes, args.gpus_per_node, args.precision,
+                  _sparse_section(args.sparse_attention))
         if args.top < 1:
             raise ValueError(f"--top must be >= 1, got {args.top}")
         device = None if args.device_memory is None else \

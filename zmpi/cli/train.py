@@ -21,6 +21,8 @@ from zmpi.cli.inputs import (
 )
 from zmpi.cli.report import memory_table, traffic_line
 from zmpi.models.gpt import GPT, GPTConfig, gpt_num_params
+from zmpi.nn.layers import sparse_layout
+from zmpi.nn.sparsity import MODES
 from zmpi.offload.files import NVMeError
 from zmpi.parallel.mesh import Mesh
 from zmpi.words import count
@@ -57,7 +59,8 @@ def train(args) -> None:
         mesh = Mesh(comm, tp=_get(config, "tensor_parallel.autotp_size") or 1,
                     pp=_get(config, "pipeline.stages") or 1)
         model = GPT(model_cfg, seed=args.seed, tp=mesh.tp_comm,
-                    sequence_parallel=_get(config, "tensor_parallel.sequence_parallel") is True)
+                    sequence_parallel=_get(config, "tensor_parallel.sequence_parallel") is True,
+                    sparse_attention=config.get("sparse_attention") or None)
         engine = Engine(model, config, comm, mesh=mesh)
     except (ValueError, MemoryError, NVMeError, OSError) as e:  # alike on every rank
         _exit_build_failure(e, where, comm.rank)
@@ -75,7 +78,8 @@ def train(args) -> None:
     log.info(f"zmpi train: GPT {total:,} params, {count(comm.size, 'rank')} (dp {mesh.dp} x "
              f"pp {mesh.pp} x tp {mesh.tp}), {engine.strategy.name} "
              f"({stage_origin(args, config)}), {engine.dtype.name}, global batch "
-             f"{global_batch} x {args.seq_len} tokens, {count(args.steps, 'step')}")
+             f"{global_batch} x {args.seq_len} tokens, {count(args.steps, 'step')}"
+             + _attention_words(model, args.seq_len))
 
     out = Path(comm.bcast_object(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"))
     # with --save-every, a resumed run saves where it resumed from (unless --ckpt-dir)
@@ -169,6 +173,18 @@ def _exit_build_failure(error, where: str, rank: int):
     if rank == 0:
         print(f"zmpi train: {said}", file=sys.stderr, flush=True)
     raise SystemExit(1)
+
+
+def _attention_words(model, seq_len: int) -> str:
+    """", sparse attention MODE (block b, x % of causal attention's blocks)" for the run's
+    first line; "" for dense attention."""
+    sparsity = model.sparse_attention
+    if sparsity is None:
+        return ""
+    n = seq_len // sparsity.block
+    kept = sparse_layout(sparsity, seq_len).sum() / (sparsity.num_heads * n * (n + 1) / 2)
+    mode = next(m for m, cls in MODES.items() if isinstance(sparsity, cls))
+    return f", sparse attention {mode} (block {sparsity.block}, {kept:.0%} of causal blocks)"
 
 
 def _resume(args, engine, comm, log) -> int:

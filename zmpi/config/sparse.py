@@ -15,7 +15,7 @@ from zmpi.nn.sparsity import SparsityConfig, sparsity_from_dict
 
 from .base import ConfigError, _Section
 
-__all__ = ["SparseAttentionConfig"]
+__all__ = ["SparseAttentionConfig", "sparse_attention_flag"]
 
 _PREFIX = "sparse_attention."
 
@@ -61,3 +61,17 @@ class SparseAttentionConfig(_Section):
 
     def replace(self, **kw):
         return type(self).from_dict({**self.keys, **kw})
+
+
+def sparse_attention_flag(text: str) -> SparseAttentionConfig:
+    """A command line's --sparse-attention: a mode name (that mode at DeepSpeed's defaults) or
+    a JSON object as the config's section; ConfigError (one line) if it is neither."""
+    from .base import parse_json
+
+    stripped = text.strip()
+    section = parse_json(stripped, "--sparse-attention") if stripped.startswith("{") \
+        else {"mode": stripped}
+    try:
+        return SparseAttentionConfig.from_dict(section)
+    except ConfigError as e:
+        raise e.prefixed("sparse_attention") from None

@@ -43,9 +43,9 @@ from zmpi.engine.checks import (
     check_input_slots,
     check_mesh,
     check_model_shape,
-    check_sparse_attention,
     check_replicas,
     check_same_on_replicas,
+    check_sparse_attention,
     check_units,
     storage_dtype,
 )

@@ -5,6 +5,7 @@ every candidate layout of a job (`layouts`), and the DeepSpeed-style config that
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass
 
@@ -23,7 +24,10 @@ class Job:
     """The model and the run: a GPT (n_layer blocks of width d_model with n_head heads, a
     vocabulary of vocab_size, sequences of seq_len), global_batch sequences per optimizer
     step, on nodes x gpus_per_node ranks, in `precision` (parameter and gradient storage;
-    fp16 computes in fp16 on a GPU, bf16 and fp32 in fp32, as zmpi.backend does)."""
+    fp16 computes in fp16 on a GPU, bf16 and fp32 in fp32, as zmpi.backend does).
+    sparse_attention: None (dense attention), or a DeepSpeed sparse_attention section as JSON
+    text (hashable): the activations count its layout's kept blocks (the step time still
+    prices attention as dense, an upper bound)."""
 
     n_layer: int
     d_model: int
@@ -34,6 +38,7 @@ class Job:
     nodes: int
     gpus_per_node: int
     precision: str = "fp16"
+    sparse_attention: str | None = None
 
     def __post_init__(self):
         for name, most in JOB_LIMITS.items():
@@ -47,6 +52,19 @@ class Job:
             raise ValueError(f"n_head {self.n_head} does not divide d_model {self.d_model}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
+        if self.sparse_attention is not None:
+            from zmpi.nn.layers import sparse_layout
+
+            sparse_layout(self.sparsity, self.seq_len)  # ValueError if it cannot be made
+
+    @property
+    def sparsity(self):
+        """The zmpi.nn.sparsity SparsityConfig of sparse_attention (None: dense attention)."""
+        if self.sparse_attention is None:
+            return None
+        from zmpi.config.sparse import sparse_attention_flag
+
+        return sparse_attention_flag(self.sparse_attention).sparsity(self.n_head)
 
     @property
     def world_size(self) -> int:
@@ -156,6 +174,8 @@ def to_config(job: Job, layout: Layout) -> dict:
     }
     if job.precision != "fp32":
         config[job.precision] = {"enabled": True}
+    if job.sparse_attention is not None:
+        config["sparse_attention"] = json.loads(job.sparse_attention)
     if layout.offload != "none":
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if layout.offload == "optimizer+param":

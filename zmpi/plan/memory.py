@@ -276,4 +276,5 @@ def micro_batch_activation(job: Job, tp: int, sequence_parallel: bool, recompute
     block = attention_block(job.seq_len, micro_batch * job.n_head // tp, on_gpu)
     return gpt_activation_bytes(job.n_layer, job.d_model, job.n_head, job.vocab_size,
                                 job.seq_len, micro_batch, job.act_bytes(on_gpu), tp,
-                                sequence_parallel, recompute, block=block)
+                                sequence_parallel, recompute, block=block,
+                                sparsity=job.sparsity)
