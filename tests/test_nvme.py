@@ -196,16 +196,19 @@ def test_a_changed_or_cut_swap_file_is_an_error(tmp_path):
     """Issue 49: 80 KB overwritten in a swap file mid-run were trained on silently (the loss
     went from 2.70 back to 4.17, exit 0). Every block written records its CRC32 and every
     read checks it, so a changed byte is an NVMeError naming the block, as a file cut short
-    is; a slice reads its whole blocks, so it is checked too."""
-    state = NvmeOptimizerState(5000, np.float32, _offload(tmp_path), None, MemoryLedger())
+    is. Blocks of 4096 elements are written as 4 requests of 1024 (`aio.block_size`), each
+    with its CRC; a slice reads the requests that hold it, whole, so it is checked too."""
+    state = NvmeOptimizerState(5000, np.float32, _offload(tmp_path, buffer_size=4096), AioConfig(
+        block_size=4096), MemoryLedger())
     values = np.arange(5000, dtype=np.float32)
     for s in state.states:
         s[...] = values
     assert np.array_equal(state.adam_m[1500:1600], values[1500:1600])
     fd = os.open(state.file.path, os.O_WRONLY)
-    os.pwrite(fd, b"\x01", state.region * 4 + 5000)  # adam_m's element 1250, in its 2nd block
+    os.pwrite(fd, b"\x01", state.region * 4 + 5000)  # adam_m's element 1250: 2nd request
     os.fsync(fd)
     os.close(fd)
+    assert np.array_equal(state.adam_m[0:1000], values[0:1000])  # the 1st request only
     with pytest.raises(NVMeError, match=r"reading adam_m: read of adam_m elements \[1024, "
                                         r"2048\) at byte 24576 of .*optimizer\.bin failed: "
                                         r"checksum mismatch at byte 24576: CRC32 "):
@@ -214,8 +217,8 @@ def test_a_changed_or_cut_swap_file_is_an_error(tmp_path):
     state.adam_m[...] = values  # written whole again: sound
     assert np.array_equal(np.asarray(state.adam_m), values)
     os.truncate(state.file.path, state.region * 4 * 2 + 8192)
-    with pytest.raises(NVMeError, match=r"reading adam_v: read of adam_v elements \[2048, "
-                                        r"3072\) .* unexpected end of file"):
+    with pytest.raises(NVMeError, match=r"reading adam_v: read of adam_v elements \[0, "
+                                        r"4096\) .* unexpected end of file at byte 49152"):
         np.asarray(state.adam_v)
     state.close()
     assert os.listdir(tmp_path) == []

@@ -126,6 +126,7 @@ class NvmeOptimizerState(SwappedStore):
         self.swapped = numel - self.resident
         self.region = -(-self.swapped // self.align) * self.align  # a state's file extent
         self.block = min(offload.buffer_size // self.align * self.align, self.region)
+        self.piece = aio.block_size // self.dtype.itemsize  # elements of one I/O request
         self.pipeline_read, self.pipeline_write = offload.pipeline_read, offload.pipeline_write
         self.states = tuple(SwappedState(self, i) for i in range(3))
         self.master, self.adam_m, self.adam_v = self.states
@@ -242,11 +243,19 @@ class NvmeOptimizerState(SwappedStore):
 
     # ---- streaming -----------------------------------------------------------------------
     def _extents(self, lo: int, hi: int) -> list[tuple[int, int]]:
-        """The blocks (element ranges of the swapped part: [k B, (k + 1) B), the last one cut
-        at the region's 4 KiB-aligned end) that cover [lo, hi): whole blocks, always, so that
-        a read covers what one write did and its checksums apply (zmpi.offload.aio)."""
-        step = self.block or 1
-        return [(x, min(x + step, self.region)) for x in range(lo // step * step, hi, step)]
+        """The file extents (element ranges of the swapped part) that cover [lo, hi), one per
+        block [k B, (k + 1) B) (the last one cut at the region's 4 KiB-aligned end) that
+        [lo, hi) meets: from the start of the I/O request (`aio.block_size` bytes, counted
+        from the block's start) that holds its first element to the end of the one that holds
+        its last. A pass over the whole state writes each block as the same requests, so a
+        read covers whole requests as they were written, and their checksums apply
+        (zmpi.offload.aio); a slice reads at most one request more at each end."""
+        extents, step, piece = [], self.block or 1, self.piece
+        for x0 in range(lo // step * step, hi, step):
+            x1 = min(x0 + step, self.region)
+            a = x0 + (max(lo, x0) - x0) // piece * piece
+            extents.append((a, min(x0 + -(-(min(hi, x1) - x0) // piece) * piece, x1)))
+        return extents
 
     def _offset(self, state: int, x: int) -> int:
         return (state * self.region + x) * self.dtype.itemsize
