@@ -169,7 +169,8 @@ def _exit_build_failure(error, where: str, rank: int):
     machine lacks (the NVMe drive's space, an NVMeError; a file system, an OSError)."""
     if isinstance(error, (ValueError, MemoryError)):
         _exit_bad_input(f"{where}: {error}")
-    said = f"{error.filename}: {error.strerror}" if isinstance(error, OSError) else error
+    said = (f"{error.filename}: {error.strerror}" if isinstance(error, OSError)
+            and error.filename else error)
     if rank == 0:
         print(f"zmpi train: {said}", file=sys.stderr, flush=True)
     raise SystemExit(1)
