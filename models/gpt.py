@@ -106,8 +106,9 @@ def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: in
     by array as the layers cache them (docs/activation-memory.md lists every one).
 
     act_bytes: the activations' itemsize, the compute dtype's (4: fp32, and fp16 or bf16 on
-    the host; 2: fp16 on a GPU; 8: fp64); LayerNorm's statistics, GELU's tanh, the attention
-    probabilities and the loss's log-sum-exp are float32 at least. id_bytes: the token ids'
+    the host; 2: fp16 on a GPU; 8: fp64), the dense attention's probabilities' too;
+    LayerNorm's statistics, GELU's tanh, block-sparse probabilities and the loss's
+    log-sum-exp are float32 at least. id_bytes: the token ids'
     itemsize (int64). tp: the tensor-parallel degree (it must divide n_head, and seq_len with
     sequence_parallel). recompute: "none", "selective" or "full"; partition and cpu (with
     "full" only): each kept input split over the tp ranks (ceil(n / tp) elements each; not
@@ -159,7 +160,7 @@ def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: in
         layout, heads = sparse_layout(sparsity, s), a // tp
         entries = max(S.sparse_attention_entries(layout[r * heads:(r + 1) * heads],
                                                   sparsity.block) for r in range(tp))
-    probs = 0 if recompute == "selective" else f * b * entries
+    probs = 0 if recompute == "selective" else (p if sparsity is None else f) * b * entries
     layernorm = f * (n // shard) * (h + 1)  # xhat (b, s, h) and rstd (b, s, 1), or the shard
     # ln1, ln2; the inputs of qkv and fc, whole (gathered under sequence parallelism); this
     # rank's q, k, v, proj input, GELU input, mlp.proj input (act_bytes) and GELU's tanh (f)

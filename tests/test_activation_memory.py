@@ -85,7 +85,8 @@ def test_the_formula_is_the_ledgers_peak(dtype, T, B, policy):
 @pytest.mark.parametrize("T,B", SIZES, ids=SIZE_IDS)
 def test_a_layer_more_adds_one_layer_term(T, B, policy):
     """The per-layer term alone: one block more adds `layer` = s b h (A + B a s / h), whose
-    B term is float32 probabilities over the lower-triangular blocks of the s x s matrix."""
+    B term is the probabilities (the activations' dtype) over the lower-triangular blocks of
+    the s x s matrix."""
     one, _ = measure(T, B, policy, n_layer=1)
     two, _ = measure(T, B, policy, n_layer=2)
     want = formula(T, B, policy)
@@ -147,7 +148,7 @@ print(json.dumps(peaks))
 @pytest.mark.parametrize("T,B", SIZES[:2], ids=SIZE_IDS[:2])
 def test_fp16_on_a_device_keeps_2_byte_activations(T, B):
     """On a device fp16 computes in fp16: the activations are 2 bytes, the LayerNorm
-    statistics, GELU's tanh, the probabilities and the loss's log-sum-exp float32, the
+    statistics, GELU's tanh and the loss's log-sum-exp float32, the probabilities 2 bytes, the
     attention in one block of all T rows and the logits over the vocabulary padded to 128
     (a GPU's). Run on the CuPy
     stand-in (tests/standin), the Engine's ledger as on a GPU; fp32 there as a control."""
