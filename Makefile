@@ -15,9 +15,10 @@ export OPENBLAS_NUM_THREADS=1
 export MKL_NUM_THREADS=1
 export ZMPI_BACKEND ?= numpy
 
-.PHONY: install test test-gpu demo lint clean tables bench bench-install bench-adam bench-host-kernels \
+.PHONY: install test test-docs test-gpu demo lint clean tables bench bench-install bench-adam bench-host-kernels \
 	bench-offload bench-nvme bench-onebit bench-zeropp bench-checkpoint bench-debug bench-tensor \
-	bench-pipeline bench-recompute bench-plan bench-gpu count-gpu reproduce report
+	bench-pipeline bench-recompute bench-plan bench-gpu count-gpu reproduce report bench-sparse \
+	gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -94,6 +95,7 @@ reproduce: bench-install
 	$(MAKE) bench-nvme
 	$(MAKE) bench-onebit
 	$(MAKE) bench-zeropp
+	$(MAKE) bench-sparse
 	$(MAKE) report
 
 report: $(STAMP)
@@ -129,6 +131,12 @@ bench-recompute: $(STAMP)
 	$(MPIEXEC) -n 1 $(PY) experiments/bench_recompute.py --budget-mib 128 --out results/recompute_n1
 	$(MPIEXEC) -n 1 $(PY) experiments/bench_recompute.py --no-search --d-model 512 --seq-len 512 \
 	  --out results/recompute_t512_n1
+
+# Block-sparse attention: the longest sequence under a device budget, step time against T and
+# the loss after the same steps, dense against each DeepSpeed layout (about 15 minutes on 2
+# cores): docs/sparse-attention.md
+bench-sparse: $(STAMP)
+	$(PY) experiments/bench_sparse_gpt.py --out results/sparse_gpt
 
 bench-checkpoint: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_checkpoint.py --out results/checkpoint_n$(NP)

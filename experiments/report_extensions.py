@@ -1,5 +1,5 @@
-"""RESULTS.md's sections on ZeRO-Infinity's NVMe tier, 1-bit Adam and ZeRO++ (a mixin of
-report.Report)."""
+"""RESULTS.md's sections on ZeRO-Infinity's NVMe tier, 1-bit Adam, ZeRO++ and block-sparse
+attention (a mixin of report.Report)."""
 import os
 
 
@@ -58,3 +58,19 @@ class ExtensionSections:
                  "", "Made by `make bench-zeropp` (`mpiexec -n 4 python "
                  "experiments/bench_zeropp.py --out results/zeropp`); the formulas and what "
                  "is counted: [docs/zeropp.md](../docs/zeropp.md#measured).", "")
+
+    # ---- 13. Block-sparse attention
+    def sparse(self) -> None:
+        self.add("## 13. Block-sparse attention (DeepSpeed Sparse Attention)", "",
+                 "DeepSpeed: block-sparse layouts (fixed, variable, BigBird, Longformer) let "
+                 "BERT train on 10x / 16x longer sequences than dense attention on one 32 GB "
+                 "V100, up to 6.3x faster. Here: the same layouts in a GPT (causal), the "
+                 "longest sequence one step fits into a device budget, the step time against "
+                 "T and the loss after the same steps, dense against each layout:", "")
+        folder = self.results / "sparse_gpt"
+        if self.rows(folder) is None:
+            return self.missing("block-sparse attention", "make bench-sparse")
+        self.add((folder / "table.md").read_text().strip(), "",
+                 "Made by `make bench-sparse` (`python experiments/bench_sparse_gpt.py --out "
+                 "results/sparse_gpt`); the layouts and what is counted: "
+                 "[docs/sparse-attention.md](../docs/sparse-attention.md#measured).", "")

@@ -10,6 +10,7 @@ gets gradient from both ends of the model but is owned (and named) only by unit 
     model.backward_loss()             # grads accumulate into p.grad
 """
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -154,12 +155,8 @@ def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: in
         block = A.attention_block(s, b * a // tp, backend.is_gpu)
     p, f = act_bytes, max(4, act_bytes)
     n = b * s  # positions
-    if sparsity is None:
-        entries = (a // tp) * A.causal_entries(s, block)  # this rank's heads' probabilities
-    else:
-        layout, heads = sparse_layout(sparsity, s), a // tp
-        entries = max(S.sparse_attention_entries(layout[r * heads:(r + 1) * heads],
-                                                  sparsity.block) for r in range(tp))
+    entries = (a // tp) * A.causal_entries(s, block) if sparsity is None else \
+        _sparse_entries(sparsity, s, tp)  # this rank's heads' probabilities
     probs = 0 if recompute == "selective" else (p if sparsity is None else f) * b * entries
     layernorm = f * (n // shard) * (h + 1)  # xhat (b, s, h) and rstd (b, s, 1), or the shard
     # ln1, ln2; the inputs of qkv and fc, whole (gathered under sequence parallelism); this
@@ -191,6 +188,15 @@ def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: in
                peak_at="the last block's forward" if layer >= head + loss
                else "the end of the loss's forward")
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _sparse_entries(sparsity, seq_len: int, tp: int) -> int:
+    """Probability entries per sequence of the tensor rank whose heads keep the most of
+    `sparsity`'s causal layout at seq_len (S.sparse_attention_entries; made once)."""
+    layout, heads = sparse_layout(sparsity, seq_len), sparsity.num_heads // tp
+    return max(S.sparse_attention_entries(layout[r * heads:(r + 1) * heads], sparsity.block)
+               for r in range(tp))
 
 
 def korthikanti_activation_bytes(n_layer: int, d_model: int, n_head: int, seq_len: int,

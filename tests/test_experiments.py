@@ -33,6 +33,12 @@ def results(tmp_path_factory):
          "--seq-len", "128", "--batch", "4", "--steps", "2", "--budget-mib", "4",
          "--search-n-layer", "4", "--search-d-model", "32", "--search-seq-len", "128",
          "--max-seq-len", "2048", "--max-batch", "64", "--out", out / "recompute_n2")
+    _run("bench_sparse_gpt.py", 1, "--d-model", "32", "--search-d-model", "32",
+         "--budget-mib", "3", "--max-seq-len", "1024", "--seq-lens", "64", "128", "--steps", "1",
+         "--loss-steps", "2", "--loss-window", "1", "--loss-seq-len", "64", "--loss-batch", "2",
+         "--out", out / "sparse_gpt")
+    _run("bench_sparse_attention.py", 1, "--d-model", "32", "--seq-lens", "64,128",
+         "--repeats", "1", "--out", out / "sparse_attention")
     return out
 
 
@@ -104,6 +110,35 @@ def test_recompute_bench_costs_and_what_it_buys(results):
     assert b[0] <= b[1] <= b[2] and b[2] > b[0], b
     rows = _md_rows(results / "recompute_n2" / "longest.md", "| ")[1:]
     assert [r[0] for r in rows] == list(longest) and rows[0][2] == "1.00x"
+
+
+@pytest.mark.mpi
+def test_sparse_bench_every_layout_fits_at_least_dense_and_trains(results):
+    """Every layout's longest T under the budget is a multiple of the block and at least
+    dense's (a layout keeps a subset of the causal blocks), without and with full recompute;
+    every layout has a step time at each T and a finite loss; the tables name every layout."""
+    import json
+    import math
+
+    meta = json.loads((results / "sparse_gpt" / "run.json").read_text())
+    layouts = list(meta["layouts"])
+    assert layouts[0] == "dense" and len(layouts) >= 6
+    longest = {(r["layout"], r["recompute"]): r["longest_seq_len"] for r in meta["rows"]}
+    for recompute in ("none", "full"):
+        dense = longest[("dense", recompute)]
+        assert dense > 0 and dense % 16 == 0
+        for name in layouts:
+            assert longest[(name, recompute)] >= dense and longest[(name, recompute)] % 16 == 0
+    assert longest[("local", "full")] > longest[("dense", "full")]
+    assert {(r["layout"], r["seq_len"]) for r in meta["step_times"]} == \
+        {(n, t) for n in layouts for t in (64, 128)}
+    assert all(math.isfinite(r["train_loss"]) and math.isfinite(r["val_loss"])
+               for r in meta["losses"]) and [r["layout"] for r in meta["losses"]] == layouts
+    table = (results / "sparse_gpt" / "table.md").read_text()
+    assert all(f"| {name} |" in table for name in layouts)
+    kernel = json.loads((results / "sparse_attention" / "run.json").read_text())
+    assert kernel["rows"] and all(r["sparse_ms"] > 0 and r["dense_ms"] > 0
+                                  for r in kernel["rows"])
 
 
 @pytest.mark.mpi
