@@ -192,8 +192,9 @@ def test_a_sparse_gpt_trains_as_in_one_process_at_every_layout_of_4_ranks():
         {"stage0", "stage1", "stage2", "stage3"}
     for name, run in runs.items():
         # fp32 measured up to 4.6e-6 of the model's move (reductions in another order); fp16
-        # storage with an fp16 reference 8.4e-3 (its rounding)
-        bound, loss_bound = (2e-2, 1e-5) if name.endswith("fp16") else (1e-5, 1e-6)
+        # and bf16 storage against a reference in the same dtype: their rounding
+        bound, loss_bound = {"fp16": (2e-2, 1e-5), "bf16": (1e-1, 2e-4)}.get(
+            name.rsplit("_", 1)[-1], (1e-5, 1e-6))
         assert run["model_move"] <= bound and run["loss_diff"] <= loss_bound, (name, run)
         assert run["names_match"] and run["same_loss_everywhere"], name
     for r in reports[1:]:

@@ -9,7 +9,7 @@ parameter relative to the move training made (tp_checks.errors), the largest los
 difference, and whether every rank returned the same loss. The layout gives every head its
 own pattern (different_layout_per_head), so a tensor rank that ran another rank's heads'
 layout would train another model. Extra runs: sequence parallelism, selective recompute, and
-fp16 storage (its reference in fp16 too).
+fp16 and bf16 storage (their references in fp16 and bf16 too).
 """
 import sys
 
@@ -30,7 +30,7 @@ SPARSE = {"mode": "fixed", "block": 4, "num_local_blocks": 4, "num_global_blocks
 BATCH, MICRO_BATCHES, STEPS = 8, 2, 3
 
 
-def config(stage, dp, pp, tp, sp=False, recompute="none", fp16=False):
+def config(stage, dp, pp, tp, sp=False, recompute="none", fp16=False, bf16=False):
     return {"train_micro_batch_size_per_gpu": BATCH // (dp * MICRO_BATCHES),
             "gradient_accumulation_steps": MICRO_BATCHES,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
@@ -38,6 +38,7 @@ def config(stage, dp, pp, tp, sp=False, recompute="none", fp16=False):
             "pipeline": {"stages": pp},
             "activation_checkpointing": {"recompute": recompute},
             "fp16": {"enabled": fp16, "loss_scale": 1.0 if fp16 else 0},
+            "bf16": {"enabled": bf16},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000},
             "sparse_attention": SPARSE}
 
@@ -71,9 +72,9 @@ def main():
             runs += [("stage1_sp", 1, {"sp": True}), ("stage3_selective", 3,
                                                       {"recompute": "selective"})]
         if dp > 1 and pp == 1 and tp == 1:
-            runs.append(("stage2_fp16", 2, {"fp16": True}))
+            runs += [("stage2_fp16", 2, {"fp16": True}), ("stage3_bf16", 3, {"bf16": True})]
         for name, stage, kw in runs:
-            ref_kw = {k: v for k, v in kw.items() if k == "fp16"}
+            ref_kw = {k: v for k, v in kw.items() if k in ("fp16", "bf16")}
             key = (stage, tuple(sorted(ref_kw.items())))
             if key not in refs:
                 refs[key] = train(alone, 1, 1, 1, stage, **ref_kw)
