@@ -127,6 +127,27 @@ bench-gpu: bench-install
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[gpu]'
 	ZMPI_BACKEND=cupy $(MPIEXEC) -n 1 $(PY) experiments/bench_gpu.py --out results/gpu_n1
 
+# The device check on a GPU machine without network (docs/gpu.md): `make gpu-wheels` where
+# there is network downloads what it installs (about 16 MB, for GPU_PYTHON_VERSION) into
+# GPU_WHEELS, git-ignored: carry that folder; there, `make gpu-check` (experiments/gpu_check.sh)
+# installs them, runs the GPU tests, bench_gpu.py beside PyTorch, the kernel trace and the
+# counts in under 8 minutes, and writes results/gpu_check (or $OUT).
+GPU_WHEELS ?= experiments/gpu_wheels
+GPU_PYTHON_VERSION ?= 3.12
+GPU_WHEEL_PACKAGES := mpi4py==4.1.2 mpich==5.0.2 ml_dtypes==0.6.0 tqdm==4.70.1 pytest==9.2.0 \
+	pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pytest-timeout==2.4.0
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS)
+	$(PYTHON) -m pip download -q --disable-pip-version-check --only-binary=:all: --no-deps \
+	  --python-version $(GPU_PYTHON_VERSION) --implementation cp \
+	  --abi cp$(subst .,,$(GPU_PYTHON_VERSION)) --platform manylinux2014_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+	  -d $(GPU_WHEELS) $(GPU_WHEEL_PACKAGES)
+
+gpu-check:
+	GPU_WHEELS=$(GPU_WHEELS) bash experiments/gpu_check.sh
+
 bench-recompute: $(STAMP)
 	$(MPIEXEC) -n 1 $(PY) experiments/bench_recompute.py --budget-mib 128 --out results/recompute_n1
 	$(MPIEXEC) -n 1 $(PY) experiments/bench_recompute.py --no-search --d-model 512 --seq-len 512 \

@@ -28,6 +28,7 @@ extra) and CUDA, the same model in PyTorch eager (experiments/bench_vs_torch.tor
 autocast, AdamW) beside it on one rank.
 """
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -132,15 +133,17 @@ def time_gpu(args, comm) -> list[dict]:
     from zmpi import backend
     from zmpi.data import SyntheticSource
     from zmpi.engine import Engine
-    from zmpi.models.gpt import GPT, GPTConfig
+    from zmpi.models.gpt import GPT, GPTConfig, gpt_num_params
 
-    cfg = GPTConfig(seq_len=args.seq_len, **GPT2_SMALL)
+    cfg = GPTConfig(seq_len=args.seq_len, **GPT2_SMALL)  # the vocabulary padded to 128 (a GPU's)
     tokens = args.batch * args.seq_len
+    # the model's FLOPs: its parameters, not the padding's
+    flops = 6 * gpt_num_params(cfg.n_layer, cfg.d_model, cfg.vocab_size, cfg.seq_len) \
+        + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
     rows = []
     for stage in args.stages:
         model = GPT(cfg, seed=0)
         engine = Engine(model, engine_config(stage, "fp16", args.batch), comm)
-        flops = 6 * engine.num_params + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
         data = SyntheticSource(cfg.vocab_size, cfg.seq_len, args.batch * comm.size, comm.rank,
                                comm.size, seed=1)
         times = []
@@ -165,7 +168,8 @@ def time_gpu(args, comm) -> list[dict]:
 
 
 def time_torch(args, cfg) -> dict | None:
-    """PyTorch eager on this GPU: the same GPT, fp16 autocast with a gradient scaler, AdamW."""
+    """PyTorch eager on this GPU: the same GPT (its vocabulary unpadded), fp16 autocast with a
+    gradient scaler, AdamW."""
     try:
         import torch
     except ImportError:
@@ -177,7 +181,8 @@ def time_torch(args, cfg) -> dict | None:
     from zmpi import backend
     from zmpi.models.gpt import GPT
 
-    weights = {name: backend.to_host(p.data) for name, p in GPT(cfg, seed=0).named_parameters()}
+    unpadded = GPT(dataclasses.replace(cfg, vocab_multiple=1), seed=0)
+    weights = {name: backend.to_host(p.data) for name, p in unpadded.named_parameters()}
     model = torch_gpt(cfg, weights).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     scaler = torch.amp.GradScaler("cuda")

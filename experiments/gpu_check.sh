@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# The device check (docs/gpu.md, "Running the device check"): on a GPU machine without network
+# (Python, CuPy, NumPy, h5py and PyTorch installed; no MPI, maybe no mpi4py), from this source
+# tree, in under 8 minutes:
+#   1. installs mpi4py, MPICH and the few pure-Python packages the tests need from the wheels
+#      `make gpu-wheels` downloaded into experiments/gpu_wheels (run it where there is network,
+#      and carry that git-ignored folder): pip install --no-index --no-deps --target DEPS, the
+#      mpich wheel's mpich-*.data/data unpacked, its bin on PATH, its lib on LD_LIBRARY_PATH;
+#   2. makes zmpi importable from the source tree in every Python process, the tests' children
+#      too (they set PYTHONPATH themselves): a .pth file in this Python's site-packages, removed
+#      at the end, puts DEPS and the tree first on sys.path and maps zmpi.models to models/ as
+#      pyproject's package-dir does;
+#   3. runs the GPU-marked tests, experiments/bench_gpu.py (GPT-2 small, stages 0-3, PyTorch
+#      eager beside it) and experiments/gpu_trace.py (the step's kernels by GPU time), and
+#      beside them, on one CPU core, experiments/bench_gpu.py --count (the stand-in's
+#      launches; any machine).
+# Each step's output goes to one results folder, $OUT (default results/gpu_check), with
+# summary.txt saying what passed, failed (exit code) or was skipped (no GPU) and in how long.
+# Exit 0 when every step that ran passed, 1 otherwise (and when the wheels are missing).
+#
+#   bash experiments/gpu_check.sh          # or: make gpu-check
+#   GPU_WHEELS=DIR GPU_DEPS=DIR OUT=DIR PYTHON=python3.12 GPU_CHECK_SECONDS=460 (defaults)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+WHEELS=${GPU_WHEELS:-experiments/gpu_wheels}
+DEPS=${GPU_DEPS:-${TMPDIR:-/tmp}/zmpi-gpu-deps}
+PY=${PYTHON:-python3}
+OUT=${OUT:-results/gpu_check}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+SUMMARY=$OUT/summary.txt
+DEADLINE=$((SECONDS + ${GPU_CHECK_SECONDS:-460}))
+failed=0
+: > "$SUMMARY"
+
+note() { printf '%s\n' "$*" | tee -a "$SUMMARY"; }
+
+# step NAME LIMIT_S LOG CMD...: CMD's output into $OUT/LOG, at most LIMIT_S (and never past the
+# deadline), its status and time in summary.txt
+step() {
+    local name=$1 limit=$2 log=$3 left=$((DEADLINE - SECONDS)) start=$SECONDS rc
+    shift 3
+    if ((left < 20)); then
+        note "$(printf '%-8s skipped: the %s s budget is spent' "$name" "${GPU_CHECK_SECONDS:-460}")"
+        failed=1
+        return
+    fi
+    timeout -k 10 $((limit < left ? limit : left)) "$@" > "$OUT/$log" 2>&1
+    rc=$?
+    if ((rc == 0)); then
+        note "$(printf '%-8s ok      %4d s  %s' "$name" $((SECONDS - start)) "$log")"
+    else
+        failed=1
+        note "$(printf '%-8s FAILED  %4d s  %s (exit %d%s)' "$name" $((SECONDS - start)) "$log" \
+            "$rc" "$( ((rc == 124)) && echo ', timed out')")"
+    fi
+}
+
+# -- 1, 2: the dependencies, from the carried wheels ------------------------------------------
+if ! ls "$WHEELS"/mpi4py-*.whl "$WHEELS"/mpich-*.whl > /dev/null 2>&1; then
+    note "gpu_check: no mpi4py and mpich wheels in $WHEELS: run 'make gpu-wheels' on a machine" \
+        "with network (PYTHON_VERSION=3.12 by default) and carry that folder here"
+    exit 1
+fi
+rm -rf "$DEPS" && mkdir -p "$DEPS/site" || exit 1
+wheels=$(ls "$WHEELS"/*.whl | grep -v '/mpich-')
+# shellcheck disable=SC2086  # one argument per wheel
+if ! "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --target \
+        "$DEPS/site" $wheels > "$OUT/install.txt" 2>&1; then
+    note "gpu_check: the wheels in $WHEELS do not install for $("$PY" -V 2>&1) (built for" \
+        "another Python?): $OUT/install.txt"
+    exit 1
+fi
+PTH=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zmpi_gpu_check.pth
+trap 'rm -f "$PTH"' EXIT
+"$PY" - "$WHEELS" "$DEPS/mpich" "$DEPS/site" "$REPO" "$PTH" <<'PYTHON' || exit 1
+"""Unpack the mpich wheel's mpich-*.data/data (bin/, lib/, ...) keeping the files' modes; write
+the module that maps zmpi.models to the source tree's models/ and the .pth that loads it."""
+import sys
+import zipfile
+from pathlib import Path
+
+wheels, mpich, site, repo, pth = map(Path, sys.argv[1:])
+wheel = sorted(wheels.glob("mpich-*.whl"))[-1]
+with zipfile.ZipFile(wheel) as z:
+    for info in z.infolist():
+        parts = Path(info.filename).parts
+        if len(parts) > 2 and parts[0].endswith(".data") and parts[1] == "data" \
+                and not info.is_dir():
+            target = mpich.joinpath(*parts[2:])
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(z.read(info))
+            mode = info.external_attr >> 16
+            if mode:
+                target.chmod(mode & 0o777)
+if not (mpich / "bin" / "mpiexec").exists():
+    sys.exit(f"gpu_check: {wheel.name} has no mpich-*.data/data/bin/mpiexec")
+(site / "zmpi_gpu_check_models.py").write_text(f'''"""zmpi.models is {repo}/models (pyproject's
+package-dir mapping, which a source tree on sys.path lacks). Written by experiments/gpu_check.sh."""
+import importlib.util
+import sys
+
+class _ZmpiModels:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name != "zmpi.models":
+            return None
+        return importlib.util.spec_from_file_location(
+            name, "{repo}/models/__init__.py", submodule_search_locations=["{repo}/models"])
+
+sys.meta_path.append(_ZmpiModels)
+''')
+try:  # one line: a .pth runs a line that starts with "import"
+    pth.write_text(f"import sys; sys.path[:0] = [{str(site)!r}, {str(repo)!r}]; "
+                   "import zmpi_gpu_check_models\n")
+except OSError as e:
+    sys.exit(f"gpu_check: cannot write {pth} ({e.strerror}): run it as the Python's owner")
+PYTHON
+export PATH="$DEPS/mpich/bin:$PATH"
+export LD_LIBRARY_PATH="$DEPS/mpich/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=1
+revision="not a git checkout"
+if git rev-parse --git-dir > /dev/null 2>&1; then
+    revision=$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' with uncommitted changes')
+fi
+note "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ), $revision, $("$PY" -V 2>&1)"
+
+env_report() {  # what runs here: fails if zmpi, mpi4py or mpiexec does not work
+    set -e
+    "$PY" -c 'import sys, numpy, mpi4py, zmpi, zmpi.models.gpt
+from mpi4py import MPI
+print("python", sys.version.split()[0], "numpy", numpy.__version__, "mpi4py", mpi4py.__version__)
+print("zmpi from", zmpi.__file__, "and", zmpi.models.gpt.__file__)
+print(MPI.Get_library_version().splitlines()[0])'
+    mpiexec -n 2 "$PY" -c 'from mpi4py import MPI; print("rank", MPI.COMM_WORLD.rank, "of 2")'
+    "$PY" -c 'import cupy; print("cupy", cupy.__version__, cupy.cuda.runtime.getDeviceCount(), "GPUs")' || true
+    "$PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.cuda.is_available())' || true
+    nvidia-smi || true
+}
+export -f env_report
+export PY
+step env 60 env.txt bash -c env_report
+
+# -- 3: the checks (the count, on the CPU, beside the GPU's) -------------------------------------
+(step count 300 count.txt env ZMPI_BACKEND=numpy "$PY" experiments/bench_gpu.py --count \
+    --out "$OUT/count"; exit $failed) &
+counting=$!
+if "$PY" -c "import cupy, sys; sys.exit(cupy.cuda.runtime.getDeviceCount() == 0)" 2> /dev/null; then
+    # the test files that hold GPU-marked tests (the others may need what this machine lacks)
+    tests=$(grep -l 'mark\.gpu' tests/test_*.py)
+    # shellcheck disable=SC2086
+    step tests 200 tests.txt env ZMPI_BACKEND=cupy "$PY" -m pytest -q -p no:cacheprovider -m gpu $tests
+    step bench 240 bench.txt env ZMPI_BACKEND=cupy mpiexec -n 1 "$PY" experiments/bench_gpu.py \
+        --no-count --warmup 2 --steps 5 --out "$OUT/bench"
+    step trace 120 trace.txt env ZMPI_BACKEND=cupy mpiexec -n 1 "$PY" experiments/gpu_trace.py \
+        --out "$OUT/trace"
+else
+    for name in tests bench trace; do note "$(printf '%-8s skipped: no GPU (CuPy sees none)' "$name")"; done
+fi
+wait $counting || failed=1
+note "results in $OUT"
+exit $failed
