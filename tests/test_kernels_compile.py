@@ -94,7 +94,7 @@ def _signatures():
 
 def _expected_dtype(ctype, t, acc):
     return {"T": _C_DTYPES[t], "ACC": _C_DTYPES[acc], "int": np.int32,
-            "long long": np.int64}[ctype]
+            "long long": np.int64, "unsigned int": np.uint32}[ctype]
 
 
 def test_signatures_parse():
@@ -102,7 +102,8 @@ def test_signatures_parse():
     assert set(signatures) == {
         "layernorm_forward", "layernorm_backward", "column_sums", "column_sums_total",
         "gelu_forward", "gelu_backward", "causal_softmax", "softmax_backward",
-        "cross_entropy_forward", "cross_entropy_backward", "adam", "sum_of_squares"}
+        "cross_entropy_forward", "cross_entropy_backward", "adam", "sum_of_squares",
+        "bias_grad"}
     assert signatures["adam"][4] == (False, "long long")
 
 
@@ -132,6 +133,8 @@ def _launches(dtype, master):
     kernels.cuda_adam(param, a(100), m, v, AdamCoefficients.of(
         master, 3, 1e-3, (0.9, 0.999), 1e-8, 0.01, True, 0.5))
     kernels.cuda_sum_of_squares(a(100), 0.5, np.dtype(master))
+    kernels.cuda_bias_grad(a(300, 40), None)
+    kernels.cuda_bias_grad(a(3, 40), a(40))
 
 
 @pytest.mark.parametrize("dtype, master", [(np.float16, np.float32), (np.float32, np.float32),

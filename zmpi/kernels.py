@@ -311,3 +311,30 @@ def cuda_sum_of_squares(x, scale, dtype):
                                                 _scalar(dtype, scale)), acc=dtype)
     return partial.sum()
 
+
+BIAS_GRAD_PARTS = 64  # row parts (blocks per column tile) of bias_grad, at most
+_arrived = [None]  # bias_grad's counters, one per column tile: zero between launches
+
+
+def cuda_bias_grad(dy, out):
+    """db (C,) in dy's dtype, the column sums of dy (rows, C) accumulated in ACC (the twin's
+    contract: zmpi.nn.functional's linear_backward), into `out` when given: one launch of
+    `bias_grad`, as CuPy's sum over axis 0 is, but reading dy's rows coalesced over every SM
+    where CuPy's reduction walks each column down its stride (`cupy_sum`, 8 ms of a GPT-2
+    small step on the H200, 48 bias gradients; this kernel's time is not measured yet). Its
+    counters live in one buffer, zeroed when made (a launch, the first time and when it must
+    grow) and left zero by every launch: launches on one stream at a time, as zmpi's compute
+    runs."""
+    xp, (rows, C) = backend.xp, dy.shape
+    db = xp.empty(C, dy.dtype) if out is None else out
+    if rows == 0:
+        db.fill(0)
+        return db
+    tiles = -(-C // 32)
+    parts = min(BIAS_GRAD_PARTS, -(-rows // (THREADS // 32)))
+    if not isinstance(_arrived[0], xp.ndarray) or _arrived[0].size < tiles:
+        _arrived[0] = xp.zeros(max(tiles, 1024), np.uint32)
+    partial = xp.empty((parts, C), acc_dtype(dy.dtype))
+    _launch("bias_grad", dy.dtype, (tiles, parts),
+            (dy, partial, _arrived[0], db, np.int64(rows), np.int32(C)))
+    return db

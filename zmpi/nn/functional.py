@@ -49,8 +49,21 @@ def linear_backward(dy, cache, dW=None, db=None):
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])  # (N, Cin), (N, Cout)
     dx = (dy2 @ W.T).reshape(x.shape)  # (..., Cin)
     dW = xp.matmul(x2.T, dy2, out=dW)  # (Cin, Cout)
-    db = dy2.sum(axis=0, out=db)  # (Cout,)
+    db = _bias_grad(dy2, db)  # (Cout,)
     return dx, dW, db
+
+
+def _bias_grad_twin(dy, out):
+    """The column sums of dy (N, C), accumulated in float32 at least, in dy's dtype (into
+    `out` when given): a bias's gradient (one kernel on a GPU, `kernels.cuda_bias_grad`)."""
+    db = dy.sum(axis=0, dtype=_f32(dy))
+    if out is None:
+        return db.astype(dy.dtype, copy=False)
+    out[...] = db
+    return out
+
+
+_bias_grad = kernels.fused(_bias_grad_twin, kernels.cuda_bias_grad)
 
 
 # -- embedding --------------------------------------------------------------------------------
