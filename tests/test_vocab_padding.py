@@ -4,8 +4,13 @@ to an ulp (BLAS sums the LM head's input gradient over Vp columns in another ord
 padding rows stay zero with a gradient of exactly zero, their logits are -inf and are never
 sampled, the counts say what is allocated, and a checkpoint loads across paddings in one
 process (across tensor-parallel sizes: tests/ranks/tp_checkpoint_checks.py)."""
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
+from mpi_util import REPO_ROOT
 
 from zmpi.checkpoint import tools
 from zmpi.checkpoint.manifest import read_manifest
@@ -21,6 +26,8 @@ from zmpi.models.gpt import (
     gpt_unit_numels,
 )
 from zmpi.parallel.tensor.vocab import vocab_shard
+from zmpi.plan.layout import Job
+from zmpi.plan.memory import stage_units
 
 V, T = 13, 6
 
@@ -137,3 +144,34 @@ def test_the_engine_refuses_a_model_of_another_padding():
                        "vocab_multiple 16, the model given has 1"):
         Engine(_gpt(1, np.float32), {"train_micro_batch_size_per_gpu": 2,
                                      "model": {"vocab_multiple": 16}})
+
+
+def _cli(*args):
+    out = subprocess.run([sys.executable, "-m", "zmpi.cli", *args], capture_output=True,
+                         text=True, cwd=REPO_ROOT, timeout=120)
+    return out.returncode, out.stdout, out.stderr
+
+
+def test_estimate_and_plan_count_the_padding(tmp_path):
+    """zmpi estimate --vocab-multiple counts what a rank allocates; zmpi plan pads as zmpi does
+    on its hardware (128 on a GPU's, none on a CPU's), in the embedding it stores and the
+    logits it keeps."""
+    shape = ["--n-layer", "2", "--d-model", "64", "--vocab-size", "1000", "--seq-len", "32"]
+    params = {m: json.loads(_cli("estimate", *shape, "--world-size", "2", "--tp", "2",
+                                 "--vocab-multiple", str(m), "--json")[1])["params"]
+              for m in (1, 128)}
+    assert params[128] - params[1] == (512 - 500) * 64  # 500 -> 512 rows a rank
+    assert params[128] == gpt_num_params(2, 64, 1000, 32, tp=2, vocab_multiple=128)
+    rc, _, err = _cli("estimate", "--params", "1e6", "--world-size", "2", "--vocab-multiple", "8")
+    assert rc == 2 and "--vocab-multiple pads a GPT shape's vocabulary" in err
+    rc, _, err = _cli("estimate", *shape, "--world-size", "2", "--vocab-multiple", "0")
+    assert rc == 2 and "--vocab-multiple must be >= 1" in err
+    job = Job(2, 64, 4, 1000, 32, 8, 1, 1, vocab_multiple=128)
+    assert stage_units(job, 1, 1)[0][0] == (1024 + 32) * 64
+    for hardware, multiple in (("h100", 128), ("cpu", 1)):
+        rc, out, err = _cli("plan", "--hardware", hardware, "--n-layer", "2", "--d-model", "64",
+                            "--n-head", "4", "--vocab", "1000", "--seq-len", "32",
+                            "--global-batch", "8", "--nodes", "1", "--gpus-per-node", "2",
+                            "--json", "--out", str(tmp_path / f"{hardware}.json"))
+        assert rc == 0, err
+        assert json.loads(out)["job"]["vocab_multiple"] == multiple

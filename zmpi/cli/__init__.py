@@ -165,6 +165,9 @@ def main(argv=None) -> None:
         e.add_argument(flag, type=int, default=None,
                        help=f"GPT shape instead of --params: {text}"
                        + ("" if default is None else f" (default {default})"))
+    e.add_argument("--vocab-multiple", type=int, default=1, metavar="M",
+                   help="with a GPT shape: the vocabulary padded to a multiple of M x --tp, as "
+                   "allocated (zmpi pads to 128 on a GPU: docs/gpu.md; default 1, unpadded)")
     e.add_argument("--world-size", type=int, required=True,
                    help="ranks N (data-parallel ranks: N / --tp)")
     e.add_argument("--tp", type=int, default=1, metavar="T",

@@ -57,7 +57,11 @@ def check_inputs(args) -> None:
             value, most = getattr(args, key), JOB_LIMITS[key]
             if not 1 <= value <= most:
                 raise Refused(f"--{key.replace('_', '-')} must be in 1..{most:,}, got {value}")
+    if args.params is not None and args.vocab_multiple != 1:
+        raise Refused("--vocab-multiple pads a GPT shape's vocabulary: give the shape with "
+                      "--n-layer, not --params")
     for flag, value in (("--world-size", args.world_size), ("--tp", args.tp),
+                        ("--vocab-multiple", args.vocab_multiple),
                         ("--param-bytes", args.param_bytes),
                         ("--optimizer-bytes", args.optimizer_bytes)):
         if value is not None and value < 1:
@@ -77,7 +81,7 @@ def estimate(args) -> None:
     if args.micro_batch is not None and (args.n_layer is None or args.micro_batch < 1):
         raise Refused("--micro-batch needs a GPT shape and is >= 1")
     psi = args.params / tp if args.params is not None else gpt_num_params(
-        args.n_layer, args.d_model, args.vocab_size, args.seq_len, tp)
+        args.n_layer, args.d_model, args.vocab_size, args.seq_len, tp, args.vocab_multiple)
     dp = args.world_size // tp
     pb = args.param_bytes if args.param_bytes is not None else \
         (4 if args.precision == "fp32" else 2)
@@ -192,6 +196,7 @@ def activation_memory(args) -> dict | None:
             "sparse_attention": None if sparsity is None else args.sparse_attention,
             "partition": args.partition_activations, "cpu": args.cpu_checkpointing,
             "zmpi": gpt_activation_bytes(vocab_size=args.vocab_size, act_bytes=act_bytes,
+                                         vocab_multiple=args.vocab_multiple,
                                          partition=args.partition_activations,
                                          cpu=args.cpu_checkpointing, block=block,
                                          sparsity=sparsity, **shape),

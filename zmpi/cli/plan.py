@@ -2,6 +2,7 @@
 their memory and time, and the best one written as a config `zmpi train` runs as is."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import sys
@@ -12,7 +13,7 @@ from zmpi.cli.inputs import _rank
 from zmpi.config import ConfigError
 from zmpi.config.sparse import sparse_attention_flag
 from zmpi.files import check_output, write_atomic
-from zmpi.models.gpt import gpt_num_params
+from zmpi.models.gpt import default_vocab_multiple, gpt_num_params
 from zmpi.plan.hardware import parse_size
 from zmpi.plan.layout import PRECISIONS, Job, to_config
 from zmpi.plan.measure import load_hardware
@@ -82,6 +83,8 @@ def run(args) -> None:
         _check_outputs(args)
         say = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
         hw = load_hardware(args.hardware, progress=say)
+        # the vocabulary padded as zmpi pads it on this hardware: what a run allocates
+        job = dataclasses.replace(job, vocab_multiple=default_vocab_multiple(hw.on_gpu))
         if hw.on_gpu and job.gpus_per_node > hw.devices_per_node:
             raise ValueError(f"--gpus-per-node {job.gpus_per_node}: the {hw.name} hardware has "
                              f"{hw.devices_per_node} devices per node (its node's links); give "

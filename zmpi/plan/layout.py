@@ -27,7 +27,10 @@ class Job:
     fp16 computes in fp16 on a GPU, bf16 and fp32 in fp32, as zmpi.backend does).
     sparse_attention: None (dense attention), or a DeepSpeed sparse_attention section as JSON
     text (hashable): the activations count its layout's kept blocks (the step time still
-    prices attention as dense, an upper bound)."""
+    prices attention as dense, an upper bound). vocab_multiple: the vocabulary padded to a
+    multiple of it x tp, as zmpi allocates it (`zmpi plan` gives 128 on a GPU, 1 on a CPU:
+    models/gpt.py's default_vocab_multiple): the embedding's parameters, the LM head's GEMM and
+    its logits count Vp."""
 
     n_layer: int
     d_model: int
@@ -39,6 +42,7 @@ class Job:
     gpus_per_node: int
     precision: str = "fp16"
     sparse_attention: str | None = None
+    vocab_multiple: int = 1
 
     def __post_init__(self):
         for name, most in JOB_LIMITS.items():
@@ -50,6 +54,9 @@ class Job:
                                  f"{most:,}, far beyond any model trained)")
         if self.d_model % self.n_head:
             raise ValueError(f"n_head {self.n_head} does not divide d_model {self.d_model}")
+        if type(self.vocab_multiple) is not int or self.vocab_multiple < 1:
+            raise ValueError(f"vocab_multiple must be an integer >= 1, got "
+                             f"{self.vocab_multiple!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
         if self.sparse_attention is not None:

@@ -113,7 +113,8 @@ def stage_units(job: Job, pp: int, tp: int) -> tuple[tuple[int, ...], ...]:
     """Per pipeline stage, the parameter count of each unit it holds (one rank's share under
     tensor parallelism): the partition's run of [embedding, blocks, head], the last stage of a
     pipeline led by its held copy of the embedding (the head's tied weights)."""
-    numels = gpt_unit_numels(job.n_layer, job.d_model, job.vocab_size, job.seq_len, tp)
+    numels = gpt_unit_numels(job.n_layer, job.d_model, job.vocab_size, job.seq_len, tp,
+                             job.vocab_multiple)
     bounds = partition(numels, pp)
     stages = [tuple(numels[bounds[s]:bounds[s + 1]]) for s in range(pp)]
     if pp > 1:
@@ -277,4 +278,4 @@ def micro_batch_activation(job: Job, tp: int, sequence_parallel: bool, recompute
     return gpt_activation_bytes(job.n_layer, job.d_model, job.n_head, job.vocab_size,
                                 job.seq_len, micro_batch, job.act_bytes(on_gpu), tp,
                                 sequence_parallel, recompute, block=block,
-                                sparsity=job.sparsity)
+                                sparsity=job.sparsity, vocab_multiple=job.vocab_multiple)

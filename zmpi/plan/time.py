@@ -52,6 +52,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from zmpi.nn.attention import attention_block, causal_entries
+from zmpi.parallel.tensor.vocab import vocab_shard
 from zmpi.plan.collectives import (
     LOSS_ALLREDUCES,
     SP_PARAMS_PER_BLOCK,
@@ -181,7 +182,7 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     attention = 4 * scores * h / t
     block_forward = linear + attention
     block_extra = {"none": 0.0, "selective": attention / 2, "full": block_forward}
-    head_forward = 2 * b * s * h * -(-job.vocab_size // t)
+    head_forward = 2 * b * s * h * vocab_shard(job.vocab_size, t, 0, job.vocab_multiple)[2]
     activation_bytes = b * s * h * job.act_bytes(on_gpu)
     loss_bytes = LOSS_ALLREDUCES * b * s * 4  # float32 values per position
     # each tensor-parallel call is synchronous: it also waits for the last rank to arrive
