@@ -81,6 +81,7 @@ class Config(_Section):
     steps_per_print: int = 10
     kernels: str = "fused"  # zmpi.kernels: one launch per fused op on a GPU, or "composed"
     tf32: bool = False  # float32 matmuls on TensorFloat-32 tensor cores (CuPy on Ampere+)
+    attention_kernel: str = "blocked"  # zmpi.flash_attention: "flash" fuses attention on CuPy
 
     def _validate(self):
         self._at_least(1, "train_batch_size", "train_micro_batch_size_per_gpu",
@@ -90,6 +91,11 @@ class Config(_Section):
         _check(self.kernels in ("fused", "composed"), "kernels",
                f"{self.kernels!r}: use \"fused\" (one kernel per fused op on a GPU) or "
                "\"composed\" (their array operations, one launch each)")
+        _check(self.attention_kernel in ("blocked", "flash"), "attention_kernel",
+               f"{self.attention_kernel!r}: use \"blocked\" (zmpi.nn.attention's array "
+               "operations) or \"flash\" (fused flash attention kernels on a GPU)")
+        _check(self.attention_kernel != "flash" or self.kernels == "fused", "attention_kernel",
+               "\"flash\" is a fused kernel; it needs kernels \"fused\", not \"composed\"")
         _check(not (self.fp16.enabled and self.bf16.enabled), "fp16.enabled",
                "fp16 and bf16 are both enabled; enable at most one")
         ac = self.activation_checkpointing

@@ -33,7 +33,7 @@ import warnings
 
 import numpy as np
 
-from zmpi import backend, kernels
+from zmpi import backend, flash_attention, kernels
 from zmpi.checkpoint.sharded import Checkpointer
 from zmpi.checkpoint.tensor import TensorSplits
 from zmpi.comm import make_progress
@@ -112,6 +112,7 @@ class Engine(EngineTraffic):
             model = PipelineStage(model, self.mesh.pp_rank, self.mesh.pp,
                                   self.config.pipeline.partition)
         kernels.set_mode(self.config.kernels)
+        flash_attention.set_kernel(self.config.attention_kernel)  # ConfigError for flash on NumPy
         if self.config.tf32:
             backend.use_tf32()
         ac = self.config.activation_checkpointing

@@ -18,6 +18,7 @@ import math
 
 import numpy
 
+from zmpi import flash_attention
 from zmpi.backend import compute_dtype
 from zmpi.nn import attention as A
 from zmpi.nn import functional as F
@@ -161,7 +162,9 @@ class CausalSelfAttention(Module):
     sparsity (a zmpi.nn.sparsity SparsityConfig for the model's heads, or None): block-sparse
     attention (zmpi.nn.sparse_attention) over its layout intersected with the causal mask,
     made once per sequence length T (a multiple of its block) for this layer's heads. Mode
-    "dense" runs the dense kernels (its layout keeps every block: the same numbers).
+    "dense" runs the dense kernels (its layout keeps every block: the same numbers). With the
+    config's attention_kernel "flash", on device arrays, dense and sparse attention run
+    zmpi.flash_attention's fused kernels instead (they keep no probabilities either way).
     """
 
     tp_plan = {"qkv": "colwise_heads", "proj": "rowwise"}
@@ -186,7 +189,12 @@ class CausalSelfAttention(Module):
 
     def forward(self, x):
         qkv = self.qkv.forward(x)  # (B, T, 3C)
-        if self._dense:
+        if flash_attention.enabled_for(qkv) and self._dense:
+            y, cache = flash_attention.flash_attention_forward(qkv, self.n_head)
+        elif flash_attention.enabled_for(qkv):
+            y, cache = flash_attention.flash_attention_forward(
+                qkv, self.n_head, self.layout(qkv.shape[1]), self.sparsity.block)
+        elif self._dense:
             y, cache = A.attention_forward(qkv, self.n_head, keep_probs=not self.recompute_core)
         else:
             y, cache = S.sparse_attention_forward(qkv, self.n_head, self.layout(qkv.shape[1]),
@@ -197,7 +205,9 @@ class CausalSelfAttention(Module):
 
     def backward(self, dy):
         cache = self._pop()
-        backward = A.attention_backward if self._dense else S.sparse_attention_backward
+        backward = (flash_attention.flash_attention_backward
+                    if isinstance(cache, flash_attention.FlashCache) else
+                    A.attention_backward if self._dense else S.sparse_attention_backward)
         return self.qkv.backward(backward(self.proj.backward(dy), cache))
 
     @property

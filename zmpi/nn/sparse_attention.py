@@ -17,7 +17,8 @@ in float32 at least, the products in the input dtype, the same dot products in t
 in order; so a layout of all ones gives attention_forward's bits at the same block size (on
 this project's BLAS: tests/test_sparse_attention.py checks it). On a GPU each operation here is
 a launch per block row (the CuPy path works, about 35 launches a row forward and backward, but
-is launch-bound): a fused kernel would replace the row loops.
+is launch-bound): zmpi.flash_attention's fused kernels replace the row loops there
+(the config's attention_kernel "flash").
 
 Shapes: B batch, T time, C channels, nh heads, hd = C // nh head size, nb = T // block.
 """

@@ -1,0 +1,407 @@
+"""Fused flash attention (zmpi.flash_attention, docs/gpu.md "Fused flash attention"): its NumPy
+twin against zmpi's dense and block-sparse attention and a float64 masked-dense reference, and
+by float64 finite differences; the CUDA kernels' control flow run in Python
+(tests/flash_emulation.py) against the twin; their source compiled by NVRTC for every dtype and
+each launcher's arguments against the kernels' signatures; the config key; a GPT trained on the
+CuPy stand-in with and without it (same losses, launches per layer); and, on a GPU, each CUDA
+launcher against its twin and a GPT step with and without flash.
+"""
+import json
+import re
+import subprocess
+import sys
+
+import flash_emulation
+import numpy as np
+import pytest
+from gradcheck import check
+from mpi_util import REPO_ROOT, STANDIN, child_env
+from test_kernels_compile import ARCHITECTURES, _compile, _expected_dtype, nvrtc_lib  # noqa: F401
+from test_sparse_attention import masked_attention, random_layout
+
+from zmpi import backend, kernels
+from zmpi import flash_attention as FA
+from zmpi.config import Config, ConfigError
+from zmpi.cuda_flash_source import FLASH_SOURCE
+from zmpi.nn import attention as A
+from zmpi.nn import sparse_attention as S
+from zmpi.nn.sparsity import causal_layout, sparsity_from_dict
+
+SPARSE_MODES = [
+    {"mode": "fixed", "block": 8, "num_local_blocks": 2, "num_global_blocks": 1,
+     "different_layout_per_head": True, "num_different_global_patterns": 2},
+    {"mode": "bigbird", "block": 8, "num_random_blocks": 1, "different_layout_per_head": True},
+    {"mode": "bslongformer", "block": 16},
+    {"mode": "variable", "block": 8, "local_window_blocks": [2, 3]},
+    {"mode": "local", "block": 4, "num_sliding_window_blocks": 3},
+]
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(48)
+
+
+@pytest.mark.parametrize("B, n_head, T, hd", [(2, 3, 70, 8), (1, 2, 128, 16), (1, 1, 5, 4),
+                                               (2, 2, 1, 4), (1, 2, 64, 6)])
+def test_dense_twin_equals_attention_and_the_masked_reference(rng, B, n_head, T, hd):
+    """Dense causal (a ragged last block of FLASH_BLOCK when T is not a multiple of it): y and
+    dqkv equal zmpi.nn.attention's and plain float64 softmax attention's to round-off."""
+    qkv = rng.standard_normal((B, T, 3 * n_head * hd))
+    dy = rng.standard_normal((B, T, n_head * hd))
+    y, cache = FA.flash_attention_forward(qkv, n_head)
+    dqkv = FA.flash_attention_backward(dy, cache)
+    y_ref, dqkv_ref = masked_attention(qkv, n_head, np.ones((n_head, T, T)), 1, True, dy)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(dqkv, dqkv_ref, rtol=1e-11, atol=1e-13)
+    y_a, cache_a = A.attention_forward(qkv, n_head)
+    np.testing.assert_allclose(y, y_a, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(dqkv, A.attention_backward(dy, cache_a), rtol=1e-11, atol=1e-13)
+    assert cache.lse.shape == (B, n_head, T) and y.dtype == dqkv.dtype == np.float64
+
+
+@pytest.mark.parametrize("n_head, T, block", [(3, 32, 4), (2, 48, 8), (1, 12, 1), (4, 64, 16)])
+def test_sparse_twin_equals_the_masked_reference(rng, n_head, T, block):
+    """Random layouts (blocks above the diagonal too, rows without their diagonal block): the
+    masked float64 reference and zmpi.nn.sparse_attention, to round-off."""
+    hd = 4
+    qkv = rng.standard_normal((2, T, 3 * n_head * hd))
+    dy = rng.standard_normal((2, T, n_head * hd))
+    layout = causal_layout(random_layout(rng, n_head, T // block))
+    y, cache = FA.flash_attention_forward(qkv, n_head, layout, block)
+    dqkv = FA.flash_attention_backward(dy, cache)
+    y_ref, dqkv_ref = masked_attention(qkv, n_head, layout, block, True, dy)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(dqkv, dqkv_ref, rtol=1e-11, atol=1e-13)
+    y_s, cache_s = S.sparse_attention_forward(qkv, n_head, layout, block)
+    np.testing.assert_allclose(y, y_s, rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(dqkv, S.sparse_attention_backward(dy, cache_s), rtol=1e-11,
+                               atol=1e-13)
+
+
+@pytest.mark.parametrize("section", SPARSE_MODES, ids=lambda s: s["mode"])
+def test_deepspeed_layouts_equal_sparse_attention(rng, section):
+    n_head, T, hd = 4, 64, 8
+    layout = causal_layout(sparsity_from_dict(section, n_head).make_layout(T))
+    qkv = rng.standard_normal((2, T, 3 * n_head * hd)).astype(np.float32)
+    dy = rng.standard_normal((2, T, n_head * hd)).astype(np.float32)
+    y, cache = FA.flash_attention_forward(qkv, n_head, layout, section["block"])
+    y_s, cache_s = S.sparse_attention_forward(qkv, n_head, layout, section["block"])
+    assert y.dtype == np.float32
+    np.testing.assert_allclose(y, y_s, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(FA.flash_attention_backward(dy, cache),
+                               S.sparse_attention_backward(dy, cache_s), rtol=1e-4, atol=1e-5)
+
+
+def test_float16_is_accumulated_in_float32(rng):
+    """fp16 in and out, fp32 inside: within fp16's output rounding of the float64 result."""
+    n_head, T, hd = 2, 40, 8
+    qkv = (rng.standard_normal((2, T, 3 * n_head * hd)) * 4).astype(np.float16)
+    dy = rng.standard_normal((2, T, n_head * hd)).astype(np.float16)
+    y, cache = FA.flash_attention_forward(qkv, n_head)
+    dqkv = FA.flash_attention_backward(dy, cache)
+    assert y.dtype == dqkv.dtype == np.float16 and cache.lse.dtype == np.float32
+    q64, dy64 = qkv.astype(np.float64), dy.astype(np.float64)
+    y_ref, dqkv_ref = masked_attention(q64, n_head, np.ones((n_head, T, T)), 1, True, dy64)
+    np.testing.assert_allclose(y.astype(np.float64), y_ref, rtol=0, atol=4e-3)
+    scale = np.abs(dqkv_ref).max()
+    np.testing.assert_allclose(dqkv.astype(np.float64) / scale, dqkv_ref / scale, atol=4e-3)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_finite_differences(rng, sparse):
+    n_head, T, hd, block = 2, 12, 3, 3
+    layout = causal_layout(random_layout(rng, n_head, T // block)) if sparse else None
+    args = (layout, block) if sparse else ()
+    qkv = rng.standard_normal((2, T, 3 * n_head * hd))
+    dy = rng.standard_normal((2, T, n_head * hd))
+    dqkv = FA.flash_attention_backward(dy, FA.flash_attention_forward(qkv, n_head, *args)[1])
+
+    def f():
+        return float((FA.flash_attention_forward(qkv, n_head, *args)[0] * dy).sum())
+
+    check(f, qkv, dqkv, rng, "qkv")
+
+
+def test_a_key_block_no_query_keeps_gets_zero_gradients(rng):
+    layout = np.tri(4, dtype=bool)[None].copy()
+    layout[0, 2:, 1] = False  # key block 1: only its own row keeps it
+    layout[0, 1, 1] = False
+    layout[0, 1, 0] = True
+    qkv = rng.standard_normal((1, 16, 12))
+    y, cache = FA.flash_attention_forward(qkv, 1, layout, 4)
+    dqkv = FA.flash_attention_backward(rng.standard_normal(y.shape), cache)
+    assert (dqkv[0, 4:8, 4:] == 0).all() and (dqkv[0, 8:, 4:] != 0).all()
+
+
+def test_layouts_as_csr():
+    kept = np.array([[[1, 0, 0], [1, 1, 0], [0, 1, 1]], [[1, 0, 0], [0, 1, 0], [1, 0, 1]]], bool)
+    layout = FA.sparse_layout(kept, 4)
+    assert layout.row_ptr.tolist() == [[0, 1, 3, 5], [5, 6, 7, 9]]
+    assert layout.cols.tolist() == [0, 0, 1, 1, 2, 0, 1, 0, 2]
+    assert layout.col_ptr.tolist() == [[0, 2, 4, 5], [5, 7, 8, 9]]
+    assert layout.rows.tolist() == [0, 1, 1, 2, 2, 0, 2, 1, 2]
+    assert [layout.keys(1, i).tolist() for i in range(3)] == [[0], [1], [0, 2]]
+    assert FA.sparse_layout(kept.copy(), 4) is layout  # made once per layout
+    dense = FA.dense_layout(130)
+    assert (dense.heads, dense.nb, dense.block) == (1, 3, FA.FLASH_BLOCK)
+    assert dense.cols.tolist() == [0, 0, 1, 0, 1, 2]
+
+
+def test_bad_shapes_are_refused(rng):
+    qkv = rng.standard_normal((1, 30, 12))
+    with pytest.raises(ValueError, match="sequence length 30"):
+        FA.flash_attention_forward(qkv, 2, np.ones((2, 3, 3), bool), 8)
+    with pytest.raises(ValueError, match="3 heads for n_head 2"):
+        FA.flash_attention_forward(qkv[:, :24], 2, np.tri(3, dtype=bool)[None].repeat(3, 0), 8)
+
+
+@pytest.mark.parametrize("kernel", ["flash_forward", "flash_backward_dq", "flash_backward_dkv"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_tiles_fit_shared_memory_and_divide_the_block(kernel, dtype):
+    acc = kernels.acc_dtype(dtype)
+    for block in (1, 4, 12, 16, 64, 128):
+        for hd in (4, 64, 128):
+            s = FA.tile_rows(kernel, block, hd, acc)
+            assert block % s == 0 and FA._shared_bytes(kernel, s, hd, acc) <= FA.SHARED_BYTES
+            assert s == block or s == 64 or FA._shared_bytes(kernel, 2 * s, hd, acc) > \
+                FA.SHARED_BYTES or block % (2 * s)
+    with pytest.raises(ValueError, match="heads of size 5000"):
+        FA.tile_rows(kernel, 16, 5000, acc)
+
+
+# -- the CUDA kernels: their control flow in Python, their source through NVRTC -----------------
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float16])
+@pytest.mark.parametrize("sparse, T, s", [(False, 70, 32), (False, 70, 16), (False, 9, 64),
+                                          (True, 32, 4), (True, 32, 2), (True, 32, 8)])
+def test_the_kernels_control_flow_equals_the_twin(rng, dtype, sparse, T, s):
+    """flash_emulation walks each kernel's grid, CSR lists, tile skips and masks at tile rows
+    s (several tiles a block, a ragged last block, heads with their own layouts): the twin's
+    y, lse and dqkv, to round-off (float64) or fp16's output rounding."""
+    n_head, hd, block = 2, 5, 8
+    layout = (FA.sparse_layout(causal_layout(random_layout(rng, n_head, T // block)), block)
+              if sparse else FA.dense_layout(T))
+    qkv = rng.standard_normal((2, T, 3 * n_head * hd)).astype(dtype)
+    dy = rng.standard_normal((2, T, n_head * hd)).astype(dtype)
+    y, lse = FA._forward_twin(qkv, layout, n_head)
+    dqkv = FA._backward_twin(dy, qkv, y, lse, layout, n_head)
+    y_k, lse_k = flash_emulation.forward(qkv, layout, n_head, s)
+    dqkv_k = flash_emulation.backward(dy, qkv, y_k, lse_k, layout, n_head, s, max(1, s // 2))
+    tol = 1e-12 if dtype == np.float64 else 2e-3
+    for got, want in ((y_k, y), (lse_k, lse), (dqkv_k, dqkv)):
+        assert np.isfinite(got).all()  # every element written
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol,
+                                   atol=tol)
+
+
+OPTION_SETS = [("__half", "float"), ("float", "float"), ("double", "double")]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("t, acc", OPTION_SETS)
+def test_flash_source_compiles_without_warnings(nvrtc_lib, t, acc, arch):  # noqa: F811
+    """FLASH_SOURCE after SOURCE (one module, as zmpi.flash_attention compiles it)."""
+    ok, log = _compile(nvrtc_lib, kernels.SOURCE + FLASH_SOURCE, t, acc, arch)
+    assert ok, f"T={t}, ACC={acc}, {arch}:\n{log}"
+    assert log == "", f"T={t}, ACC={acc}, {arch}: NVRTC warns:\n{log}"
+
+
+_SIGNATURE = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\)')
+
+
+def _signatures():
+    out = {}
+    for name, params in _SIGNATURE.findall(FLASH_SOURCE):
+        out[name] = [(" ".join(p.split()[:-1]).removeprefix("const ").endswith("*"),
+                      " ".join(p.split()[:-1]).removeprefix("const ").rstrip("*").strip())
+                     for p in params.split(",")]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_launchers_pass_what_the_kernels_declare(monkeypatch, dtype):
+    signatures, calls = _signatures(), []
+    assert set(signatures) == {"flash_forward", "flash_backward_dq", "flash_backward_dkv"}
+
+    class Module:
+        def get_function(self, name):
+            return lambda grid, block, args, shared_mem: calls.append(
+                (name, grid, block, args, shared_mem))
+
+    monkeypatch.setattr(backend, "xp", np)
+    monkeypatch.setattr(FA, "_module", lambda t, acc: Module())
+    rng = np.random.default_rng(0)
+    for layout, block in ((None, None), (causal_layout(random_layout(rng, 2, 4)), 16)):
+        qkv = rng.standard_normal((2, 64, 3 * 2 * 8)).astype(dtype)
+        y, lse = FA.cuda_flash_forward(qkv, FA.dense_layout(64) if layout is None else
+                                       FA.sparse_layout(layout, block), 2)
+        FA.cuda_flash_backward(qkv[..., :16].copy(), qkv, y, lse, FA.dense_layout(64), 2)
+    assert {c[0] for c in calls} == set(signatures)
+    t, acc = kernels._C_TYPES[np.dtype(dtype)], kernels._C_TYPES[kernels.acc_dtype(dtype)]
+    for name, grid, block, args, shared_mem in calls:
+        assert block == (kernels.THREADS,) and 0 < shared_mem <= FA.SHARED_BYTES
+        assert all(isinstance(g, int) and g >= 1 for g in grid)
+        assert len(args) == len(signatures[name]), name
+        for i, (arg, (pointer, ctype)) in enumerate(zip(args, signatures[name], strict=True)):
+            want = np.dtype(_expected_dtype(ctype, t, acc))
+            if pointer:
+                assert isinstance(arg, np.ndarray) and arg.flags.c_contiguous, (name, i)
+                assert arg.dtype == want, f"{name} argument {i}: {arg.dtype}, wants {want}"
+            else:
+                assert type(arg) is want.type, f"{name} argument {i}: {type(arg)}, wants {want}"
+
+
+# -- the config key and the GPT on the stand-in -------------------------------------------------
+
+def test_the_config_key():
+    assert Config.from_dict({}).attention_kernel == "blocked"
+    assert Config.from_dict({"attention_kernel": "flash"}).attention_kernel == "flash"
+    with pytest.raises(ConfigError, match="attention_kernel.*'fast'"):
+        Config.from_dict({"attention_kernel": "fast"})
+    with pytest.raises(ConfigError, match="attention_kernel.*composed"):
+        Config.from_dict({"attention_kernel": "flash", "kernels": "composed"})
+    with pytest.raises(ConfigError, match="attention_kernel.*NumPy"):
+        FA.set_kernel("flash")  # this process computes with NumPy
+    FA.set_kernel("blocked")
+
+
+def test_an_engine_on_numpy_refuses_flash():
+    from zmpi.engine import Engine
+    from zmpi.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=8, seq_len=4, n_layer=1, n_head=1, d_model=4)
+    with pytest.raises(ConfigError, match="attention_kernel"):
+        Engine(GPT(cfg, seed=0), {"train_micro_batch_size_per_gpu": 2,
+                                  "attention_kernel": "flash"})
+
+
+STANDIN_GPT = """
+import json, sys
+sys.path[:0] = ["tests/ranks", "tests"]
+import cupy, numpy as np
+from zero_checks import config
+from zmpi import flash_attention as FA
+from zmpi.comm import Comm
+from zmpi.data import SyntheticSource
+from zmpi.engine import Engine
+from zmpi.models.gpt import GPT, GPTConfig
+
+comm, out = Comm(), {}
+count = getattr(cupy, "LAUNCHES", [0])  # the stand-in's; nothing on a GPU
+SPARSE = {"mode": "fixed", "block": 4, "num_local_blocks": 2, "attention": "unidirectional",
+          "different_layout_per_head": True, "num_different_global_patterns": 2}
+for name, sparse, T in (("dense", None, 20), ("sparse", SPARSE, 16)):
+    for dtype in ("fp32", "fp16"):
+        for kernel in ("blocked", "flash"):
+            launches = {}
+            for n_layer in (1, 2):
+                cfg = GPTConfig(vocab_size=16, seq_len=T, n_layer=n_layer, n_head=2, d_model=16)
+                section = {"sparse_attention": sparse} if sparse else {}
+                engine = Engine(GPT(cfg, seed=0, sparse_attention=sparse),
+                                {**config(0, dtype), "attention_kernel": kernel, **section}, comm)
+                data = SyntheticSource(16, T, 12, 0, 1, seed=1)
+                losses = [engine.train_step(*data.sample(0))]
+                before = count[0]
+                losses += [engine.train_step(*data.sample(s)) for s in (1, 2)]
+                launches[n_layer] = (count[0] - before) / 2
+            out[f"{name} {dtype} {kernel}"] = [losses, launches[2] - launches[1]]
+qkv = cupy.asarray(np.random.default_rng(0).standard_normal((2, 20, 24)).astype(np.float32))
+FA.set_kernel("flash")
+before = count[0]
+y, cache = FA.flash_attention_forward(qkv, 2)
+forward = count[0] - before
+FA.flash_attention_backward(y, cache)
+out["core"] = [forward, count[0] - before - forward]
+print(json.dumps(out))
+"""
+
+
+def test_a_gpt_trains_alike_with_flash_on_the_standin():
+    """A GPT (dense with a ragged block, and DeepSpeed's fixed layout), fp32 and fp16, trains
+    on the CuPy stand-in to the blocked path's losses with "attention_kernel": "flash" (fp32
+    to 1e-6, fp16 to 1e-4: the blocked path rounds its products to fp16), its attention core
+    one launch forward and two backward, so fewer launches a layer (measured here: 37 against
+    the blocked path's 48-52 dense and 175-221 sparse)."""
+    out = json.loads(subprocess.run([sys.executable, "-c", STANDIN_GPT], env=STANDIN,
+                                    cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+                                    timeout=300).stdout)
+    assert out.pop("core") == [1, 2]
+    for key, (losses, per_layer) in out.items():
+        name, dtype, kernel = key.split()
+        if kernel == "blocked":
+            continue
+        blocked, blocked_per_layer = out[f"{name} {dtype} blocked"]
+        np.testing.assert_allclose(losses, blocked, rtol=1e-6 if dtype == "fp32" else 1e-4)
+        assert per_layer < blocked_per_layer, (key, per_layer, blocked_per_layer)
+
+
+def test_the_bench_runs_at_a_toy_size(tmp_path):
+    """experiments/bench_flash_attention.py --tiny on the stand-in: every row (the attention
+    core blocked and flash, dense and sparse, and a GPT step each way) runs and is recorded;
+    the stand-in's times are no figures."""
+    subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "bench_flash_attention.py"),
+                    "--tiny", "--out", str(tmp_path)], env=STANDIN, cwd=REPO_ROOT, check=True,
+                   capture_output=True, timeout=300)
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["case"], r["path"]) for r in rows] == [
+        ("attention core dense", "blocked"), ("attention core dense", "flash"),
+        ("attention core fixed", "blocked"), ("attention core fixed", "flash"),
+        ("GPT step", "blocked"), ("GPT step", "flash")]
+    assert all(r["seconds"] > 0 for r in rows)
+
+
+# -- on a GPU ---------------------------------------------------------------------------------
+
+def _cupy_on_a_gpu():
+    cupy = pytest.importorskip("cupy")
+    if getattr(cupy, "STANDIN", False) or cupy.cuda.runtime.getDeviceCount() == 0:
+        pytest.skip("needs a CUDA device")
+    return cupy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_each_cuda_launcher_matches_its_twin(dtype):
+    """On a GPU: flash forward (y, lse) and backward (dqkv) against the twin, dense (T 200: a
+    ragged last block; hd 64) and DeepSpeed's fixed layout (block 16, heads' own layouts):
+    1e-5 relative in fp32, fp16's output rounding in fp16."""
+    cupy = _cupy_on_a_gpu()
+    rng = np.random.default_rng(0)
+    tol = {np.float16: 4e-3, np.float32: 1e-5, np.float64: 1e-12}[dtype]
+    n_head, hd = 4, 64
+    fixed = sparsity_from_dict({"mode": "fixed", "block": 16, "different_layout_per_head": True,
+                                "num_different_global_patterns": 4}, n_head)
+    for T, layout in ((200, None), (256, FA.sparse_layout(causal_layout(
+            fixed.make_layout(256)), 16))):
+        layout = layout or FA.dense_layout(T)
+        qkv = rng.standard_normal((2, T, 3 * n_head * hd)).astype(dtype)
+        dy = rng.standard_normal((2, T, n_head * hd)).astype(dtype)
+        y, lse = FA.cuda_flash_forward(cupy.asarray(qkv), layout, n_head)
+        ty, tlse = FA._forward_twin(qkv, layout, n_head)
+        dqkv = FA.cuda_flash_backward(cupy.asarray(dy), cupy.asarray(qkv), y, lse, layout,
+                                      n_head)
+        tdqkv = FA._backward_twin(dy, qkv, ty, tlse, layout, n_head)
+        for got, want in ((y, ty), (lse, tlse), (dqkv, tdqkv)):
+            np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float64),
+                                       want.astype(np.float64), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_a_gpt_step_with_flash_equals_without_on_a_gpu():
+    """On a GPU: the stand-in test's GPT losses over three steps, dense and fixed-sparse, with
+    and without "attention_kernel": "flash": fp32 to 1e-5, fp16 to 1e-3 (the blocked path's
+    products in fp16); and its attention core in one launch and two."""
+    _cupy_on_a_gpu()
+    out = json.loads(subprocess.run([sys.executable, "-c", STANDIN_GPT],
+                                    env=child_env(ZMPI_BACKEND="cupy",
+                                                  PYTHONPATH=str(REPO_ROOT)),
+                                    cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+                                    timeout=600).stdout)
+    out.pop("core")
+    for key, (losses, _) in out.items():
+        name, dtype, kernel = key.split()
+        if kernel == "flash":
+            np.testing.assert_allclose(losses, out[f"{name} {dtype} blocked"][0],
+                                       rtol=1e-5 if dtype == "fp32" else 1e-3)
+

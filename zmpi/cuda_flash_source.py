@@ -1,0 +1,279 @@
+"""The CUDA C++ of zmpi.flash_attention: `FLASH_SOURCE`, fused flash-style causal attention over
+a block layout (dense causal attention is the lower-triangular layout), forward and backward.
+It is compiled after zmpi.cuda_source.SOURCE, in the same module, and uses its helpers (T, ACC,
+to_acc, store, acc_exp, acc_log, neg_inf, warp_reduce); tests/test_kernels_compile.py compiles
+`SOURCE + FLASH_SOURCE` with NVRTC for every dtype.
+
+SIMT kernels (no tensor cores): one block of threads per (tile of S query or key rows, batch x
+head), S a divisor of the layout's block chosen by the launcher so that the tiles fit in 48 KiB
+of dynamic shared memory (zmpi.flash_attention.tile_rows). Tiles are held in ACC, rows padded
+to hd + 1 elements (no bank conflicts between rows). The layout is CSR on the device: for
+layout head l (l = 0 for every head when layout_heads is 1, else the head), row_ptr[l * (nb +
+1) + i] .. row_ptr[l * (nb + 1) + i + 1] index `cols`, the key blocks query block i keeps,
+ascending; the backward of keys reads the transpose (col_ptr, rows) the same way. Inside the
+kept blocks the mask is causal by token (key <= query) and keys at or past `seq` are masked
+(a ragged last block of a dense layout). No T x T matrix exists anywhere: scores live only as
+an S x S tile in shared memory.
+
+Layouts in global memory: qkv (B, seq, 3C) [q | k | v], head h's columns h hd .. (h + 1) hd of
+each third; y, dy (B, seq, C); dqkv (B, seq, 3C); lse, delta (B nh, seq) ACC. q is scaled by
+`scale` (1 / sqrt(hd)) as it is read, in ACC.
+"""
+
+FLASH_SOURCE = r"""
+// rows [r0, r0 + S) of one head's q, k or v (`src` at its first column, rows `stride` apart)
+// into tile (S, ld) in ACC, times `mul`; zeros past seq
+__device__ void flash_load(const T* src, const long long stride, const int r0, const int seq,
+                           const int S, const int hd, const int ld, ACC* tile, const ACC mul) {
+    for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
+        const int r = e / hd, d = e % hd;
+        tile[r * ld + d] = r0 + r < seq ? to_acc(src[(r0 + r) * stride + d]) * mul : (ACC)0;
+    }
+}
+
+// dot product of tile rows a[r] and b[c] over hd
+__device__ __forceinline__ ACC flash_dot(const ACC* a, const ACC* b, const int hd) {
+    ACC s = 0;
+    for (int d = 0; d < hd; ++d) s += a[d] * b[d];
+    return s;
+}
+
+// the key (or query) block lists of the layout row (or column) `i` for head h: [*begin, *end)
+__device__ __forceinline__ void flash_list(const int* ptr, const int h, const int layout_heads,
+                                           const int nb, const int i, int* begin, int* end) {
+    const int* p = ptr + (layout_heads == 1 ? 0 : h) * (nb + 1);
+    *begin = p[i];
+    *end = p[i + 1];
+}
+
+// y (B, seq, C) and lse (B nh, seq): for query rows q0 .. q0 + S of head h (grid (nb block / S,
+// B nh)), the online softmax (running max m, sum l) over the key blocks the layout keeps, S
+// keys at a time: o = o alpha + p v with p = exp(s - m_new), alpha = exp(m_old - m_new).
+extern "C" __global__ void flash_forward(const T* qkv, const int* row_ptr, const int* cols,
+                                         T* y, ACC* lse, const int seq, const int nh,
+                                         const int hd, const int block, const int layout_heads,
+                                         const int S, const ACC scale) {
+    extern __shared__ __align__(16) unsigned char flash_smem[];
+    const int ld = hd + 1, C = nh * hd, nb = (seq + block - 1) / block;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    ACC* sQ = reinterpret_cast<ACC*>(flash_smem);
+    ACC* sO = sQ + S * ld;
+    ACC* sK = sO + S * ld;
+    ACC* sV = sK + S * ld;
+    ACC* sP = sV + S * ld;  // (S, S)
+    ACC* sM = sP + S * S;
+    ACC* sL = sM + S;
+    ACC* sA = sL + S;
+    const int bh = blockIdx.y, b = bh / nh, h = bh % nh, q0 = blockIdx.x * S;
+    const long long stride = 3LL * C;
+    const T* base = qkv + (long long)b * seq * stride + h * hd;
+    flash_load(base, stride, q0, seq, S, hd, ld, sQ, scale);
+    for (int e = threadIdx.x; e < S * ld; e += blockDim.x) sO[e] = 0;
+    for (int r = threadIdx.x; r < S; r += blockDim.x) {
+        sM[r] = neg_inf((ACC)0);
+        sL[r] = 0;
+    }
+    int begin, end;
+    flash_list(row_ptr, h, layout_heads, nb, q0 / block, &begin, &end);
+    for (int n = begin; n < end; ++n) {
+        for (int k0 = cols[n] * block; k0 < (cols[n] + 1) * block; k0 += S) {
+            if (k0 > q0 + S - 1 || k0 >= seq) continue;  // every key after every query
+            __syncthreads();  // the previous tile's readers are done
+            flash_load(base + C, stride, k0, seq, S, hd, ld, sK, (ACC)1);
+            flash_load(base + 2 * C, stride, k0, seq, S, hd, ld, sV, (ACC)1);
+            __syncthreads();
+            for (int e = threadIdx.x; e < S * S; e += blockDim.x) {
+                const int r = e / S, c = e % S;
+                const ACC s = flash_dot(sQ + r * ld, sK + c * ld, hd);
+                sP[e] = k0 + c <= q0 + r && k0 + c < seq ? s : neg_inf(s);
+            }
+            __syncthreads();
+            for (int r = warp; r < S; r += warps) {  // a warp a row
+                ACC mx = neg_inf((ACC)0);
+                for (int c = lane; c < S; c += 32) mx = sP[r * S + c] > mx ? sP[r * S + c] : mx;
+                mx = warp_reduce(mx, true);
+                const ACC m_old = sM[r], m_new = mx > m_old ? mx : m_old;
+                const ACC m_use = m_new == neg_inf(m_new) ? (ACC)0 : m_new;  // all masked so far
+                ACC sum = 0;
+                for (int c = lane; c < S; c += 32) {
+                    const ACC p = acc_exp(sP[r * S + c] - m_use);
+                    sP[r * S + c] = p;
+                    sum += p;
+                }
+                sum = warp_reduce(sum, false);
+                if (lane == 0) {
+                    const ACC alpha = acc_exp(m_old - m_use);
+                    sA[r] = alpha;
+                    sL[r] = sL[r] * alpha + sum;
+                    sM[r] = m_new;
+                }
+            }
+            __syncthreads();
+            for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
+                const int r = e / hd, d = e % hd;
+                ACC o = 0;
+                for (int c = 0; c < S; ++c) o += sP[r * S + c] * sV[c * ld + d];
+                sO[r * ld + d] = sO[r * ld + d] * sA[r] + o;
+            }
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
+        const int r = e / hd, d = e % hd;
+        if (q0 + r < seq)
+            store(y + ((long long)b * seq + q0 + r) * C + h * hd + d, sO[r * ld + d] / sL[r]);
+    }
+    for (int r = threadIdx.x; r < S; r += blockDim.x)
+        if (q0 + r < seq) lse[(long long)bh * seq + q0 + r] = sM[r] + acc_log(sL[r]);
+}
+
+// FlashAttention-2's backward, queries: delta = rowsum(dy y) (B nh, seq) for the rows q0 .. q0
+// + S, and dq = scale sum over kept keys of ds k, ds = p (dp - delta), p = exp(s - lse), dp =
+// dy v^T, into dqkv's q third. Runs before flash_backward_dkv, which reads delta.
+extern "C" __global__ void flash_backward_dq(const T* qkv, const T* y, const T* dy,
+                                             const ACC* lse, const int* row_ptr,
+                                             const int* cols, T* dqkv, ACC* delta,
+                                             const int seq, const int nh, const int hd,
+                                             const int block, const int layout_heads,
+                                             const int S, const ACC scale) {
+    extern __shared__ __align__(16) unsigned char flash_smem[];
+    const int ld = hd + 1, C = nh * hd, nb = (seq + block - 1) / block;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    ACC* sQ = reinterpret_cast<ACC*>(flash_smem);
+    ACC* sDY = sQ + S * ld;
+    ACC* sDQ = sDY + S * ld;
+    ACC* sK = sDQ + S * ld;
+    ACC* sV = sK + S * ld;
+    ACC* sP = sV + S * ld;  // (S, S): ds
+    ACC* sLse = sP + S * S;
+    ACC* sD = sLse + S;
+    const int bh = blockIdx.y, b = bh / nh, h = bh % nh, q0 = blockIdx.x * S;
+    const long long stride = 3LL * C;
+    const T* base = qkv + (long long)b * seq * stride + h * hd;
+    const long long row0 = (long long)b * seq * C + h * hd;  // y, dy: row 0 of the head
+    flash_load(base, stride, q0, seq, S, hd, ld, sQ, scale);
+    flash_load(dy + row0, C, q0, seq, S, hd, ld, sDY, (ACC)1);
+    for (int e = threadIdx.x; e < S * ld; e += blockDim.x) sDQ[e] = 0;
+    for (int r = warp; r < S; r += warps) {  // a warp a row
+        ACC dot = 0;
+        if (q0 + r < seq)
+            for (int d = lane; d < hd; d += 32)
+                dot += to_acc(dy[row0 + (long long)(q0 + r) * C + d])
+                       * to_acc(y[row0 + (long long)(q0 + r) * C + d]);
+        dot = warp_reduce(dot, false);
+        if (lane == 0) {
+            sD[r] = dot;
+            sLse[r] = q0 + r < seq ? lse[(long long)bh * seq + q0 + r] : (ACC)0;
+            if (q0 + r < seq) delta[(long long)bh * seq + q0 + r] = dot;
+        }
+    }
+    int begin, end;
+    flash_list(row_ptr, h, layout_heads, nb, q0 / block, &begin, &end);
+    for (int n = begin; n < end; ++n) {
+        for (int k0 = cols[n] * block; k0 < (cols[n] + 1) * block; k0 += S) {
+            if (k0 > q0 + S - 1 || k0 >= seq) continue;  // every key after every query
+            __syncthreads();
+            flash_load(base + C, stride, k0, seq, S, hd, ld, sK, (ACC)1);
+            flash_load(base + 2 * C, stride, k0, seq, S, hd, ld, sV, (ACC)1);
+            __syncthreads();
+            for (int e = threadIdx.x; e < S * S; e += blockDim.x) {
+                const int r = e / S, c = e % S;
+                const bool kept = k0 + c <= q0 + r && k0 + c < seq && q0 + r < seq;
+                const ACC p = kept ? acc_exp(flash_dot(sQ + r * ld, sK + c * ld, hd) - sLse[r])
+                                   : (ACC)0;
+                sP[e] = p * (flash_dot(sDY + r * ld, sV + c * ld, hd) - sD[r]);
+            }
+            __syncthreads();
+            for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
+                const int r = e / hd, d = e % hd;
+                ACC g = 0;
+                for (int c = 0; c < S; ++c) g += sP[r * S + c] * sK[c * ld + d];
+                sDQ[r * ld + d] += g;
+            }
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
+        const int r = e / hd, d = e % hd;
+        if (q0 + r < seq)
+            store(dqkv + ((long long)b * seq + q0 + r) * stride + h * hd + d,
+                  sDQ[r * ld + d] * scale);
+    }
+}
+
+// FlashAttention-2's backward, keys: for key rows k0 .. k0 + S of head h, over the query
+// blocks that keep their block (the transposed layout col_ptr, rows): dv = sum p^T dy, dk = sum
+// ds^T q (q scaled), into dqkv's k and v thirds. A key no query keeps gets zeros.
+extern "C" __global__ void flash_backward_dkv(const T* qkv, const T* dy, const ACC* lse,
+                                              const ACC* delta, const int* col_ptr,
+                                              const int* rows, T* dqkv, const int seq,
+                                              const int nh, const int hd, const int block,
+                                              const int layout_heads, const int S,
+                                              const ACC scale) {
+    extern __shared__ __align__(16) unsigned char flash_smem[];
+    const int ld = hd + 1, C = nh * hd, nb = (seq + block - 1) / block;
+    ACC* sK = reinterpret_cast<ACC*>(flash_smem);
+    ACC* sV = sK + S * ld;
+    ACC* sDK = sV + S * ld;
+    ACC* sDV = sDK + S * ld;
+    ACC* sQ = sDV + S * ld;
+    ACC* sDY = sQ + S * ld;
+    ACC* sP = sDY + S * ld;  // (S queries, S keys): p
+    ACC* sS = sP + S * S;  // ds
+    ACC* sLse = sS + S * S;
+    ACC* sD = sLse + S;
+    const int bh = blockIdx.y, b = bh / nh, h = bh % nh, k0 = blockIdx.x * S;
+    const long long stride = 3LL * C;
+    const T* base = qkv + (long long)b * seq * stride + h * hd;
+    const long long row0 = (long long)b * seq * C + h * hd;
+    flash_load(base + C, stride, k0, seq, S, hd, ld, sK, (ACC)1);
+    flash_load(base + 2 * C, stride, k0, seq, S, hd, ld, sV, (ACC)1);
+    for (int e = threadIdx.x; e < S * ld; e += blockDim.x) {
+        sDK[e] = 0;
+        sDV[e] = 0;
+    }
+    int begin, end;
+    flash_list(col_ptr, h, layout_heads, nb, k0 / block, &begin, &end);
+    for (int n = begin; n < end; ++n) {
+        for (int q0 = rows[n] * block; q0 < (rows[n] + 1) * block; q0 += S) {
+            if (q0 + S - 1 < k0 || q0 >= seq || k0 >= seq) continue;  // every query first
+            __syncthreads();
+            flash_load(base, stride, q0, seq, S, hd, ld, sQ, scale);
+            flash_load(dy + row0, C, q0, seq, S, hd, ld, sDY, (ACC)1);
+            for (int r = threadIdx.x; r < S; r += blockDim.x) {
+                sLse[r] = q0 + r < seq ? lse[(long long)bh * seq + q0 + r] : (ACC)0;
+                sD[r] = q0 + r < seq ? delta[(long long)bh * seq + q0 + r] : (ACC)0;
+            }
+            __syncthreads();
+            for (int e = threadIdx.x; e < S * S; e += blockDim.x) {
+                const int r = e / S, c = e % S;
+                const bool kept = k0 + c <= q0 + r && k0 + c < seq && q0 + r < seq;
+                const ACC p = kept ? acc_exp(flash_dot(sQ + r * ld, sK + c * ld, hd) - sLse[r])
+                                   : (ACC)0;
+                sP[e] = p;
+                sS[e] = p * (flash_dot(sDY + r * ld, sV + c * ld, hd) - sD[r]);
+            }
+            __syncthreads();
+            for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
+                const int c = e / hd, d = e % hd;
+                ACC gv = 0, gk = 0;
+                for (int r = 0; r < S; ++r) {
+                    gv += sP[r * S + c] * sDY[r * ld + d];
+                    gk += sS[r * S + c] * sQ[r * ld + d];
+                }
+                sDV[c * ld + d] += gv;
+                sDK[c * ld + d] += gk;
+            }
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
+        const int c = e / hd, d = e % hd;
+        if (k0 + c < seq) {
+            T* row = dqkv + ((long long)b * seq + k0 + c) * stride + h * hd + d;
+            store(row + C, sDK[c * ld + d]);
+            store(row + 2 * C, sDV[c * ld + d]);
+        }
+    }
+}
+"""

@@ -1,0 +1,307 @@
+"""Fused flash-style causal attention over a block layout, forward and backward: one CUDA kernel
+forward, two backward, for dense causal attention (the lower-triangular layout of FLASH_BLOCK
+blocks, a ragged last block allowed) and for block-sparse layouts (zmpi.nn.sparsity, T a
+multiple of the block). Opt-in on a GPU: the config's "attention_kernel": "flash" (`set_kernel`);
+CausalSelfAttention then calls `flash_attention_forward` / `flash_attention_backward` on device
+arrays. The CPU keeps zmpi.nn.attention and zmpi.nn.sparse_attention.
+
+    y, cache = flash_attention_forward(qkv, n_head)                   # dense causal
+    y, cache = flash_attention_forward(qkv, n_head, layout, block)    # a causal block layout
+    dqkv = flash_attention_backward(dy, cache)
+
+The algorithm (Dao et al., FlashAttention-2): each block of query rows runs an online softmax
+over the key blocks its layout row keeps, in ascending order, keeping a running max m and sum l
+and rescaling the output by exp(m_old - m_new) as it goes; it writes y and the row
+log-sum-exp lse = m + log l, never a T x T matrix. Backward recomputes p = exp(s - lse) from q,
+k and lse: delta = rowsum(dy y); per query block dq = scale sum ds k with ds = p (dy v^T -
+delta); per key block, over the query blocks whose layout keeps it (the transposed layout), dk =
+sum ds^T q' and dv = sum p^T dy. Every sum runs in float32 (float64 for float64 inputs); q is
+scaled by 1 / sqrt(hd) as it is read; y and dqkv are in qkv's dtype, lse in the accumulator's.
+
+A fused op in zmpi.kernels' sense: its twin (`_forward_twin`, `_backward_twin`) is the same
+blocked algorithm in NumPy, block by block (the CUDA kernels go in tiles of S rows, S a divisor
+of the block: the same sums in another order); the stand-in runs the twin counted as the
+kernels' launches, a GPU runs FLASH_SOURCE (zmpi.cuda_flash_source) through CuPy's RawModule,
+compiled per dtype with zmpi.kernels' options (--fmad=false). SIMT, no tensor cores.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from zmpi import backend, kernels
+from zmpi.cuda_flash_source import FLASH_SOURCE
+from zmpi.cuda_source import SOURCE
+
+KERNELS = ("blocked", "flash")  # the config's attention_kernel
+FLASH_BLOCK = 64  # the block of dense causal attention's layout
+SHARED_BYTES = 48 << 10  # dynamic shared memory a block may take without opting in
+_kernel = ["blocked"]
+
+
+def set_kernel(name: str) -> None:
+    """The config's attention_kernel: "blocked" (zmpi.nn.attention's and sparse_attention's
+    array operations, the default) or "flash" (the fused kernels here, on CuPy arrays).
+    Process-wide, like zmpi.kernels.set_mode. ConfigError for "flash" on NumPy: the fused
+    kernels run on a GPU only; the CPU computes attention the blocked way."""
+    from zmpi.config import ConfigError
+
+    if name not in KERNELS:
+        raise ConfigError("attention_kernel", f"{name!r}: use one of {', '.join(KERNELS)}")
+    if name == "flash" and not backend.is_gpu:
+        raise ConfigError("attention_kernel", "\"flash\" runs fused CUDA kernels, which need "
+                                              "CuPy on an NVIDIA GPU; this process computes "
+                                              "with NumPy (use \"blocked\")")
+    _kernel[0] = name
+
+
+def enabled_for(qkv) -> bool:
+    """Whether attention on `qkv` takes the flash kernels: "flash" set and a device array."""
+    return _kernel[0] == "flash" and backend.is_device_array(qkv)
+
+
+class Layout:
+    """A causal block layout in CSR, made once per layout (`dense_layout`, `sparse_layout`):
+    row_ptr (heads, nb + 1) and cols, the key blocks each query block keeps, ascending; col_ptr
+    and rows, the transpose (the query blocks that keep each key block, ascending); int32 host
+    arrays, copied to the device once on first use (`device`). heads: 1 (every head) or n_head.
+    """
+
+    def __init__(self, kept: np.ndarray, block: int):
+        self.heads, self.nb = kept.shape[0], kept.shape[1]
+        self.block = block
+        self.row_ptr, self.cols = _csr(kept)
+        self.col_ptr, self.rows = _csr(kept.transpose(0, 2, 1))
+        self._device = None
+
+    def keys(self, head: int, i: int) -> np.ndarray:
+        """The key blocks query block i of head `head` keeps, ascending."""
+        p = self.row_ptr[0 if self.heads == 1 else head]
+        return self.cols[p[i]:p[i + 1]]
+
+    def device(self):
+        """(row_ptr, cols, col_ptr, rows) in device memory."""
+        if self._device is None:
+            self._device = tuple(backend.xp.asarray(a) for a in
+                                 (self.row_ptr, self.cols, self.col_ptr, self.rows))
+        return self._device
+
+
+def _csr(kept):
+    """(ptr (heads, nb + 1), indices) int32 of the True entries of each row of kept (heads, nb,
+    nb); ptr offsets are global (head l's row i: ptr[l, i] .. ptr[l, i + 1])."""
+    counts = kept.sum(axis=-1).ravel()
+    ends = np.cumsum(counts)
+    starts = ends - counts
+    heads, nb = kept.shape[:2]
+    ptr = np.concatenate([starts.reshape(heads, nb), ends.reshape(heads, nb)[:, -1:]], axis=1)
+    return ptr.astype(np.int32), np.nonzero(kept)[2].astype(np.int32)
+
+
+@functools.lru_cache(maxsize=16)
+def dense_layout(T: int, block: int = FLASH_BLOCK) -> Layout:
+    """Dense causal attention over T positions: the lower-triangular layout of ceil(T / block)
+    blocks, one for every head."""
+    nb = -(-T // block)
+    return Layout(np.tri(nb, dtype=bool)[None], block)
+
+
+def sparse_layout(layout, block: int) -> Layout:
+    """The Layout of a causal block layout (heads, nb, nb) (zmpi.nn.layers.sparse_layout's:
+    intersected with the causal mask and checked), cached per layout."""
+    kept = np.asarray(layout, bool)
+    return _sparse_layout(kept.tobytes(), kept.shape, block)
+
+
+@functools.lru_cache(maxsize=16)
+def _sparse_layout(kept_bytes: bytes, shape, block: int) -> Layout:
+    return Layout(np.frombuffer(kept_bytes, bool).reshape(shape), block)
+
+
+class FlashCache(NamedTuple):
+    """What backward needs: qkv and y (B, T, C) in their dtype, lse (B, nh, T) in the
+    accumulator's, the layout and the head count."""
+    qkv: object
+    y: object
+    lse: object
+    layout: Layout
+    n_head: int
+
+
+def flash_attention_forward(qkv, n_head: int, layout=None, block: int | None = None):
+    """Causal multi-head attention of qkv (B, T, 3C) [q | k | v] -> (y (B, T, C), FlashCache):
+    dense causal (layout None; T any length), or over a causal block layout (n_head or 1,
+    T / block, T / block) (T a multiple of block: ValueError otherwise). Computes what
+    zmpi.nn.attention.attention_forward and zmpi.nn.sparse_attention.sparse_attention_forward
+    compute, to round-off."""
+    B, T, C3 = qkv.shape
+    if layout is None:
+        plan = dense_layout(T)
+    else:
+        if T % block or np.shape(layout)[1:] != (T // block, T // block):
+            raise ValueError(f"flash attention: a layout of shape {np.shape(layout)} at block "
+                             f"{block} for sequence length {T}")
+        plan = sparse_layout(layout, block)
+    if plan.heads not in (1, n_head):
+        raise ValueError(f"flash attention: a layout of {plan.heads} heads for n_head {n_head}")
+    y, lse = _forward(qkv, plan, n_head)
+    return y, FlashCache(qkv, y, lse, plan, n_head)
+
+
+def flash_attention_backward(dy, cache: FlashCache):
+    """dy (B, T, C) -> dqkv (B, T, 3C) in qkv's dtype."""
+    return _backward(dy, cache.qkv, cache.y, cache.lse, cache.layout, cache.n_head)
+
+
+# -- the twins: the blocked algorithm with array operations ------------------------------------
+
+def _heads(x, n_head: int, hd: int, acc, nb: int, block: int):
+    """x (B, T, n nh hd) -> (n, B, nh, nb, block, hd) in acc, zero past T."""
+    B, T, nC = x.shape
+    n = nC // (n_head * hd)
+    out = np.zeros((n, B, n_head, nb * block, hd), acc)
+    out[..., :T, :] = x.reshape(B, T, n, n_head, hd).transpose(2, 0, 3, 1, 4)
+    return out.reshape(n, B, n_head, nb, block, hd)
+
+
+def _steps(layout: Layout, n_head: int, i: int, T: int):
+    """For query block i: (j, valid) per step, j (nh,) the key block each head takes (0 past the
+    end of its list) and valid (nh, block, block) where its scores count (kept, key <= query,
+    both before T), the heads' lists walked side by side in ascending order."""
+    block = layout.block
+    lists = [layout.keys(h, i) for h in range(n_head)]
+    rows = i * block + np.arange(block)
+    for s in range(max(len(c) for c in lists)):
+        j = np.array([c[s] if s < len(c) else -1 for c in lists])
+        keys = np.maximum(j, 0)[:, None] * block + np.arange(block)  # (nh, block)
+        valid = ((keys[:, None, :] <= rows[None, :, None]) & (keys < T)[:, None, :]
+                 & (rows < T)[None, :, None] & (j >= 0)[:, None, None])
+        yield np.maximum(j, 0), valid
+
+
+def _forward_twin(qkv, layout: Layout, n_head: int):
+    B, T, C3 = qkv.shape
+    hd, acc, block, nb = C3 // 3 // n_head, kernels.acc_dtype(qkv.dtype), layout.block, layout.nb
+    q, k, v = _heads(qkv, n_head, hd, acc, nb, block)
+    q *= acc.type(1.0 / math.sqrt(hd))
+    y = np.empty((B, n_head, nb, block, hd), acc)
+    lse = np.empty((B, n_head, nb, block), acc)
+    heads = np.arange(n_head)
+    for i in range(nb):
+        m = np.full((B, n_head, block, 1), -np.inf, acc)
+        total = np.zeros((B, n_head, block, 1), acc)
+        o = np.zeros((B, n_head, block, hd), acc)
+        for j, valid in _steps(layout, n_head, i, T):
+            s = np.where(valid, q[:, :, i] @ k[:, heads, j].swapaxes(-1, -2), -np.inf)
+            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+            m_use = np.where(m_new == -np.inf, 0, m_new).astype(acc)  # all masked so far
+            p = np.exp(s - m_use)
+            alpha = np.exp(m - m_use)
+            total = total * alpha + p.sum(axis=-1, keepdims=True)
+            o = o * alpha + p @ v[:, heads, j]
+            m = m_new
+        with np.errstate(divide="ignore", invalid="ignore"):  # rows past T: none counted
+            y[:, :, i] = o / total
+            lse[:, :, i] = (m + np.log(total))[..., 0]
+    y = y.reshape(B, n_head, nb * block, hd)[:, :, :T].transpose(0, 2, 1, 3)
+    return (y.reshape(B, T, C3 // 3).astype(qkv.dtype),
+            np.ascontiguousarray(lse.reshape(B, n_head, nb * block)[..., :T]))
+
+
+def _backward_twin(dy, qkv, y, lse, layout: Layout, n_head: int):
+    B, T, C3 = qkv.shape
+    hd, acc, block, nb = C3 // 3 // n_head, kernels.acc_dtype(qkv.dtype), layout.block, layout.nb
+    scale = acc.type(1.0 / math.sqrt(hd))
+    q, k, v = _heads(qkv, n_head, hd, acc, nb, block)
+    q *= scale
+    dyh, yh = _heads(np.concatenate([dy, y], axis=-1), n_head, hd, acc, nb,
+                     block)
+    delta = (dyh * yh).sum(axis=-1)  # (B, nh, nb, block)
+    lse_b = np.zeros((B, n_head, nb * block), acc)
+    lse_b[..., :T] = lse
+    lse_b = lse_b.reshape(B, n_head, nb, block)
+    dq, dk, dv = np.zeros((3, B, n_head, nb, block, hd), acc)
+    heads = np.arange(n_head)
+    for i in range(nb):
+        for j, valid in _steps(layout, n_head, i, T):
+            k_j, v_j = k[:, heads, j], v[:, heads, j]
+            s = np.where(valid, q[:, :, i] @ k_j.swapaxes(-1, -2), -np.inf)
+            p = np.exp(s - lse_b[:, :, i, :, None])
+            ds = p * (dyh[:, :, i] @ v_j.swapaxes(-1, -2) - delta[:, :, i, :, None])
+            dq[:, :, i] += ds @ k_j
+            dk[:, heads, j] += ds.swapaxes(-1, -2) @ q[:, :, i]
+            dv[:, heads, j] += p.swapaxes(-1, -2) @ dyh[:, :, i]
+    dq *= scale
+    dqkv = np.stack([dq, dk, dv]).reshape(3, B, n_head, nb * block, hd)[..., :T, :]
+    return dqkv.transpose(1, 3, 0, 2, 4).reshape(B, T, C3).astype(qkv.dtype)
+
+
+# -- the CUDA launchers ---------------------------------------------------------------------------
+
+def tile_rows(kernel: str, block: int, hd: int, acc) -> int:
+    """S, the rows of a tile of `kernel` (flash_forward, flash_backward_dq, flash_backward_dkv):
+    the largest of 64, 32, ..., 1 that divides block and whose tiles fit SHARED_BYTES."""
+    for s in (64, 32, 16, 8, 4, 2, 1):
+        if block % s == 0 and _shared_bytes(kernel, s, hd, acc) <= SHARED_BYTES:
+            return s
+    raise ValueError(f"flash attention: heads of size {hd} do not fit a {kernel} tile in "
+                     f"{SHARED_BYTES} bytes of shared memory")
+
+
+def _shared_bytes(kernel: str, s: int, hd: int, acc) -> int:
+    """The dynamic shared memory of `kernel` at tiles of s rows (FLASH_SOURCE's layouts)."""
+    tiles, squares, rows = {"flash_forward": (4, 1, 3), "flash_backward_dq": (5, 1, 2),
+                            "flash_backward_dkv": (6, 2, 2)}[kernel]
+    return (tiles * s * (hd + 1) + squares * s * s + rows * s) * np.dtype(acc).itemsize
+
+
+@functools.cache
+def _module(t: str, acc: str):
+    return backend.xp.RawModule(code=SOURCE + FLASH_SOURCE,
+                                options=kernels.compile_options(t, acc))
+
+
+def _launch(kernel: str, qkv, layout: Layout, n_head: int, args):
+    """Run `kernel` on tiles of S rows over the layout's nb blocks for every (batch, head) of
+    qkv (B, T, 3C); args: the kernel's up to its `seq`, the shape arguments added here."""
+    B, T, C3 = qkv.shape
+    hd = C3 // 3 // n_head
+    acc = kernels.acc_dtype(qkv.dtype)
+    s = tile_rows(kernel, layout.block, hd, acc)
+    grid = (layout.nb * layout.block // s, B * n_head)
+    if 0 in grid or T == 0:
+        return
+    function = _module(kernels._C_TYPES[np.dtype(qkv.dtype)],
+                       kernels._C_TYPES[acc]).get_function(kernel)
+    function(grid, (kernels.THREADS,),
+             (*args, np.int32(T), np.int32(n_head), np.int32(hd), np.int32(layout.block),
+              np.int32(layout.heads), np.int32(s), acc.type(1.0 / math.sqrt(hd))),
+             shared_mem=_shared_bytes(kernel, s, hd, acc))
+
+
+def cuda_flash_forward(qkv, layout: Layout, n_head: int):
+    xp, (B, T, C3) = backend.xp, qkv.shape
+    y = xp.empty((B, T, C3 // 3), qkv.dtype)
+    lse = xp.empty((B, n_head, T), kernels.acc_dtype(qkv.dtype))
+    row_ptr, cols, _, _ = layout.device()
+    _launch("flash_forward", qkv, layout, n_head, (qkv, row_ptr, cols, y, lse))
+    return y, lse
+
+
+def cuda_flash_backward(dy, qkv, y, lse, layout: Layout, n_head: int):
+    xp = backend.xp
+    dqkv = xp.empty_like(qkv)
+    delta = xp.empty_like(lse)
+    row_ptr, cols, col_ptr, rows = layout.device()
+    _launch("flash_backward_dq", qkv, layout, n_head,
+            (qkv, y, dy, lse, row_ptr, cols, dqkv, delta))
+    _launch("flash_backward_dkv", qkv, layout, n_head,
+            (qkv, dy, lse, delta, col_ptr, rows, dqkv))
+    return dqkv
+
+
+_forward = kernels.fused(_forward_twin, cuda_flash_forward)
+_backward = kernels.fused(_backward_twin, cuda_flash_backward, launches=2)
