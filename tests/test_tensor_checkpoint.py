@@ -29,7 +29,7 @@ def work(tmp_path_factory):
 def test_a_checkpoint_saved_at_one_tensor_layout_loads_at_another(work):
     _, reports = work
     cases = reports[0]["cases"]
-    assert len(cases) == 15  # 3 of them with the vocabulary padded (PADDED)
+    assert len(cases) == 16  # 4 of them with the vocabulary padded (PADDED)
     for name, case in cases.items():
         precision = name.rsplit("_", 1)[-1] if name.endswith(("fp32", "fp16")) else "fp64"
         assert case["loaded_step"] == 3 and case["after_load"] == 0.0, (name, case)

@@ -13,7 +13,8 @@ the worst). Rank 0 writes each saver's parameters at the save to WORK_DIR/<case>
 offline tools (verify, consolidate). A checkpoint loaded into a model whose whole shapes
 differ (a vocabulary of 14, whose local slices at tp 2 are the same shape) is refused.
 The PADDED cases pad the vocabulary to a multiple (GPTConfig.vocab_multiple, times tp) at the
-saving and/or the loading layout: 13 -> 16 (8 rows a rank at tp 2), 128, 32 a rank at tp 4.
+saving and/or the loading layout: 13 -> 16 (8 rows a rank at tp 2), 128, 32 a rank at tp 4,
+16 in a pipeline of 2 stages (the last holds a copy of the padded table).
 """
 import sys
 from pathlib import Path
@@ -55,9 +56,11 @@ CASES = {
     "tp2pad8s3_to_tp1s1": (((2, 1), {"stage": 3}), (4, (1, 1), {"stage": 1}), "fp64"),
     "tp1pad128s2_to_tp4pad32s3": (((1, 1), {"stage": 2}), (4, (4, 1), {"stage": 3}), "fp64"),
     "tp4s1_to_tp1pad128s0": (((4, 1), {"stage": 1}), (4, (1, 1), {"stage": 0}), "fp64"),
+    "pp2pad16s1_to_tp2s2": (((1, 2), {"stage": 1}), (4, (2, 1), {"stage": 2}), "fp64"),
 }
 PADDED = {"tp2pad8s3_to_tp1s1": (8, 1), "tp1pad128s2_to_tp4pad32s3": (128, 32),
-          "tp4s1_to_tp1pad128s0": (1, 128)}  # case: (vocab_multiple saving, loading)
+          "tp4s1_to_tp1pad128s0": (1, 128), "pp2pad16s1_to_tp2s2": (16, 1)}
+# case: (vocab_multiple saving, loading)
 
 
 def build(comm, tp, zero, precision, vocab=CFG.vocab_size, pp=1, multiple=1):
