@@ -30,6 +30,11 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# Every example of README.md and docs/ run as written, its shown output compared (docs/testing.md)
+test-docs: $(STAMP)
+	$(PY) tests/docs_examples.py
+	$(PY) -m pytest -q -m docs tests/test_docs_examples.py
+
 # On a machine with an NVIDIA GPU: the GPU-marked tests and the multi-rank suites on CuPy.
 test-gpu: $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[gpu,dev]'
@@ -105,7 +110,7 @@ bench-debug: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_debug.py --out results/debug_n$(NP)
 
 # Tensor against data parallelism: every dp x tp layout of 4 ranks (and sequence parallelism),
-# the same GPT (~110M parameters) and batch.
+# the same GPT (101M parameters) and batch.
 bench-tensor: $(STAMP)
 	$(MPIEXEC) -n 4 $(PY) experiments/bench_tensor.py --n-layer 8 --d-model 1024 --n-head 16 \
 	  --seq-len 128 --batch 8 --steps 5 --out results/tensor_n4
