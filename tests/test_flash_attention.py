@@ -15,7 +15,7 @@ import flash_emulation
 import numpy as np
 import pytest
 from gradcheck import check
-from mpi_util import REPO_ROOT, STANDIN, child_env
+from mpi_util import CLI, REPO_ROOT, STANDIN, child_env
 from test_kernels_compile import ARCHITECTURES, _compile, _expected_dtype, nvrtc_lib  # noqa: F401
 from test_sparse_attention import masked_attention, random_layout
 
@@ -224,13 +224,12 @@ def test_launchers_pass_what_the_kernels_declare(monkeypatch, dtype):
     signatures, calls = _signatures(), []
     assert set(signatures) == {"flash_forward", "flash_backward_dq", "flash_backward_dkv"}
 
-    class Module:
-        def get_function(self, name):
-            return lambda grid, block, args, shared_mem: calls.append(
-                (name, grid, block, args, shared_mem))
+    def function(name, t, acc):
+        return lambda grid, block, args, shared_mem: calls.append(
+            (name, grid, block, args, shared_mem))
 
     monkeypatch.setattr(backend, "xp", np)
-    monkeypatch.setattr(FA, "_module", lambda t, acc: Module())
+    monkeypatch.setattr(FA, "_function", function)
     rng = np.random.default_rng(0)
     for layout, block in ((None, None), (causal_layout(random_layout(rng, 2, 4)), 16)):
         qkv = rng.standard_normal((2, 64, 3 * 2 * 8)).astype(dtype)
@@ -266,14 +265,17 @@ def test_the_config_key():
     FA.set_kernel("blocked")
 
 
-def test_an_engine_on_numpy_refuses_flash():
-    from zmpi.engine import Engine
-    from zmpi.models.gpt import GPT, GPTConfig
-
-    cfg = GPTConfig(vocab_size=8, seq_len=4, n_layer=1, n_head=1, d_model=4)
-    with pytest.raises(ConfigError, match="attention_kernel"):
-        Engine(GPT(cfg, seed=0), {"train_micro_batch_size_per_gpu": 2,
-                                  "attention_kernel": "flash"})
+def test_zmpi_train_on_numpy_refuses_flash_in_one_line(tmp_path):
+    config = tmp_path / "flash.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2,
+                                  "attention_kernel": "flash"}))
+    run = subprocess.run([sys.executable, str(CLI), "train", "--config", str(config), "--steps",
+                          "1", "--out", str(tmp_path / "run")],
+                         env=child_env(ZMPI_BACKEND="numpy"), cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == "", (run.returncode, run.stdout)
+    assert run.stderr.count("\n") == 1 and "attention_kernel" in run.stderr
+    assert "NumPy" in run.stderr, run.stderr
 
 
 STANDIN_GPT = """
@@ -289,13 +291,14 @@ from zmpi.models.gpt import GPT, GPTConfig
 
 comm, out = Comm(), {}
 count = getattr(cupy, "LAUNCHES", [0])  # the stand-in's; nothing on a GPU
+layers = [int(n) for n in sys.argv[1:]] or [1, 2]  # one and two: launches per layer
 SPARSE = {"mode": "fixed", "block": 4, "num_local_blocks": 2, "attention": "unidirectional",
           "different_layout_per_head": True, "num_different_global_patterns": 2}
 for name, sparse, T in (("dense", None, 20), ("sparse", SPARSE, 16)):
     for dtype in ("fp32", "fp16"):
         for kernel in ("blocked", "flash"):
             launches = {}
-            for n_layer in (1, 2):
+            for n_layer in layers:
                 cfg = GPTConfig(vocab_size=16, seq_len=T, n_layer=n_layer, n_head=2, d_model=16)
                 section = {"sparse_attention": sparse} if sparse else {}
                 engine = Engine(GPT(cfg, seed=0, sparse_attention=sparse),
@@ -305,7 +308,7 @@ for name, sparse, T in (("dense", None, 20), ("sparse", SPARSE, 16)):
                 before = count[0]
                 losses += [engine.train_step(*data.sample(s)) for s in (1, 2)]
                 launches[n_layer] = (count[0] - before) / 2
-            out[f"{name} {dtype} {kernel}"] = [losses, launches[2] - launches[1]]
+            out[f"{name} {dtype} {kernel}"] = [losses, launches[2] - launches.get(1, 0)]
 qkv = cupy.asarray(np.random.default_rng(0).standard_normal((2, 20, 24)).astype(np.float32))
 FA.set_kernel("flash")
 before = count[0]
@@ -393,7 +396,7 @@ def test_a_gpt_step_with_flash_equals_without_on_a_gpu():
     and without "attention_kernel": "flash": fp32 to 1e-5, fp16 to 1e-3 (the blocked path's
     products in fp16); and its attention core in one launch and two."""
     _cupy_on_a_gpu()
-    out = json.loads(subprocess.run([sys.executable, "-c", STANDIN_GPT],
+    out = json.loads(subprocess.run([sys.executable, "-c", STANDIN_GPT, "2"],
                                     env=child_env(ZMPI_BACKEND="cupy",
                                                   PYTHONPATH=str(REPO_ROOT)),
                                     cwd=REPO_ROOT, capture_output=True, text=True, check=True,

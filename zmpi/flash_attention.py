@@ -67,7 +67,7 @@ class Layout:
     """A causal block layout in CSR, made once per layout (`dense_layout`, `sparse_layout`):
     row_ptr (heads, nb + 1) and cols, the key blocks each query block keeps, ascending; col_ptr
     and rows, the transpose (the query blocks that keep each key block, ascending); int32 host
-    arrays, copied to the device once on first use (`device`). heads: 1 (every head) or n_head.
+    arrays, copied to the device once, on first use (`device`). heads: 1 (every head) or n_head.
     """
 
     def __init__(self, kept: np.ndarray, block: int):
@@ -75,7 +75,7 @@ class Layout:
         self.block = block
         self.row_ptr, self.cols = _csr(kept)
         self.col_ptr, self.rows = _csr(kept.transpose(0, 2, 1))
-        self._device = None
+        self._device = {}  # array module -> the CSR arrays in its memory
 
     def keys(self, head: int, i: int) -> np.ndarray:
         """The key blocks query block i of head `head` keeps, ascending."""
@@ -83,11 +83,12 @@ class Layout:
         return self.cols[p[i]:p[i + 1]]
 
     def device(self):
-        """(row_ptr, cols, col_ptr, rows) in device memory."""
-        if self._device is None:
-            self._device = tuple(backend.xp.asarray(a) for a in
-                                 (self.row_ptr, self.cols, self.col_ptr, self.rows))
-        return self._device
+        """(row_ptr, cols, col_ptr, rows) in the memory of backend.xp (copied once per module)."""
+        xp = backend.xp
+        if xp not in self._device:
+            self._device[xp] = tuple(xp.asarray(a) for a in
+                                     (self.row_ptr, self.cols, self.col_ptr, self.rows))
+        return self._device[xp]
 
 
 def _csr(kept):
@@ -259,6 +260,12 @@ def _shared_bytes(kernel: str, s: int, hd: int, acc) -> int:
 
 
 @functools.cache
+def _function(kernel: str, t: str, acc: str):
+    """`kernel` of SOURCE + FLASH_SOURCE compiled for C types (t, acc): one module per pair."""
+    return _module(t, acc).get_function(kernel)
+
+
+@functools.cache
 def _module(t: str, acc: str):
     return backend.xp.RawModule(code=SOURCE + FLASH_SOURCE,
                                 options=kernels.compile_options(t, acc))
@@ -274,8 +281,7 @@ def _launch(kernel: str, qkv, layout: Layout, n_head: int, args):
     grid = (layout.nb * layout.block // s, B * n_head)
     if 0 in grid or T == 0:
         return
-    function = _module(kernels._C_TYPES[np.dtype(qkv.dtype)],
-                       kernels._C_TYPES[acc]).get_function(kernel)
+    function = _function(kernel, kernels._C_TYPES[np.dtype(qkv.dtype)], kernels._C_TYPES[acc])
     function(grid, (kernels.THREADS,),
              (*args, np.int32(T), np.int32(n_head), np.int32(hd), np.int32(layout.block),
               np.int32(layout.heads), np.int32(s), acc.type(1.0 / math.sqrt(hd))),
