@@ -57,7 +57,7 @@ def ops(dtype):
     yield "cross_entropy_rows", lambda: F._cross_entropy_rows(z, t, -100, 0.25)
     lse = F._cross_entropy_rows(z, t, -100, 0.25)[1]
     yield "cross_entropy_grad", lambda: F._cross_entropy_grad(z, lse, t, -100, 0.5)
-    if dtype == np.float16:  # the batched 16-bit GEMM, a transposed operand read as it is
+    if dtype != np.float64:  # the batched GEMM, a transposed operand read as it is
         a, bt = dev(2, 3, 5, 40, dtype=dtype), dev(2, 3, 7, 40, dtype=dtype)
         yield "matmul", lambda: kernels.matmul(a, bt.swapaxes(-1, -2))
     if dtype != np.float16:
@@ -138,9 +138,9 @@ def test_tf32_is_refused_without_a_gpu():
         backend.use_tf32()
 
 
-def test_a_training_step_is_56_launches_a_layer_no_cast_and_one_sync():
+def test_a_training_step_is_52_launches_a_layer_no_cast_and_one_sync():
     """experiments/bench_gpu.py --count on the stand-in, stages 0-3, fp32 and fp16, fused:
-    at most 56 launches per transformer layer per step (forward, backward, its share of the
+    at most 52 launches per transformer layer per step (forward, backward, its share of the
     update; one attention block), no dtype cast in a layer's fp32 step and at most 2 in its
     fp16 step (16-bit activations end to end: casts only where a buffer changes dtype), and
     one device -> host transfer per step (the loss with the gradients' norm). "composed"
@@ -157,7 +157,7 @@ def test_a_training_step_is_56_launches_a_layer_no_cast_and_one_sync():
         if row["kernels"] == "composed":
             assert (row["casts_per_layer"] > 30) == (row["precision"] == "fp16"), row
             continue
-        assert row["launches_per_layer"] <= 56, row
+        assert row["launches_per_layer"] <= 52, row
         assert row["casts_per_layer"] <= (2 if row["precision"] == "fp16" else 0), row
         composed = next(r for r in rows if r["kernels"] == "composed"
                         and (r["stage"], r["precision"]) == (row["stage"], row["precision"]))
@@ -168,8 +168,8 @@ def test_a_training_step_is_56_launches_a_layer_no_cast_and_one_sync():
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
 def test_each_cuda_kernel_matches_its_twin(dtype):
     """On a GPU: each CUDA launcher against its NumPy twin on the same inputs (float32
-    accumulation: 1e-5 relative in fp32, fp16 output rounding in fp16), and in fp16 the
-    batched GEMM (`kernels.matmul`) against its twin."""
+    accumulation: 1e-5 relative in fp32, fp16 output rounding in fp16), and in fp16 and fp32
+    the batched GEMM (`kernels.matmul`) against its twin."""
     cupy = pytest.importorskip("cupy")
     if getattr(cupy, "STANDIN", False) or cupy.cuda.runtime.getDeviceCount() == 0:
         pytest.skip("needs a CUDA device")
@@ -213,7 +213,7 @@ def test_each_cuda_kernel_matches_its_twin(dtype):
             same([kernels.cuda_bias_grad(cupy.asarray(dy), None),
                   kernels.cuda_bias_grad(cupy.asarray(dy), db)],
                  [F._bias_grad_twin(dy, None)] * 2)
-    if dtype == np.float16:  # cuBLAS through strides: a transposed and a sliced operand, and
+    if dtype != np.float64:  # cuBLAS through strides: a transposed and a sliced operand, and
         a = rng.standard_normal((2, 3, 9, 40)).astype(dtype)  # into a slice of rows
         bt = rng.standard_normal((2, 3, 11, 40)).astype(dtype)
         y = cupy.zeros((2, 3, 20, 11), dtype)

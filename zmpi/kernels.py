@@ -26,8 +26,9 @@ keep their dtype through them: float16 in, float16 out, float32 only in register
 what a backward reuses at full precision: LayerNorm's x-hat and 1/std, GELU's tanh, the
 loss's log-sum-exp).
 
-`matmul` is the batched product of 16-bit matrices (attention's): cuBLAS on them as they are,
-with float32 accumulation, where CuPy's own matmul casts both to float32 and the product back.
+`matmul` is the batched matrix product (attention's): cuBLAS on the operands as they are,
+float16 on tensor cores with float32 accumulation, where CuPy's own matmul casts float16 to
+float32 and the product back, and copies operands that are not contiguous.
 
 This module and zmpi.cuda_source (the kernels' C++) are the only ones with CUDA; zmpi.backend
 is the only one that knows which array module runs.
@@ -86,15 +87,17 @@ def fused(twin, cuda, in_place: bool = False, launches: int = 1):
 
 def matmul(a, b, out=None):
     """a @ b (into `out` if given) for arrays of more than two dimensions. On a GPU under
-    "fused", float16 operands with the same batch shape run as one cuBLAS strided batched GEMM
-    on tensor cores, float32 accumulation, read through their strides (a transposed or sliced
-    operand is not copied when its matrices have a unit stride and its batches one stride) and
-    written in float16: CuPy 14's matmul instead casts both operands to float32, multiplies
-    without tensor cores and casts the product back (three cast kernels a product). Anything
-    else (NumPy, float32, 2-D, "composed") is the array module's matmul. The stand-in runs
-    `_matmul_twin` as the GEMM's one launch."""
+    "fused", float16 or float32 operands of one dtype and one batch shape run as one cuBLAS
+    strided batched GEMM read through their strides (a transposed or sliced operand is not
+    copied when its matrices have a unit stride and its batches one stride), float32
+    accumulation, float16 on tensor cores (float32 on TensorFloat-32 ones under CUPY_TF32, as
+    CuPy's), written in their dtype: CuPy 14's matmul instead casts float16 operands to
+    float32, multiplies without tensor cores and casts the product back (three cast kernels a
+    product), and copies any operand that is not C-contiguous. Anything else (NumPy, float64,
+    2-D, "composed") is the array module's matmul. The stand-in runs `_matmul_twin` as the
+    GEMM's one launch."""
     if (_mode[0] == "composed" or not backend.is_device_array(a) or a.ndim < 3
-            or a.dtype != np.float16 or b.dtype != a.dtype or a.shape[:-2] != b.shape[:-2]
+            or a.dtype not in _GEMM_TYPES or b.dtype != a.dtype or a.shape[:-2] != b.shape[:-2]
             or a.shape[-1] != b.shape[-2] or out is not None
             and (out.dtype != a.dtype or out.shape != (*a.shape[:-1], b.shape[-1]))):
         return backend.array_module(a, b).matmul(a, b, out=out)
@@ -107,6 +110,9 @@ def matmul(a, b, out=None):
         return c
     out[...] = c  # a copy: cuBLAS writes only row-major matrices one batch stride apart
     return out
+
+
+_GEMM_TYPES = {np.dtype(np.float16): "CUDA_R_16F", np.dtype(np.float32): "CUDA_R_32F"}
 
 
 def _matmul_twin(a, b, out):
@@ -190,10 +196,13 @@ def _gemm_layout(x):
 
 
 def cuda_matmul(a, b, out):
-    """`matmul` of float16 a (..., M, K) and b (..., K, N) of one batch shape, both with a
-    `_gemm_layout`: cuBLAS gemmStridedBatchedEx, float16 in and out, CUBLAS_COMPUTE_32F,
-    tensor cores; into `out` (None, or row-major matrices one batch stride apart). Row-major
+    """`matmul` of a (..., M, K) and b (..., K, N) of one dtype (`_GEMM_TYPES`) and one batch
+    shape, both with a `_gemm_layout`: cuBLAS gemmStridedBatchedEx in their dtype,
+    CUBLAS_COMPUTE_32F (CUBLAS_COMPUTE_32F_FAST_TF32 for float32 when CUPY_TF32 is set, as
+    CuPy does); into `out` (None, or row-major matrices one batch stride apart). Row-major
     C = A B is column-major C^T = B^T A^T: cuBLAS multiplies b's matrices by a's."""
+    import os
+
     from cupy_backends.cuda.libs import cublas
 
     xp = backend.xp
@@ -205,13 +214,15 @@ def cuda_matmul(a, b, out):
     elif c.size:
         (op_a, lda, stride_a), (op_b, ldb, stride_b) = _gemm_layout(a), _gemm_layout(b)
         _, ldc, stride_c = _gemm_layout(c)
-        half = xp.cuda.runtime.CUDA_R_16F
+        kind = getattr(xp.cuda.runtime, _GEMM_TYPES[a.dtype])
+        tf32 = a.dtype == np.float32 and int(os.environ.get("CUPY_TF32", "0")) > 0
+        compute = cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if tf32 else cublas.CUBLAS_COMPUTE_32F
         one, zero = np.ones((), np.float32), np.zeros((), np.float32)  # host scalars
         cublas.gemmStridedBatchedEx(
             xp.cuda.device.get_cublas_handle(), op_b, op_a, N, M, K, one.ctypes.data,
-            b.data.ptr, half, ldb, stride_b, a.data.ptr, half, lda, stride_a, zero.ctypes.data,
-            c.data.ptr, half, ldc, stride_c, c.size // (M * N), cublas.CUBLAS_COMPUTE_32F,
-            cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP)
+            b.data.ptr, kind, ldb, stride_b, a.data.ptr, kind, lda, stride_a, zero.ctypes.data,
+            c.data.ptr, kind, ldc, stride_c, c.size // (M * N), compute,
+            cublas.CUBLAS_GEMM_DEFAULT)
     return c
 
 
