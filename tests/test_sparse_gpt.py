@@ -247,3 +247,10 @@ def _layouts(job):
     from zmpi.plan.layout import layouts
 
     return layouts(job)
+
+
+def test_the_docs_measured_tables_are_the_benchs_own():
+    from mpi_util import REPO_ROOT
+
+    table = (REPO_ROOT / "results" / "sparse_gpt" / "table.md").read_text().strip()
+    assert table in (REPO_ROOT / "docs" / "sparse-attention.md").read_text()
