@@ -285,3 +285,38 @@ def test_fp16_normalisation_gelu_softmax_run_in_fp32(backend):
     assert float(err_ln) < 5e-3  # fp16 output rounding only (|y| <= ~3)
     assert float(err_gelu) < 1e-3
     assert float(softmax_sum) <= 1 and finite == "True"
+
+
+CASTS = """
+import json
+import numpy as np, cupy
+a16, a32 = cupy.asarray(np.ones((4, 8), np.float16)), cupy.asarray(np.ones((4, 8), np.float32))
+h16 = cupy.empty((4, 8), np.float16)
+def count(f):
+    launches, casts = cupy.LAUNCHES[0], cupy.CASTS[0]
+    f()
+    return [cupy.LAUNCHES[0] - launches, cupy.CASTS[0] - casts]
+print(json.dumps({
+    "astype": count(lambda: a16.astype(np.float32)),
+    "astype to its own dtype": count(lambda: a16.astype(np.float16, copy=False)),
+    "assignment": count(lambda: a32.__setitem__(Ellipsis, a16)),
+    "copyto": count(lambda: cupy.copyto(a16, a32)),
+    "ufunc of mixed dtypes": count(lambda: cupy.add(a16, a32)),
+    "ufunc into another dtype": count(lambda: cupy.multiply(a32, 2.0, out=h16)),
+    "batched fp16 matmul": count(lambda: cupy.matmul(a16[None], a16[None].swapaxes(-1, -2))),
+    "2-D fp16 matmul": count(lambda: a16 @ a16.T),
+    "contiguous is itself": cupy.ascontiguousarray(a16) is a16,
+}))
+"""
+
+
+def test_the_standin_counts_casts_as_cupy_launches_them():
+    """[launches, casts] of the operations CuPy 14.2 runs casts for (cupy_copy between two
+    dtypes), and of those that convert inside their own kernel; a batched fp16 matmul casts
+    both operands to fp32 and the product back (CuPy's _routines_linalg.matmul)."""
+    out = subprocess.run([sys.executable, "-c", CASTS], env={**STANDIN, "OMP_NUM_THREADS": "1"},
+                         cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == {
+        "astype": [1, 1], "astype to its own dtype": [0, 0], "assignment": [1, 1],
+        "copyto": [1, 1], "ufunc of mixed dtypes": [1, 0], "ufunc into another dtype": [1, 0],
+        "batched fp16 matmul": [4, 3], "2-D fp16 matmul": [1, 0], "contiguous is itself": True}
