@@ -242,8 +242,19 @@ class FixedSparsityConfig(SparsityConfig):
         return layout
 
 
+class _RandomBlocks:
+    """The modes with `num_random_blocks` drawn from random.Random(`seed`): heads differ only
+    through their random blocks."""
+
+    def _heads_differ(self):
+        return self.num_random_blocks > 0
+
+    def _random_stream(self):
+        return random.Random(self.seed)
+
+
 @dataclass(frozen=True)
-class VariableSparsityConfig(SparsityConfig):
+class VariableSparsityConfig(_RandomBlocks, SparsityConfig):
     """Fixed's extension: local windows of local_window_blocks[0], [1], ... blocks (the last
     size repeated), global blocks at global_block_indices (or the ranges from there to
     global_block_end_indices, exclusive) attended as in fixed, and num_random_blocks random
@@ -262,12 +273,6 @@ class VariableSparsityConfig(SparsityConfig):
         _check_global_ranges(self)
         _check_horizontal(self)
 
-    def _heads_differ(self):
-        return self.num_random_blocks > 0
-
-    def _random_stream(self):
-        return random.Random(self.seed)
-
     def _head_layout(self, h, n, rng):
         causal = self.attention == "unidirectional"
         layout = _random_blocks(rng, n, self.num_random_blocks, causal=False)
@@ -280,7 +285,7 @@ class VariableSparsityConfig(SparsityConfig):
 
 
 @dataclass(frozen=True)
-class BigBirdSparsityConfig(SparsityConfig):
+class BigBirdSparsityConfig(_RandomBlocks, SparsityConfig):
     """BigBird (Zaheer et al. 2020, section 2) in blocks: num_random_blocks random keys per row
     ("unidirectional": among the row's earlier blocks), a sliding window of
     num_sliding_window_blocks (2 (n // 2) + 1 blocks, DeepSpeed's rule), and the first
@@ -299,12 +304,6 @@ class BigBirdSparsityConfig(SparsityConfig):
             _refuse(_key("num_random_blocks"), f"{self.num_random_blocks} random blocks with "
                     "attention 'unidirectional': block row 0 has 1 block to draw from "
                     "(DeepSpeed's random.sample fails there too)")
-
-    def _heads_differ(self):
-        return self.num_random_blocks > 0
-
-    def _random_stream(self):
-        return random.Random(self.seed)
 
     def _head_layout(self, h, n, rng):
         causal = self.attention == "unidirectional"
