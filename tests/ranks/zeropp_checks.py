@@ -31,7 +31,10 @@ QG = {"zero_quantized_gradients": True}
 HPZ = {"zero_hpz_partition_size": 2}
 MODES = {"stage3": {}, "qwZ": QW, "qgZ": QG, "hpZ": HPZ, "all": {**QW, **QG, **HPZ}}
 TRAIN_STEPS = 40
-SHAKESPEARE = GPTConfig(vocab_size=65, seq_len=32, n_layer=2, n_head=2, d_model=32)
+# the vocabulary padded as on a GPU (128), so that NumPy and the CuPy stand-in (a GPU to zmpi)
+# build the same model and the stand-in run can be compared with NumPy bit for bit
+SHAKESPEARE = GPTConfig(vocab_size=65, seq_len=32, n_layer=2, n_head=2, d_model=32,
+                        vocab_multiple=128)
 
 
 def alltoall(comm):
