@@ -269,6 +269,11 @@ def check(example: Example, cwd: Path) -> str | None:
     return None
 
 
+def page_timeout(page: Path) -> float:
+    """The longest a page's examples may take together: the sum of their timeouts."""
+    return sum(ex.marks.get("timeout", TIMEOUT) for ex in examples(page) if ex.skip is None)
+
+
 # ---- comparing output ----
 
 NUMBER = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
