@@ -403,4 +403,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except MarkerError as e:
+        sys.exit(f"docs_examples: {e}")

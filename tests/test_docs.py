@@ -4,7 +4,7 @@ and sensible headings, every page is reachable from the README, and the docs sui
 import re
 
 import pytest
-from docs_examples import MarkerError, compare, examples, inventory
+from docs_examples import MarkerError, compare, examples, inventory, run_page
 from mpi_util import REPO_ROOT
 
 PAGES = [REPO_ROOT / "README.md"] + sorted((REPO_ROOT / "docs").glob("*.md"))
@@ -155,6 +155,24 @@ def test_output_block_follows_its_example(tmp_path):
     first, second = examples(page)
     assert first.output.text == "1\n" and first.output.marks == {"rtol": 0.5}
     assert second.block.text == "echo 2\n" and second.output.marks["timings"] == ["s"]
+
+
+def test_run_page_reports_each_failure(tmp_path):
+    """The runner: a shown output that differs, an exit status, an xfail that passes now and a
+    timeout are each a failure; an expected exit status and a matching output are not."""
+    page = tmp_path / "page.md"
+    page.write_text("```bash\necho 'loss 2.204'\n```\n\n```\nloss 2.25\n```\n\n"
+                    "<!-- docs: exit 3 -->\n```bash\nexit 3\n```\n\n"
+                    "```bash\nfalse\necho never\n```\n\n"
+                    "<!-- docs: xfail a known defect -->\n```bash\ntrue\n```\n\n"
+                    "<!-- docs: timeout 1 -->\n```bash\nsleep 30\n```\n\n"
+                    "```python\nprint(6 * 7)\n```\n\n```\n42\n```\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    failures = run_page(page, work, log=lambda line: None)
+    assert [f.split(": ", 1)[0].rsplit(":", 1)[1] for f in failures] == ["1", "14", "20", "25"]
+    assert "expected: loss 2.25" in failures[0] and "exit status 1, not 0" in failures[1]
+    assert "passes now" in failures[2] and "timed out" in failures[3]
 
 
 @pytest.mark.parametrize("expected, actual, ok", [
