@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # Every example of README.md and docs/ run as written, its shown output compared (docs/testing.md)
 test-docs: $(STAMP)
