@@ -53,14 +53,18 @@ def linear_backward(dy, cache, dW=None, db=None):
     return dx, dW, db
 
 
+def _written(a, out, dtype):
+    """a in `dtype`, written into `out` when it is given."""
+    if out is None:
+        return a.astype(dtype, copy=False)
+    out[...] = a
+    return out
+
+
 def _bias_grad_twin(dy, out):
     """The column sums of dy (N, C), accumulated in float32 at least, in dy's dtype (into
     `out` when given): a bias's gradient (one kernel on a GPU, `kernels.cuda_bias_grad`)."""
-    db = dy.sum(axis=0, dtype=_f32(dy))
-    if out is None:
-        return db.astype(dy.dtype, copy=False)
-    out[...] = db
-    return out
+    return _written(dy.sum(axis=0, dtype=_f32(dy)), out, dy.dtype)
 
 
 _bias_grad = kernels.fused(_bias_grad_twin, kernels.cuda_bias_grad)
@@ -184,14 +188,6 @@ def _layernorm_backward_twin(dy, cache, dw_out, db_out):
     g -= t
     g *= rstd
     return g.astype(dy.dtype, copy=False), dw, db
-
-
-def _written(a, out, dtype):
-    """a in `dtype`, written into `out` when it is given."""
-    if out is None:
-        return a.astype(dtype, copy=False)
-    out[...] = a
-    return out
 
 
 _layernorm_forward = kernels.fused(_layernorm_forward_twin, kernels.cuda_layernorm_forward)
