@@ -37,6 +37,8 @@ def results(tmp_path_factory):
          "--budget-mib", "3", "--max-seq-len", "1024", "--seq-lens", "64", "128", "--steps", "1",
          "--loss-steps", "2", "--loss-window", "1", "--loss-seq-len", "64", "--loss-batch", "2",
          "--out", out / "sparse_gpt")
+    _run("bench_checksums.py", 1, "--mib", "2", "--rounds", "1", "--out",
+         out / "nvme_checksums")
     _run("bench_sparse_attention.py", 1, "--d-model", "32", "--seq-lens", "64,128",
          "--repeats", "1", "--out", out / "sparse_attention")
     return out
@@ -139,6 +141,15 @@ def test_sparse_bench_every_layout_fits_at_least_dense_and_trains(results):
     kernel = json.loads((results / "sparse_attention" / "run.json").read_text())
     assert kernel["rows"] and all(r["sparse_ms"] > 0 and r["dense_ms"] > 0
                                   for r in kernel["rows"])
+
+
+@pytest.mark.mpi
+def test_checksum_bench_times_both_passes_with_and_without(results):
+    import json
+
+    rows = json.loads((results / "nvme_checksums" / "run.json").read_text())["rows"]
+    assert [r["pass"] for r in rows] == ["write", "read"]
+    assert all(r["gib_s_with"] > 0 and r["gib_s_without"] > 0 for r in rows)
 
 
 @pytest.mark.mpi
