@@ -189,17 +189,14 @@ class CausalSelfAttention(Module):
 
     def forward(self, x):
         qkv = self.qkv.forward(x)  # (B, T, 3C)
-        if flash_attention.enabled_for(qkv) and self._dense:
-            y, cache = flash_attention.flash_attention_forward(qkv, self.n_head)
-        elif flash_attention.enabled_for(qkv):
-            y, cache = flash_attention.flash_attention_forward(
-                qkv, self.n_head, self.layout(qkv.shape[1]), self.sparsity.block)
-        elif self._dense:
-            y, cache = A.attention_forward(qkv, self.n_head, keep_probs=not self.recompute_core)
-        else:
-            y, cache = S.sparse_attention_forward(qkv, self.n_head, self.layout(qkv.shape[1]),
-                                                  self.sparsity.block,
+        sparse = () if self._dense else (self.layout(qkv.shape[1]), self.sparsity.block)
+        if flash_attention.enabled_for(qkv):
+            y, cache = flash_attention.flash_attention_forward(qkv, self.n_head, *sparse)
+        elif sparse:
+            y, cache = S.sparse_attention_forward(qkv, self.n_head, *sparse,
                                                   keep_probs=not self.recompute_core)
+        else:
+            y, cache = A.attention_forward(qkv, self.n_head, keep_probs=not self.recompute_core)
         self._save(cache)
         return self.proj.forward(y)  # (B, T, C)
 
