@@ -32,8 +32,7 @@ from zmpi.nn import (
 from zmpi.nn import attention as A
 from zmpi.nn import functional as F
 from zmpi.nn import sparse_attention as S
-from zmpi.nn.layers import sparse_layout
-from zmpi.nn.sparsity import SparsityConfig, sparsity_from_dict
+from zmpi.nn.sparsity import SparsityConfig, model_layout, sparsity_from_dict
 from zmpi.parallel.tensor.plan import mark_sequence_parallel, parallelize
 from zmpi.parallel.tensor.regions import (
     GatherFromSequenceRegion,
@@ -194,7 +193,7 @@ def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: in
 def _sparse_entries(sparsity, seq_len: int, tp: int) -> int:
     """Probability entries per sequence of the tensor rank whose heads keep the most of
     `sparsity`'s causal layout at seq_len (S.sparse_attention_entries; made once)."""
-    layout, heads = sparse_layout(sparsity, seq_len), sparsity.num_heads // tp
+    layout, heads = model_layout(sparsity, seq_len), sparsity.num_heads // tp
     return max(S.sparse_attention_entries(layout[r * heads:(r + 1) * heads], sparsity.block)
                for r in range(tp))
 
@@ -407,7 +406,7 @@ class GPT(UnitModel):
         if self.sequence_parallel:
             sequence_shard(inputs.shape[1], self.tp)
         if self.sparse_attention is not None:  # T a multiple of the block, no empty row
-            sparse_layout(self.sparse_attention, inputs.shape[1])
+            model_layout(self.sparse_attention, inputs.shape[1])
         F.check_indices(inputs, c.vocab_size, "inputs (token ids)")
         F.check_indices(targets, c.vocab_size, "targets (token ids)",
                         getattr(self.loss_fn, "ignore_index", None))

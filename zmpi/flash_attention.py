@@ -111,7 +111,7 @@ def dense_layout(T: int, block: int = FLASH_BLOCK) -> Layout:
 
 
 def sparse_layout(layout, block: int) -> Layout:
-    """The Layout of a causal block layout (heads, nb, nb) (zmpi.nn.layers.sparse_layout's:
+    """The Layout of a causal block layout (heads, nb, nb) (zmpi.nn.sparsity.model_layout's:
     intersected with the causal mask and checked), cached per layout."""
     kept = np.asarray(layout, bool)
     return _sparse_layout(kept.tobytes(), kept.shape, block)

@@ -208,13 +208,13 @@ def _sparsity(flag, n_head: int, seq_len: int):
     layout checked at seq_len; Refused (one line) if it cannot be made."""
     from zmpi.config import ConfigError
     from zmpi.config.sparse import sparse_attention_flag
-    from zmpi.nn.layers import sparse_layout
+    from zmpi.nn.sparsity import model_layout
 
     if flag is None:
         return None
     try:
         sparsity = sparse_attention_flag(flag).sparsity(n_head)
-        sparse_layout(sparsity, seq_len)
+        model_layout(sparsity, seq_len)
     except (ConfigError, ValueError) as e:
         raise Refused(f"--sparse-attention {flag}: {e}") from None
     return sparsity

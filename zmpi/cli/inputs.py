@@ -353,13 +353,13 @@ def _check_sparse_layout(resolved, seq_len: int, n_head: int) -> None:
     """The config's sparse layout at --seq-len for the model's heads: seq_len a multiple of
     the block and every query block row keeping a key block (ConfigError, one line)."""
     from zmpi.config import ConfigError
-    from zmpi.nn.layers import sparse_layout
+    from zmpi.nn.sparsity import model_layout
 
     sparsity = resolved.sparse_attention.sparsity(n_head)
     if sparsity is None:
         return
     try:
-        sparse_layout(sparsity, seq_len)
+        model_layout(sparsity, seq_len)
     except ValueError as e:
         raise ConfigError("sparse_attention", f"at --seq-len {seq_len}: {e}") from None
 

@@ -21,8 +21,7 @@ from zmpi.cli.inputs import (
 )
 from zmpi.cli.report import memory_table, traffic_line
 from zmpi.models.gpt import GPT, GPTConfig, gpt_num_params
-from zmpi.nn.layers import sparse_layout
-from zmpi.nn.sparsity import MODES
+from zmpi.nn.sparsity import MODES, model_layout
 from zmpi.offload.files import NVMeError
 from zmpi.parallel.mesh import Mesh
 from zmpi.words import count
@@ -183,7 +182,7 @@ def _attention_words(model, seq_len: int) -> str:
     if sparsity is None:
         return ""
     n = seq_len // sparsity.block
-    kept = sparse_layout(sparsity, seq_len).sum() / (sparsity.num_heads * n * (n + 1) / 2)
+    kept = model_layout(sparsity, seq_len).sum() / (sparsity.num_heads * n * (n + 1) / 2)
     mode = next(m for m, cls in MODES.items() if isinstance(sparsity, cls))
     return f", sparse attention {mode} (block {sparsity.block}, {kept:.0%} of causal blocks)"
 

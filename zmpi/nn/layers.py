@@ -13,7 +13,6 @@ Init (GPT-2): weights normal(0, std), biases 0, LayerNorm weight 1 and bias 0. `
 `numpy.random.Generator` or a seed; initial values are made on the host with NumPy.
 """
 
-import functools
 import math
 
 import numpy
@@ -25,7 +24,7 @@ from zmpi.nn import functional as F
 from zmpi.nn import sparse_attention as S
 from zmpi.nn.module import Module
 from zmpi.nn.parameter import Parameter, accumulate_grad_, compute_data, grad_out, live
-from zmpi.nn.sparsity import DenseSparsityConfig, causal_layout, check_layout
+from zmpi.nn.sparsity import DenseSparsityConfig, model_layout
 
 
 def normal_parameter(rng, shape, std, dtype):
@@ -139,18 +138,6 @@ class GELU(Module):
         return F.gelu_backward(dy, self._pop())
 
 
-@functools.lru_cache(maxsize=8)
-def sparse_layout(sparsity, T: int) -> numpy.ndarray:
-    """sparsity's layout for T positions intersected with the causal mask, checked (every query
-    block row keeps a key block): made once per (config, T), shared by the layers."""
-    if T % sparsity.block:
-        raise ValueError(f"sequence length {T} is not a multiple of sparse_attention.block "
-                         f"{sparsity.block}")
-    layout = causal_layout(sparsity.make_layout(T))
-    check_layout(layout, T, sparsity.block)
-    return layout
-
-
 class CausalSelfAttention(Module):
     """Multi-head causal self-attention.  x (B, T, C) -> y (B, T, C).
 
@@ -216,7 +203,7 @@ class CausalSelfAttention(Module):
     def layout(self, T: int) -> numpy.ndarray:
         """This layer's heads' block layout at sequence length T (n_head, T/block, T/block),
         intersected with the causal mask; ValueError if T is not a multiple of the block."""
-        return sparse_layout(self.sparsity, T)[self.head_offset:self.head_offset + self.n_head]
+        return model_layout(self.sparsity, T)[self.head_offset:self.head_offset + self.n_head]
 
 
 class Dense(Module):

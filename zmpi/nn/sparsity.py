@@ -428,6 +428,19 @@ def check_layout(layout, seq_len: int, block: int) -> None:
                          "every query must attend to at least one key")
 
 
+@functools.lru_cache(maxsize=8)
+def model_layout(sparsity: SparsityConfig, seq_len: int) -> numpy.ndarray:
+    """The layout a causal model runs at seq_len: `sparsity`'s intersected with the causal
+    mask, checked (seq_len a multiple of the block, every query block row keeping a key
+    block; ValueError otherwise), made once per (config, seq_len) and shared by its users."""
+    if seq_len % sparsity.block:
+        raise ValueError(f"sequence length {seq_len} is not a multiple of sparse_attention.block "
+                         f"{sparsity.block}")
+    layout = causal_layout(sparsity.make_layout(seq_len))
+    check_layout(layout, seq_len, sparsity.block)
+    return layout
+
+
 def kept_blocks(layout) -> int:
     """Kept blocks summed over all heads (each block x block scores per sequence)."""
     return int(numpy.count_nonzero(layout))

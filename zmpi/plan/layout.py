@@ -60,9 +60,9 @@ class Job:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
         if self.sparse_attention is not None:
-            from zmpi.nn.layers import sparse_layout
+            from zmpi.nn.sparsity import model_layout
 
-            sparse_layout(self.sparsity, self.seq_len)  # ValueError if it cannot be made
+            model_layout(self.sparsity, self.seq_len)  # ValueError if it cannot be made
 
     @property
     def sparsity(self):
