@@ -9,14 +9,22 @@ its environment asks for (compiled by default), so the engine tests that run in 
 and the ZeRO-Offload suite's ranks ask for them again (tests/test_offload.py).
 `ZMPI_NUMBA=1 make test` runs every process with them.
 
-The `tmpfs` fixture mounts a small or read-only file system for the disk-fault tests.
+The `tmpfs` fixture mounts a small or read-only file system for the disk-fault tests; the
+`cuda_device` fixture runs a test of zmpi's CUDA launchers on a GPU and on the CPU
+(tests/cuda_cpu.py: the same kernels compiled by g++).
 """
 import os
 import subprocess
 
+import cuda_cpu
 import pytest
 
-from zmpi import host_kernels  # noqa: F401  (loaded now, by the environment as it was given)
+from zmpi import (
+    backend,
+    flash_attention,
+    host_kernels,  # noqa: F401  (loaded now, by the environment as it was given)
+    kernels,
+)
 
 os.environ.setdefault("ZMPI_NUMBA", "0")
 
@@ -45,3 +53,29 @@ def tmpfs(tmp_path):
     yield mount
     for point in mounted:
         subprocess.run(["umount", str(point)], check=True)
+
+
+def _forget_compiled_kernels():
+    for cached in (kernels._function, kernels._modules, flash_attention._function,
+                   flash_attention._module):
+        cached.cache_clear()
+    kernels._arrived[0] = None  # bias_grad's counters, made by the other module
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def cuda_device(request, monkeypatch):
+    """The module zmpi's CUDA launchers run on, as `cupy` in the test: CuPy on a GPU (the "gpu"
+    case, skipped without one), or cuda_cpu.DEVICE, the kernels compiled for the CPU and
+    backend.xp pointing at it for the test (skipped without a C++ compiler)."""
+    if request.param == "gpu":
+        cupy = pytest.importorskip("cupy")
+        if getattr(cupy, "STANDIN", False) or cupy.cuda.runtime.getDeviceCount() == 0:
+            pytest.skip("needs a CUDA device")
+        yield cupy
+        return
+    if cuda_cpu.COMPILER is None:
+        pytest.skip("no C++ compiler for tests/cuda_cpu.py")
+    _forget_compiled_kernels()
+    monkeypatch.setattr(backend, "xp", cuda_cpu.DEVICE)
+    yield cuda_cpu.DEVICE
+    _forget_compiled_kernels()

@@ -1,26 +1,26 @@
 """Fused flash attention (zmpi.flash_attention, docs/gpu.md "Fused flash attention"): its NumPy
 twin against zmpi's dense and block-sparse attention and a float64 masked-dense reference, and
-by float64 finite differences; the CUDA kernels' control flow run in Python
-(tests/flash_emulation.py) against the twin; their source compiled by NVRTC for every dtype and
-each launcher's arguments against the kernels' signatures; the config key; a GPT trained on the
+by float64 finite differences; the CUDA kernels themselves run on the CPU (tests/cuda_cpu.py:
+compiled by g++, each launch's arguments checked against the kernels' signatures) against the
+twin, at several tile sizes; their source compiled by NVRTC for every dtype; the config key; a
+GPT trained on the
 CuPy stand-in with and without it (same losses, launches per layer); and, on a GPU, each CUDA
 launcher against its twin and a GPT step with and without flash.
 """
 import json
-import re
 import subprocess
 import sys
 
-import flash_emulation
+import cuda_cpu
 import numpy as np
 import pytest
 from gradcheck import check
 from mpi_util import CLI, REPO_ROOT, STANDIN, child_env
-from test_kernels_compile import ARCHITECTURES, _compile, _expected_dtype, nvrtc_lib  # noqa: F401
+from test_kernels_compile import ARCHITECTURES, _compile, nvrtc_lib  # noqa: F401
 from test_sparse_attention import masked_attention, random_layout
 
-from zmpi import backend, kernels
 from zmpi import flash_attention as FA
+from zmpi import kernels
 from zmpi.config import Config, ConfigError
 from zmpi.cuda_flash_source import FLASH_SOURCE
 from zmpi.nn import attention as A
@@ -170,24 +170,30 @@ def test_tiles_fit_shared_memory_and_divide_the_block(kernel, dtype):
         FA.tile_rows(kernel, 16, 5000, acc)
 
 
-# -- the CUDA kernels: their control flow in Python, their source through NVRTC -----------------
+# -- the CUDA kernels: on the CPU (tests/cuda_cpu.py), their source through NVRTC --------------
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float16])
 @pytest.mark.parametrize("sparse, T, s", [(False, 70, 32), (False, 70, 16), (False, 9, 64),
                                           (True, 32, 4), (True, 32, 2), (True, 32, 8)])
-def test_the_kernels_control_flow_equals_the_twin(rng, dtype, sparse, T, s):
-    """flash_emulation walks each kernel's grid, CSR lists, tile skips and masks at tile rows
-    s (several tiles a block, a ragged last block, heads with their own layouts): the twin's
-    y, lse and dqkv, to round-off (float64) or fp16's output rounding."""
+def test_the_kernels_equal_the_twin_at_every_tile_size(rng, monkeypatch, cuda_device, dtype,
+                                                       sparse, T, s):
+    """FLASH_SOURCE's kernels through their launchers at tile rows s (s / 2 for the keys'
+    backward): several tiles a block, a ragged last block, heads with their own layouts. The
+    twin's y, lse and dqkv, to round-off (float64) or fp16's output rounding, every element
+    written."""
+    if cuda_device is not cuda_cpu.DEVICE:
+        pytest.skip("the launchers' own tile sizes run on a GPU: test_each_cuda_launcher_...")
     n_head, hd, block = 2, 5, 8
+    monkeypatch.setattr(FA, "tile_rows", lambda kernel, *_: (
+        max(1, s // 2) if kernel == "flash_backward_dkv" else s))
     layout = (FA.sparse_layout(causal_layout(random_layout(rng, n_head, T // block)), block)
               if sparse else FA.dense_layout(T))
     qkv = rng.standard_normal((2, T, 3 * n_head * hd)).astype(dtype)
     dy = rng.standard_normal((2, T, n_head * hd)).astype(dtype)
     y, lse = FA._forward_twin(qkv, layout, n_head)
     dqkv = FA._backward_twin(dy, qkv, y, lse, layout, n_head)
-    y_k, lse_k = flash_emulation.forward(qkv, layout, n_head, s)
-    dqkv_k = flash_emulation.backward(dy, qkv, y_k, lse_k, layout, n_head, s, max(1, s // 2))
+    y_k, lse_k = FA.cuda_flash_forward(qkv, layout, n_head)
+    dqkv_k = FA.cuda_flash_backward(dy, qkv, y_k, lse_k, layout, n_head)
     tol = 1e-12 if dtype == np.float64 else 2e-3
     for got, want in ((y_k, y), (lse_k, lse), (dqkv_k, dqkv)):
         assert np.isfinite(got).all()  # every element written
@@ -205,50 +211,6 @@ def test_flash_source_compiles_without_warnings(nvrtc_lib, t, acc, arch):  # noq
     ok, log = _compile(nvrtc_lib, kernels.SOURCE + FLASH_SOURCE, t, acc, arch)
     assert ok, f"T={t}, ACC={acc}, {arch}:\n{log}"
     assert log == "", f"T={t}, ACC={acc}, {arch}: NVRTC warns:\n{log}"
-
-
-_SIGNATURE = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\)')
-
-
-def _signatures():
-    out = {}
-    for name, params in _SIGNATURE.findall(FLASH_SOURCE):
-        out[name] = [(" ".join(p.split()[:-1]).removeprefix("const ").endswith("*"),
-                      " ".join(p.split()[:-1]).removeprefix("const ").rstrip("*").strip())
-                     for p in params.split(",")]
-    return out
-
-
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
-def test_launchers_pass_what_the_kernels_declare(monkeypatch, dtype):
-    signatures, calls = _signatures(), []
-    assert set(signatures) == {"flash_forward", "flash_backward_dq", "flash_backward_dkv"}
-
-    def function(name, t, acc):
-        return lambda grid, block, args, shared_mem: calls.append(
-            (name, grid, block, args, shared_mem))
-
-    monkeypatch.setattr(backend, "xp", np)
-    monkeypatch.setattr(FA, "_function", function)
-    rng = np.random.default_rng(0)
-    for layout, block in ((None, None), (causal_layout(random_layout(rng, 2, 4)), 16)):
-        qkv = rng.standard_normal((2, 64, 3 * 2 * 8)).astype(dtype)
-        y, lse = FA.cuda_flash_forward(qkv, FA.dense_layout(64) if layout is None else
-                                       FA.sparse_layout(layout, block), 2)
-        FA.cuda_flash_backward(qkv[..., :16].copy(), qkv, y, lse, FA.dense_layout(64), 2)
-    assert {c[0] for c in calls} == set(signatures)
-    t, acc = kernels._C_TYPES[np.dtype(dtype)], kernels._C_TYPES[kernels.acc_dtype(dtype)]
-    for name, grid, block, args, shared_mem in calls:
-        assert block == (kernels.THREADS,) and 0 < shared_mem <= FA.SHARED_BYTES
-        assert all(isinstance(g, int) and g >= 1 for g in grid)
-        assert len(args) == len(signatures[name]), name
-        for i, (arg, (pointer, ctype)) in enumerate(zip(args, signatures[name], strict=True)):
-            want = np.dtype(_expected_dtype(ctype, t, acc))
-            if pointer:
-                assert isinstance(arg, np.ndarray) and arg.flags.c_contiguous, (name, i)
-                assert arg.dtype == want, f"{name} argument {i}: {arg.dtype}, wants {want}"
-            else:
-                assert type(arg) is want.type, f"{name} argument {i}: {type(arg)}, wants {want}"
 
 
 # -- the config key and the GPT on the stand-in -------------------------------------------------
@@ -363,13 +325,12 @@ def _cupy_on_a_gpu():
     return cupy
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
-def test_each_cuda_launcher_matches_its_twin(dtype):
-    """On a GPU: flash forward (y, lse) and backward (dqkv) against the twin, dense (T 200: a
-    ragged last block; hd 64) and DeepSpeed's fixed layout (block 16, heads' own layouts):
-    1e-5 relative in fp32, fp16's output rounding in fp16."""
-    cupy = _cupy_on_a_gpu()
+def test_each_cuda_launcher_matches_its_twin(cuda_device, dtype):
+    """Flash forward (y, lse) and backward (dqkv) against the twin, on a GPU and on the CPU
+    (tests/cuda_cpu.py), dense (T 200: a ragged last block; hd 64) and DeepSpeed's fixed layout
+    (block 16, heads' own layouts): 1e-5 relative in fp32, fp16's output rounding in fp16."""
+    cupy = cuda_device
     rng = np.random.default_rng(0)
     tol = {np.float16: 4e-3, np.float32: 1e-5, np.float64: 1e-12}[dtype]
     n_head, hd = 4, 64

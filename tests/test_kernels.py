@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 
+import cuda_cpu
 import numpy as np
 import pytest
 from mpi_util import REPO_ROOT, STANDIN
@@ -19,6 +20,7 @@ from zmpi import kernels
 from zmpi.config import Config, ConfigError
 from zmpi.nn import attention as A
 from zmpi.nn import functional as F
+from zmpi.optim.adam import AdamCoefficients, _adam_twin, _sum_of_squares_twin
 
 # Each fused op, run on the stand-in under both modes: (launches when fused, its results).
 OPS = """
@@ -164,15 +166,13 @@ def test_a_training_step_is_52_launches_a_layer_no_cast_and_one_sync():
         assert composed["launches_per_layer"] > 2 * row["launches_per_layer"], row
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
-def test_each_cuda_kernel_matches_its_twin(dtype):
-    """On a GPU: each CUDA launcher against its NumPy twin on the same inputs (float32
-    accumulation: 1e-5 relative in fp32, fp16 output rounding in fp16), and in fp16 and fp32
-    the batched GEMM (`kernels.matmul`) against its twin."""
-    cupy = pytest.importorskip("cupy")
-    if getattr(cupy, "STANDIN", False) or cupy.cuda.runtime.getDeviceCount() == 0:
-        pytest.skip("needs a CUDA device")
+def test_each_cuda_kernel_matches_its_twin(cuda_device, dtype):
+    """Each CUDA launcher against its NumPy twin on the same inputs (float32 accumulation: 1e-5
+    relative in fp32, fp16 output rounding in fp16), on a GPU and on the CPU (tests/cuda_cpu.py:
+    the same kernels, compiled by g++); on a GPU, in fp16 and fp32, the batched GEMM
+    (`kernels.matmul`, cuBLAS) against its twin."""
+    cupy = cuda_device
     rng = np.random.default_rng(0)
     tol = {np.float16: 2e-3, np.float32: 1e-5, np.float64: 1e-12}[dtype]
 
@@ -188,7 +188,7 @@ def test_each_cuda_kernel_matches_its_twin(dtype):
     same([y, cache[0], cache[1]], [ty, tcache[0], tcache[1]])
     dy = rng.standard_normal(x.shape).astype(dtype)
     same(kernels.cuda_layernorm_backward(cupy.asarray(dy), cache),
-         F._layernorm_backward_twin(dy, tcache))
+         F._layernorm_backward_twin(dy, tcache, None, None))
     y, cache = kernels.cuda_gelu_forward(cupy.asarray(x))
     ty, tcache = F._gelu_forward_twin(x)
     same([y, cache[1]], [ty, tcache[1]])
@@ -213,8 +213,20 @@ def test_each_cuda_kernel_matches_its_twin(dtype):
             same([kernels.cuda_bias_grad(cupy.asarray(dy), None),
                   kernels.cuda_bias_grad(cupy.asarray(dy), db)],
                  [F._bias_grad_twin(dy, None)] * 2)
-    if dtype != np.float64:  # cuBLAS through strides: a transposed and a sliced operand, and
-        a = rng.standard_normal((2, 3, 9, 40)).astype(dtype)  # into a slice of rows
+    for master in {np.float32, dtype} - {np.float16}:  # Adam on master weights of its dtype
+        k = AdamCoefficients.of(master, 3, 1e-2, (0.9, 0.999), 1e-8, 0.1, True, 0.5)
+        state = [rng.standard_normal(300).astype(master) for _ in range(3)]
+        state[2] **= 2  # v >= 0
+        grads = rng.standard_normal(300).astype(dtype)
+        on_device = [cupy.asarray(a) for a in state]
+        kernels.cuda_adam(on_device[0], cupy.asarray(grads), *on_device[1:], k)
+        _adam_twin(state[0], grads, state[1], state[2], k)
+        same(on_device, state)
+        same([kernels.cuda_sum_of_squares(cupy.asarray(grads), 0.5, np.dtype(master))],
+             [_sum_of_squares_twin(grads, 0.5, np.dtype(master))])
+    if dtype != np.float64 and cupy is not cuda_cpu.DEVICE:  # cuBLAS through strides: a
+        # transposed and a sliced operand, and into a slice of rows
+        a = rng.standard_normal((2, 3, 9, 40)).astype(dtype)
         bt = rng.standard_normal((2, 3, 11, 40)).astype(dtype)
         y = cupy.zeros((2, 3, 20, 11), dtype)
         kernels.matmul(cupy.asarray(a)[:, :, 2:7], cupy.asarray(bt).swapaxes(-1, -2),

@@ -1,0 +1,218 @@
+"""zmpi's CUDA C++ kernels run on the CPU, for tests on a machine without a GPU: the real source
+(zmpi.cuda_source.SOURCE, zmpi.cuda_flash_source.FLASH_SOURCE), compiled by g++ against the
+CUDA builtins in tests/cuda_cpu_include/ and launched through zmpi's own launchers.
+
+    import cuda_cpu
+    monkeypatch.setattr(backend, "xp", cuda_cpu.DEVICE)    # zmpi.kernels' launchers now run
+    y, cache = kernels.cuda_layernorm_forward(x, w, b, 1e-5)  # layernorm_forward on the CPU
+
+`DEVICE` stands in for the cupy module where zmpi.kernels and zmpi.flash_attention use it:
+its `RawModule(code=..., options=...)` compiles the source for the options' -D types (once per
+source and options, cached in the temp directory) and `get_function(name)` gives a kernel
+called as CuPy's are, `kernel(grid, block, args, shared_mem=0)`; its arrays are NumPy arrays,
+and `empty` fills them with NaN (an output a kernel leaves unwritten shows). Each launch runs
+every block of the grid, one after another, each block's threads as fibers that switch at
+__syncthreads() and warp shuffles (zmpi_cuda_cpu.h), so the kernels' indexing, tiling,
+barriers and reductions run as written, on IEEE float32/float64 arithmetic without FMA
+contraction (NVRTC's --fmad=false), with the libm's expf/logf/tanhf in place of CUDA's.
+
+What a launch checks that a GPU would not say: each argument's type against the kernel's
+declaration (an array of the pointer's element type, C-contiguous; a NumPy scalar of the
+parameter's exact type); no two arrays overlapping; no write outside an array (guard bytes
+around each, checked after the launch), nor to a `const` one; barriers every live thread of a
+block (or lane of a warp) reaches. What it cannot: timing, shared-memory limits and bank
+conflicts, the device's own libm, races between blocks (they run in order), cuBLAS.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+INCLUDE = Path(__file__).with_name("cuda_cpu_include")
+COMPILER = shutil.which(os.environ.get("CXX", "g++"))
+GUARD = 256  # bytes of 0xff around each array, and the arrays' alignment (cudaMalloc's)
+
+_SIGNATURE = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\)')
+_DYNAMIC_SHARED = re.compile(r"extern __shared__ (?:__align__\(\d+\) )?([\w ]+?) (\w+)\[\];")
+_DTYPES = {"__half": np.float16, "__nv_bfloat16": ml_dtypes.bfloat16, "float": np.float32,
+           "double": np.float64, "int": np.int32, "long long": np.int64,
+           "unsigned int": np.uint32, "unsigned char": np.uint8}
+_CTYPES = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
+           np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.float32): ctypes.c_float,
+           np.dtype(np.float64): ctypes.c_double}
+
+
+class Parameter:
+    """One kernel parameter: its declaration, whether it is a pointer (and const), and the
+    NumPy dtype of its value or of the array it points to."""
+
+    def __init__(self, declaration: str, defines: dict[str, str]):
+        self.declaration = " ".join(declaration.split())
+        *type_words, self.name = self.declaration.replace("*", " * ").split()
+        self.const = type_words[0] == "const"
+        self.pointer = "*" in type_words
+        base = " ".join(w for w in type_words if w not in ("const", "*"))
+        base = {"T": defines.get("ZMPI_T"), "ACC": defines.get("ZMPI_ACC")}.get(base, base)
+        if base not in _DTYPES:
+            raise TypeError(f"cuda_cpu: no NumPy dtype for parameter {self.declaration!r}")
+        self.dtype = np.dtype(_DTYPES[base])
+
+
+class Kernel:
+    """A compiled kernel, called as CuPy's RawKernel: kernel(grid, block, args, shared_mem)."""
+
+    def __init__(self, library, name: str, parameters: list[Parameter]):
+        self.name, self.parameters = name, parameters
+        self._launch = getattr(library, f"zmpi_launch_{name}")
+        self._launch.restype = ctypes.c_int
+        self._launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t] + [
+            ctypes.c_void_p if p.pointer else _CTYPES[p.dtype] for p in parameters]
+        self._error = library.zmpi_error
+        self._error.restype = ctypes.c_char_p
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        if len(args) != len(self.parameters):
+            raise TypeError(f"{self.name}: {len(args)} arguments for "
+                            f"{len(self.parameters)} parameters")
+        arrays = [a for a in args if isinstance(a, np.ndarray)]
+        for i, a in enumerate(arrays):
+            if any(np.shares_memory(a, b) for b in arrays[i + 1:]):
+                raise ValueError(f"{self.name}: two arguments share memory")
+        copies = [self._argument(p, a) for p, a in zip(self.parameters, args, strict=True)]
+        dims = [np.array((*d, 1, 1)[:3], np.uint32) for d in (tuple(grid), tuple(block))]
+        status = self._launch(dims[0].ctypes.data, dims[1].ctypes.data, shared_mem,
+                              *[c.pointer if isinstance(c, _Guarded) else c for c in copies])
+        if status:
+            raise RuntimeError(f"{self.name}: {self._error().decode()}")
+        for p, a, c in zip(self.parameters, args, copies, strict=True):
+            if isinstance(c, _Guarded):
+                c.check(f"{self.name}, {p.declaration}")
+                data = c.data()
+                if p.const and data.tobytes() != a.tobytes():
+                    raise RuntimeError(f"{self.name} wrote to {p.declaration}")
+                a[...] = data
+
+    def _argument(self, p: Parameter, a):
+        where = f"{self.name}, {p.declaration}"
+        if p.pointer:
+            if not isinstance(a, np.ndarray) or a.dtype != p.dtype or not a.flags.c_contiguous:
+                got = (type(a).__name__ if not isinstance(a, np.ndarray) else
+                       f"a {a.dtype} array{'' if a.flags.c_contiguous else ', not contiguous'}")
+                raise TypeError(f"{where}: wants a C-contiguous {p.dtype} array, got {got}")
+            return _Guarded(a)
+        if not isinstance(a, np.generic) or a.dtype != p.dtype:
+            raise TypeError(f"{where}: wants a NumPy {p.dtype} scalar, got {type(a).__name__}")
+        return a.item()
+
+
+class _Guarded:
+    """A copy of an array between GUARD bytes of 0xff, aligned as cudaMalloc aligns."""
+
+    def __init__(self, a: np.ndarray):
+        self.nbytes, self.dtype, self.shape = a.nbytes, a.dtype, a.shape
+        self.buffer = np.full(a.nbytes + 3 * GUARD, 0xff, np.uint8)
+        self.start = GUARD + (-(self.buffer.ctypes.data + GUARD)) % GUARD
+        self.buffer[self.start:self.start + a.nbytes] = np.frombuffer(a.tobytes(), np.uint8)
+        self.pointer = self.buffer.ctypes.data + self.start
+
+    def data(self) -> np.ndarray:
+        raw = self.buffer[self.start:self.start + self.nbytes].copy()
+        return raw.view(self.dtype).reshape(self.shape)
+
+    def check(self, where: str):
+        before, after = self.buffer[:self.start], self.buffer[self.start + self.nbytes:]
+        if (before != 0xff).any() or (after != 0xff).any():
+            raise RuntimeError(f"{where}: written outside the array")
+
+
+class RawModule:
+    """CuPy's RawModule(code=..., options=...) for the CPU: -D options define the types,
+    --fmad=false is g++'s -ffp-contract=off (always on), the rest are NVRTC's and ignored."""
+
+    def __init__(self, code: str, options=()):
+        if COMPILER is None:
+            raise RuntimeError("cuda_cpu: no C++ compiler (g++, or $CXX)")
+        defines = dict(o[2:].split("=", 1) for o in options if o.startswith("-D"))
+        self.kernels = {name: [Parameter(p, defines) for p in params.split(",")]
+                        for name, params in _SIGNATURE.findall(code)}
+        self.library = ctypes.CDLL(str(_compile(_translation_unit(code, self.kernels),
+                                                [f"-D{k}={v}" for k, v in defines.items()])))
+
+    def get_function(self, name: str) -> Kernel:
+        if name not in self.kernels:
+            raise AttributeError(f"cuda_cpu: no kernel {name!r} in the module")
+        return Kernel(self.library, name, self.kernels[name])
+
+
+def _translation_unit(code: str, kernels: dict[str, list[Parameter]]) -> str:
+    """The source with its `extern __shared__` arrays pointed at the launch's dynamic shared
+    memory, and an extern "C" launcher per kernel."""
+    code = _DYNAMIC_SHARED.sub(r"\1* \2 = reinterpret_cast<\1*>(zmpi_dynamic_shared);", code)
+    launchers = [
+        f'extern "C" int zmpi_launch_{name}(const unsigned int* zmpi_grid, '
+        f"const unsigned int* zmpi_block, size_t zmpi_shared, "
+        f"{', '.join(p.declaration for p in params)}) {{\n"
+        f"    return zmpi_cpu::launch(zmpi_grid, zmpi_block, zmpi_shared, [=] {{ "
+        f"{name}({', '.join(p.name for p in params)}); }});\n}}"
+        for name, params in kernels.items()]
+    return "\n".join([code, *launchers,
+                      'extern "C" const char* zmpi_error() { return zmpi_cpu::error.c_str(); }'])
+
+
+def _compile(source: str, defines: list[str]) -> Path:
+    """The shared library of `source`, built once per (source, defines, headers)."""
+    headers = "".join(p.read_text() for p in sorted(INCLUDE.glob("*.h")))
+    key = hashlib.sha256("\0".join([source, *defines, headers]).encode()).hexdigest()[:20]
+    out = Path(tempfile.gettempdir(), f"zmpi-cuda-cpu-{key}.so")
+    if not out.exists():
+        cpp = out.with_suffix(f".{os.getpid()}.cpp")
+        cpp.write_text(source)
+        partial = out.with_suffix(f".{os.getpid()}.so")
+        built = subprocess.run([COMPILER, "-std=c++17", "-O1", "-fPIC", "-shared",
+                                "-ffp-contract=off", "-Wl,-Bsymbolic", "-I", str(INCLUDE),
+                                "-include", "zmpi_cuda_cpu.h", *defines, str(cpp), "-o",
+                                str(partial)], capture_output=True, text=True)
+        if built.returncode:
+            raise RuntimeError(f"cuda_cpu: {COMPILER} failed on {cpp}:\n{built.stderr}")
+        cpp.unlink()
+        partial.replace(out)
+    return out
+
+
+class _Device:
+    """The cupy module as zmpi's launchers use it, over NumPy (see the module docstring)."""
+
+    RawModule = RawModule
+    ndarray = np.ndarray
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def empty(shape, dtype=np.float32):
+        dtype = np.dtype(dtype)
+        return np.full(shape, np.nan if dtype.kind == "f" or dtype == _BF16 else 0, dtype)
+
+    def empty_like(self, a, dtype=None):
+        return self.empty(a.shape, a.dtype if dtype is None else dtype)
+
+    @staticmethod
+    def asarray(a, dtype=None):
+        return np.array(a, dtype, copy=True, order="C")
+
+    @staticmethod
+    def asnumpy(a):
+        return np.asarray(a)
+
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+DEVICE = _Device()
