@@ -10,7 +10,7 @@ import pytest
 from mpi_util import CLI, RANKS_DIR, launch_mpi
 
 from zmpi.cli import main
-from zmpi.cli.inputs import InputError, build_config
+from zmpi.cli.config_from_flags import InputError, build_config
 from zmpi.config import Config, ConfigError
 from zmpi.data import load_tokens
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 from mpi_util import CLI, REPO_ROOT, launch_mpi
 
-from zmpi.cli.inputs import DEFAULTS
+from zmpi.cli.config_from_flags import DEFAULTS
 
 
 def test_estimate_reproduces_design_table():
@@ -62,7 +62,7 @@ def _args(**kw):
 
 
 def test_flags_override_config(tmp_path):
-    from zmpi.cli.inputs import build_config
+    from zmpi.cli.config_from_flags import build_config
     from zmpi.config import Config
 
     path = tmp_path / "c.json"
@@ -83,7 +83,7 @@ def test_flags_override_config(tmp_path):
 
 
 def test_offload_flags_set_deepspeed_keys(tmp_path):
-    from zmpi.cli.inputs import build_config
+    from zmpi.cli.config_from_flags import build_config
 
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {
@@ -156,7 +156,7 @@ def test_checkpoint_flags_without_save_every_are_rejected():
 
 
 def test_seed_and_strategy_flags(tmp_path):
-    from zmpi.cli.inputs import build_config
+    from zmpi.cli.config_from_flags import build_config
 
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"seed": 7, "zero_optimization": {"strategy": "stage2"}}))
@@ -172,7 +172,7 @@ def test_seed_and_strategy_flags(tmp_path):
 
 
 def test_shard_group_size_flag():
-    from zmpi.cli.inputs import build_config
+    from zmpi.cli.config_from_flags import build_config
 
     cfg = build_config(_args(strategy="hybrid", shard_group_size=2), 4)
     assert cfg["zero_optimization"] == {"strategy": "hybrid", "shard_group_size": 2}
@@ -241,7 +241,7 @@ SMALL = ["--n-layer", "1", "--d-model", "32", "--seq-len", "32", "--sample-token
 def test_public_style_configs_run_at_two_ranks(tmp_path, name, extra):
     """Config files of the kind public training repositories carry run as they are; the lr
     column of metrics.csv follows the schedule (DeepSpeed semantics: step k at rate k-1)."""
-    from zmpi.cli.inputs import _read_config, build_config
+    from zmpi.cli.config_from_flags import _read_config, build_config
     from zmpi.optim.lr_schedules import build
 
     result = launch_mpi(CLI, 2, timeout=180, args=[

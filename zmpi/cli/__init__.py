@@ -25,13 +25,8 @@ import sys
 
 from zmpi.checkpoint import CheckpointError
 from zmpi.cli import ckpt, estimate, plan, train
-from zmpi.cli.inputs import (
-    DEFAULT_STAGE,
-    DEFAULTS,
-    MODEL_FLAGS,
-    SCHEDULE_FLAGS,
-    _rank,
-)
+from zmpi.cli.config_from_flags import DEFAULT_STAGE, DEFAULTS, MODEL_FLAGS, SCHEDULE_FLAGS
+from zmpi.cli.inputs import _rank
 from zmpi.config import RECOMPUTE
 from zmpi.offload.files import NVMeError
 

@@ -10,12 +10,11 @@ from pathlib import Path
 import numpy as np
 
 from zmpi.checkpoint import CheckpointError
+from zmpi.cli.config_from_flags import InputError, _get
 from zmpi.cli.inputs import (
-    InputError,
     _agree_on_inputs,
     _checked_inputs,
     _exit_bad_input,
-    _get,
     inputs_digest,
     stage_origin,
 )

@@ -82,7 +82,7 @@ class OptimizerConfig(_Section):
         return {"type": flat.pop("type"), "params": flat}
 
 
-# what zmpi train puts in place of a scheduler parameter's "auto" (zmpi.cli.inputs)
+# what zmpi train puts in place of a scheduler parameter's "auto" (zmpi.cli.config_from_flags)
 _TRAIN_FILLS = {"total_num_steps": "fills it from --steps", "warmup_max_lr": "fills it from --lr",
                 "warmup_min_lr": "makes it 0", "warmup_num_steps": "takes it from --warmup-steps"}
 
