@@ -146,8 +146,9 @@ step env 60 env.txt bash -c env_report
     --out "$OUT/count"; exit $failed) &
 counting=$!
 if "$PY" -c "import cupy, sys; sys.exit(cupy.cuda.runtime.getDeviceCount() == 0)" 2> /dev/null; then
-    # the test files that hold GPU-marked tests (the others may need what this machine lacks)
-    tests=$(grep -l 'mark\.gpu' tests/test_*.py)
+    # the test files that hold GPU-marked tests, or tests on the cuda_device fixture (its "gpu"
+    # case is marked; the other files may need what this machine lacks)
+    tests=$(grep -l 'mark\.gpu\|cuda_device' tests/test_*.py)
     # shellcheck disable=SC2086
     step tests 200 tests.txt env ZMPI_BACKEND=cupy "$PY" -m pytest -q -p no:cacheprovider -m gpu $tests
     step bench 240 bench.txt env ZMPI_BACKEND=cupy mpiexec -n 1 "$PY" experiments/bench_gpu.py \

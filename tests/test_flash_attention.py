@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 
-import cuda_cpu
 import numpy as np
 import pytest
 from gradcheck import check
@@ -178,12 +177,10 @@ def test_tiles_fit_shared_memory_and_divide_the_block(kernel, dtype):
 def test_the_kernels_equal_the_twin_at_every_tile_size(rng, monkeypatch, cuda_device, dtype,
                                                        sparse, T, s):
     """FLASH_SOURCE's kernels through their launchers at tile rows s (s / 2 for the keys'
-    backward): several tiles a block, a ragged last block, heads with their own layouts. The
-    twin's y, lse and dqkv, to round-off (float64) or fp16's output rounding, every element
-    written."""
-    if cuda_device is not cuda_cpu.DEVICE:
-        pytest.skip("the launchers' own tile sizes run on a GPU: test_each_cuda_launcher_...")
-    n_head, hd, block = 2, 5, 8
+    backward), on the CPU and on a GPU: several tiles a block, a ragged last block, heads with
+    their own layouts. The twin's y, lse and dqkv, to round-off (float64) or fp16's output
+    rounding, every element written."""
+    dev, n_head, hd, block = cuda_device, 2, 5, 8
     monkeypatch.setattr(FA, "tile_rows", lambda kernel, *_: (
         max(1, s // 2) if kernel == "flash_backward_dkv" else s))
     layout = (FA.sparse_layout(causal_layout(random_layout(rng, n_head, T // block)), block)
@@ -192,13 +189,14 @@ def test_the_kernels_equal_the_twin_at_every_tile_size(rng, monkeypatch, cuda_de
     dy = rng.standard_normal((2, T, n_head * hd)).astype(dtype)
     y, lse = FA._forward_twin(qkv, layout, n_head)
     dqkv = FA._backward_twin(dy, qkv, y, lse, layout, n_head)
-    y_k, lse_k = FA.cuda_flash_forward(qkv, layout, n_head)
-    dqkv_k = FA.cuda_flash_backward(dy, qkv, y_k, lse_k, layout, n_head)
+    y_k, lse_k = FA.cuda_flash_forward(dev.asarray(qkv), layout, n_head)
+    dqkv_k = FA.cuda_flash_backward(dev.asarray(dy), dev.asarray(qkv), y_k, lse_k, layout,
+                                    n_head)
     tol = 1e-12 if dtype == np.float64 else 2e-3
     for got, want in ((y_k, y), (lse_k, lse), (dqkv_k, dqkv)):
+        got = dev.asnumpy(got).astype(np.float64)
         assert np.isfinite(got).all()  # every element written
-        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol,
-                                   atol=tol)
+        np.testing.assert_allclose(got, want.astype(np.float64), rtol=tol, atol=tol)
 
 
 OPTION_SETS = [("__half", "float"), ("float", "float"), ("double", "double")]
