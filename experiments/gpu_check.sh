@@ -11,7 +11,8 @@
 #      at the end, puts DEPS and the tree first on sys.path and maps zmpi.models to models/ as
 #      pyproject's package-dir does;
 #   3. runs the GPU-marked tests, experiments/bench_gpu.py (GPT-2 small, stages 0-3, PyTorch
-#      eager beside it) and experiments/gpu_trace.py (the step's kernels by GPU time), and
+#      eager beside it) and experiments/gpu_trace.py (the step's kernels by GPU time; and a
+#      small model's GPU idle time, the most a CUDA graph of its step could save), and
 #      beside them, on one CPU core, experiments/bench_gpu.py --count (the stand-in's
 #      launches; any machine).
 # Each step's output goes to one results folder, $OUT (default results/gpu_check), with
@@ -155,8 +156,12 @@ if "$PY" -c "import cupy, sys; sys.exit(cupy.cuda.runtime.getDeviceCount() == 0)
         --no-count --warmup 2 --steps 5 --out "$OUT/bench"
     step trace 120 trace.txt env ZMPI_BACKEND=cupy mpiexec -n 1 "$PY" experiments/gpu_trace.py \
         --out "$OUT/trace"
+    # a small model, where launches may bind: the GPU's idle time, what a CUDA graph could save
+    step trace-small 60 trace_small.txt env ZMPI_BACKEND=cupy mpiexec -n 1 "$PY" \
+        experiments/gpu_trace.py --n-layer 4 --d-model 256 --n-head 4 --seq-len 128 --batch 4 \
+        --out "$OUT/trace_small"
 else
-    for name in tests bench trace; do note "$(printf '%-8s skipped: no GPU (CuPy sees none)' "$name")"; done
+    for name in tests bench trace trace-small; do note "$(printf '%-8s skipped: no GPU (CuPy sees none)' "$name")"; done
 fi
 wait $counting || failed=1
 note "results in $OUT"

@@ -42,3 +42,7 @@ def test_the_summary_per_step_and_per_layer():
     text = gpu_trace.table(s, limit=2)
     assert "16 GPU operations/step (5.3 a layer), 3 casts (1.0 a layer)" in text
     assert text.count("\n| ") == 3  # the header and two kernels
+    assert s["idle_ms"] is None and "idle" not in text
+    timed = gpu_trace.summarize(events, steps=2, n_layer=3, wall_s=0.5, unprofiled_s=0.0004)
+    assert timed["idle_ms"] == 0.4 - timed["busy_ms"]  # 0.4 ms wall, 0.376 ms busy
+    assert "unprofiled wall 0.4 ms/step, GPU idle 0.0 ms/step (6%" in gpu_trace.table(timed, 2)
