@@ -3,11 +3,11 @@ for every (T, ACC) a launcher can ask for and for the oldest and a recent archit
 each CUDA launcher passes its kernel the arguments, in order and in C type, that the kernel's
 signature in SOURCE declares.
 
-NVRTC is a pip wheel (nvidia-cuda-nvrtc-cu12, with nvidia-cuda-runtime-cu12 for cuda_fp16.h:
-the dev extra installs both on Linux x86_64); the compile tests skip where it is missing. The
-options are what CuPy's RawModule passes NVRTC on a GPU: zmpi.kernels.compile_options, the
-architecture as -arch=sm_XX (CuPy compiles to a cubin), -ftz=true (CuPy always adds it) and
-the CUDA include directory.
+NVRTC is a pip wheel (nvidia-cuda-nvrtc-cu12, with nvidia-cuda-runtime-cu12 for cuda_fp16.h
+and cuda_bf16.h: the dev extra installs both on Linux x86_64); the compile tests skip where it
+is missing. The options are what CuPy's RawModule passes NVRTC on a GPU:
+zmpi.kernels.compile_options, the architecture as -arch=sm_XX (CuPy compiles to a cubin),
+-ftz=true (CuPy always adds it) and the CUDA include directory.
 """
 import re
 import time
@@ -17,11 +17,13 @@ import nvrtc
 import pytest
 
 from zmpi import backend, kernels
+from zmpi.cuda_flash_source import FLASH_SOURCE
 from zmpi.optim.adam import AdamCoefficients
 
 # (T, ACC): each dtype with its own accumulator, and the mixed pairs of adam and
 # sum_of_squares, which accumulate in the master dtype (float32 or float64).
-OPTION_SETS = [(t, acc) for t in ("__half", "float", "double") for acc in ("float", "double")]
+OPTION_SETS = [(t, acc) for t in ("__half", "__nv_bfloat16", "float", "double")
+               for acc in ("float", "double")]
 # Volta, the oldest architecture CUDA 12 compiles for, and Hopper.
 ARCHITECTURES = ("sm_70", "sm_90")
 # NVRTC 12.9 warns about the option (not the source) for architectures before sm_75.
@@ -59,6 +61,15 @@ def test_source_compiles_without_warnings(nvrtc_lib, t, acc, arch):
     assert time.perf_counter() - started < 60
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_flash_source_compiles_in_bfloat16(nvrtc_lib, arch):
+    """FLASH_SOURCE after SOURCE, as zmpi.flash_attention compiles it, for bfloat16 arrays
+    (tests/test_flash_attention.py compiles the other dtypes)."""
+    ok, log = _compile(nvrtc_lib, kernels.SOURCE + FLASH_SOURCE, "__nv_bfloat16", "float", arch)
+    assert ok, f"NVRTC {nvrtc.version(nvrtc_lib[0])}, __nv_bfloat16, {arch}:\n{log}"
+    assert log == "", f"__nv_bfloat16, {arch}: NVRTC warns:\n{log}"
+
+
 def test_warnings_reach_the_log(nvrtc_lib):
     """The empty-log assertion above means something: NVRTC reports a warning by default."""
     source = kernels.SOURCE + "\n__device__ int zmpi_unused() { int unused; return 0; }\n"
@@ -77,7 +88,8 @@ def test_a_macro_named_T_breaks_nvrtc(nvrtc_lib):
 
 # -- each launcher's arguments against its kernel's signature (no GPU, no NVRTC) --------------
 
-_C_DTYPES = {"__half": np.float16, "float": np.float32, "double": np.float64}
+_C_DTYPES = {"__half": np.float16, "__nv_bfloat16": backend.BFLOAT16, "float": np.float32,
+             "double": np.float64}
 _SIGNATURE = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\)')
 
 
@@ -137,8 +149,10 @@ def _launches(dtype, master):
     kernels.cuda_bias_grad(a(3, 40), a(40))
 
 
-@pytest.mark.parametrize("dtype, master", [(np.float16, np.float32), (np.float32, np.float32),
-                                           (np.float32, np.float64), (np.float64, np.float64)])
+@pytest.mark.parametrize("dtype, master", [(np.float16, np.float32),
+                                           (backend.BFLOAT16, np.float32),
+                                           (np.float32, np.float32), (np.float32, np.float64),
+                                           (np.float64, np.float64)])
 def test_launchers_pass_what_the_kernels_declare(monkeypatch, dtype, master):
     signatures, calls = _signatures(), []
 

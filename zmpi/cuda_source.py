@@ -3,13 +3,17 @@ of a NumPy twin (zmpi.nn.functional, zmpi.nn.attention, zmpi.optim.adam); zmpi.k
 and launches it, and tests/test_kernels_compile.py compiles it with NVRTC for every dtype pair
 the launchers use.
 
-T: the arrays' dtype (__half, float, double); ACC: what the kernel accumulates in (float,
-or double for double). One module per (T, ACC), compiled on first use (CuPy caches it on disk).
-Row kernels run one block per row, blockDim.x a multiple of 32; elementwise ones grid-stride.
+T: the arrays' dtype (__half, __nv_bfloat16, float, double); ACC: what the kernel accumulates
+in (float, or double for double). A 16-bit T is read through `to_acc` and written through
+`store`, rounded to nearest even once (cuda_fp16.h's and cuda_bf16.h's conversions, the only
+intrinsics of those headers the source uses). One module per (T, ACC), compiled on first use
+(CuPy caches it on disk). Row kernels run one block per row, blockDim.x a multiple of 32;
+elementwise ones grid-stride.
 """
 
 SOURCE = r"""
 #include <cuda_fp16.h>
+#include <cuda_bf16.h>
 
 // The options define ZMPI_T and ZMPI_ACC, not T and ACC: NVRTC's builtin header, read before
 // this source, names template parameters T, which a macro T would break.
@@ -17,9 +21,13 @@ typedef ZMPI_T T;
 typedef ZMPI_ACC ACC;
 
 __device__ __forceinline__ float to_acc(const __half x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(const __nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_acc(const float x) { return x; }
 __device__ __forceinline__ double to_acc(const double x) { return x; }
 __device__ __forceinline__ void store(__half* p, const float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ void store(__nv_bfloat16* p, const float v) {
+    *p = __float2bfloat16_rn(v);
+}
 __device__ __forceinline__ void store(float* p, const float v) { *p = v; }
 __device__ __forceinline__ void store(double* p, const double v) { *p = v; }
 __device__ __forceinline__ float acc_exp(const float x) { return expf(x); }

@@ -20,15 +20,16 @@ Which runs:
 So the CPU and the stand-in run every fused op's twin, tests check the twins against the
 composed path and against float64 finite differences, and the GPU-marked tests check each CUDA
 launcher against its twin on a GPU. The kernels accumulate in float32 (float64 for float64
-arrays), read and write float16/float32/float64, and are compiled without FMA contraction
-(--fmad=false) so that their roundings follow the twins' operation by operation. Activations
-keep their dtype through them: float16 in, float16 out, float32 only in registers (and in
-what a backward reuses at full precision: LayerNorm's x-hat and 1/std, GELU's tanh, the
-loss's log-sum-exp).
+arrays), read and write float16/bfloat16/float32/float64, and are compiled without FMA
+contraction (--fmad=false) so that their roundings follow the twins' operation by operation.
+Activations keep their dtype through them: float16 (or bfloat16) in, the same out, float32
+only in registers (and in what a backward reuses at full precision: LayerNorm's x-hat and
+1/std, GELU's tanh, the loss's log-sum-exp).
 
 `matmul` is the batched matrix product (attention's): cuBLAS on the operands as they are,
-float16 on tensor cores with float32 accumulation, where CuPy's own matmul casts float16 to
-float32 and the product back, and copies operands that are not contiguous.
+float16 and bfloat16 on tensor cores with float32 accumulation, where CuPy's own matmul casts
+float16 to float32 and the product back, has no batched bfloat16 product at all (CuPy 14.2:
+cupy/cupy#10317), and copies operands that are not contiguous.
 
 This module and zmpi.cuda_source (the kernels' C++) are the only ones with CUDA; zmpi.backend
 is the only one that knows which array module runs.
@@ -87,16 +88,18 @@ def fused(twin, cuda, in_place: bool = False, launches: int = 1):
 
 def matmul(a, b, out=None):
     """a @ b (into `out` if given) for arrays of more than two dimensions. On a GPU under
-    "fused", float16 or float32 operands of one dtype and one batch shape run as one cuBLAS
-    strided batched GEMM read through their strides (a transposed or sliced operand is not
-    copied when its matrices have a unit stride and its batches one stride), float32
-    accumulation, float16 on tensor cores (float32 on TensorFloat-32 ones under CUPY_TF32, as
+    "fused", float16, bfloat16 or float32 operands of one dtype and one batch shape run as one
+    cuBLAS strided batched GEMM read through their strides (a transposed or sliced operand is
+    not copied when its matrices have a unit stride and its batches one stride), float32
+    accumulation, 16-bit on tensor cores (float32 on TensorFloat-32 ones under CUPY_TF32, as
     CuPy's), written in their dtype: CuPy 14's matmul instead casts float16 operands to
     float32, multiplies without tensor cores and casts the product back (three cast kernels a
-    product), and copies any operand that is not C-contiguous. Anything else (NumPy, float64,
-    2-D, "composed") is the array module's matmul. The stand-in runs `_matmul_twin` as the
-    GEMM's one launch."""
-    if (_mode[0] == "composed" or not backend.is_device_array(a) or a.ndim < 3
+    product), and copies any operand that is not C-contiguous. bfloat16 takes the GEMM under
+    "composed" too: CuPy 14.2 has no batched bfloat16 matmul (cupy/cupy#10317). Anything else
+    (NumPy, float64, 2-D, "composed") is the array module's matmul. The stand-in runs
+    `_matmul_twin` as the GEMM's one launch."""
+    if (_mode[0] == "composed" and a.dtype != backend.BFLOAT16
+            or not backend.is_device_array(a) or a.ndim < 3
             or a.dtype not in _GEMM_TYPES or b.dtype != a.dtype or a.shape[:-2] != b.shape[:-2]
             or a.shape[-1] != b.shape[-2] or out is not None
             and (out.dtype != a.dtype or out.shape != (*a.shape[:-1], b.shape[-1]))):
@@ -112,7 +115,9 @@ def matmul(a, b, out=None):
     return out
 
 
-_GEMM_TYPES = {np.dtype(np.float16): "CUDA_R_16F", np.dtype(np.float32): "CUDA_R_32F"}
+# cuBLAS's data types, as cupy.cuda.runtime names them (CUDA_R_16BF = 14 from CuPy 14 on)
+_GEMM_TYPES = {np.dtype(np.float16): "CUDA_R_16F", backend.BFLOAT16: "CUDA_R_16BF",
+               np.dtype(np.float32): "CUDA_R_32F"}
 
 
 def _matmul_twin(a, b, out):
@@ -126,14 +131,15 @@ def _matmul_twin(a, b, out):
 
 # -- compiling and launching SOURCE (zmpi/cuda_source.py) -------------------------------------
 
-_C_TYPES = {np.dtype(np.float16): "__half", np.dtype(np.float32): "float",
-            np.dtype(np.float64): "double"}
+_C_TYPES = {np.dtype(np.float16): "__half", backend.BFLOAT16: "__nv_bfloat16",
+            np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 THREADS = 256  # per block: a multiple of 32
 MAX_BLOCKS = 1024  # of a grid-stride kernel, and the partial sums of sum_of_squares
 
 
 def acc_dtype(dtype) -> np.dtype:
-    """What a kernel on `dtype` arrays accumulates in: float32, or float64 for float64."""
+    """What a kernel on `dtype` arrays accumulates in: float32 (float16, bfloat16 and float32
+    arrays), or float64 for float64."""
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
