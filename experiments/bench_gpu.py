@@ -8,7 +8,8 @@ Counts (--count; any machine): the training steps run on the project's CuPy stan
 (tests/standin, a strict CuPy double whose arithmetic runs on the host), which counts every
 device operation a GPU runs as a kernel launch or copy of its own, those of them that are
 dtype casts (CuPy's cupy_copy__float16_float32 and the like) apart, and every blocking
-device -> host transfer (a sync). Per stage and precision: the launches of one step of a GPT
+device -> host transfer (a sync). Per stage and precision (fp32, fp16, bf16): the launches of
+one step of a GPT
 with n layers and with n + 2 (the same seed and batch; the second step, after warm-up), so
 that (difference) / 2 is what one transformer layer costs, forward, backward and its share of
 the update, and the rest is what the embedding, the LM head, the loss and the optimizer cost
@@ -20,12 +21,14 @@ that the stand-in's count is the one a trace of the timed run would see, and the
 shape is small.
 
 Timing (without --count; needs CuPy and a GPU): GPT-2 small (124 M parameters, 12 layers,
-d 768, 12 heads, vocab 50257) at T 1024, fp16, micro-batch --batch per rank, ZeRO stages 0-3 on
-the ranks of the launch; --warmup steps, then the median of --steps, each ended by a device
-synchronize. tokens/s per rank; MFU = tokens/s x (6 N + 12 L T d) / the GPU's peak (--peak-tflops,
-dense fp16 tensor-core FLOP/s of the device: 989 for an H100 SXM). With PyTorch (the bench
-extra) and CUDA, the same model in PyTorch eager (experiments/bench_vs_torch.torch_gpt, fp16
-autocast, AdamW) beside it on one rank.
+d 768, 12 heads, vocab 50257) at T 1024, micro-batch --batch per rank, on the ranks of the
+launch: fp16 at ZeRO stages --stages (0-3), and bf16 at --bf16-stages (0: a short run beside
+fp16's; left out, with a line saying why, on a CuPy without bfloat16); --warmup steps, then
+the median of --steps, each ended by a device synchronize. tokens/s per rank; MFU = tokens/s
+x (6 N + 12 L T d) / the GPU's peak (--peak-tflops, dense fp16 tensor-core FLOP/s of the
+device, bf16's too: 989 for an H100 SXM).
+With PyTorch (the bench extra) and CUDA, the same model in PyTorch eager
+(experiments/bench_vs_torch.torch_gpt, fp16 autocast, AdamW) beside it on one rank.
 """
 import argparse
 import dataclasses
@@ -54,7 +57,7 @@ def engine_config(stage: int, precision: str, batch: int, kernels: str = "fused"
     return {"train_micro_batch_size_per_gpu": batch, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
             "zero_optimization": {"stage": stage}, "fp16": {"enabled": precision == "fp16"},
-            "kernels": kernels}
+            "bf16": {"enabled": precision == "bf16"}, "kernels": kernels}
 
 
 def step_counts(comm, stage, precision, n_layer, seq_len, kernels) -> tuple[int, int, int]:
@@ -98,7 +101,7 @@ def count(args, comm) -> list[dict]:
     rows = []
     for kernels in ("fused", "composed"):
         for stage in (0, 1, 2, 3):
-            for precision in ("fp32", "fp16"):
+            for precision in ("fp32", "fp16", "bf16"):
                 a = step_counts(comm, stage, precision, args.n_layer, args.seq_len, kernels)
                 b = step_counts(comm, stage, precision, args.n_layer + 2, args.seq_len, kernels)
                 launches, casts = (b[0] - a[0]) / 2, (b[1] - a[1]) / 2
@@ -128,8 +131,9 @@ def count_on_standin(args) -> list[dict]:
 
 
 def time_gpu(args, comm) -> list[dict]:
-    """Step time, tokens/s and MFU of GPT-2 small per stage on this GPU (zmpi), and of
-    PyTorch eager on rank 0 when it is installed with CUDA."""
+    """Step time, tokens/s and MFU of GPT-2 small on this GPU (zmpi) per precision and stage,
+    fp16 at --stages and bf16 at --bf16-stages, and of PyTorch eager on rank 0 when it is
+    installed with CUDA."""
     from zmpi import backend
     from zmpi.data import SyntheticSource
     from zmpi.engine import Engine
@@ -141,9 +145,14 @@ def time_gpu(args, comm) -> list[dict]:
     flops = 6 * gpt_num_params(cfg.n_layer, cfg.d_model, cfg.vocab_size, cfg.seq_len) \
         + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
     rows = []
-    for stage in args.stages:
+    runs = [("fp16", stage) for stage in args.stages]
+    if backend.cupy_bfloat16_refusal() is None:
+        runs += [("bf16", stage) for stage in args.bf16_stages]
+    elif args.bf16_stages:
+        print(f"bench_gpu: no bf16 run: {backend.cupy_bfloat16_refusal()}", file=sys.stderr)
+    for precision, stage in runs:
         model = GPT(cfg, seed=0)
-        engine = Engine(model, engine_config(stage, "fp16", args.batch), comm)
+        engine = Engine(model, engine_config(stage, precision, args.batch), comm)
         data = SyntheticSource(cfg.vocab_size, cfg.seq_len, args.batch * comm.size, comm.rank,
                                comm.size, seed=1)
         times = []
@@ -155,7 +164,7 @@ def time_gpu(args, comm) -> list[dict]:
             backend.synchronize()
             times.append(time.perf_counter() - start)
         step = statistics.median(times[args.warmup:])
-        rows.append({"stage": stage, "peer": "zmpi", "step_s": step,
+        rows.append({"stage": stage, "peer": "zmpi", "precision": precision, "step_s": step,
                      "tokens_per_s": tokens / step,
                      "mfu": tokens / step * flops / (args.peak_tflops * 1e12),
                      "staged_mb_per_step": (sum(comm.staged_bytes.values()) - staged)
@@ -206,7 +215,8 @@ def time_torch(args, cfg) -> dict | None:
     n = sum(p.numel() for p in model.parameters())
     flops = 6 * n + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
     tokens = args.batch * cfg.seq_len
-    return {"stage": "-", "peer": "PyTorch eager", "step_s": step, "tokens_per_s": tokens / step,
+    return {"stage": "-", "peer": "PyTorch eager", "precision": "fp16 (autocast)",
+            "step_s": step, "tokens_per_s": tokens / step,
             "mfu": tokens / step * flops / (args.peak_tflops * 1e12)}
 
 
@@ -223,7 +233,10 @@ def main():
     parser.add_argument("--batch", type=int, default=8,
                         help="timing: micro-batch per rank; counting: the attention blocks of "
                              "GPT-2 small at this micro-batch")
-    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3],
+                        help="timing: the ZeRO stages timed in fp16")
+    parser.add_argument("--bf16-stages", type=int, nargs="*", default=[0],
+                        help="timing: the ZeRO stages timed in bf16 too (none: no bf16 run)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--peak-tflops", type=float, default=989.0,
@@ -268,10 +281,10 @@ def markdown(rows) -> list[str]:
     lines = []
     timed = [r for r in rows if "step_s" in r]
     if timed:
-        lines += ["| peer | stage | s/step | tokens/s per rank | MFU | MB staged per step |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {r['peer']} | {r['stage']} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} "
-                  f"| {r['mfu']:.1%} | {_staged(r)} |" for r in timed]
+        lines += ["| peer | precision | stage | s/step | tokens/s per rank | MFU "
+                  "| MB staged per step |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['peer']} | {r['precision']} | {r['stage']} | {r['step_s']:.3f} "
+                  f"| {r['tokens_per_s']:.0f} | {r['mfu']:.1%} | {_staged(r)} |" for r in timed]
     counted = [r for r in rows if "launches_per_layer" in r]
     if not counted:
         return lines

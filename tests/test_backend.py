@@ -6,6 +6,7 @@
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -72,12 +73,49 @@ def test_dtype_from_name(name, dtype, monkeypatch):
     assert backend.dtype_from_name(name) == np.dtype(dtype)
 
 
-def test_dtype_from_name_errors(monkeypatch):
+def test_dtype_from_name_errors():
     with pytest.raises(ValueError, match="valid names: .*bfloat16"):
         backend.dtype_from_name("float8")
-    monkeypatch.setattr(backend, "is_gpu", True)
-    with pytest.raises(NotImplementedError, match="CuPy has no bfloat16"):
+
+
+@pytest.fixture
+def cupy_of(monkeypatch):
+    """Make the backend CuPy of the given versions (a stand-in module), its bfloat16 probe
+    asked afresh."""
+    def make(version, cuda):
+        runtime = SimpleNamespace(get_local_runtime_version=lambda: cuda)
+        monkeypatch.setattr(backend, "xp", SimpleNamespace(__version__=version, cuda=runtime))
+        monkeypatch.setattr(backend, "is_gpu", True)
+        backend.cupy_bfloat16_refusal.cache_clear()
+
+    yield make
+    backend.cupy_bfloat16_refusal.cache_clear()
+
+
+@pytest.mark.parametrize("version, cuda", [("14.2.0", 13000), ("14.0.0", 12020),
+                                           ("15.0.0a1", 12090)])
+def test_bfloat16_on_cupy_14(cupy_of, version, cuda):
+    cupy_of(version, cuda)
+    assert backend.cupy_bfloat16_refusal() is None
+    assert backend.dtype_from_name("bf16") == BF16
+    assert backend.dtype_from_name("fp16") == np.float16
+
+
+@pytest.mark.parametrize("version, cuda, numpy", [("13.6.0", 12090, None),
+                                                  ("14.2.0", 12010, None),
+                                                  ("14.2.0", 13000, "2.1.1")])
+def test_bfloat16_refused_by_an_older_cupy_in_one_line(cupy_of, monkeypatch, version, cuda,
+                                                        numpy):
+    """CuPy 13 has no bfloat16; CuPy 14 has it from NumPy 2.1.2 on, and compiles it from CUDA
+    12.2 on: the error names what is needed and what this process has."""
+    if numpy is not None:
+        monkeypatch.setattr(np, "__version__", numpy)
+    cupy_of(version, cuda)
+    with pytest.raises(NotImplementedError) as refused:
         backend.dtype_from_name("bf16")
+    message = str(refused.value)
+    assert "\n" not in message and "needs CuPy >= 14, NumPy >= 2.1.2 and CUDA >= 12.2" in message
+    assert f"CuPy {version}, NumPy {np.__version__}, CUDA {cuda // 1000}." in message
     assert backend.dtype_from_name("fp16") == np.float16
 
 
@@ -90,9 +128,11 @@ def test_compute_dtype(monkeypatch):
     assert backend.compute_dtype("int32") == np.int32
     monkeypatch.setattr(backend, "is_gpu", True)
     assert backend.compute_dtype(np.float16) == np.float16
+    assert backend.compute_dtype(BF16) == BF16
     assert backend.compute_dtype(np.float32) == np.float32
     # an array decides for itself: host data computes in fp32 even on a GPU backend
     assert backend.compute_dtype(np.zeros(2, np.float16)) == np.float32
+    assert backend.compute_dtype(np.zeros(2, BF16)) == np.float32
 
 
 @pytest.mark.skipif(backend.is_gpu, reason="numpy backend behaviour")

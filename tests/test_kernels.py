@@ -14,9 +14,9 @@ import sys
 import cuda_cpu
 import numpy as np
 import pytest
-from mpi_util import REPO_ROOT, STANDIN
+from mpi_util import REPO_ROOT, STANDIN, child_env
 
-from zmpi import kernels
+from zmpi import backend, kernels
 from zmpi.config import Config, ConfigError
 from zmpi.nn import attention as A
 from zmpi.nn import functional as F
@@ -26,7 +26,7 @@ from zmpi.optim.adam import AdamCoefficients, _adam_twin, _sum_of_squares_twin
 OPS = """
 import json, sys
 import numpy as np, cupy
-from zmpi import kernels
+from zmpi import backend, kernels
 from zmpi.nn import attention as A
 from zmpi.nn import functional as F
 from zmpi.optim.adam import Adam, AdamCoefficients, _adam_device
@@ -62,7 +62,7 @@ def ops(dtype):
     if dtype != np.float64:  # the batched GEMM, a transposed operand read as it is
         a, bt = dev(2, 3, 5, 40, dtype=dtype), dev(2, 3, 7, 40, dtype=dtype)
         yield "matmul", lambda: kernels.matmul(a, bt.swapaxes(-1, -2))
-    if dtype != np.float16:
+    if dtype in (np.float32, np.float64):  # the optimizer's state: the master dtype
         k = AdamCoefficients.of(dtype, 3, 1e-2, (0.9, 0.999), 1e-8, 0.1, True, 0.5)
         state = [dev(50, dtype=dtype) for _ in range(3)]
         yield "adam", lambda: (_adam_device(state[0], dev(50, dtype=dtype), state[1],
@@ -72,16 +72,18 @@ def ops(dtype):
     yield "bias_grad", lambda: F._bias_grad(dy, None)
     yield "bias_grad_into", lambda: F._bias_grad(dy, cupy.zeros(70, dtype))
 
+# the stand-in's counters; a GPU counts nothing
+LAUNCHES, CASTS = (cupy.LAUNCHES, cupy.CASTS) if getattr(cupy, "STANDIN", False) else ([0], [0])
 out = {}
-for dtype in (np.float32, np.float16, np.float64):
+for dtype in (np.float32, np.float16, backend.BFLOAT16, np.float64):
     for mode in ("fused", "composed"):
         kernels.set_mode(mode)
         rng = np.random.default_rng(0)
         for name, run in ops(dtype):
-            before, casts = cupy.LAUNCHES[0], cupy.CASTS[0]
+            before, casts = LAUNCHES[0], CASTS[0]
             result = run()
             out[f"{np.dtype(dtype).name} {mode} {name}"] = [
-                cupy.LAUNCHES[0] - before, cupy.CASTS[0] - casts, host(result)]
+                LAUNCHES[0] - before, CASTS[0] - casts, host(result)]
 print(json.dumps(out))
 """
 
@@ -98,8 +100,9 @@ FUSED_LAUNCHES = {"layernorm_forward": 1, "layernorm_backward": 3 + 1, "gelu_for
 def test_fused_ops_equal_their_composed_twins_in_one_launch():
     """On the stand-in every fused op gives the composed path's bits (the twin is the same
     program) in one launch (the inputs the test makes on the device besides) and no cast,
-    where the composed path takes several, in float32, float16 and float64; in float16 the
-    composed path casts (CuPy's batched matmul computes float16 in float32)."""
+    where the composed path takes several, in float32, float16, bfloat16 and float64; in
+    float16 the composed path casts (CuPy's batched matmul computes float16 in float32), and
+    a bfloat16 batched product is the GEMM in either mode (CuPy 14.2 has none)."""
     out = json.loads(subprocess.run([sys.executable, "-c", OPS], env=STANDIN, cwd=REPO_ROOT,
                                     capture_output=True, text=True, check=True).stdout)
     for key, (launches, casts, result) in out.items():
@@ -110,8 +113,10 @@ def test_fused_ops_equal_their_composed_twins_in_one_launch():
         assert result == composed, key
         assert (launches, casts) == (FUSED_LAUNCHES[name], 0), (key, launches, casts)
         # the bias gradient is one reduction composed too: its kernel reads coalesced
-        assert composed_launches > launches or name.startswith("bias_grad"), key
+        assert composed_launches > launches or name.startswith("bias_grad") \
+            or key == "bfloat16 fused matmul", key
     assert out["float16 composed matmul"][:2] == [4, 3]  # 2 casts in, the GEMM, 1 cast out
+    assert out["bfloat16 composed matmul"][:2] == [1, 0]  # the GEMM
 
 
 def test_the_switch_is_a_config_key():
@@ -141,40 +146,45 @@ def test_tf32_is_refused_without_a_gpu():
 
 
 def test_a_training_step_is_52_launches_a_layer_no_cast_and_one_sync():
-    """experiments/bench_gpu.py --count on the stand-in, stages 0-3, fp32 and fp16, fused:
-    at most 52 launches per transformer layer per step (forward, backward, its share of the
-    update; one attention block), no dtype cast in a layer's fp32 step and at most 2 in its
-    fp16 step (16-bit activations end to end: casts only where a buffer changes dtype), and
-    one device -> host transfer per step (the loss with the gradients' norm). "composed"
-    takes more than twice as many launches, and in fp16 the casts CuPy's batched matmul
-    makes (float16 computed in float32: three a product), which the stand-in counts."""
+    """experiments/bench_gpu.py --count on the stand-in, stages 0-3, fp32, fp16 and bf16,
+    fused: at most 52 launches per transformer layer per step (forward, backward, its share of
+    the update; one attention block), no dtype cast in a layer's fp32 step and at most 2 in
+    its fp16 or bf16 step (16-bit activations end to end: casts only where a buffer changes
+    dtype), bf16 no more than fp16, and one device -> host transfer per step (the loss with
+    the gradients' norm). "composed" takes more than twice as many launches, and in fp16 and
+    bf16 the casts of the twins' float32 arithmetic (and in fp16 CuPy's batched matmul's,
+    float16 computed in float32: three a product), which the stand-in counts."""
     out = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "bench_gpu.py"),
                           "--count", "--json", "--seq-len", "64"],
                          env={**STANDIN, "ZMPI_CUDA_AWARE": "1"}, cwd=REPO_ROOT,
                          capture_output=True, text=True, check=True, timeout=600).stdout
     rows = json.loads(out.splitlines()[-1])
-    assert len(rows) == 16
+    assert len(rows) == 24
     for row in rows:
         assert row["syncs_per_step"] == row["syncs_per_step_more_layers"] == 1, row
+        peers = {r["precision"]: r for r in rows
+                 if (r["kernels"], r["stage"]) == (row["kernels"], row["stage"])}
+        assert peers["bf16"]["casts_per_layer"] <= peers["fp16"]["casts_per_layer"], row
         if row["kernels"] == "composed":
-            assert (row["casts_per_layer"] > 30) == (row["precision"] == "fp16"), row
+            assert (row["casts_per_layer"] > 30) == (row["precision"] != "fp32"), row
             continue
         assert row["launches_per_layer"] <= 52, row
-        assert row["casts_per_layer"] <= (2 if row["precision"] == "fp16" else 0), row
+        assert row["casts_per_layer"] <= (0 if row["precision"] == "fp32" else 2), row
         composed = next(r for r in rows if r["kernels"] == "composed"
                         and (r["stage"], r["precision"]) == (row["stage"], row["precision"]))
         assert composed["launches_per_layer"] > 2 * row["launches_per_layer"], row
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, backend.BFLOAT16, np.float64])
 def test_each_cuda_kernel_matches_its_twin(cuda_device, dtype):
     """Each CUDA launcher against its NumPy twin on the same inputs (float32 accumulation: 1e-5
-    relative in fp32, fp16 output rounding in fp16), on a GPU and on the CPU (tests/cuda_cpu.py:
-    the same kernels, compiled by g++); on a GPU, in fp16 and fp32, the batched GEMM
-    (`kernels.matmul`, cuBLAS) against its twin."""
+    relative in fp32, two roundings of the output in fp16 and bf16), on a GPU and on the CPU
+    (tests/cuda_cpu.py: the same kernels, compiled by g++); on a GPU, in fp16, bf16 and fp32,
+    the batched GEMM (`kernels.matmul`, cuBLAS) against its twin."""
     cupy = cuda_device
     rng = np.random.default_rng(0)
-    tol = {np.float16: 2e-3, np.float32: 1e-5, np.float64: 1e-12}[dtype]
+    tol = {np.float16: 2e-3, backend.BFLOAT16: 1.6e-2, np.float32: 1e-5,
+           np.float64: 1e-12}[dtype]
 
     def same(fused, twin):
         for a, b in zip(fused, twin, strict=True):  # lists of arrays (CuPy's, NumPy's)
@@ -213,7 +223,7 @@ def test_each_cuda_kernel_matches_its_twin(cuda_device, dtype):
             same([kernels.cuda_bias_grad(cupy.asarray(dy), None),
                   kernels.cuda_bias_grad(cupy.asarray(dy), db)],
                  [F._bias_grad_twin(dy, None)] * 2)
-    for master in {np.float32, dtype} - {np.float16}:  # Adam on master weights of its dtype
+    for master in {np.float32, dtype} - {np.float16, backend.BFLOAT16}:  # master weights
         k = AdamCoefficients.of(master, 3, 1e-2, (0.9, 0.999), 1e-8, 0.1, True, 0.5)
         state = [rng.standard_normal(300).astype(master) for _ in range(3)]
         state[2] **= 2  # v >= 0
@@ -234,3 +244,57 @@ def test_each_cuda_kernel_matches_its_twin(cuda_device, dtype):
         want = np.zeros(y.shape, dtype)
         want[:, :, 4:9] = kernels._matmul_twin(a[:, :, 2:7], bt.swapaxes(-1, -2), None)
         same([y], [want])
+
+
+def _gpu():
+    """CuPy on a CUDA device, or a skip."""
+    cupy = pytest.importorskip("cupy")
+    if getattr(cupy, "STANDIN", False) or cupy.cuda.runtime.getDeviceCount() == 0:
+        pytest.skip("needs a CUDA device")
+    return cupy
+
+
+def _leaves(tree):
+    """The arrays (lists of numbers) of a result as OPS prints it (nested for tuples)."""
+    if isinstance(tree, list) and tree and isinstance(tree[0], list):
+        for t in tree:
+            yield from _leaves(t)
+    else:
+        yield tree
+
+
+@pytest.mark.gpu
+def test_fused_ops_match_their_composed_twins_on_a_gpu():
+    """On a GPU (CuPy >= 14 for bf16): every fused op of OPS (its CUDA kernels) against the
+    composed path (its twin's array operations on the device), in float32, float16, bfloat16
+    and float64, within two roundings of the output dtype (float32 accumulation: 1e-5 in
+    fp32)."""
+    _gpu()
+    out = json.loads(subprocess.run([sys.executable, "-c", OPS],
+                                    env=child_env(ZMPI_BACKEND="cupy"), cwd=REPO_ROOT,
+                                    capture_output=True, text=True, check=True).stdout)
+    tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2, "float64": 1e-12}
+    for key, (_, _, result) in out.items():
+        dtype, mode, name = key.split()
+        if mode == "composed":
+            continue
+        composed = out[f"{dtype} composed {name}"][2]
+        for a, b in zip(_leaves(result), _leaves(composed), strict=True):
+            np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                                       rtol=tol[dtype], atol=tol[dtype], err_msg=key)
+
+
+@pytest.mark.gpu
+def test_bf16_gemm_accumulates_in_fp32():
+    """kernels.matmul in bf16 on a GPU (cuBLAS, CUDA_R_16BF, CUBLAS_COMPUTE_32F), a transposed
+    operand read as it is: the fp32 product of the same bf16 values, rounded once to bf16
+    (within 2^-8 of it), over K = 4096, where sums kept in bf16 would be far off."""
+    cupy = _gpu()
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((3, 40, 4096)).astype(backend.BFLOAT16)
+    bt = rng.standard_normal((3, 24, 4096)).astype(backend.BFLOAT16)
+    c = kernels.matmul(cupy.asarray(a), cupy.asarray(bt).swapaxes(-1, -2))
+    assert c.dtype == backend.BFLOAT16 and c.shape == (3, 40, 24)
+    want = np.matmul(a.astype(np.float32), bt.astype(np.float32).swapaxes(-1, -2))
+    np.testing.assert_allclose(cupy.asnumpy(c).astype(np.float32), want, rtol=2**-8,
+                               atol=1e-3)

@@ -12,7 +12,10 @@ The backend is picked once, at import:
 
 Precision: NumPy has no fast float16 matmul (~250x slower than float32), so under NumPy
 float16/bfloat16 are *storage and communication* dtypes and arithmetic runs in float32
-(`compute_dtype`). CuPy has no bfloat16, so bfloat16 is refused there.
+(`compute_dtype`). On CuPy both stay 16-bit: GEMMs on tensor cores with float32
+accumulation, everything else float32 inside zmpi's kernels. bfloat16 is `ml_dtypes.bfloat16`,
+which CuPy supports from version 14 (`CUPY_BFLOAT16`); an older CuPy refuses it
+(`dtype_from_name`, `cupy_bfloat16_refusal`).
 
 Device choice: at import, under CuPy, from the launcher's node-local rank variable
 (`LOCAL_RANK_VARIABLES`: OMPI_COMM_WORLD_LOCAL_RANK, MV2_COMM_WORLD_LOCAL_RANK,
@@ -26,7 +29,9 @@ that wrote it is done (`StreamPoint`, `HostCopy`: CUDA events, no device-wide sy
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import sys
 
 import ml_dtypes
@@ -98,17 +103,42 @@ def is_device_array(arr) -> bool:
     return cupy is not None and isinstance(arr, cupy.ndarray)
 
 
+# What CuPy needs for ml_dtypes.bfloat16 arrays, ufuncs and matmul (cupy#9494, its upgrade
+# guide's "Minimal support for bfloat16"): CuPy 14, NumPy 2.1.2 (CuPy enables its bfloat16
+# loops only from there), and a CUDA runtime of 12.2 or later (CuPy's bfloat16 header fails
+# to compile before: cupy#9630; CuPy skips its own bfloat16 tests there).
+CUPY_BFLOAT16 = {"cupy": (14,), "numpy": (2, 1, 2), "cuda": 12020}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """The leading numbers of a version string: "14.2.0-standin" -> (14, 2, 0)."""
+    return tuple(int(n) for n in re.findall(r"\d+", text)[:3])
+
+
+@functools.cache
+def cupy_bfloat16_refusal() -> str | None:
+    """Why this process's CuPy cannot hold bfloat16 arrays (`CUPY_BFLOAT16`), in one line, or
+    None when it can. Asked once, of the versions alone: no device, no kernel."""
+    cuda = xp.cuda.get_local_runtime_version()  # e.g. 12020 for CUDA 12.2
+    if (_version(xp.__version__) >= CUPY_BFLOAT16["cupy"]
+            and _version(np.__version__) >= CUPY_BFLOAT16["numpy"]
+            and cuda >= CUPY_BFLOAT16["cuda"]):
+        return None
+    return (f"bfloat16 on the cupy backend needs CuPy >= 14, NumPy >= 2.1.2 and CUDA >= 12.2 "
+            f"(ml_dtypes.bfloat16); this process has CuPy {xp.__version__}, NumPy "
+            f"{np.__version__}, CUDA {cuda // 1000}.{cuda % 1000 // 10}: use fp16, or "
+            "ZMPI_BACKEND=numpy")
+
+
 def dtype_from_name(dtype_name: str) -> np.dtype:
-    """'float32'|'fp32'|'float16'|'fp16'|'bfloat16'|'bf16'|'float64'|'fp64' -> numpy dtype."""
+    """'float32'|'fp32'|'float16'|'fp16'|'bfloat16'|'bf16'|'float64'|'fp64' -> numpy dtype.
+    NotImplementedError for bfloat16 on a CuPy that cannot hold it (`cupy_bfloat16_refusal`)."""
     key = str(dtype_name).strip().lower()
     if key not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype_name!r}; valid names: {', '.join(_DTYPES)}")
     dtype = _DTYPES[key]
-    if dtype == BFLOAT16 and is_gpu:
-        raise NotImplementedError(
-            "bfloat16 is not supported on the cupy backend (CuPy has no bfloat16 dtype); "
-            "use float16, or run with ZMPI_BACKEND=numpy"
-        )
+    if dtype == BFLOAT16 and is_gpu and cupy_bfloat16_refusal() is not None:
+        raise NotImplementedError(cupy_bfloat16_refusal())
     return dtype
 
 
@@ -116,17 +146,15 @@ def compute_dtype(data) -> np.dtype:
     """The dtype matmuls run in for `data` (an array, or a dtype: then the backend decides).
 
     On the host (NumPy): float16/bfloat16 -> float32 (NumPy has no fast float16 matmul). On
-    the device (CuPy): float16 stays float16 (tensor cores, float32 accumulation); bfloat16
-    -> float32. Everything else unchanged. Normalisation, softmax, GELU and the loss run in
-    float32 whatever this says (zmpi.nn.functional), on both backends.
+    the device (CuPy): float16 and bfloat16 stay as they are (tensor cores, float32
+    accumulation). Everything else unchanged. Normalisation, softmax, GELU and the loss run
+    in float32 whatever this says (zmpi.nn.functional), on both backends.
     """
     if isinstance(data, np.ndarray) or is_device_array(data):
         on_device, dtype = is_device_array(data), np.dtype(data.dtype)
     else:
         on_device, dtype = is_gpu, np.dtype(data)
-    if dtype == BFLOAT16:
-        return np.dtype(np.float32)
-    if dtype == np.float16 and not on_device:
+    if dtype in (np.float16, BFLOAT16) and not on_device:
         return np.dtype(np.float32)
     return dtype
 

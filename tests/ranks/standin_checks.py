@@ -3,7 +3,7 @@ with the cupy stand-in, or NumPy for the reference), for one world size in one l
 
     PYTHONPATH=tests/standin ZMPI_BACKEND=cupy mpiexec -n N python tests/ranks/standin_checks.py OUT
 
-Trains stages 0-3 x fp32/fp16 x overlap on/off with gradient accumulation and clipping and
+Trains stages 0-3 x fp32/fp16/bf16 x overlap on/off with gradient accumulation and clipping and
 writes rank 0's gathered parameters to OUT/<case>.npz; reports the backend, whether MPI took
 device buffers directly, the bytes staged through the host, and the device bytes at peak during
 a stage-3 engine's construction (stand-in pool) next to the ledger's.
@@ -52,7 +52,7 @@ def main(out):
         np.savez(f"{out}/init.npz", **{k: p.data for k, p in
                                        GPT(GPT_CONFIG, seed=0).named_parameters()})
     for stage in range(4):
-        for dtype in ("fp32", "fp16"):
+        for dtype in ("fp32", "fp16", "bf16"):
             for overlap in (False, True):
                 cfg = config(stage, dtype, accumulation=2, clip=0.05, overlap=overlap, n=comm.size)
                 engine = Engine(GPT(GPT_CONFIG, seed=0), cfg, comm)

@@ -207,12 +207,18 @@ class Comm:
         including `through`; without `block`, only while the next one's inputs are ready."""
         start_queued(self._queue, through, block)
 
+    def _widened(self, a, copy: bool):
+        """`wire.widened(a, copy)` where the reduction travels, `a` itself on one rank: nothing
+        travels there (`_launch`), so a bfloat16 buffer is not copied to float32 and back (two
+        cast kernels a bucket on a GPU)."""
+        return a if self.size == 1 else widened(a, copy)
+
     # ---- allreduce
 
     def _allreduce(self, buf, op, blocking):
         flat = _flat(buf, "buf")
         mpi_op = _reduce_op(op)
-        wide = widened(flat, copy=True)
+        wide = self._widened(flat, copy=True)
         self._count("allreduce", flat.nbytes, self._ring(wide.nbytes, 2))
         calls = (lambda s, r: self.mpi.Allreduce(s, r, mpi_op),
                  lambda s, r: self.mpi.Iallreduce(s, r, mpi_op))
@@ -240,7 +246,7 @@ class Comm:
                 f"({recv_f.size}) * comm size ({self.size})"
             )
         mpi_op = _reduce_op(op)
-        wide_send, wide_recv = widened(send_f, copy=True), widened(recv_f, copy=False)
+        wide_send, wide_recv = self._widened(send_f, True), self._widened(recv_f, False)
         self._count("reduce_scatter", send_f.nbytes, self._ring(wide_send.nbytes))
         calls = (lambda s, r: self.mpi.Reduce_scatter_block(s, r, mpi_op),
                  lambda s, r: self.mpi.Ireduce_scatter_block(s, r, mpi_op))

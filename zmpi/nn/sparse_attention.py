@@ -15,10 +15,12 @@ The arithmetic is dense attention's (zmpi.nn.attention): q scaled before q k^T, 
 in float32 at least, the products in the input dtype, the same dot products in the same order
 (dk and dv as the transposes of dense's products), key gradients summed over the block rows
 in order; so a layout of all ones gives attention_forward's bits at the same block size (on
-this project's BLAS: tests/test_sparse_attention.py checks it). On a GPU each operation here is
-a launch per block row (the CuPy path works, about 35 launches a row forward and backward, but
-is launch-bound): zmpi.flash_attention's fused kernels replace the row loops there
-(the config's attention_kernel "flash").
+this project's BLAS: tests/test_sparse_attention.py checks it). The batched products go
+through `kernels.matmul`, as dense attention's: NumPy's matmul on a CPU, one cuBLAS GEMM
+without casts on a GPU (CuPy 14.2's own has no bfloat16 batched product). On a GPU each
+operation here is a launch per block row (the CuPy path works, about 35 launches a row
+forward and backward, but is launch-bound): zmpi.flash_attention's fused kernels replace the
+row loops there (the config's attention_kernel "flash").
 
 Shapes: B batch, T time, C channels, nh heads, hd = C // nh head size, nb = T // block.
 """
@@ -27,6 +29,7 @@ import math
 
 import numpy
 
+from zmpi import kernels
 from zmpi.backend import array_module
 from zmpi.nn.attention import _softmax_, softmax_backward, split_heads
 from zmpi.nn.functional import _f32
@@ -134,7 +137,7 @@ def sparse_attention_forward(qkv, n_head, layout, block, causal=True, keep_probs
     probs = []
     for i, k_g, v_g in _gathered(kv, plan):
         att = _row_probs(q[:, :, i], k_g, plan.pad[i], plan.future[i])
-        xp.matmul(att.astype(v_g.dtype, copy=False), v_g, out=y[:, :, i])
+        kernels.matmul(att.astype(v_g.dtype, copy=False), v_g, out=y[:, :, i])
         if keep_probs:
             probs.append(att)
     y = y.reshape(B, n_head, T, hd).transpose(0, 2, 1, 3).reshape(B, T, C3 // 3)
@@ -155,7 +158,7 @@ def _row_probs(q_i, k_g, pad, future):
     """Probabilities (B, nh, block, m * block), float32 at least, of query block q_i (B, nh,
     block, hd) (already scaled) against its gathered keys k_g: softmax(q k^T + masks), the
     padding's mask `pad` over all keys, the causal one `future` over the last block."""
-    scores = array_module(q_i).matmul(q_i, k_g.swapaxes(-1, -2))
+    scores = kernels.matmul(q_i, k_g.swapaxes(-1, -2))
     att = scores.astype(_f32(scores), copy=False)  # the softmax runs in f32, in place
     if pad is not None:
         att += pad
@@ -181,11 +184,11 @@ def sparse_attention_backward(dy, cache):
     for i, k_g, v_g in _gathered(kv, plan):
         q_i, dy_i, m = q[:, :, i], dyh[:, :, i], plan.gather[i].shape[1]
         att = _row_probs(q_i, k_g, plan.pad[i], plan.future[i]) if probs is None else probs[i]
-        dv = xp.matmul(att.astype(dy.dtype, copy=False).swapaxes(-1, -2), dy_i)  # (B,nh,S,hd)
-        ds = softmax_backward(xp.matmul(dy_i, v_g.swapaxes(-1, -2)), att)  # (B, nh, block, S)
-        xp.multiply(xp.matmul(ds, k_g).transpose(0, 2, 1, 3), 1.0 / math.sqrt(hd),
+        dv = kernels.matmul(att.astype(dy.dtype, copy=False).swapaxes(-1, -2), dy_i)
+        ds = softmax_backward(kernels.matmul(dy_i, v_g.swapaxes(-1, -2)), att)
+        xp.multiply(kernels.matmul(ds, k_g).transpose(0, 2, 1, 3), 1.0 / math.sqrt(hd),
                     out=dqkv[:, i, :, 0])
-        dk = xp.matmul(ds.swapaxes(-1, -2), q_i)  # (B, nh, S, hd)
+        dk = kernels.matmul(ds.swapaxes(-1, -2), q_i)  # (B, nh, S, hd)
         for total, d in ((dkv[0], dk), (dkv[1], dv)):
             total[:, plan.scatter[i]] += d.reshape(B, nh, m, block, hd)
     dkv = dkv.reshape(2, B, nh, nb + 1, block, hd)[:, :, :, :nb]

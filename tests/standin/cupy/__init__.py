@@ -33,19 +33,27 @@ cast. A reduction with `dtype=` likewise. A matmul of more than two dimensions
 float32 (one kernel each, which also makes it contiguous), runs an fp32 GEMM and casts the
 float32 product into the float16 result; a 2-D one (`dot`) runs float16 on tensor cores and
 casts only operands of mixed dtypes.
+
+bfloat16 (`ml_dtypes.bfloat16`, as CuPy 14): arrays, ufuncs and reductions as NumPy with
+ml_dtypes computes them; a 2-D matmul is cuBLAS's (float32 accumulation, rounded once to
+bfloat16, no cast); a batched one raises TypeError, as CuPy 14.2's does (its batched matmul
+sends bfloat16 to its integer kernels, which have none: cupy/cupy#10317), so zmpi must run
+those through zmpi.kernels.matmul.
 """
 import weakref
 
+import ml_dtypes as _ml_dtypes
 import numpy as _np
 
 from . import cuda  # noqa: F401  (cupy.cuda)
 
-__version__ = "13.0.0-standin"
+__version__ = "14.2.0-standin"
 STANDIN = True
 SYNCS = [0]  # stand-in only: device -> host value transfers so far (float(), int(), .get())
 LAUNCHES = [0]  # stand-in only: kernel launches and copies a GPU would run so far
 CASTS = [0]  # stand-in only: of those, the dtype casts (cupy_copy between two dtypes)
 _TRACE = [None, False]  # a Counter of launch (or cast) sites while trace() is on; casts only?
+_BFLOAT16 = _np.dtype(_ml_dtypes.bfloat16)
 
 
 def _launch(n=1, casts=0):
@@ -130,10 +138,14 @@ def get_default_memory_pool():
     return _POOL
 
 
+def _floating(dtype):
+    return dtype.kind == "f" or dtype == _BFLOAT16
+
+
 def _poison(a):
     """Fill `a` with values no computation expects (NaN, or all bits set): the state of a
     buffer a copy has not reached yet."""
-    if a.dtype.kind == "f":
+    if _floating(a.dtype):
         a.fill(_np.nan)
     else:
         a.view(_np.uint8).fill(0xFF)
@@ -441,10 +453,22 @@ def _matmul_copies(a, b, out):
 
 
 def matmul(a, b, out=None):
-    """One cuBLAS call, plus the copies CuPy makes for it (`_matmul_copies`)."""
+    """One cuBLAS call, plus the copies CuPy makes for it (`_matmul_copies`). bfloat16: 2-D
+    only (float32 accumulation, rounded once); batched, TypeError as CuPy 14.2's."""
     a_, b_ = _unwrap(a), _unwrap(b)
+    bfloat16 = _np.promote_types(a_.dtype, b_.dtype) == _BFLOAT16
+    if bfloat16 and max(a_.ndim, b_.ndim) > 2:
+        raise TypeError("CuPy 14.2 has no batched bfloat16 matmul (cupy/cupy#10317); use "
+                        "zmpi.kernels.matmul")
     _launch(*_matmul_copies(a_, b_, None if out is None else _unwrap(out)))
-    return _matmul_function(a, b, out=out)
+    if not bfloat16:
+        return _matmul_function(a, b, out=out)
+    _launch()  # the GEMM
+    product = _np.matmul(a_, b_, dtype=_np.float32)
+    if out is None:
+        return ndarray(product.astype(_BFLOAT16))
+    _unwrap(out)[...] = product
+    return out
 
 
 _matmul_function = _function(_np.matmul)
@@ -483,7 +507,7 @@ def zeros(shape, dtype=float, order="C"):
 
 def empty(shape, dtype=float, order="C"):
     a = _np.empty(shape, dtype)
-    a.fill(_np.nan if _np.issubdtype(a.dtype, _np.floating) else 0)  # garbage, visibly
+    a.fill(_np.nan if _floating(a.dtype) else 0)  # garbage, visibly
     return ndarray(a)
 
 

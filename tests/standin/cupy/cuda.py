@@ -32,6 +32,12 @@ class runtime:  # noqa: N801 (CuPy's name)
         return {"name": b"zmpi CuPy stand-in", "totalGlobalMem": 0}
 
 
+def get_local_runtime_version():
+    """The CUDA runtime CuPy finds (CUDA 13.0, as cupy-cuda13x brings: zmpi.backend reads it
+    to decide whether bfloat16 compiles)."""
+    return 13000
+
+
 def thread_devices():
     """Stand-in only: {host thread ident: device id} of the threads that made one current."""
     return dict(_THREAD_DEVICES)
