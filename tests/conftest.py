@@ -55,9 +55,13 @@ def tmpfs(tmp_path):
         subprocess.run(["umount", str(point)], check=True)
 
 
+_COMPILED = (kernels._function, kernels._modules, flash_attention._function,
+             flash_attention._module, flash_attention._tensor_core_module_builds)  # the caches
+# themselves (a test may patch the names)
+
+
 def _forget_compiled_kernels():
-    for cached in (kernels._function, kernels._modules, flash_attention._function,
-                   flash_attention._module):
+    for cached in _COMPILED:
         cached.cache_clear()
     kernels._arrived[0] = None  # bias_grad's counters, made by the other module
 
@@ -77,5 +81,6 @@ def cuda_device(request, monkeypatch):
         pytest.skip("no C++ compiler for tests/cuda_cpu.py")
     _forget_compiled_kernels()
     monkeypatch.setattr(backend, "xp", cuda_cpu.DEVICE)
+    monkeypatch.setattr(cuda_cpu.DEVICE, "compute_capability", "90")  # a test may lower it
     yield cuda_cpu.DEVICE
     _forget_compiled_kernels()

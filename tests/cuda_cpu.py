@@ -32,6 +32,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import types
 from pathlib import Path
 
 import ml_dtypes
@@ -189,10 +190,17 @@ def _compile(source: str, defines: list[str]) -> Path:
 
 
 class _Device:
-    """The cupy module as zmpi's launchers use it, over NumPy (see the module docstring)."""
+    """The cupy module as zmpi's launchers use it, over NumPy (see the module docstring);
+    `compute_capability` is what its cuda.Device() says (a test may set another)."""
 
     RawModule = RawModule
     ndarray = np.ndarray
+    compute_capability = "90"
+
+    @property
+    def cuda(self):
+        device = types.SimpleNamespace(compute_capability=self.compute_capability)
+        return types.SimpleNamespace(Device=lambda *_: device)
 
     def __getattr__(self, name):
         return getattr(np, name)

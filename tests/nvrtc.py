@@ -47,6 +47,15 @@ def load():
     return None
 
 
+def crt_include_dir() -> str | None:
+    """A directory holding crt/mma.h, which <mma.h> (warp matrix multiply-accumulate)
+    includes: the wheel nvidia-cuda-nvcc-cu12's, else a toolkit's; None without one."""
+    dirs = _wheel_dirs("cuda_nvcc", "include")
+    dirs += [Path(os.environ[v], "include") for v in ("CUDA_PATH", "CUDA_HOME") if v in os.environ]
+    dirs.append(Path("/usr/local/cuda/include"))
+    return next((str(d) for d in dirs if (d / "crt" / "mma.h").is_file()), None)
+
+
 def cuda_include_dir() -> str | None:
     """A directory holding cuda_fp16.h (and the runtime headers it includes): the wheel
     nvidia-cuda-runtime-cu12's, else a toolkit's ($CUDA_PATH, $CUDA_HOME, /usr/local/cuda)."""

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 
+import cuda_cpu
 import numpy as np
 import pytest
 from gradcheck import check
@@ -18,10 +19,9 @@ from mpi_util import CLI, REPO_ROOT, STANDIN, child_env
 from test_kernels_compile import ARCHITECTURES, _compile, nvrtc_lib  # noqa: F401
 from test_sparse_attention import masked_attention, random_layout
 
+from zmpi import backend, kernels
 from zmpi import flash_attention as FA
-from zmpi import kernels
 from zmpi.config import Config, ConfigError
-from zmpi.cuda_flash_source import FLASH_SOURCE
 from zmpi.nn import attention as A
 from zmpi.nn import sparse_attention as S
 from zmpi.nn.sparsity import causal_layout, sparsity_from_dict
@@ -199,14 +199,73 @@ def test_the_kernels_equal_the_twin_at_every_tile_size(rng, monkeypatch, cuda_de
         np.testing.assert_allclose(got, want.astype(np.float64), rtol=tol, atol=tol)
 
 
-OPTION_SETS = [("__half", "float"), ("float", "float"), ("double", "double")]
+@pytest.mark.parametrize("dtype", [np.float16, backend.BFLOAT16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("sparse, T, hd, s", [(False, 70, 16, 64), (False, 70, 32, 32),
+                                              (False, 40, 16, 16), (True, 64, 16, 16),
+                                              (True, 96, 32, 16)])
+def test_the_tensor_core_kernels_equal_the_twin(rng, monkeypatch, cuda_device, dtype, sparse, T,
+                                                hd, s):
+    """FLASH_TC_SOURCE (16-bit arrays, heads and block multiples of 16, compute capability 8.0
+    or later) through the launchers at tile rows s (one warp per 16 rows): dense with a ragged
+    last block, random per-head layouts at block 16 (blocks no query keeps: zero gradients).
+    The twin's y, lse and dqkv within the 16-bit type's rounding (p and ds are rounded to it
+    before their products); on the CPU, below compute capability 8.0, the SIMT kernels run."""
+    dev, n_head = cuda_device, 2
+    launched = []
+    function = FA._function
+    monkeypatch.setattr(FA, "_function", lambda name, *types: launched.append(name) or
+                        function(name, *types))
+    monkeypatch.setattr(FA, "tile_rows", lambda *_: s)
+    layout = (FA.sparse_layout(causal_layout(random_layout(rng, n_head, T // 16)), 16)
+              if sparse else FA.dense_layout(T))
+    qkv = rng.standard_normal((2, T, 3 * n_head * hd)).astype(dtype)
+    dy = rng.standard_normal((2, T, n_head * hd)).astype(dtype)
+    y, lse = FA._forward_twin(qkv, layout, n_head)
+    dqkv = FA._backward_twin(dy, qkv, y, lse, layout, n_head)
+    y_k, lse_k = FA.cuda_flash_forward(dev.asarray(qkv), layout, n_head)
+    dqkv_k = FA.cuda_flash_backward(dev.asarray(dy), dev.asarray(qkv), y_k, lse_k, layout,
+                                    n_head)
+    tol = 4e-3 if dtype == np.float16 else 3e-2
+    for got, want in ((y_k, y), (lse_k, lse), (dqkv_k, dqkv)):
+        got = dev.asnumpy(got).astype(np.float64)
+        assert np.isfinite(got).all()  # every element written
+        np.testing.assert_allclose(got, want.astype(np.float64), rtol=tol, atol=tol)
+    assert set(launched) == {"flash_tc_forward", "flash_tc_backward_dq", "flash_tc_backward_dkv"}
+    if dev is cuda_cpu.DEVICE:  # and before Ampere, the SIMT kernels
+        monkeypatch.setattr(dev, "compute_capability", "75")
+        launched.clear()
+        FA.cuda_flash_forward(dev.asarray(qkv), layout, n_head)
+        assert launched == ["flash_forward"]
+
+
+def test_tensor_cores_only_where_they_apply(monkeypatch):
+    """16-bit arrays, hd and block multiples of 16, tiles that fit, compute capability >= 8.0."""
+    monkeypatch.setattr(backend, "xp", cuda_cpu.DEVICE)
+    assert FA.tensor_cores(np.float16, 64, 64) and FA.tensor_cores(backend.BFLOAT16, 112, 16)
+    assert not FA.tensor_cores(np.float32, 64, 64)  # fp32: SIMT (no fp32 MMA here)
+    assert not FA.tensor_cores(np.float16, 40, 64)  # hd not a multiple of 16
+    assert not FA.tensor_cores(np.float16, 64, 8)  # block 8: a tile is 16 rows at least
+    assert not FA.tensor_cores(np.float16, 128, 64)  # dk/dv's 16-row tiles pass 48 KiB
+    monkeypatch.setattr(cuda_cpu.DEVICE, "compute_capability", "70")
+    assert not FA.tensor_cores(np.float16, 64, 64)
+    assert FA.tile_rows("flash_forward", 64, 64, np.float32, True) == 32
+    assert FA.tile_rows("flash_backward_dkv", 64, 64, np.float32, True) == 16
+
+
+# (T, ACC, with the tensor-core kernels): their modules as zmpi.flash_attention compiles them
+OPTION_SETS = [("__half", "float", False), ("__nv_bfloat16", "float", False),
+               ("float", "float", False), ("double", "double", False), ("__half", "float", True),
+               ("__nv_bfloat16", "float", True)]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("t, acc", OPTION_SETS)
-def test_flash_source_compiles_without_warnings(nvrtc_lib, t, acc, arch):  # noqa: F811
-    """FLASH_SOURCE after SOURCE (one module, as zmpi.flash_attention compiles it)."""
-    ok, log = _compile(nvrtc_lib, kernels.SOURCE + FLASH_SOURCE, t, acc, arch)
+@pytest.mark.parametrize("t, acc, tc", OPTION_SETS)
+def test_flash_source_compiles_without_warnings(nvrtc_lib, t, acc, tc, arch):  # noqa: F811
+    """SOURCE + FLASH_SOURCE, and + FLASH_TC_SOURCE for 16-bit T (its kernels compiled out
+    before sm_80; <mma.h> needs crt/mma.h, from the nvcc wheel here)."""
+    if tc and len(nvrtc_lib[1]) < 2:
+        pytest.skip("no crt/mma.h (pip install nvidia-cuda-nvcc-cu12: the dev extra does)")
+    ok, log = _compile(nvrtc_lib, FA.module_source(tc), t, acc, arch)
     assert ok, f"T={t}, ACC={acc}, {arch}:\n{log}"
     assert log == "", f"T={t}, ACC={acc}, {arch}: NVRTC warns:\n{log}"
 

@@ -17,7 +17,6 @@ import nvrtc
 import pytest
 
 from zmpi import backend, kernels
-from zmpi.cuda_flash_source import FLASH_SOURCE
 from zmpi.optim.adam import AdamCoefficients
 
 # (T, ACC): each dtype with its own accumulator, and the mixed pairs of adam and
@@ -41,12 +40,14 @@ def nvrtc_lib():
     if include is None:
         pytest.skip("cuda_fp16.h not found (NVRTC 12 has no builtin copy): pip install "
                     "nvidia-cuda-runtime-cu12, or set CUDA_PATH to a CUDA toolkit")
-    return lib, include
+    crt = nvrtc.crt_include_dir()  # for <mma.h>: the tensor-core flash kernels
+    return lib, [include] + ([crt] if crt else [])
 
 
 def _compile(nvrtc_lib, source, t, acc, arch):
-    lib, include = nvrtc_lib
-    options = [*kernels.compile_options(t, acc), f"-arch={arch}", "-ftz=true", f"-I{include}"]
+    lib, includes = nvrtc_lib
+    options = [*kernels.compile_options(t, acc), f"-arch={arch}", "-ftz=true",
+               *(f"-I{d}" for d in includes)]
     ok, log = nvrtc.compile_source(lib, source, options)
     return ok, _ARCH_DEPRECATED.sub("", log).strip()
 
@@ -61,15 +62,6 @@ def test_source_compiles_without_warnings(nvrtc_lib, t, acc, arch):
     assert time.perf_counter() - started < 60
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_flash_source_compiles_in_bfloat16(nvrtc_lib, arch):
-    """FLASH_SOURCE after SOURCE, as zmpi.flash_attention compiles it, for bfloat16 arrays
-    (tests/test_flash_attention.py compiles the other dtypes)."""
-    ok, log = _compile(nvrtc_lib, kernels.SOURCE + FLASH_SOURCE, "__nv_bfloat16", "float", arch)
-    assert ok, f"NVRTC {nvrtc.version(nvrtc_lib[0])}, __nv_bfloat16, {arch}:\n{log}"
-    assert log == "", f"__nv_bfloat16, {arch}: NVRTC warns:\n{log}"
-
-
 def test_warnings_reach_the_log(nvrtc_lib):
     """The empty-log assertion above means something: NVRTC reports a warning by default."""
     source = kernels.SOURCE + "\n__device__ int zmpi_unused() { int unused; return 0; }\n"
@@ -80,7 +72,7 @@ def test_warnings_reach_the_log(nvrtc_lib):
 def test_a_macro_named_T_breaks_nvrtc(nvrtc_lib):
     """Why compile_options defines ZMPI_T and ZMPI_ACC: NVRTC's builtin header, read before the
     source, names template parameters T."""
-    lib, include = nvrtc_lib
+    lib, (include, *_) = nvrtc_lib
     ok, log = nvrtc.compile_source(lib, "__global__ void k() {}\n",
                                    ["-DT=float", f"-arch={ARCHITECTURES[-1]}", f"-I{include}"])
     assert not ok and "__nv_nvrtc_builtin_header" in log, log

@@ -22,18 +22,23 @@ A fused op in zmpi.kernels' sense: its twin (`_forward_twin`, `_backward_twin`) 
 blocked algorithm in NumPy, block by block (the CUDA kernels go in tiles of S rows, S a divisor
 of the block: the same sums in another order); the stand-in runs the twin counted as the
 kernels' launches, a GPU runs FLASH_SOURCE (zmpi.cuda_flash_source) through CuPy's RawModule,
-compiled per dtype with zmpi.kernels' options (--fmad=false). SIMT, no tensor cores.
+compiled per dtype with zmpi.kernels' options (--fmad=false): SIMT kernels, or for float16 and
+bfloat16 on compute capability 8.0 and later the same kernels with their products on tensor
+cores (FLASH_TC_SOURCE, zmpi.cuda_flash_tc_source; `tensor_cores` says when), which round p
+and ds to the 16-bit type before their products, as FlashAttention does.
 """
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import NamedTuple
 
 import numpy as np
 
 from zmpi import backend, kernels
 from zmpi.cuda_flash_source import FLASH_SOURCE
+from zmpi.cuda_flash_tc_source import FLASH_TC_SOURCE
 from zmpi.cuda_source import SOURCE
 
 KERNELS = ("blocked", "flash")  # the config's attention_kernel
@@ -242,50 +247,104 @@ def _backward_twin(dy, qkv, y, lse, layout: Layout, n_head: int):
 
 # -- the CUDA launchers ---------------------------------------------------------------------------
 
-def tile_rows(kernel: str, block: int, hd: int, acc) -> int:
-    """S, the rows of a tile of `kernel` (flash_forward, flash_backward_dq, flash_backward_dkv):
-    the largest of 64, 32, ..., 1 that divides block and whose tiles fit SHARED_BYTES."""
-    for s in (64, 32, 16, 8, 4, 2, 1):
-        if block % s == 0 and _shared_bytes(kernel, s, hd, acc) <= SHARED_BYTES:
+# Each kernel's shared memory at tiles of s rows, heads of hd: SIMT (FLASH_SOURCE) tiles of
+# (s, hd + 1), (s, s) and (s,) in ACC; tensor-core (FLASH_TC_SOURCE) tiles of (s, hd + 8) and
+# (s, s + 8) in the 16-bit T, (s, max(s, hd) + 4), (s, hd + 4) and (s,) in float.
+_SIMT_TILES = {"flash_forward": (4, 1, 3), "flash_backward_dq": (5, 1, 2),
+               "flash_backward_dkv": (6, 2, 2)}
+_TC_TILES = {"flash_forward": (3, 1, 1, 1, 3), "flash_backward_dq": (4, 1, 2, 1, 2),
+             "flash_backward_dkv": (4, 2, 2, 2, 2)}
+
+
+def tensor_cores(dtype, hd: int, block: int) -> bool:
+    """Whether the kernels for `dtype` arrays run on tensor cores (FLASH_TC_SOURCE): 16-bit
+    arrays (float16, bfloat16), heads of a multiple of 16 that fit a tile, a layout block of a
+    multiple of 16, a GPU of compute capability 8.0 or later, and a CUDA install whose <mma.h>
+    compiles (CuPy's NVRTC needs crt/mma.h beside it; a warning, once, where it does not);
+    else the SIMT kernels."""
+    return (np.dtype(dtype).itemsize == 2 and hd % 16 == 0 and block % 16 == 0
+            and all(_tile_rows(k, block, hd, None, True) for k in _TC_TILES)
+            and int(backend.xp.cuda.Device().compute_capability) >= 80
+            and _tensor_core_module_builds(kernels._C_TYPES[np.dtype(dtype)]))
+
+
+@functools.cache
+def _tensor_core_module_builds(t: str) -> bool:
+    try:
+        _function("flash_tc_forward", t, "float")
+    except Exception as e:  # CuPy's CompileException, or a missing header: any means "no"
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        warnings.warn(f"flash attention: the tensor-core kernels do not compile here ({first}); "
+                      "the SIMT kernels run instead", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def tile_rows(kernel: str, block: int, hd: int, acc, tc: bool = False) -> int:
+    """S, the rows of a tile of `kernel` (flash_forward, flash_backward_dq, flash_backward_dkv;
+    on tensor cores when `tc`): the largest of 64, 32, ..., 1 (multiples of 16 on tensor cores)
+    that divides block and whose tiles fit SHARED_BYTES."""
+    s = _tile_rows(kernel, block, hd, acc, tc)
+    if s is None:
+        raise ValueError(f"flash attention: heads of size {hd} do not fit a {kernel} tile in "
+                         f"{SHARED_BYTES} bytes of shared memory")
+    return s
+
+
+def _tile_rows(kernel: str, block: int, hd: int, acc, tc: bool) -> int | None:
+    for s in (64, 32, 16) if tc else (64, 32, 16, 8, 4, 2, 1):
+        if block % s == 0 and _shared_bytes(kernel, s, hd, acc, tc) <= SHARED_BYTES:
             return s
-    raise ValueError(f"flash attention: heads of size {hd} do not fit a {kernel} tile in "
-                     f"{SHARED_BYTES} bytes of shared memory")
+    return None
 
 
-def _shared_bytes(kernel: str, s: int, hd: int, acc) -> int:
-    """The dynamic shared memory of `kernel` at tiles of s rows (FLASH_SOURCE's layouts)."""
-    tiles, squares, rows = {"flash_forward": (4, 1, 3), "flash_backward_dq": (5, 1, 2),
-                            "flash_backward_dkv": (6, 2, 2)}[kernel]
+def _shared_bytes(kernel: str, s: int, hd: int, acc, tc: bool = False) -> int:
+    """The dynamic shared memory of `kernel` at tiles of s rows (the sources' layouts)."""
+    if tc:
+        qkv, squares, scores, outputs, rows = _TC_TILES[kernel]
+        return ((qkv * s * (hd + 8) + squares * s * (s + 8)) * 2
+                + (scores * s * (max(s, hd) + 4) + outputs * s * (hd + 4) + rows * s) * 4)
+    tiles, squares, rows = _SIMT_TILES[kernel]
     return (tiles * s * (hd + 1) + squares * s * s + rows * s) * np.dtype(acc).itemsize
 
 
 @functools.cache
 def _function(kernel: str, t: str, acc: str):
-    """`kernel` of SOURCE + FLASH_SOURCE compiled for C types (t, acc): one module per pair."""
-    return _module(t, acc).get_function(kernel)
+    """`kernel` of the module compiled for C types (t, acc), the tensor-core one for the
+    flash_tc_ kernels: one module per pair and kind."""
+    return _module(t, acc, kernel.startswith("flash_tc_")).get_function(kernel)
 
 
 @functools.cache
-def _module(t: str, acc: str):
-    return backend.xp.RawModule(code=SOURCE + FLASH_SOURCE,
-                                options=kernels.compile_options(t, acc))
+def _module(t: str, acc: str, tc: bool):
+    return backend.xp.RawModule(code=module_source(tc), options=kernels.compile_options(t, acc))
+
+
+def module_source(tc: bool) -> str:
+    """The CUDA source of a module: SOURCE + FLASH_SOURCE, + FLASH_TC_SOURCE for the
+    tensor-core kernels (16-bit T only), a module of its own so that the SIMT kernels run
+    where <mma.h> does not compile."""
+    return SOURCE + FLASH_SOURCE + (FLASH_TC_SOURCE if tc else "")
 
 
 def _launch(kernel: str, qkv, layout: Layout, n_head: int, args):
-    """Run `kernel` on tiles of S rows over the layout's nb blocks for every (batch, head) of
-    qkv (B, T, 3C); args: the kernel's up to its `seq`, the shape arguments added here."""
+    """Run `kernel` (its tensor-core twin where `tensor_cores` says) on tiles of S rows over the
+    layout's nb blocks for every (batch, head) of qkv (B, T, 3C); args: the kernel's up to its
+    `seq`, the shape arguments added here."""
     B, T, C3 = qkv.shape
     hd = C3 // 3 // n_head
     acc = kernels.acc_dtype(qkv.dtype)
-    s = tile_rows(kernel, layout.block, hd, acc)
+    tc = tensor_cores(qkv.dtype, hd, layout.block)
+    s = tile_rows(kernel, layout.block, hd, acc, tc)
     grid = (layout.nb * layout.block // s, B * n_head)
     if 0 in grid or T == 0:
         return
-    function = _function(kernel, kernels._C_TYPES[np.dtype(qkv.dtype)], kernels._C_TYPES[acc])
-    function(grid, (kernels.THREADS,),
+    name = kernel.replace("flash_", "flash_tc_") if tc else kernel
+    function = _function(name, kernels._C_TYPES[np.dtype(qkv.dtype)], kernels._C_TYPES[acc])
+    function(grid, (2 * s if tc else kernels.THREADS,),  # tensor cores: a warp per 16 rows
              (*args, np.int32(T), np.int32(n_head), np.int32(hd), np.int32(layout.block),
               np.int32(layout.heads), np.int32(s), acc.type(1.0 / math.sqrt(hd))),
-             shared_mem=_shared_bytes(kernel, s, hd, acc))
+             shared_mem=_shared_bytes(kernel, s, hd, acc, tc))
 
 
 def cuda_flash_forward(qkv, layout: Layout, n_head: int):

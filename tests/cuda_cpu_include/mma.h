@@ -1,0 +1,96 @@
+// nvcuda::wmma (CUDA's warp matrix multiply-accumulate, <mma.h>) for tests/cuda_cpu.py, the
+// m16n16k16 shapes with 16-bit inputs and float accumulators. A fragment's layout across the
+// lanes of a warp is opaque in CUDA, so code may only fill, load, store and multiply it (and
+// touch x[i] alike for every i): here every lane holds the whole 16 x 16 tile, and the product
+// is computed once a warp, the same values the warp's tensor cores would give (each product
+// exact, the float sums in k order). Each operation is collective: every lane of the warp must reach it
+// (a warp barrier, as __syncwarp), as CUDA requires.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace nvcuda {
+namespace wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+static inline float to_float(const __half v) { return __half2float(v); }
+static inline float to_float(const __nv_bfloat16 v) { return __bfloat162float(v); }
+static inline float to_float(const float v) { return v; }
+
+template <typename Use, int M, int N, int K, typename E, typename Layout = void>
+struct fragment {
+    static_assert(M == 16 && N == 16 && K == 16, "only m16n16k16 here");
+    static const int num_elements = 256;  // the whole tile, in every lane
+    E x[256];
+};
+
+static inline void collective() { __syncwarp(); }
+
+template <typename Use, typename E, typename Layout, typename V>
+inline void fill_fragment(fragment<Use, 16, 16, 16, E, Layout>& f, const V v) {
+    collective();
+    for (int i = 0; i < 256; ++i) f.x[i] = v;
+}
+
+// a (16 rows, 16 k) or b (16 k, 16 columns): element (i, j) of the tile is f.x[i * 16 + j]
+template <typename Use, typename E>
+inline void load_matrix_sync(fragment<Use, 16, 16, 16, E, row_major>& f, const E* p,
+                             unsigned int ldm) {
+    collective();
+    for (int i = 0; i < 16; ++i)
+        for (int j = 0; j < 16; ++j) f.x[i * 16 + j] = p[i * ldm + j];
+}
+
+template <typename Use, typename E>
+inline void load_matrix_sync(fragment<Use, 16, 16, 16, E, col_major>& f, const E* p,
+                             unsigned int ldm) {
+    collective();
+    for (int i = 0; i < 16; ++i)
+        for (int j = 0; j < 16; ++j) f.x[i * 16 + j] = p[j * ldm + i];
+}
+
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p,
+                             unsigned int ldm, layout_t layout) {
+    collective();
+    for (int i = 0; i < 16; ++i)
+        for (int j = 0; j < 16; ++j)
+            f.x[i * 16 + j] = layout == mem_row_major ? p[i * ldm + j] : p[j * ldm + i];
+}
+
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f,
+                              unsigned int ldm, layout_t layout) {
+    collective();
+    for (int i = 0; i < 16; ++i)
+        for (int j = 0; j < 16; ++j)
+            (layout == mem_row_major ? p[i * ldm + j] : p[j * ldm + i]) = f.x[i * 16 + j];
+}
+
+// one lane of the warp multiplies (the others hold the same tiles), every lane takes the result
+static float mma_result[32][256];  // per warp of the block
+
+template <typename E, typename LA, typename LB>
+inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d,
+                     const fragment<matrix_a, 16, 16, 16, E, LA>& a,
+                     const fragment<matrix_b, 16, 16, 16, E, LB>& b,
+                     const fragment<accumulator, 16, 16, 16, float>& c) {
+    collective();
+    float* out = mma_result[zmpi_cpu::current >> 5];
+    if ((zmpi_cpu::current & 31) == 0)
+        for (int i = 0; i < 16; ++i)
+            for (int j = 0; j < 16; ++j) {
+                float s = c.x[i * 16 + j];
+                for (int k = 0; k < 16; ++k)
+                    s += to_float(a.x[i * 16 + k]) * to_float(b.x[k * 16 + j]);
+                out[i * 16 + j] = s;
+            }
+    collective();
+    for (int i = 0; i < 256; ++i) d.x[i] = out[i];
+    collective();  // every lane has its copy before the next product
+}
+}  // namespace wmma
+}  // namespace nvcuda

@@ -1,0 +1,329 @@
+"""The CUDA C++ of zmpi.flash_attention on tensor cores: `FLASH_TC_SOURCE`, the same three
+kernels as zmpi.cuda_flash_source's (forward, backward of queries, backward of keys, with the
+same arguments, CSR layout walk, tile skips and masks) whose products run as warp matrix
+multiply-accumulates (nvcuda::wmma, m16n16k16: 16-bit inputs, float accumulation) for 16-bit
+T (__half, __nv_bfloat16; sm_80 and later: the kernels compile to nothing before). It is
+compiled after SOURCE and FLASH_SOURCE, in the same module, and uses their helpers.
+
+A block of S query (or key) rows, S a multiple of 16 dividing the layout's block
+(zmpi.flash_attention.tile_rows), runs S / 16 warps, each owning 16 rows. Per tile of S keys
+(or queries) the block loads the tiles it multiplies into shared memory as stored (16-bit, rows
+padded by 8 elements), each warp computes its 16 rows' scores with the MMA into float tiles,
+applies the scale 1 / sqrt(hd), the causal mask and the softmax on them in float (two lanes a
+row), rounds the probabilities (and, backward, ds) to T and multiplies them by the next
+operand with the MMA again. Outputs accumulate in float in shared memory: the forward's o
+rescaled by exp(m_old - m_new) row by row (a fragment's rows are opaque), dq, dk and dv summed.
+What differs from the SIMT kernels' arithmetic: q is not scaled before the product (the
+scores are), and p and ds are rounded to T before their products (FlashAttention's choice):
+results agree with the twin within T's rounding.
+
+Tiles (T elements; float elements), ldh = hd + 8, ldp = S + 8, lds = max(S, hd) + 4,
+ldo = hd + 4, every tile 32-byte aligned as the MMA's loads and stores require:
+    forward   sQ sK sV (S, ldh); sP (S, ldp); sS (S, lds); sO (S, ldo); m, l, alpha (S)
+    dq        sQ sDY sK sV (S, ldh); sP (S, ldp); sS sT (S, lds); sDQ (S, ldo); lse, delta (S)
+    dkv       sK sV sQ sDY (S, ldh); sP sDS (S, ldp); sS sT (S, lds); sDK sDV (S, ldo);
+              lse, delta (S)
+"""
+
+FLASH_TC_SOURCE = r"""
+#include <mma.h>
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+
+typedef nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, T, nvcuda::wmma::row_major>
+    TcA;
+typedef nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> TcC;
+
+// The b operand of a product: b (K, 16 n) row-major, or its transpose read from b (16 n, K)
+// row-major (a column-major fragment); `tile` finds the (k, j) tile of 16 x 16.
+template <bool Transposed> struct TcOperandB;
+template <> struct TcOperandB<false> {
+    typedef nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, T,
+                                   nvcuda::wmma::row_major> Fragment;
+    __device__ static const T* tile(const T* b, const int ldb, const int k, const int j) {
+        return b + k * ldb + j * 16;
+    }
+};
+template <> struct TcOperandB<true> {
+    typedef nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, T,
+                                   nvcuda::wmma::col_major> Fragment;
+    __device__ static const T* tile(const T* b, const int ldb, const int k, const int j) {
+        return b + j * 16 * ldb + k;
+    }
+};
+
+// A warp's c (16, 16 n) = a (16, K) b (or b^T), K a multiple of 16, into c (float, leading
+// dimension ldc), added to what c holds when `accumulate`
+template <bool Transposed>
+__device__ void tc_product(const T* a, const int lda, const T* b, const int ldb, const int K,
+                           const int n, float* c, const int ldc, const bool accumulate) {
+    typedef TcOperandB<Transposed> B;
+    for (int j = 0; j < n; ++j) {
+        TcC acc;
+        if (accumulate)
+            nvcuda::wmma::load_matrix_sync(acc, c + j * 16, ldc, nvcuda::wmma::mem_row_major);
+        else
+            nvcuda::wmma::fill_fragment(acc, 0.0f);
+        for (int k = 0; k < K; k += 16) {
+            TcA fa;
+            typename B::Fragment fb;
+            nvcuda::wmma::load_matrix_sync(fa, a + k, lda);
+            nvcuda::wmma::load_matrix_sync(fb, B::tile(b, ldb, k, j), ldb);
+            nvcuda::wmma::mma_sync(acc, fa, fb, acc);
+        }
+        nvcuda::wmma::store_matrix_sync(c + j * 16, acc, ldc, nvcuda::wmma::mem_row_major);
+    }
+}
+
+// rows [r0, r0 + S) of one head's q, k, v or dy (`src` at its first column, rows `stride`
+// apart) into tile (S, ld) of T as stored; zeros past seq
+__device__ void tc_load(const T* src, const long long stride, const int r0, const int seq,
+                        const int S, const int hd, const int ld, T* tile) {
+    for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
+        const int r = e / hd, d = e % hd;
+        if (r0 + r < seq) tile[r * ld + d] = src[(r0 + r) * stride + d];
+        else store(tile + r * ld + d, (ACC)0);
+    }
+}
+
+// y (B, seq, C) and lse (B nh, seq) for query rows q0 .. q0 + S of head h (grid (nb block / S,
+// B nh), S / 16 warps): FLASH_SOURCE's flash_forward, its products on tensor cores
+extern "C" __global__ void flash_tc_forward(const T* qkv, const int* row_ptr, const int* cols,
+                                            T* y, ACC* lse, const int seq, const int nh,
+                                            const int hd, const int block,
+                                            const int layout_heads, const int S,
+                                            const ACC scale) {
+    extern __shared__ __align__(32) unsigned char flash_smem[];
+    const int ldh = hd + 8, ldp = S + 8, lds = (S > hd ? S : hd) + 4, ldo = hd + 4;
+    const int C = nh * hd, nb = (seq + block - 1) / block;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    T* sQ = reinterpret_cast<T*>(flash_smem);
+    T* sK = sQ + S * ldh;
+    T* sV = sK + S * ldh;
+    T* sP = sV + S * ldh;
+    float* sS = reinterpret_cast<float*>(sP + S * ldp);
+    float* sO = sS + S * lds;
+    float* sM = sO + S * ldo;
+    float* sL = sM + S;
+    float* sA = sL + S;
+    const int bh = blockIdx.y, b = bh / nh, h = bh % nh, q0 = blockIdx.x * S;
+    const long long stride = 3LL * C;
+    const T* base = qkv + (long long)b * seq * stride + h * hd;
+    tc_load(base, stride, q0, seq, S, hd, ldh, sQ);
+    for (int e = threadIdx.x; e < S * ldo; e += blockDim.x) sO[e] = 0;
+    for (int r = threadIdx.x; r < S; r += blockDim.x) {
+        sM[r] = neg_inf(0.0f);
+        sL[r] = 0;
+    }
+    // the warp's 16 rows; two lanes a row in the softmax, each every other column
+    const int w0 = warp * 16, r = w0 + (lane >> 1), half = lane & 1;
+    float* s = sS + w0 * lds;
+    int begin, end;
+    flash_list(row_ptr, h, layout_heads, nb, q0 / block, &begin, &end);
+    for (int n = begin; n < end; ++n) {
+        for (int k0 = cols[n] * block; k0 < (cols[n] + 1) * block; k0 += S) {
+            if (k0 > q0 + S - 1 || k0 >= seq) continue;  // every key after every query
+            __syncthreads();  // the previous tile's readers are done
+            tc_load(base + C, stride, k0, seq, S, hd, ldh, sK);
+            tc_load(base + 2 * C, stride, k0, seq, S, hd, ldh, sV);
+            __syncthreads();
+            tc_product<true>(sQ + w0 * ldh, ldh, sK, ldh, hd, S / 16, s, lds, false);
+            __syncwarp();
+            float mx = neg_inf(0.0f);
+            for (int c = half; c < S; c += 2) {
+                const bool kept = k0 + c <= q0 + r && k0 + c < seq;
+                const float v = kept ? s[(r - w0) * lds + c] * scale : neg_inf(0.0f);
+                s[(r - w0) * lds + c] = v;
+                mx = v > mx ? v : mx;
+            }
+            const float other = __shfl_xor_sync(0xffffffffu, mx, 1);
+            mx = other > mx ? other : mx;
+            const float m_old = sM[r], m_new = mx > m_old ? mx : m_old;
+            const float m_use = m_new == neg_inf(m_new) ? 0.0f : m_new;  // all masked so far
+            float sum = 0;
+            for (int c = half; c < S; c += 2) {
+                const float p = acc_exp(s[(r - w0) * lds + c] - m_use);
+                store(sP + r * ldp + c, p);
+                sum += p;
+            }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            __syncwarp();  // every lane has read m_old before it changes
+            if (half == 0) {
+                const float alpha = acc_exp(m_old - m_use);
+                sA[r] = alpha;
+                sL[r] = sL[r] * alpha + sum;
+                sM[r] = m_new;
+            }
+            __syncwarp();
+            tc_product<false>(sP + w0 * ldp, ldp, sV, ldh, S, hd / 16, s, lds, false);
+            __syncwarp();
+            for (int e = lane; e < 16 * hd; e += 32) {  // o = o alpha + p v, row by row
+                const int i = e / hd, d = e % hd;
+                sO[(w0 + i) * ldo + d] = sO[(w0 + i) * ldo + d] * sA[w0 + i] + s[i * lds + d];
+            }
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
+        const int i = e / hd, d = e % hd;
+        if (q0 + i < seq)
+            store(y + ((long long)b * seq + q0 + i) * C + h * hd + d, sO[i * ldo + d] / sL[i]);
+    }
+    for (int i = threadIdx.x; i < S; i += blockDim.x)
+        if (q0 + i < seq) lse[(long long)bh * seq + q0 + i] = sM[i] + acc_log(sL[i]);
+}
+
+// FLASH_SOURCE's flash_backward_dq on tensor cores: delta = rowsum(dy y) for rows q0 .. q0 + S
+// and dq = scale sum ds k, ds = p (dy v^T - delta) rounded to T, p = exp(s - lse)
+extern "C" __global__ void flash_tc_backward_dq(const T* qkv, const T* y, const T* dy,
+                                                const ACC* lse, const int* row_ptr,
+                                                const int* cols, T* dqkv, ACC* delta,
+                                                const int seq, const int nh, const int hd,
+                                                const int block, const int layout_heads,
+                                                const int S, const ACC scale) {
+    extern __shared__ __align__(32) unsigned char flash_smem[];
+    const int ldh = hd + 8, ldp = S + 8, lds = (S > hd ? S : hd) + 4, ldo = hd + 4;
+    const int C = nh * hd, nb = (seq + block - 1) / block;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    T* sQ = reinterpret_cast<T*>(flash_smem);
+    T* sDY = sQ + S * ldh;
+    T* sK = sDY + S * ldh;
+    T* sV = sK + S * ldh;
+    T* sP = sV + S * ldh;  // ds
+    float* sS = reinterpret_cast<float*>(sP + S * ldp);  // scores
+    float* sT = sS + S * lds;  // dy v^T
+    float* sDQ = sT + S * lds;
+    float* sLse = sDQ + S * ldo;
+    float* sD = sLse + S;
+    const int bh = blockIdx.y, b = bh / nh, h = bh % nh, q0 = blockIdx.x * S;
+    const long long stride = 3LL * C;
+    const T* base = qkv + (long long)b * seq * stride + h * hd;
+    const long long row0 = (long long)b * seq * C + h * hd;  // y, dy: row 0 of the head
+    tc_load(base, stride, q0, seq, S, hd, ldh, sQ);
+    tc_load(dy + row0, C, q0, seq, S, hd, ldh, sDY);
+    for (int e = threadIdx.x; e < S * ldo; e += blockDim.x) sDQ[e] = 0;
+    for (int i = warp; i < S; i += warps) {  // a warp a row
+        float dot = 0;
+        if (q0 + i < seq)
+            for (int d = lane; d < hd; d += 32)
+                dot += to_acc(dy[row0 + (long long)(q0 + i) * C + d])
+                       * to_acc(y[row0 + (long long)(q0 + i) * C + d]);
+        dot = warp_reduce(dot, false);
+        if (lane == 0) {
+            sD[i] = dot;
+            sLse[i] = q0 + i < seq ? lse[(long long)bh * seq + q0 + i] : 0.0f;
+            if (q0 + i < seq) delta[(long long)bh * seq + q0 + i] = dot;
+        }
+    }
+    const int w0 = warp * 16, r = w0 + (lane >> 1), half = lane & 1;
+    float* s = sS + w0 * lds;
+    float* t = sT + w0 * lds;
+    int begin, end;
+    flash_list(row_ptr, h, layout_heads, nb, q0 / block, &begin, &end);
+    for (int n = begin; n < end; ++n) {
+        for (int k0 = cols[n] * block; k0 < (cols[n] + 1) * block; k0 += S) {
+            if (k0 > q0 + S - 1 || k0 >= seq) continue;  // every key after every query
+            __syncthreads();
+            tc_load(base + C, stride, k0, seq, S, hd, ldh, sK);
+            tc_load(base + 2 * C, stride, k0, seq, S, hd, ldh, sV);
+            __syncthreads();
+            tc_product<true>(sQ + w0 * ldh, ldh, sK, ldh, hd, S / 16, s, lds, false);
+            tc_product<true>(sDY + w0 * ldh, ldh, sV, ldh, hd, S / 16, t, lds, false);
+            __syncwarp();
+            for (int c = half; c < S; c += 2) {
+                const bool kept = k0 + c <= q0 + r && k0 + c < seq && q0 + r < seq;
+                const float p = kept ? acc_exp(s[(r - w0) * lds + c] * scale - sLse[r]) : 0.0f;
+                store(sP + r * ldp + c, p * (t[(r - w0) * lds + c] - sD[r]));
+            }
+            __syncwarp();
+            tc_product<false>(sP + w0 * ldp, ldp, sK, ldh, S, hd / 16, sDQ + w0 * ldo, ldo,
+                              true);
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
+        const int i = e / hd, d = e % hd;
+        if (q0 + i < seq)
+            store(dqkv + ((long long)b * seq + q0 + i) * stride + h * hd + d,
+                  sDQ[i * ldo + d] * scale);
+    }
+}
+
+// FLASH_SOURCE's flash_backward_dkv on tensor cores: for key rows k0 .. k0 + S, over the query
+// blocks that keep their block, dv = sum p^T dy and dk = scale sum ds^T q, p and ds rounded
+// to T; each warp's 16 keys against S queries at a time
+extern "C" __global__ void flash_tc_backward_dkv(const T* qkv, const T* dy, const ACC* lse,
+                                                 const ACC* delta, const int* col_ptr,
+                                                 const int* rows, T* dqkv, const int seq,
+                                                 const int nh, const int hd, const int block,
+                                                 const int layout_heads, const int S,
+                                                 const ACC scale) {
+    extern __shared__ __align__(32) unsigned char flash_smem[];
+    const int ldh = hd + 8, ldp = S + 8, lds = (S > hd ? S : hd) + 4, ldo = hd + 4;
+    const int C = nh * hd, nb = (seq + block - 1) / block;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    T* sK = reinterpret_cast<T*>(flash_smem);
+    T* sV = sK + S * ldh;
+    T* sQ = sV + S * ldh;
+    T* sDY = sQ + S * ldh;
+    T* sP = sDY + S * ldh;  // p^T (keys, queries)
+    T* sDS = sP + S * ldp;  // ds^T
+    float* sS = reinterpret_cast<float*>(sDS + S * ldp);  // k q^T
+    float* sT = sS + S * lds;  // v dy^T
+    float* sDK = sT + S * lds;
+    float* sDV = sDK + S * ldo;
+    float* sLse = sDV + S * ldo;
+    float* sD = sLse + S;
+    const int bh = blockIdx.y, b = bh / nh, h = bh % nh, k0 = blockIdx.x * S;
+    const long long stride = 3LL * C;
+    const T* base = qkv + (long long)b * seq * stride + h * hd;
+    const long long row0 = (long long)b * seq * C + h * hd;
+    tc_load(base + C, stride, k0, seq, S, hd, ldh, sK);
+    tc_load(base + 2 * C, stride, k0, seq, S, hd, ldh, sV);
+    for (int e = threadIdx.x; e < S * ldo; e += blockDim.x) {
+        sDK[e] = 0;
+        sDV[e] = 0;
+    }
+    const int w0 = warp * 16, r = w0 + (lane >> 1), half = lane & 1;  // r: a key row
+    float* s = sS + w0 * lds;
+    float* t = sT + w0 * lds;
+    int begin, end;
+    flash_list(col_ptr, h, layout_heads, nb, k0 / block, &begin, &end);
+    for (int n = begin; n < end; ++n) {
+        for (int q0 = rows[n] * block; q0 < (rows[n] + 1) * block; q0 += S) {
+            if (q0 + S - 1 < k0 || q0 >= seq || k0 >= seq) continue;  // every query first
+            __syncthreads();
+            tc_load(base, stride, q0, seq, S, hd, ldh, sQ);
+            tc_load(dy + row0, C, q0, seq, S, hd, ldh, sDY);
+            for (int i = threadIdx.x; i < S; i += blockDim.x) {
+                sLse[i] = q0 + i < seq ? lse[(long long)bh * seq + q0 + i] : 0.0f;
+                sD[i] = q0 + i < seq ? delta[(long long)bh * seq + q0 + i] : 0.0f;
+            }
+            __syncthreads();
+            tc_product<true>(sK + w0 * ldh, ldh, sQ, ldh, hd, S / 16, s, lds, false);
+            tc_product<true>(sV + w0 * ldh, ldh, sDY, ldh, hd, S / 16, t, lds, false);
+            __syncwarp();
+            for (int c = half; c < S; c += 2) {  // c: a query column
+                const bool kept = k0 + r <= q0 + c && k0 + r < seq && q0 + c < seq;
+                const float p = kept ? acc_exp(s[(r - w0) * lds + c] * scale - sLse[c]) : 0.0f;
+                store(sP + r * ldp + c, p);
+                store(sDS + r * ldp + c, p * (t[(r - w0) * lds + c] - sD[c]));
+            }
+            __syncwarp();
+            tc_product<false>(sP + w0 * ldp, ldp, sDY, ldh, S, hd / 16, sDV + w0 * ldo, ldo,
+                              true);
+            tc_product<false>(sDS + w0 * ldp, ldp, sQ, ldh, S, hd / 16, sDK + w0 * ldo, ldo,
+                              true);
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
+        const int c = e / hd, d = e % hd;
+        if (k0 + c < seq) {
+            T* row = dqkv + ((long long)b * seq + k0 + c) * stride + h * hd + d;
+            store(row + C, sDK[c * ldo + d] * scale);
+            store(row + 2 * C, sDV[c * ldo + d]);
+        }
+    }
+}
+#endif
+"""
