@@ -20,7 +20,7 @@ from zmpi.plan.hardware import PRESETS, Hardware
 from zmpi.plan.layout import BUCKET_NUMEL, Job, Layout, layouts, to_config
 from zmpi.plan.memory import stage_memory, stage_units
 from zmpi.plan.search import model_flops_per_step, plan
-from zmpi.plan.time import offload_transfers, ring_allreduce, step_time
+from zmpi.plan.time import matmul_rate, offload_transfers, ring_allreduce, step_time
 
 SMALL = Job(n_layer=4, d_model=64, n_head=4, vocab_size=65, seq_len=32, global_batch=8,
             nodes=1, gpus_per_node=4, precision="fp32")
@@ -115,6 +115,16 @@ def test_time_model_formulas():
     # a fixed cost per block and micro-batch: 1 block on the slowest stage, 71 micro-batch times
     slower = step_time(job, base, Hardware.from_dict({**hw.to_dict(), "layer_overhead": 1e-3}))
     assert slower.total - t.total == pytest.approx(71 * 1e-3)
+
+
+def test_bf16_matmuls_at_the_devices_bf16_rate():
+    """On a GPU zmpi computes bf16 on tensor cores (CuPy >= 14): the A100's and H100's bf16
+    rate, the fp16 one; the V100 has no bf16, its fp32 rate; a CPU computes it in fp32."""
+    jobs = {p: Job(4, 64, 4, 65, 32, 16, 1, 4, p) for p in ("fp16", "bf16", "fp32")}
+    for name, like in (("a100", "fp16"), ("h100", "fp16"), ("v100", "fp32"), ("cpu", "fp32")):
+        hw = PRESETS[name]
+        assert matmul_rate(jobs["bf16"], hw, 1) == matmul_rate(jobs[like], hw, 1), name
+    assert matmul_rate(jobs["bf16"], PRESETS["a100"], 1) == 312e12 * 0.75
 
 
 def test_time_model_mpi_terms_on_a_cpu():

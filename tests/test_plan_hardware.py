@@ -66,8 +66,8 @@ def test_presets_round_trip(name, tmp_path):
 
 def test_preset_figures():
     a100, h100, v100, cpu = (PRESETS[k] for k in ("a100", "h100", "v100", "cpu"))
-    assert a100.peak_flops == {"fp32": 19.5e12, "fp16": 312e12, "bf16": 19.5e12}
-    assert h100.peak_flops["bf16"] == 67e12 and v100.peak_flops["bf16"] == 15.7e12  # as fp32
+    assert a100.peak_flops == {"fp32": 19.5e12, "fp16": 312e12, "bf16": 312e12}
+    assert h100.peak_flops["bf16"] == 989e12 and v100.peak_flops["bf16"] == 15.7e12  # as fp32
     assert (a100.inter_node.bandwidth, h100.inter_node.bandwidth,
             v100.inter_node.bandwidth) == (25e9, 50e9, 6.25e9)
     assert (a100.devices_per_node, v100.devices_per_node) == (8, 16)
@@ -100,7 +100,7 @@ def _with_units() -> dict:
     """The a100 preset as someone would write it by hand, units and all."""
     return {
         "name": "a100", "peak_flops": {"fp32": "19.5TFLOP/s", "fp16": "312TFLOP/s",
-                                       "bf16": "19.5 TFLOPS"},
+                                       "bf16": "312 TFLOPS"},
         "gemm_efficiency": 0.75, "memory_bandwidth": "2039GB/s", "device_memory": "80GiB",
         "host_memory": "2TiB", "devices_per_node": 8,
         "intra_node": {"bandwidth": "300GB/s", "latency": "5us"},
@@ -114,6 +114,12 @@ def test_from_dict_reads_units(tmp_path):
     assert Hardware.from_dict(_with_units()) == PRESETS["a100"]
     (tmp_path / "mine.json").write_text(json.dumps(_with_units()))
     assert load_hardware(str(tmp_path / "mine.json")) == PRESETS["a100"]
+
+
+def _cpu(d: dict) -> dict:
+    """d as a CPU's (cores_per_node 8), bf16 priced at fp32's as zmpi computes it there."""
+    return {**d, "cores_per_node": 8, "peak_flops": {**d["peak_flops"],
+                                                     "bf16": d["peak_flops"]["fp32"]}}
 
 
 def _changed(path: str, value):
@@ -136,7 +142,7 @@ def _changed(path: str, value):
     ("intra_node.jitter", 1, "intra_node: unknown key 'jitter'"),
     ("name", ..., "missing key 'name'"),
     ("peak_flops.fp16", ..., "peak_flops: missing key 'fp16'"),
-    ("peak_flops.bf16", "312TFLOP/s", "peak_flops.bf16: zmpi computes bf16 in fp32"),
+    ("cores_per_node", 64, "peak_flops.bf16: zmpi computes bf16 in fp32 on a CPU"),  # 312 T
     ("oversubscribed_efficiency", 0.5, "oversubscribed_efficiency act only on a CPU"),
     ("inter_node.latency", ..., "inter_node: missing key 'latency'"),
     ("host_adam_rate", ..., "missing key 'host_adam_rate'"),
@@ -192,7 +198,7 @@ def test_layer_figures_are_optional_and_checked():
     assert hw.layer_overhead == pytest.approx(7.5e-4)
     assert Hardware.from_dict(_changed("layer_overhead", 0)).layer_overhead == 0
     assert Hardware.from_dict(_changed("elementwise_rate", "2GB/s")).elementwise_rate == 2e9
-    hw = Hardware.from_dict({**_changed("stage2_unit_overhead", "200us"), "cores_per_node": 8,
+    hw = Hardware.from_dict({**_cpu(_changed("stage2_unit_overhead", "200us")),
                              "stage3_unit_overhead": 5e-4, "half_storage_rate": "3e8",
                              "host_add_rate": 7e8})
     assert (hw.stage2_unit_overhead, hw.stage3_unit_overhead, hw.half_storage_rate,
@@ -209,9 +215,8 @@ def test_layer_figures_are_optional_and_checked():
 def test_mpi_figures_are_optional_and_checked():
     hw = Hardware.from_dict(_changed("half_reduction_rate", "130MB/s"))
     assert hw.half_reduction_rate == 1.3e8 and hw.oversubscribed is None
-    hw = Hardware.from_dict({**_changed("oversubscribed", {"bandwidth": "1.5GB/s",
-                                                           "latency": "130us"}),
-                             "cores_per_node": 8})  # a CPU's: ranks beyond its cores
+    hw = Hardware.from_dict(_cpu(_changed("oversubscribed", {"bandwidth": "1.5GB/s",
+                                                             "latency": "130us"})))  # a CPU's
     assert hw.oversubscribed == Link(1.5e9, 1.3e-4, per_call=True)
     assert Hardware.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
     for key, value, message in (("half_reduction_rate", 0, "half_reduction_rate: must be"),

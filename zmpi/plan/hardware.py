@@ -42,9 +42,11 @@ class Link:
 class Hardware:
     """One kind of node and its devices (on a CPU, a rank is a device).
 
-    peak_flops: {"fp32", "fp16"}: dense matmul FLOP/s per device at that compute dtype (on a
-        CPU fp16 computes in fp32: the fp32 rate). zmpi computes bf16 in fp32, so "bf16" is
-        the fp32 rate, filled in by `from_dict`; a file may give it only equal to fp32.
+    peak_flops: {"fp32", "fp16", "bf16"}: dense matmul FLOP/s per device at that compute
+        dtype. On a GPU zmpi computes fp16 and bf16 in their 16-bit type on tensor cores;
+        "bf16" (optional) is the fp32 rate where left out, as on Volta, which has no bf16. On
+        a CPU zmpi computes both in fp32: "fp16" is the fp32 rate, and "bf16" may only
+        equal it.
     gemm_efficiency: the fraction of peak the model's large matmuls reach (the one efficiency
         constant; stated with the source of the figures).
     memory_bandwidth: bytes/s of device memory, for the elementwise work (LayerNorm, GELU,
@@ -124,7 +126,7 @@ class Hardware:
     measured: dict = field(default_factory=dict)  # raw measurements, for "this"
 
     def __post_init__(self):
-        self.peak_flops.setdefault("bf16", self.peak_flops["fp32"])  # bf16 computes in fp32
+        self.peak_flops.setdefault("bf16", self.peak_flops["fp32"])  # no bf16 rate: fp32's
 
     @property
     def on_gpu(self) -> bool:
@@ -159,10 +161,6 @@ class Hardware:
         _check_keys(flops, set(DTYPES), {"bf16"}, "peak_flops")
         values["peak_flops"] = {k: _figure(flops[k], f"peak_flops.{k}", "flops")
                                 for k in flops}
-        if values["peak_flops"].get("bf16", values["peak_flops"]["fp32"]) != \
-                values["peak_flops"]["fp32"]:
-            raise ValueError("peak_flops.bf16: zmpi computes bf16 in fp32, priced at the fp32 "
-                             "rate: leave bf16 out (or give it equal to fp32)")
         for key in ("gemm_efficiency", "oversubscribed_efficiency"):
             values[key] = _figure(d.get(key, 1.0), key, "fraction")
         for key, kind in _QUANTITIES.items():
@@ -196,6 +194,10 @@ class Hardware:
         if d.get("cores_per_node") is None and cpu_only:
             raise ValueError(f"hardware: {', '.join(cpu_only)} act only on a CPU (cores_per_node "
                              "set): a GPU's ranks have a device each")
+        if d.get("cores_per_node") is not None and values["peak_flops"].get(
+                "bf16", values["peak_flops"]["fp32"]) != values["peak_flops"]["fp32"]:
+            raise ValueError("peak_flops.bf16: zmpi computes bf16 in fp32 on a CPU, priced at "
+                             "the fp32 rate: leave bf16 out (or give it equal to fp32)")
         if not isinstance(d.get("source", ""), str):
             raise ValueError(f"hardware: source must be a string, got {d['source']!r}")
         if not isinstance(d.get("measured", {}), dict):
@@ -310,7 +312,7 @@ GPU_NOTES = (
 PRESETS: dict[str, Hardware] = {
     "a100": Hardware(
         name="a100",
-        peak_flops={"fp32": 19.5e12, "fp16": 312e12},
+        peak_flops={"fp32": 19.5e12, "fp16": 312e12, "bf16": 312e12},
         gemm_efficiency=0.75,
         memory_bandwidth=2.039e12,
         device_memory=80 * GiB,
@@ -333,7 +335,7 @@ PRESETS: dict[str, Hardware] = {
     ),
     "h100": Hardware(
         name="h100",
-        peak_flops={"fp32": 67e12, "fp16": 989e12},
+        peak_flops={"fp32": 67e12, "fp16": 989e12, "bf16": 989e12},
         gemm_efficiency=0.75,
         memory_bandwidth=3.35e12,
         device_memory=80 * GiB,

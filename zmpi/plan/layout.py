@@ -24,7 +24,7 @@ class Job:
     """The model and the run: a GPT (n_layer blocks of width d_model with n_head heads, a
     vocabulary of vocab_size, sequences of seq_len), global_batch sequences per optimizer
     step, on nodes x gpus_per_node ranks, in `precision` (parameter and gradient storage;
-    fp16 computes in fp16 on a GPU, bf16 and fp32 in fp32, as zmpi.backend does).
+    fp16 and bf16 compute in their type on a GPU and in fp32 on a CPU, as zmpi.backend does).
     sparse_attention: None (dense attention), or a DeepSpeed sparse_attention section as JSON
     text (hashable): the activations count its layout's kept blocks (the step time still
     prices attention as dense, an upper bound). vocab_multiple: the vocabulary padded to a

@@ -5,9 +5,10 @@ Per micro-batch on each pipeline stage (one rank's share under tensor parallelis
 - matmuls: forward 2 b s (12 h^2) / t per block plus attention's q k^T and (p v), 4 b r h / t
   (r: the causal score entries the attention computes, its blocks' lower triangle), the LM
   head 2 b s h V / t; backward twice the forward; full recompute adds the blocks' forward
-  again, selective the q k^T; at peak x gemm_efficiency of the compute dtype (fp16 on a GPU
-  in fp16; bf16 and fp32 in fp32), a CPU rank getting cores / ranks of it (times the
-  hardware's `oversubscribed_efficiency`) when oversubscribed, as of its other rates;
+  again, selective the q k^T; at peak x gemm_efficiency of the compute dtype (fp16 and bf16
+  on a GPU in their 16-bit type; fp32, and anything on a CPU, in fp32), a CPU rank getting
+  cores / ranks of it (times the hardware's `oversubscribed_efficiency`) when oversubscribed,
+  as of its other rates;
 - elementwise work (LayerNorm, GELU, softmax, residuals, the loss): the micro-batch's
   activation bytes without recompute at the hardware's elementwise rate (a GPU's: the memory
   bandwidth over ELEMENTWISE_PASSES passes; a CPU's measured), plus the forward's third of
@@ -139,7 +140,7 @@ def _links(job: Job, layout: Layout, hw: Hardware) -> dict[str, Link]:
 
 def matmul_rate(job: Job, hw: Hardware, ranks_per_node: int) -> float:
     """FLOP/s one rank's matmuls reach."""
-    dtype = "fp16" if job.precision == "fp16" and hw.on_gpu else "fp32"
+    dtype = job.precision if job.precision in ("fp16", "bf16") and hw.on_gpu else "fp32"
     return hw.peak_flops[dtype] * hw.gemm_efficiency * hw.core_share(ranks_per_node)
 
 
