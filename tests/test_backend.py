@@ -82,8 +82,10 @@ def test_dtype_from_name_errors():
 def cupy_of(monkeypatch):
     """Make the backend CuPy of the given versions (a stand-in module), its bfloat16 probe
     asked afresh."""
-    def make(version, cuda):
-        runtime = SimpleNamespace(get_local_runtime_version=lambda: cuda)
+    def make(version, cuda, capability="90"):
+        device = SimpleNamespace(compute_capability=capability)
+        runtime = SimpleNamespace(get_local_runtime_version=lambda: cuda,
+                                  Device=lambda *_: device)
         monkeypatch.setattr(backend, "xp", SimpleNamespace(__version__=version, cuda=runtime))
         monkeypatch.setattr(backend, "is_gpu", True)
         backend.cupy_bfloat16_refusal.cache_clear()
@@ -116,6 +118,19 @@ def test_bfloat16_refused_by_an_older_cupy_in_one_line(cupy_of, monkeypatch, ver
     message = str(refused.value)
     assert "\n" not in message and "needs CuPy >= 14, NumPy >= 2.1.2 and CUDA >= 12.2" in message
     assert f"CuPy {version}, NumPy {np.__version__}, CUDA {cuda // 1000}." in message
+    assert backend.dtype_from_name("fp16") == np.float16
+
+
+@pytest.mark.parametrize("capability", ["70", "75"])
+def test_bfloat16_refused_before_ampere_in_one_line(cupy_of, capability):
+    """A V100 (7.0) or T4 (7.5) has no bfloat16 tensor cores, and cuBLAS's bfloat16 GEMMs
+    fail there: refused as the precision is read, fp16 offered."""
+    cupy_of("14.2.0", 13000, capability)
+    with pytest.raises(NotImplementedError) as refused:
+        backend.dtype_from_name("bf16")
+    assert str(refused.value) == (
+        "bfloat16 on a GPU needs compute capability 8.0 or later (bfloat16 tensor cores: an "
+        f"A100, H100 or newer); this GPU's is {capability[0]}.{capability[1]}: use fp16")
     assert backend.dtype_from_name("fp16") == np.float16
 
 

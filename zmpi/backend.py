@@ -106,8 +106,10 @@ def is_device_array(arr) -> bool:
 # What CuPy needs for ml_dtypes.bfloat16 arrays, ufuncs and matmul (cupy#9494, its upgrade
 # guide's "Minimal support for bfloat16"): CuPy 14, NumPy 2.1.2 (CuPy enables its bfloat16
 # loops only from there), and a CUDA runtime of 12.2 or later (CuPy's bfloat16 header fails
-# to compile before: cupy#9630; CuPy skips its own bfloat16 tests there).
-CUPY_BFLOAT16 = {"cupy": (14,), "numpy": (2, 1, 2), "cuda": 12020}
+# to compile before: cupy#9630; CuPy skips its own bfloat16 tests there); and a GPU of
+# compute capability 8.0 or later, the first with bfloat16 tensor cores (cuBLAS's bfloat16
+# GEMMs fail before: pytorch#57773).
+CUPY_BFLOAT16 = {"cupy": (14,), "numpy": (2, 1, 2), "cuda": 12020, "capability": 80}
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -117,17 +119,23 @@ def _version(text: str) -> tuple[int, ...]:
 
 @functools.cache
 def cupy_bfloat16_refusal() -> str | None:
-    """Why this process's CuPy cannot hold bfloat16 arrays (`CUPY_BFLOAT16`), in one line, or
-    None when it can. Asked once, of the versions alone: no device, no kernel."""
+    """Why this process's CuPy cannot compute in bfloat16 (`CUPY_BFLOAT16`), in one line, or
+    None when it can. Asked once, of the versions and the current device's compute
+    capability: no kernel runs."""
     cuda = xp.cuda.get_local_runtime_version()  # e.g. 12020 for CUDA 12.2
-    if (_version(xp.__version__) >= CUPY_BFLOAT16["cupy"]
+    if not (_version(xp.__version__) >= CUPY_BFLOAT16["cupy"]
             and _version(np.__version__) >= CUPY_BFLOAT16["numpy"]
             and cuda >= CUPY_BFLOAT16["cuda"]):
-        return None
-    return (f"bfloat16 on the cupy backend needs CuPy >= 14, NumPy >= 2.1.2 and CUDA >= 12.2 "
-            f"(ml_dtypes.bfloat16); this process has CuPy {xp.__version__}, NumPy "
-            f"{np.__version__}, CUDA {cuda // 1000}.{cuda % 1000 // 10}: use fp16, or "
-            "ZMPI_BACKEND=numpy")
+        return (f"bfloat16 on the cupy backend needs CuPy >= 14, NumPy >= 2.1.2 and CUDA >= "
+                f"12.2 (ml_dtypes.bfloat16); this process has CuPy {xp.__version__}, NumPy "
+                f"{np.__version__}, CUDA {cuda // 1000}.{cuda % 1000 // 10}: use fp16, or "
+                "ZMPI_BACKEND=numpy")
+    capability = int(xp.cuda.Device().compute_capability)  # e.g. "90" for an H100
+    if capability < CUPY_BFLOAT16["capability"]:
+        return (f"bfloat16 on a GPU needs compute capability 8.0 or later (bfloat16 tensor "
+                f"cores: an A100, H100 or newer); this GPU's is {capability // 10}."
+                f"{capability % 10}: use fp16")
+    return None
 
 
 def dtype_from_name(dtype_name: str) -> np.dtype:

@@ -53,6 +53,8 @@ class Device:
             raise ValueError(f"invalid device {device}")
         self.id = device
 
+    compute_capability = "90"  # an H100's, as CuPy gives it
+
     def use(self):
         """Make this device current in the calling thread (only)."""
         _THREAD_DEVICES[threading.get_ident()] = self.id
