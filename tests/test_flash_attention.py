@@ -185,6 +185,13 @@ def test_the_kernels_equal_the_twin_at_every_tile_size(rng, monkeypatch, cuda_de
         max(1, s // 2) if kernel == "flash_backward_dkv" else s))
     layout = (FA.sparse_layout(causal_layout(random_layout(rng, n_head, T // block)), block)
               if sparse else FA.dense_layout(T))
+    _kernels_equal_the_twin(rng, dev, layout, T, n_head, hd, dtype,
+                            1e-12 if dtype == np.float64 else 2e-3)
+
+
+def _kernels_equal_the_twin(rng, dev, layout, T, n_head, hd, dtype, tol):
+    """The launchers on `dev` against the twin on random qkv and dy (B 2, T positions): y,
+    lse and dqkv within tol, every element written; returns qkv."""
     qkv = rng.standard_normal((2, T, 3 * n_head * hd)).astype(dtype)
     dy = rng.standard_normal((2, T, n_head * hd)).astype(dtype)
     y, lse = FA._forward_twin(qkv, layout, n_head)
@@ -192,11 +199,11 @@ def test_the_kernels_equal_the_twin_at_every_tile_size(rng, monkeypatch, cuda_de
     y_k, lse_k = FA.cuda_flash_forward(dev.asarray(qkv), layout, n_head)
     dqkv_k = FA.cuda_flash_backward(dev.asarray(dy), dev.asarray(qkv), y_k, lse_k, layout,
                                     n_head)
-    tol = 1e-12 if dtype == np.float64 else 2e-3
     for got, want in ((y_k, y), (lse_k, lse), (dqkv_k, dqkv)):
         got = dev.asnumpy(got).astype(np.float64)
         assert np.isfinite(got).all()  # every element written
         np.testing.assert_allclose(got, want.astype(np.float64), rtol=tol, atol=tol)
+    return qkv
 
 
 @pytest.mark.parametrize("dtype", [np.float16, backend.BFLOAT16], ids=["fp16", "bf16"])
@@ -218,18 +225,8 @@ def test_the_tensor_core_kernels_equal_the_twin(rng, monkeypatch, cuda_device, d
     monkeypatch.setattr(FA, "tile_rows", lambda *_: s)
     layout = (FA.sparse_layout(causal_layout(random_layout(rng, n_head, T // 16)), 16)
               if sparse else FA.dense_layout(T))
-    qkv = rng.standard_normal((2, T, 3 * n_head * hd)).astype(dtype)
-    dy = rng.standard_normal((2, T, n_head * hd)).astype(dtype)
-    y, lse = FA._forward_twin(qkv, layout, n_head)
-    dqkv = FA._backward_twin(dy, qkv, y, lse, layout, n_head)
-    y_k, lse_k = FA.cuda_flash_forward(dev.asarray(qkv), layout, n_head)
-    dqkv_k = FA.cuda_flash_backward(dev.asarray(dy), dev.asarray(qkv), y_k, lse_k, layout,
-                                    n_head)
-    tol = 4e-3 if dtype == np.float16 else 3e-2
-    for got, want in ((y_k, y), (lse_k, lse), (dqkv_k, dqkv)):
-        got = dev.asnumpy(got).astype(np.float64)
-        assert np.isfinite(got).all()  # every element written
-        np.testing.assert_allclose(got, want.astype(np.float64), rtol=tol, atol=tol)
+    qkv = _kernels_equal_the_twin(rng, dev, layout, T, n_head, hd, dtype,
+                                  4e-3 if dtype == np.float16 else 3e-2)
     assert set(launched) == {"flash_tc_forward", "flash_tc_backward_dq", "flash_tc_backward_dkv"}
     if dev is cuda_cpu.DEVICE:  # and before Ampere, the SIMT kernels
         monkeypatch.setattr(dev, "compute_capability", "75")

@@ -46,6 +46,51 @@ __device__ __forceinline__ void flash_list(const int* ptr, const int h, const in
     *end = p[i + 1];
 }
 
+// rows r0 .. r0 + S of tile (S, ld), those before seq, times mul into the rows of `dst`
+// (`stride` apart, hd elements each), rounded once to T
+__device__ void flash_store_rows(T* dst, const long long stride, const int r0, const int seq,
+                                 const int S, const int hd, const ACC* tile, const int ld,
+                                 const ACC mul) {
+    for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
+        const int r = e / hd, d = e % hd;
+        if (r0 + r < seq) store(dst + (r0 + r) * stride + d, tile[r * ld + d] * mul);
+    }
+}
+
+// y (rows r0 .. r0 + S of head bh, `y` at the head's row 0, C apart) = o / l, and lse = m +
+// log l: the end of a forward; o (S, ld) is divided in place
+__device__ void flash_store_output(T* y, ACC* lse, ACC* o, const int ld, const ACC* m,
+                                   const ACC* l, const long long bh, const int r0,
+                                   const int seq, const int S, const int hd, const int C) {
+    for (int e = threadIdx.x; e < S * hd; e += blockDim.x) o[e / hd * ld + e % hd] /= l[e / hd];
+    __syncthreads();
+    flash_store_rows(y, C, r0, seq, S, hd, o, ld, (ACC)1);
+    for (int r = threadIdx.x; r < S; r += blockDim.x)
+        if (r0 + r < seq) lse[bh * seq + r0 + r] = m[r] + acc_log(l[r]);
+}
+
+// The backward's row statistics of rows q0 .. q0 + S of head bh (`y`, `dy` at its row 0, C
+// apart): delta = rowsum(dy y) into `delta` (global) and sD, and each row's lse into sLse (0
+// past seq); a warp a row
+__device__ void flash_row_stats(const T* y, const T* dy, const ACC* lse, ACC* delta,
+                                ACC* sD, ACC* sLse, const long long bh, const int q0,
+                                const int seq, const int S, const int hd, const int C) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int r = warp; r < S; r += warps) {
+        ACC dot = 0;
+        if (q0 + r < seq)
+            for (int d = lane; d < hd; d += 32)
+                dot += to_acc(dy[(long long)(q0 + r) * C + d])
+                       * to_acc(y[(long long)(q0 + r) * C + d]);
+        dot = warp_reduce(dot, false);
+        if (lane == 0) {
+            sD[r] = dot;
+            sLse[r] = q0 + r < seq ? lse[bh * seq + q0 + r] : (ACC)0;
+            if (q0 + r < seq) delta[bh * seq + q0 + r] = dot;
+        }
+    }
+}
+
 // y (B, seq, C) and lse (B nh, seq): for query rows q0 .. q0 + S of head h (grid (nb block / S,
 // B nh)), the online softmax (running max m, sum l) over the key blocks the layout keeps, S
 // keys at a time: o = o alpha + p v with p = exp(s - m_new), alpha = exp(m_old - m_new).
@@ -118,13 +163,8 @@ extern "C" __global__ void flash_forward(const T* qkv, const int* row_ptr, const
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
-        const int r = e / hd, d = e % hd;
-        if (q0 + r < seq)
-            store(y + ((long long)b * seq + q0 + r) * C + h * hd + d, sO[r * ld + d] / sL[r]);
-    }
-    for (int r = threadIdx.x; r < S; r += blockDim.x)
-        if (q0 + r < seq) lse[(long long)bh * seq + q0 + r] = sM[r] + acc_log(sL[r]);
+    flash_store_output(y + (long long)b * seq * C + h * hd, lse, sO, ld, sM, sL, bh, q0, seq, S,
+                       hd, C);
 }
 
 // FlashAttention-2's backward, queries: delta = rowsum(dy y) (B nh, seq) for the rows q0 .. q0
@@ -138,7 +178,6 @@ extern "C" __global__ void flash_backward_dq(const T* qkv, const T* y, const T* 
                                              const int S, const ACC scale) {
     extern __shared__ __align__(16) unsigned char flash_smem[];
     const int ld = hd + 1, C = nh * hd, nb = (seq + block - 1) / block;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     ACC* sQ = reinterpret_cast<ACC*>(flash_smem);
     ACC* sDY = sQ + S * ld;
     ACC* sDQ = sDY + S * ld;
@@ -154,19 +193,7 @@ extern "C" __global__ void flash_backward_dq(const T* qkv, const T* y, const T* 
     flash_load(base, stride, q0, seq, S, hd, ld, sQ, scale);
     flash_load(dy + row0, C, q0, seq, S, hd, ld, sDY, (ACC)1);
     for (int e = threadIdx.x; e < S * ld; e += blockDim.x) sDQ[e] = 0;
-    for (int r = warp; r < S; r += warps) {  // a warp a row
-        ACC dot = 0;
-        if (q0 + r < seq)
-            for (int d = lane; d < hd; d += 32)
-                dot += to_acc(dy[row0 + (long long)(q0 + r) * C + d])
-                       * to_acc(y[row0 + (long long)(q0 + r) * C + d]);
-        dot = warp_reduce(dot, false);
-        if (lane == 0) {
-            sD[r] = dot;
-            sLse[r] = q0 + r < seq ? lse[(long long)bh * seq + q0 + r] : (ACC)0;
-            if (q0 + r < seq) delta[(long long)bh * seq + q0 + r] = dot;
-        }
-    }
+    flash_row_stats(y + row0, dy + row0, lse, delta, sD, sLse, bh, q0, seq, S, hd, C);
     int begin, end;
     flash_list(row_ptr, h, layout_heads, nb, q0 / block, &begin, &end);
     for (int n = begin; n < end; ++n) {
@@ -193,12 +220,8 @@ extern "C" __global__ void flash_backward_dq(const T* qkv, const T* y, const T* 
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
-        const int r = e / hd, d = e % hd;
-        if (q0 + r < seq)
-            store(dqkv + ((long long)b * seq + q0 + r) * stride + h * hd + d,
-                  sDQ[r * ld + d] * scale);
-    }
+    flash_store_rows(dqkv + (long long)b * seq * stride + h * hd, stride, q0, seq, S, hd, sDQ,
+                     ld, scale);
 }
 
 // FlashAttention-2's backward, keys: for key rows k0 .. k0 + S of head h, over the query
@@ -267,13 +290,8 @@ extern "C" __global__ void flash_backward_dkv(const T* qkv, const T* dy, const A
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
-        const int c = e / hd, d = e % hd;
-        if (k0 + c < seq) {
-            T* row = dqkv + ((long long)b * seq + k0 + c) * stride + h * hd + d;
-            store(row + C, sDK[c * ld + d]);
-            store(row + 2 * C, sDV[c * ld + d]);
-        }
-    }
+    T* head = dqkv + (long long)b * seq * stride + h * hd;
+    flash_store_rows(head + C, stride, k0, seq, S, hd, sDK, ld, (ACC)1);
+    flash_store_rows(head + 2 * C, stride, k0, seq, S, hd, sDV, ld, (ACC)1);
 }
 """

@@ -163,13 +163,8 @@ extern "C" __global__ void flash_tc_forward(const T* qkv, const int* row_ptr, co
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
-        const int i = e / hd, d = e % hd;
-        if (q0 + i < seq)
-            store(y + ((long long)b * seq + q0 + i) * C + h * hd + d, sO[i * ldo + d] / sL[i]);
-    }
-    for (int i = threadIdx.x; i < S; i += blockDim.x)
-        if (q0 + i < seq) lse[(long long)bh * seq + q0 + i] = sM[i] + acc_log(sL[i]);
+    flash_store_output(y + (long long)b * seq * C + h * hd, lse, sO, ldo, sM, sL, bh, q0, seq,
+                       S, hd, C);
 }
 
 // FLASH_SOURCE's flash_backward_dq on tensor cores: delta = rowsum(dy y) for rows q0 .. q0 + S
@@ -183,7 +178,7 @@ extern "C" __global__ void flash_tc_backward_dq(const T* qkv, const T* y, const 
     extern __shared__ __align__(32) unsigned char flash_smem[];
     const int ldh = hd + 8, ldp = S + 8, lds = (S > hd ? S : hd) + 4, ldo = hd + 4;
     const int C = nh * hd, nb = (seq + block - 1) / block;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     T* sQ = reinterpret_cast<T*>(flash_smem);
     T* sDY = sQ + S * ldh;
     T* sK = sDY + S * ldh;
@@ -201,19 +196,7 @@ extern "C" __global__ void flash_tc_backward_dq(const T* qkv, const T* y, const 
     tc_load(base, stride, q0, seq, S, hd, ldh, sQ);
     tc_load(dy + row0, C, q0, seq, S, hd, ldh, sDY);
     for (int e = threadIdx.x; e < S * ldo; e += blockDim.x) sDQ[e] = 0;
-    for (int i = warp; i < S; i += warps) {  // a warp a row
-        float dot = 0;
-        if (q0 + i < seq)
-            for (int d = lane; d < hd; d += 32)
-                dot += to_acc(dy[row0 + (long long)(q0 + i) * C + d])
-                       * to_acc(y[row0 + (long long)(q0 + i) * C + d]);
-        dot = warp_reduce(dot, false);
-        if (lane == 0) {
-            sD[i] = dot;
-            sLse[i] = q0 + i < seq ? lse[(long long)bh * seq + q0 + i] : 0.0f;
-            if (q0 + i < seq) delta[(long long)bh * seq + q0 + i] = dot;
-        }
-    }
+    flash_row_stats(y + row0, dy + row0, lse, delta, sD, sLse, bh, q0, seq, S, hd, C);
     const int w0 = warp * 16, r = w0 + (lane >> 1), half = lane & 1;
     float* s = sS + w0 * lds;
     float* t = sT + w0 * lds;
@@ -240,12 +223,8 @@ extern "C" __global__ void flash_tc_backward_dq(const T* qkv, const T* y, const 
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
-        const int i = e / hd, d = e % hd;
-        if (q0 + i < seq)
-            store(dqkv + ((long long)b * seq + q0 + i) * stride + h * hd + d,
-                  sDQ[i * ldo + d] * scale);
-    }
+    flash_store_rows(dqkv + (long long)b * seq * stride + h * hd, stride, q0, seq, S, hd, sDQ,
+                     ldo, scale);
 }
 
 // FLASH_SOURCE's flash_backward_dkv on tensor cores: for key rows k0 .. k0 + S, over the query
@@ -316,14 +295,9 @@ extern "C" __global__ void flash_tc_backward_dkv(const T* qkv, const T* dy, cons
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
-        const int c = e / hd, d = e % hd;
-        if (k0 + c < seq) {
-            T* row = dqkv + ((long long)b * seq + k0 + c) * stride + h * hd + d;
-            store(row + C, sDK[c * ldo + d] * scale);
-            store(row + 2 * C, sDV[c * ldo + d]);
-        }
-    }
+    T* head = dqkv + (long long)b * seq * stride + h * hd;
+    flash_store_rows(head + C, stride, k0, seq, S, hd, sDK, ldo, scale);
+    flash_store_rows(head + 2 * C, stride, k0, seq, S, hd, sDV, ldo, 1.0f);
 }
 #endif
 """
