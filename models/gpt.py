@@ -106,7 +106,7 @@ def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: in
     by array as the layers cache them (docs/activation-memory.md lists every one).
 
     act_bytes: the activations' itemsize, the compute dtype's (4: fp32, and fp16 or bf16 on
-    the host; 2: fp16 on a GPU; 8: fp64), the dense attention's probabilities' too;
+    the host; 2: fp16 or bf16 on a GPU; 8: fp64), the dense attention's probabilities' too;
     LayerNorm's statistics, GELU's tanh, block-sparse probabilities and the loss's
     log-sum-exp are float32 at least. id_bytes: the token ids'
     itemsize (int64). tp: the tensor-parallel degree (it must divide n_head, and seq_len with

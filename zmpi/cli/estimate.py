@@ -13,9 +13,9 @@ from zmpi.memory import estimate_rows
 from zmpi.models.gpt import gpt_activation_bytes, gpt_num_params, korthikanti_activation_bytes
 from zmpi.nn.attention import attention_block
 
-# The activations' itemsize by --precision: fp16 computes in fp16 on a GPU, bf16 in fp32
-# (zmpi.backend.compute_dtype; on the NumPy backend fp16 computes in fp32 too)
-ACTIVATION_BYTES = {"fp16": 2, "bf16": 4, "fp32": 4}
+# The activations' itemsize by --precision on a GPU: fp16 and bf16 compute in their 16-bit
+# type there (zmpi.backend.compute_dtype; on the NumPy backend both compute in fp32)
+ACTIVATION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 
 class Refused(SystemExit):

@@ -83,8 +83,8 @@ class Job:
         return 4 if self.precision == "fp32" else 2
 
     def act_bytes(self, on_gpu: bool) -> int:
-        """The activations' itemsize: fp16 computes in fp16 on a GPU only."""
-        return 2 if self.precision == "fp16" and on_gpu else 4
+        """The activations' itemsize: fp16 and bf16 compute in their type on a GPU only."""
+        return 2 if self.precision in ("fp16", "bf16") and on_gpu else 4
 
 
 @dataclass(frozen=True)

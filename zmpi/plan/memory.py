@@ -135,7 +135,7 @@ def padded(numel: int, dp: int) -> int:
 
 def stage_memory(job: Job, layout: Layout, stage: int, on_gpu: bool) -> StageMemory:
     """What one rank of pipeline stage `stage` needs under `layout` (see the module
-    docstring); on_gpu: fp16 activations stay 2-byte, attention runs in one block."""
+    docstring); on_gpu: fp16 and bf16 activations stay 2-byte, attention runs in one block."""
     return layout_memory(job, layout, on_gpu)[stage]
 
 
