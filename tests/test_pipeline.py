@@ -99,6 +99,9 @@ def test_the_pipeline_section_acts_or_is_refused():
     assert Config.from_dict({}).pipeline.schedule == "1f1b"
     for name, read in (("GPipe", "gpipe"), ("1F1B", "1f1b")):  # as the papers spell them
         assert Config.from_dict({"pipeline": {"schedule": name}}).pipeline.schedule == read
+    for name, read in (("Parameters", "parameters"), ("UNIFORM", "uniform"),
+                       ("Type:Block", "type:Block")):  # any case, as DeepSpeed; the regex kept
+        assert Config.from_dict({"pipeline": {"partition": name}}).pipeline.partition == read
     for bad, words in [({"schedule": "interleaved"}, "interleaved schedule is not built"),
                        ({"schedule": "zb"}, "use one of gpipe, 1f1b"),
                        ({"partition": "best"}, "unknown partition method 'best'"),

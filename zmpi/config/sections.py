@@ -308,6 +308,9 @@ class PipelineConfig(_Section):
                f"one of {', '.join(SCHEDULES)}, in any case (the interleaved schedule is "
                "not built)")
         object.__setattr__(self, "schedule", self.schedule.lower())
+        if isinstance(self.partition, str):  # any case, as DeepSpeed reads it; the regex as given
+            method, colon, regex = self.partition.partition(":")
+            object.__setattr__(self, "partition", method.lower() + colon + regex)
         try:
             check_method(self.partition)
         except ValueError as e:
