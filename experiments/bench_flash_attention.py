@@ -12,6 +12,8 @@ Rows (the median of --steps after --warmup, each ended by a device synchronize):
   unidirectional) at T 1024 and 4096: zmpi.nn.sparse_attention against flash;
 - a GPT-2 small training step (stage 0, fp16, micro-batch 8, T 1024) with "attention_kernel"
   "blocked" and "flash".
+On a GPU it says which flash kernels the fp16 rows ran: on tensor cores (compute capability
+8.0 and later) or SIMT.
 --tiny runs every row at toy sizes on whatever array module zmpi has (the CuPy stand-in, or
 NumPy for the core rows without flash): the script's own check, no figure.
 """
@@ -131,25 +133,34 @@ def gpt_rows(args) -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="toy sizes: a dry run, no figures")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=None, help="default 3 (1 with --tiny)")
+    parser.add_argument("--steps", type=int, default=None, help="default 10 (1 with --tiny)")
     parser.add_argument("--out", default=None, help="directory for results.json")
     args = parser.parse_args()
     big = dict(batch=8, heads=12, head_size=64, seq_len=1024, sparse_seq_lens=(1024, 4096),
                layers=12, vocab=50257)
     tiny = dict(batch=2, heads=2, head_size=8, seq_len=40, sparse_seq_lens=(64,), layers=1,
-                vocab=32, warmup=1, steps=1)
+                vocab=32)
     vars(args).update(tiny if args.tiny else big)
+    for name, given in (("warmup", 3), ("steps", 10)):
+        if getattr(args, name) is None:
+            setattr(args, name, 1 if args.tiny else given)
     if not args.tiny and (not backend.is_gpu or getattr(backend.xp, "STANDIN", False)):
         sys.exit("bench_flash_attention: needs CuPy and a GPU (--tiny runs anywhere)")
     rows = core_rows(args) + (gpt_rows(args) if backend.is_gpu else [])
     for r in rows:
         print(f"{r['case']:24s} T {r['T']:5d}  {r['path']:10s} {r['seconds'] * 1e3:9.3f} ms")
+    kinds = {}  # which flash kernels the fp16 rows ran, on a GPU
+    if backend.is_gpu and not getattr(backend.xp, "STANDIN", False):
+        kinds = {f"block {b}": "tensor cores" if FA.tensor_cores(np.float16, args.head_size, b)
+                 else "SIMT" for b in (FA.FLASH_BLOCK, FIXED["block"])}
+        print(f"flash kernels (fp16, hd {args.head_size}): {kinds}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         device = backend.device_name() if backend.is_gpu else backend.name
         (Path(args.out) / "results.json").write_text(json.dumps(
-            {"device": device, "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1))
+            {"device": device, "date": time.strftime("%Y-%m-%d"), "flash_kernels": kinds,
+             "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -10,9 +10,11 @@
 #      too (they set PYTHONPATH themselves): a .pth file in this Python's site-packages, removed
 #      at the end, puts DEPS and the tree first on sys.path and maps zmpi.models to models/ as
 #      pyproject's package-dir does;
-#   3. runs the GPU-marked tests, experiments/bench_gpu.py (GPT-2 small, stages 0-3, PyTorch
-#      eager beside it) and experiments/gpu_trace.py (the step's kernels by GPU time; and a
-#      small model's GPU idle time, the most a CUDA graph of its step could save), and
+#   3. runs the GPU-marked tests, experiments/bench_gpu.py (GPT-2 small, fp16 at stages 0 and
+#      3, bf16 at stage 0, PyTorch eager beside it), experiments/bench_flash_attention.py (the
+#      attention core, blocked, flash and SDPA) and experiments/gpu_trace.py (the step's kernels
+#      by GPU time; and a small model's GPU idle time, the most a CUDA graph of its step could
+#      save), and
 #      beside them, on one CPU core, experiments/bench_gpu.py --count (the stand-in's
 #      launches; any machine).
 # Each step's output goes to one results folder, $OUT (default results/gpu_check), with
@@ -152,8 +154,11 @@ if "$PY" -c "import cupy, sys; sys.exit(cupy.cuda.runtime.getDeviceCount() == 0)
     tests=$(grep -l 'mark\.gpu\|cuda_device' tests/test_*.py)
     # shellcheck disable=SC2086
     step tests 200 tests.txt env ZMPI_BACKEND=cupy "$PY" -m pytest -q -p no:cacheprovider -m gpu $tests
-    step bench 240 bench.txt env ZMPI_BACKEND=cupy mpiexec -n 1 "$PY" experiments/bench_gpu.py \
-        --no-count --warmup 2 --steps 5 --out "$OUT/bench"
+    step bench 200 bench.txt env ZMPI_BACKEND=cupy mpiexec -n 1 "$PY" experiments/bench_gpu.py \
+        --no-count --stages 0 3 --warmup 2 --steps 5 --out "$OUT/bench"
+    # the attention core and a GPT step with the flash kernels (tensor cores in fp16 from sm_80)
+    step flash 100 flash.txt env ZMPI_BACKEND=cupy mpiexec -n 1 "$PY" \
+        experiments/bench_flash_attention.py --warmup 2 --steps 5 --out "$OUT/flash"
     step trace 120 trace.txt env ZMPI_BACKEND=cupy mpiexec -n 1 "$PY" experiments/gpu_trace.py \
         --out "$OUT/trace"
     # a small model, where launches may bind: the GPU's idle time, what a CUDA graph could save
@@ -161,7 +166,7 @@ if "$PY" -c "import cupy, sys; sys.exit(cupy.cuda.runtime.getDeviceCount() == 0)
         experiments/gpu_trace.py --n-layer 4 --d-model 256 --n-head 4 --seq-len 128 --batch 4 \
         --out "$OUT/trace_small"
 else
-    for name in tests bench trace trace-small; do note "$(printf '%-8s skipped: no GPU (CuPy sees none)' "$name")"; done
+    for name in tests bench flash trace trace-small; do note "$(printf '%-8s skipped: no GPU (CuPy sees none)' "$name")"; done
 fi
 wait $counting || failed=1
 note "results in $OUT"
