@@ -297,7 +297,8 @@ def test_keep_last_removes_old_tags_only_after_the_new_one(tmp_path):
         engine.save_checkpoint(tmp_path, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK, "latest", "step3", "step4"]
     assert (tmp_path / "latest").read_text().strip() == "step4"
-    engine.save_checkpoint(tmp_path, keep_last=2)  # the same tag again: replaced in place
+    with pytest.warns(UserWarning, match="step4 exists .* replaces it"):  # not silently
+        engine.save_checkpoint(tmp_path, keep_last=2)  # the same tag again: replaced in place
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK, "latest", "step3", "step4"]
     assert tools.verify(tmp_path) == []
 

@@ -29,6 +29,7 @@ import os
 import shutil
 import threading
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -207,6 +208,10 @@ class Checkpointer:
             raise ValueError(f"save_checkpoint got different directories or tags on different "
                              f"ranks: {sorted(set(tags))}")
         held = self.claim(directory)
+        if comm.rank == 0 and (directory / tag).is_dir():  # as DeepSpeed does, but not silently
+            warnings.warn(f"save_checkpoint: {directory / tag} exists (this step was saved "
+                          "before); the new save replaces it, its client_state with it",
+                          stacklevel=3)
         state.settle()
         body = state.manifest(client_state)
         staging = staging_dir(directory, tag)
