@@ -240,6 +240,20 @@ def test_phase_profile_leaves_out_the_first_step(monkeypatch):
     assert steps == 2 and seconds["forward"] == 2 and seconds["step"] == 1
 
 
+def test_the_unit_table_marks_recompute_not_timed():
+    """A unit whose recompute was timed shows its milliseconds; one without (no recompute, or
+    selective, which runs inside the attention's backward) shows "-", not a 0.0 that reads
+    as free."""
+    from types import SimpleNamespace
+
+    profile = PhaseProfile(["Embedding", "Block"], recompute_seconds={1: 0.002})
+    profile.step_ends()
+    comm = SimpleNamespace(rank=0, allgather_object=lambda mine: [mine])
+    embedding, block = profile.table(comm).splitlines()[-2:]
+    assert embedding.split()[1:] == ["Embedding", "0.0", "0.0", "0.0", "-"]
+    assert block.split()[1:] == ["Block", "0.0", "0.0", "0.0", "2.0"]
+
+
 def test_a_finished_engine_leaves_no_buffers_behind():
     """Dropping an engine frees its ledger and every buffer at once, without waiting for the
     garbage collector: nothing global (the staging pool accounts its buffers in the newest

@@ -19,7 +19,9 @@ class PhaseProfile:
     where the step waits for it. The first step (compiling the host loops, first touch of
     every buffer) is left out of the figures once there are others. `recompute_seconds`
     ({unit: seconds}, what activation_checkpointing.profile measures: zmpi.nn.checkpointing)
-    shows as each unit's "recompute", a part of its backward."""
+    shows as each unit's "recompute", a part of its backward; "-" where no recompute of the
+    unit was timed (none, or selective recompute, which runs inside the attention's backward
+    and shows there)."""
 
     PHASES = ("forward", "backward", "step", "optimizer", "waited")
     UNIT_PHASES = ("forward", "backward", "waited", "recompute")
@@ -105,8 +107,11 @@ class PhaseProfile:
             for u, name in enumerate(self.unit_names):
                 worst = {p: max(1e3 * units[u][p] / max(steps, 1) for _, steps, _, units in rows)
                          for p in self.UNIT_PHASES}
+                timed = {p: f"{worst[p]:.1f}" for p in self.UNIT_PHASES}
+                if not any(units[u]["recompute"] for _, _, _, units in rows):
+                    timed["recompute"] = "-"
                 lines.append(f"{u:>4} {name:<{w}}"
-                             + " ".join(f"{worst[p]:>13.1f}" for p in self.UNIT_PHASES))
+                             + " ".join(f"{timed[p]:>13}" for p in self.UNIT_PHASES))
         return "\n".join(lines)
 
 
