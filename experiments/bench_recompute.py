@@ -251,12 +251,19 @@ def trains(comm, fragment, seq_len, micro_batch, args, budget) -> bool:
                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                      "zero_optimization": {"stage": 0}, "memory_budget": {"device": budget}},
                     fragment)
+    data = SyntheticSource(args.search_vocab, seq_len, micro_batch * comm.size, comm.rank,
+                           comm.size)
+    return one_step_fits(lambda: Engine(GPT(cfg, seed=0), config, comm), data.sample(0))
+
+
+def one_step_fits(build, batch) -> bool:
+    """Whether the engine build() makes trains one step of `batch` (inputs, targets) within
+    its memory budget (False on OutOfMemory, while it is built or while it steps); the engine
+    is closed either way."""
     engine = None
     try:
-        engine = Engine(GPT(cfg, seed=0), config, comm)
-        data = SyntheticSource(args.search_vocab, seq_len, micro_batch * comm.size, comm.rank,
-                               comm.size)
-        engine.train_step(*data.sample(0))
+        engine = build()
+        engine.train_step(*batch)
         return True
     except OutOfMemory:
         return False

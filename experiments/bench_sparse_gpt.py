@@ -29,13 +29,12 @@ import sys
 import time
 
 import numpy as np
-from bench_recompute import largest
+from bench_recompute import largest, one_step_fits
 
 from results import write_results
 from zmpi.comm import Comm
 from zmpi.data import BatchSampler, CharTokenizer, SyntheticSource, load_text, train_val_split
 from zmpi.engine import Engine
-from zmpi.memory import OutOfMemory
 from zmpi.models.gpt import GPT, GPTConfig
 
 MIB = 2**20
@@ -71,16 +70,8 @@ def fits(args, sparse, recompute, seq_len) -> bool:
         return True
     extra = {"memory_budget": {"device": int(args.budget_mib * MIB)},
              "activation_checkpointing": {"recompute": recompute}}
-    engine = None
-    try:
-        engine = engine_for(args, sparse, seq_len, 1, args.search_d_model, extra)
-        engine.train_step(*SyntheticSource(args.vocab, seq_len, 1, 0, 1).sample(0))
-        return True
-    except OutOfMemory:
-        return False
-    finally:
-        if engine is not None:
-            engine.close()
+    return one_step_fits(lambda: engine_for(args, sparse, seq_len, 1, args.search_d_model, extra),
+                         SyntheticSource(args.vocab, seq_len, 1, 0, 1).sample(0))
 
 
 def longest(args) -> list[dict]:
