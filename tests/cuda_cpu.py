@@ -68,6 +68,13 @@ class Parameter:
         self.dtype = np.dtype(_DTYPES[base])
 
 
+def signatures(code: str, defines: dict[str, str]) -> dict[str, list[Parameter]]:
+    """{kernel: its parameters} of the source's extern "C" kernels, T and ACC as `defines`
+    give them (ZMPI_T, ZMPI_ACC: zmpi.kernels.compile_options' -D options)."""
+    return {name: [Parameter(p, defines) for p in params.split(",")]
+            for name, params in _SIGNATURE.findall(code)}
+
+
 class Kernel:
     """A compiled kernel, called as CuPy's RawKernel: kernel(grid, block, args, shared_mem)."""
 
@@ -143,8 +150,7 @@ class RawModule:
         if COMPILER is None:
             raise RuntimeError("cuda_cpu: no C++ compiler (g++, or $CXX)")
         defines = dict(o[2:].split("=", 1) for o in options if o.startswith("-D"))
-        self.kernels = {name: [Parameter(p, defines) for p in params.split(",")]
-                        for name, params in _SIGNATURE.findall(code)}
+        self.kernels = signatures(code, defines)
         self.library = ctypes.CDLL(str(_compile(_translation_unit(code, self.kernels),
                                                 [f"-D{k}={v}" for k, v in defines.items()])))
 

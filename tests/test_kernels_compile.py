@@ -12,6 +12,7 @@ zmpi.kernels.compile_options, the architecture as -arch=sm_XX (CuPy compiles to 
 import re
 import time
 
+import cuda_cpu
 import numpy as np
 import nvrtc
 import pytest
@@ -80,25 +81,9 @@ def test_a_macro_named_T_breaks_nvrtc(nvrtc_lib):
 
 # -- each launcher's arguments against its kernel's signature (no GPU, no NVRTC) --------------
 
-_C_DTYPES = {"__half": np.float16, "__nv_bfloat16": backend.BFLOAT16, "float": np.float32,
-             "double": np.float64}
-_SIGNATURE = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\)')
-
-
-def _signatures():
-    """{kernel: [(pointer?, C type), ...]} from SOURCE's extern "C" kernels."""
-    out = {}
-    for name, params in _SIGNATURE.findall(kernels.SOURCE):
-        out[name] = []
-        for param in params.split(","):
-            ctype = " ".join(param.split()[:-1]).removeprefix("const ")
-            out[name].append((ctype.endswith("*"), ctype.rstrip("*").strip()))
-    return out
-
-
-def _expected_dtype(ctype, t, acc):
-    return {"T": _C_DTYPES[t], "ACC": _C_DTYPES[acc], "int": np.int32,
-            "long long": np.int64, "unsigned int": np.uint32}[ctype]
+def _signatures(t="float", acc="float"):
+    """{kernel: [cuda_cpu.Parameter, ...]} of SOURCE's extern "C" kernels for (T, ACC)."""
+    return cuda_cpu.signatures(kernels.SOURCE, {"ZMPI_T": t, "ZMPI_ACC": acc})
 
 
 def test_signatures_parse():
@@ -108,7 +93,9 @@ def test_signatures_parse():
         "gelu_forward", "gelu_backward", "causal_softmax", "softmax_backward",
         "cross_entropy_forward", "cross_entropy_backward", "adam", "sum_of_squares",
         "bias_grad"}
-    assert signatures["adam"][4] == (False, "long long")
+    count = signatures["adam"][4]
+    assert (count.declaration, count.pointer, count.dtype) == ("const long long n", False,
+                                                               np.dtype(np.int64))
 
 
 def _launches(dtype, master):
@@ -164,11 +151,13 @@ def test_launchers_pass_what_the_kernels_declare(monkeypatch, dtype, master):
         assert (t, acc) in OPTION_SETS, (name, t, acc)
         assert block == (kernels.THREADS,) and kernels.THREADS % 32 == 0
         assert isinstance(grid, tuple) and all(isinstance(g, int) and g >= 1 for g in grid)
-        assert len(args) == len(signatures[name]), name
-        for i, (arg, (pointer, ctype)) in enumerate(zip(args, signatures[name], strict=True)):
-            want = np.dtype(_expected_dtype(ctype, t, acc))
-            if pointer:
+        parameters = _signatures(t, acc)[name]
+        assert len(args) == len(parameters), name
+        for i, (arg, p) in enumerate(zip(args, parameters, strict=True)):
+            if p.pointer:
                 assert isinstance(arg, np.ndarray) and arg.flags.c_contiguous, (name, i)
-                assert arg.dtype == want, f"{name} argument {i}: {arg.dtype} array, wants {want}"
+                assert arg.dtype == p.dtype, f"{name} argument {i}: {arg.dtype} array, wants " \
+                                             f"{p.dtype}"
             else:
-                assert type(arg) is want.type, f"{name} argument {i}: {type(arg)}, wants {want}"
+                assert type(arg) is p.dtype.type, f"{name} argument {i}: {type(arg)}, wants " \
+                                                  f"{p.dtype}"
