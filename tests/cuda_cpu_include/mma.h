@@ -37,37 +37,42 @@ inline void fill_fragment(fragment<Use, 16, 16, 16, E, Layout>& f, const V v) {
     for (int i = 0; i < 256; ++i) f.x[i] = v;
 }
 
-// a (16 rows, 16 k) or b (16 k, 16 columns): element (i, j) of the tile is f.x[i * 16 + j]
+// Element (i, j) of a tile is f.x[i * 16 + j]: a (16 rows, 16 k), b (16 k, 16 columns) or an
+// accumulator. In memory it is at p[i * ldm + j] when the tile is row-major, p[j * ldm + i]
+// when column-major.
+static inline unsigned int at(const bool row, const int i, const int j, const unsigned int ldm) {
+    return row ? i * ldm + j : j * ldm + i;
+}
+
+template <typename F, typename E>
+inline void load(F& f, const E* p, const unsigned int ldm, const bool row) {
+    collective();
+    for (int i = 0; i < 16; ++i)
+        for (int j = 0; j < 16; ++j) f.x[i * 16 + j] = p[at(row, i, j, ldm)];
+}
+
 template <typename Use, typename E>
 inline void load_matrix_sync(fragment<Use, 16, 16, 16, E, row_major>& f, const E* p,
                              unsigned int ldm) {
-    collective();
-    for (int i = 0; i < 16; ++i)
-        for (int j = 0; j < 16; ++j) f.x[i * 16 + j] = p[i * ldm + j];
+    load(f, p, ldm, true);
 }
 
 template <typename Use, typename E>
 inline void load_matrix_sync(fragment<Use, 16, 16, 16, E, col_major>& f, const E* p,
                              unsigned int ldm) {
-    collective();
-    for (int i = 0; i < 16; ++i)
-        for (int j = 0; j < 16; ++j) f.x[i * 16 + j] = p[j * ldm + i];
+    load(f, p, ldm, false);
 }
 
 inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p,
                              unsigned int ldm, layout_t layout) {
-    collective();
-    for (int i = 0; i < 16; ++i)
-        for (int j = 0; j < 16; ++j)
-            f.x[i * 16 + j] = layout == mem_row_major ? p[i * ldm + j] : p[j * ldm + i];
+    load(f, p, ldm, layout == mem_row_major);
 }
 
 inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f,
                               unsigned int ldm, layout_t layout) {
     collective();
     for (int i = 0; i < 16; ++i)
-        for (int j = 0; j < 16; ++j)
-            (layout == mem_row_major ? p[i * ldm + j] : p[j * ldm + i]) = f.x[i * 16 + j];
+        for (int j = 0; j < 16; ++j) p[at(layout == mem_row_major, i, j, ldm)] = f.x[i * 16 + j];
 }
 
 // one lane of the warp multiplies (the others hold the same tiles), every lane takes the result
