@@ -46,6 +46,27 @@ __device__ __forceinline__ void flash_list(const int* ptr, const int h, const in
     *end = p[i + 1];
 }
 
+// The online softmax's step for row r after a tile of keys whose largest score is mx: the
+// running max m_new, and what the tile's scores are shifted by (m_use: 0 while every score so
+// far is masked, so that exp never sees inf - inf)
+__device__ __forceinline__ void flash_new_max(const ACC* sM, const int r, const ACC mx,
+                                              ACC* m_old, ACC* m_new, ACC* m_use) {
+    *m_old = sM[r];
+    *m_new = mx > *m_old ? mx : *m_old;
+    *m_use = *m_new == neg_inf(*m_new) ? (ACC)0 : *m_new;
+}
+
+// ... and, with the tile's sum of exp(s - m_use), the row's running sum l = l alpha + sum and
+// max, alpha = exp(m_old - m_use) (kept in sA for rescaling o): by one thread of the row
+__device__ __forceinline__ void flash_rescale(ACC* sM, ACC* sL, ACC* sA, const int r,
+                                              const ACC m_old, const ACC m_new, const ACC m_use,
+                                              const ACC sum) {
+    const ACC alpha = acc_exp(m_old - m_use);
+    sA[r] = alpha;
+    sL[r] = sL[r] * alpha + sum;
+    sM[r] = m_new;
+}
+
 // rows r0 .. r0 + S of tile (S, ld), those before seq, times mul into the rows of `dst`
 // (`stride` apart, hd elements each), rounded once to T
 __device__ void flash_store_rows(T* dst, const long long stride, const int r0, const int seq,
@@ -137,21 +158,15 @@ extern "C" __global__ void flash_forward(const T* qkv, const int* row_ptr, const
                 ACC mx = neg_inf((ACC)0);
                 for (int c = lane; c < S; c += 32) mx = sP[r * S + c] > mx ? sP[r * S + c] : mx;
                 mx = warp_reduce(mx, true);
-                const ACC m_old = sM[r], m_new = mx > m_old ? mx : m_old;
-                const ACC m_use = m_new == neg_inf(m_new) ? (ACC)0 : m_new;  // all masked so far
-                ACC sum = 0;
+                ACC m_old, m_new, m_use, sum = 0;
+                flash_new_max(sM, r, mx, &m_old, &m_new, &m_use);
                 for (int c = lane; c < S; c += 32) {
                     const ACC p = acc_exp(sP[r * S + c] - m_use);
                     sP[r * S + c] = p;
                     sum += p;
                 }
                 sum = warp_reduce(sum, false);
-                if (lane == 0) {
-                    const ACC alpha = acc_exp(m_old - m_use);
-                    sA[r] = alpha;
-                    sL[r] = sL[r] * alpha + sum;
-                    sM[r] = m_new;
-                }
+                if (lane == 0) flash_rescale(sM, sL, sA, r, m_old, m_new, m_use, sum);
             }
             __syncthreads();
             for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {

@@ -137,9 +137,8 @@ extern "C" __global__ void flash_tc_forward(const T* qkv, const int* row_ptr, co
             }
             const float other = __shfl_xor_sync(0xffffffffu, mx, 1);
             mx = other > mx ? other : mx;
-            const float m_old = sM[r], m_new = mx > m_old ? mx : m_old;
-            const float m_use = m_new == neg_inf(m_new) ? 0.0f : m_new;  // all masked so far
-            float sum = 0;
+            float m_old, m_new, m_use, sum = 0;
+            flash_new_max(sM, r, mx, &m_old, &m_new, &m_use);
             for (int c = half; c < S; c += 2) {
                 const float p = acc_exp(s[(r - w0) * lds + c] - m_use);
                 store(sP + r * ldp + c, p);
@@ -147,12 +146,7 @@ extern "C" __global__ void flash_tc_forward(const T* qkv, const int* row_ptr, co
             }
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             __syncwarp();  // every lane has read m_old before it changes
-            if (half == 0) {
-                const float alpha = acc_exp(m_old - m_use);
-                sA[r] = alpha;
-                sL[r] = sL[r] * alpha + sum;
-                sM[r] = m_new;
-            }
+            if (half == 0) flash_rescale(sM, sL, sA, r, m_old, m_new, m_use, sum);
             __syncwarp();
             tc_product<false>(sP + w0 * ldp, ldp, sV, ldh, S, hd / 16, s, lds, false);
             __syncwarp();
