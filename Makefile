@@ -130,7 +130,8 @@ count-gpu: $(STAMP)
 
 bench-gpu: bench-install
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[gpu]'
-	ZMPI_BACKEND=cupy $(MPIEXEC) -n 1 $(PY) experiments/bench_gpu.py --out results/gpu_n1
+	ZMPI_BACKEND=cupy $(MPIEXEC) -n 1 $(PY) experiments/bench_gpu.py --batch 8 16 \
+	  --peers eager compile --out results/gpu_n1
 
 # The device check on a GPU machine without network (docs/gpu.md): `make gpu-wheels` where
 # there is network downloads what it installs (about 16 MB, for GPU_PYTHON_VERSION) into

@@ -21,14 +21,18 @@ that the stand-in's count is the one a trace of the timed run would see, and the
 shape is small.
 
 Timing (without --count; needs CuPy and a GPU): GPT-2 small (124 M parameters, 12 layers,
-d 768, 12 heads, vocab 50257) at T 1024, micro-batch --batch per rank, on the ranks of the
-launch: fp16 at ZeRO stages --stages (0-3), and bf16 at --bf16-stages (0: a short run beside
-fp16's; left out, with a line saying why, on a CuPy without bfloat16); --warmup steps, then
-the median of --steps, each ended by a device synchronize. tokens/s per rank; MFU = tokens/s
-x (6 N + 12 L T d) / the GPU's peak (--peak-tflops, dense fp16 tensor-core FLOP/s of the
-device, bf16's too: 989 for an H100 SXM).
-With PyTorch (the bench extra) and CUDA, the same model in PyTorch eager
-(experiments/bench_vs_torch.torch_gpt, fp16 autocast, AdamW) beside it on one rank.
+d 768, 12 heads, vocab 50257) at T 1024, at each micro-batch of --batch per rank, on the
+ranks of the launch: fp16 at ZeRO stages --stages (0-3), and bf16 at --bf16-stages (0: a
+short run beside fp16's; left out, with a line saying why, on a CuPy without bfloat16);
+--warmup steps, then the median of --steps, each ended by a device synchronize. tokens/s per
+rank; MFU = tokens/s x (6 N + 12 L T d) / the GPU's peak (--peak-tflops, dense fp16
+tensor-core FLOP/s of the device, bf16's too: 989 for an H100 SXM or H200). Beside each zmpi
+row, the step `zmpi plan` predicts for it on --hardware (auto: the preset of this GPU's model)
+and the prediction's error. With PyTorch (the bench extra) and CUDA, the same model in PyTorch
+(experiments/bench_vs_torch.torch_gpt, scaled_dot_product_attention, AdamW) on rank 0 at each
+micro-batch, --peers: eager in fp16 autocast (the default; every row's "vs PyTorch eager" is
+its tokens/s over this one's), compile (torch.compile in bf16 autocast). Rows print as they
+are measured.
 """
 import argparse
 import dataclasses
@@ -96,7 +100,7 @@ def match_attention_blocks(seq_len: int, batch: int) -> int:
 def count(args, comm) -> list[dict]:
     """Launches and casts per layer and outside, and syncs per step, for every stage,
     precision and kernel mode (see the module docstring)."""
-    block = match_attention_blocks(args.seq_len, args.batch)
+    block = match_attention_blocks(args.seq_len, args.batch[0])
     blocks = -(-args.seq_len // block)
     rows = []
     for kernels in ("fused", "composed"):
@@ -125,60 +129,118 @@ def count_on_standin(args) -> list[dict]:
            "ZMPI_CUDA_AWARE": os.environ.get("ZMPI_CUDA_AWARE", "1")}
     out = subprocess.run([sys.executable, __file__, "--count", "--json", "--seq-len",
                           str(args.seq_len), "--n-layer", str(args.n_layer), "--batch",
-                          str(args.batch)],
+                          str(args.batch[0])],
                          env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.splitlines()[-1])
 
 
-def time_gpu(args, comm) -> list[dict]:
-    """Step time, tokens/s and MFU of GPT-2 small on this GPU (zmpi) per precision and stage,
-    fp16 at --stages and bf16 at --bf16-stages, and of PyTorch eager on rank 0 when it is
-    installed with CUDA."""
+def time_gpu(args, comm, shape=GPT2_SMALL) -> list[dict]:
+    """Step time, tokens/s and MFU of a GPT of `shape` (GPT-2 small) on this GPU (zmpi) per
+    micro-batch, precision and stage (fp16 at --stages, bf16 at --bf16-stages), with what
+    `zmpi plan` predicts for it on --hardware; then PyTorch on rank 0 (--peers) when it is
+    installed with CUDA. Each row is printed as it is measured."""
     from zmpi import backend
     from zmpi.data import SyntheticSource
     from zmpi.engine import Engine
-    from zmpi.models.gpt import GPT, GPTConfig, gpt_num_params
+    from zmpi.models.gpt import GPT, GPTConfig
 
-    cfg = GPTConfig(seq_len=args.seq_len, **GPT2_SMALL)  # the vocabulary padded to 128 (a GPU's)
-    tokens = args.batch * args.seq_len
-    # the model's FLOPs: its parameters, not the padding's
-    flops = 6 * gpt_num_params(cfg.n_layer, cfg.d_model, cfg.vocab_size, cfg.seq_len) \
-        + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
-    rows = []
+    cfg = GPTConfig(seq_len=args.seq_len, **shape)  # the vocabulary padded to 128 (a GPU's)
+    hardware = plan_hardware(args.hardware)
     runs = [("fp16", stage) for stage in args.stages]
     if backend.cupy_bfloat16_refusal() is None:
         runs += [("bf16", stage) for stage in args.bf16_stages]
     elif args.bf16_stages:
         print(f"bench_gpu: no bf16 run: {backend.cupy_bfloat16_refusal()}", file=sys.stderr)
-    for precision, stage in runs:
-        model = GPT(cfg, seed=0)
-        engine = Engine(model, engine_config(stage, precision, args.batch), comm)
-        data = SyntheticSource(cfg.vocab_size, cfg.seq_len, args.batch * comm.size, comm.rank,
-                               comm.size, seed=1)
-        times = []
-        for i in range(args.warmup + args.steps):
-            if i == args.warmup:
-                staged = sum(comm.staged_bytes.values())
-            start = time.perf_counter()
-            engine.train_step(*data.sample(i))
-            backend.synchronize()
-            times.append(time.perf_counter() - start)
-        step = statistics.median(times[args.warmup:])
-        rows.append({"stage": stage, "peer": "zmpi", "precision": precision, "step_s": step,
-                     "tokens_per_s": tokens / step,
-                     "mfu": tokens / step * flops / (args.peak_tflops * 1e12),
-                     "staged_mb_per_step": (sum(comm.staged_bytes.values()) - staged)
-                     / args.steps / 1e6})
-        engine.close()
-    torch_row = time_torch(args, cfg) if comm.rank == 0 else None
-    if torch_row is not None:
-        rows.append(torch_row)
+    rows = []
+    for batch in args.batch:
+        for precision, stage in runs:
+            engine = Engine(GPT(cfg, seed=0), engine_config(stage, precision, batch), comm)
+            data = SyntheticSource(cfg.vocab_size, cfg.seq_len, batch * comm.size, comm.rank,
+                                   comm.size, seed=1)
+            times = []
+            for i in range(args.warmup + args.steps):
+                if i == args.warmup:
+                    staged = sum(comm.staged_bytes.values())
+                start = time.perf_counter()
+                engine.train_step(*data.sample(i))
+                backend.synchronize()
+                times.append(time.perf_counter() - start)
+            row = timed_row("zmpi", precision, stage, batch,
+                            statistics.median(times[args.warmup:]), cfg, args.peak_tflops)
+            staged = sum(comm.staged_bytes.values()) - staged
+            row["staged_mb_per_step"] = staged / args.steps / 1e6
+            if hardware is not None:
+                row["plan_hardware"] = hardware.name
+                row["plan_step_s"] = plan_step(hardware, cfg, batch, stage, precision, comm.size)
+            engine.close()
+            rows.append(row)
+            if comm.rank == 0:
+                print(markdown([row])[-1], flush=True)
+        for peer in args.peers if comm.rank == 0 else ():
+            row = time_torch(args, cfg, batch, peer)
+            if row is not None:
+                rows.append(row)
+                print(markdown([row])[-1], flush=True)
     return rows
 
 
-def time_torch(args, cfg) -> dict | None:
-    """PyTorch eager on this GPU: the same GPT (its vocabulary unpadded), fp16 autocast with a
-    gradient scaler, AdamW."""
+def timed_row(peer, precision, stage, batch, step, cfg, peak_tflops) -> dict:
+    """A timing's row: s/step, tokens/s (per rank) and MFU, the FLOPs of the model's own
+    parameters (not the vocabulary's padding): 6 N + 12 L T d per token."""
+    from zmpi.models.gpt import gpt_num_params
+
+    flops = 6 * gpt_num_params(cfg.n_layer, cfg.d_model, cfg.vocab_size, cfg.seq_len) \
+        + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
+    tokens = batch * cfg.seq_len
+    return {"peer": peer, "precision": precision, "stage": stage, "batch": batch,
+            "step_s": step, "tokens_per_s": tokens / step,
+            "mfu": tokens / step * flops / (peak_tflops * 1e12)}
+
+
+def plan_hardware(name: str):
+    """The zmpi.plan Hardware to predict the step on: the preset `name`, or with "auto" the
+    preset of this GPU's model (H100, H200, A100, V100; None for another)."""
+    from zmpi.plan.measure import load_hardware
+
+    if name == "none":
+        return None
+    if name == "auto":
+        import cupy
+
+        device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+        device = device.decode() if isinstance(device, bytes) else device
+        name = next((k for k in ("h200", "h100", "a100", "v100") if k in device.lower()), None)
+        if name is None:
+            print(f"bench_gpu: no plan preset for {device!r}: no prediction (--hardware)",
+                  file=sys.stderr)
+            return None
+    return load_hardware(name)
+
+
+def plan_step(hardware, cfg, batch: int, stage: int, precision: str, ranks: int) -> float:
+    """The step time `zmpi plan` predicts for this run: one node of `ranks` GPUs, data
+    parallel at ZeRO `stage`, no offload or recompute, `batch` sequences per rank, the
+    vocabulary padded as the model pads it."""
+    from zmpi import backend
+    from zmpi.models.gpt import default_vocab_multiple
+    from zmpi.plan.layout import Job, Layout
+    from zmpi.plan.time import step_time
+
+    vocab_multiple = cfg.vocab_multiple or default_vocab_multiple(backend.is_gpu)
+    job = Job(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab_size, cfg.seq_len, batch * ranks,
+              1, ranks, precision, vocab_multiple=vocab_multiple)
+    layout = Layout(ranks, 1, 1, stage, "none", "none", False, batch, 1, "gpipe")
+    return step_time(job, layout, hardware).total
+
+
+TORCH_PEERS = {"eager": ("PyTorch eager", "fp16 (autocast)"),
+               "compile": ("PyTorch torch.compile", "bf16 (autocast)")}
+
+
+def time_torch(args, cfg, batch: int, peer: str) -> dict | None:
+    """PyTorch on this GPU, the same GPT (its vocabulary unpadded; scaled_dot_product_attention)
+    with AdamW: "eager" in fp16 autocast with a gradient scaler, "compile" under torch.compile
+    in bf16 autocast (the issue's stretch peer). None without PyTorch or CUDA."""
     try:
         import torch
     except ImportError:
@@ -194,15 +256,17 @@ def time_torch(args, cfg) -> dict | None:
     weights = {name: backend.to_host(p.data) for name, p in unpadded.named_parameters()}
     model = torch_gpt(cfg, weights).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    scaler = torch.amp.GradScaler("cuda")
+    dtype = torch.float16 if peer == "eager" else torch.bfloat16
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+    forward = torch.compile(model) if peer == "compile" else model
     rng = np.random.default_rng(1)
     times = []
     for _ in range(args.warmup + args.steps):
-        x, y = (torch.as_tensor(rng.integers(0, cfg.vocab_size, (args.batch, cfg.seq_len)),
+        x, y = (torch.as_tensor(rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len)),
                                 device="cuda") for _ in range(2))
         start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = model(x, y)
+        with torch.autocast("cuda", dtype=dtype):
+            loss = forward(x, y)
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -211,13 +275,9 @@ def time_torch(args, cfg) -> dict | None:
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    step = statistics.median(times[args.warmup:])
-    n = sum(p.numel() for p in model.parameters())
-    flops = 6 * n + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model
-    tokens = args.batch * cfg.seq_len
-    return {"stage": "-", "peer": "PyTorch eager", "precision": "fp16 (autocast)",
-            "step_s": step, "tokens_per_s": tokens / step,
-            "mfu": tokens / step * flops / (args.peak_tflops * 1e12)}
+    name, precision = TORCH_PEERS[peer]
+    return timed_row(name, precision, "-", batch, statistics.median(times[args.warmup:]), cfg,
+                     args.peak_tflops)
 
 
 def main():
@@ -230,13 +290,19 @@ def main():
     parser.add_argument("--seq-len", type=int, default=None,
                         help="T (default: 256 counting, 1024 timing)")
     parser.add_argument("--n-layer", type=int, default=2, help="counting: layers (and +2)")
-    parser.add_argument("--batch", type=int, default=8,
-                        help="timing: micro-batch per rank; counting: the attention blocks of "
-                             "GPT-2 small at this micro-batch")
-    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3],
+    parser.add_argument("--batch", type=int, nargs="+", default=[8],
+                        help="timing: the micro-batches per rank, each timed; counting (one): "
+                             "the attention blocks of GPT-2 small at this micro-batch")
+    parser.add_argument("--stages", type=int, nargs="*", default=[0, 1, 2, 3],
                         help="timing: the ZeRO stages timed in fp16")
     parser.add_argument("--bf16-stages", type=int, nargs="*", default=[0],
                         help="timing: the ZeRO stages timed in bf16 too (none: no bf16 run)")
+    parser.add_argument("--peers", nargs="*", choices=sorted(TORCH_PEERS), default=["eager"],
+                        help="timing: the PyTorch peers (eager: fp16 autocast; compile: "
+                             "torch.compile in bf16), each at every micro-batch")
+    parser.add_argument("--hardware", default="auto",
+                        help="timing: the zmpi plan preset whose prediction is printed beside "
+                             "each zmpi row (auto: this GPU's, h100 or h200...; none)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--peak-tflops", type=float, default=989.0,
@@ -246,6 +312,10 @@ def main():
     args.seq_len = args.seq_len or (256 if args.count else 1024)
     if args.count and args.no_count:
         parser.error("--count and --no-count contradict each other")
+    if args.count and len(args.batch) > 1:
+        parser.error("--count takes one --batch (the attention blocks it matches)")
+    if not args.count and not (args.stages or args.bf16_stages or args.peers):
+        parser.error("nothing to time: give --stages, --bf16-stages or --peers")
 
     from zmpi import backend
     from zmpi.comm import Comm
@@ -276,15 +346,32 @@ def _staged(row) -> str:
     return f"{row['staged_mb_per_step']:.0f}" if "staged_mb_per_step" in row else "-"
 
 
+def _vs_eager(row, timed) -> str:
+    """tokens/s over PyTorch eager's at the same micro-batch, when it ran."""
+    eager = [r for r in timed if r["peer"] == TORCH_PEERS["eager"][0]
+             and r["batch"] == row["batch"]]
+    return f"{row['tokens_per_s'] / eager[0]['tokens_per_s']:.2f}x" if eager else "-"
+
+
+def _planned(row) -> str:
+    """The plan's predicted s/step and its error, (plan - measured) / measured."""
+    if "plan_step_s" not in row:
+        return "-"
+    error = row["plan_step_s"] / row["step_s"] - 1
+    return f"{row['plan_step_s']:.3f} ({row['plan_hardware']}, {error:+.0%})"
+
+
 def markdown(rows) -> list[str]:
     """The timings (if any) and the counts as Markdown tables."""
     lines = []
     timed = [r for r in rows if "step_s" in r]
     if timed:
-        lines += ["| peer | precision | stage | s/step | tokens/s per rank | MFU "
-                  "| MB staged per step |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['peer']} | {r['precision']} | {r['stage']} | {r['step_s']:.3f} "
-                  f"| {r['tokens_per_s']:.0f} | {r['mfu']:.1%} | {_staged(r)} |" for r in timed]
+        lines += ["| peer | precision | stage | micro-batch | s/step | tokens/s per rank "
+                  "| vs PyTorch eager | MFU | MB staged per step | zmpi plan s/step |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['peer']} | {r['precision']} | {r['stage']} | {r['batch']} "
+                  f"| {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {_vs_eager(r, timed)} "
+                  f"| {r['mfu']:.1%} | {_staged(r)} | {_planned(r)} |" for r in timed]
     counted = [r for r in rows if "launches_per_layer" in r]
     if not counted:
         return lines

@@ -10,11 +10,12 @@
 #      too (they set PYTHONPATH themselves): a .pth file in this Python's site-packages, removed
 #      at the end, puts DEPS and the tree first on sys.path and maps zmpi.models to models/ as
 #      pyproject's package-dir does;
-#   3. runs the GPU-marked tests, experiments/bench_gpu.py (GPT-2 small, fp16 at stages 0 and
-#      3, bf16 at stage 0, PyTorch eager beside it), experiments/bench_flash_attention.py (the
-#      attention core, blocked, flash and SDPA) and experiments/gpu_trace.py (the step's kernels
-#      by GPU time; and a small model's GPU idle time, the most a CUDA graph of its step could
-#      save), and
+#   3. runs the GPU-marked tests, experiments/bench_gpu.py (GPT-2 small at micro-batches 8 and
+#      16, fp16 at stages 0 and 3, bf16 at stage 0, PyTorch eager beside it, zmpi plan's
+#      prediction beside each), experiments/bench_flash_attention.py (the attention core,
+#      blocked, flash and SDPA), experiments/gpu_trace.py (the step's kernels by GPU time; and a
+#      small model's GPU idle time, the most a CUDA graph of its step could save) and
+#      bench_gpu.py's torch.compile peer (bf16, micro-batch 8), and
 #      beside them, on one CPU core, experiments/bench_gpu.py --count (the stand-in's
 #      launches; any machine).
 # Each step's output goes to one results folder, $OUT (default results/gpu_check), with
@@ -155,7 +156,7 @@ if "$PY" -c "import cupy, sys; sys.exit(cupy.cuda.runtime.getDeviceCount() == 0)
     # shellcheck disable=SC2086
     step tests 200 tests.txt env ZMPI_BACKEND=cupy "$PY" -m pytest -q -p no:cacheprovider -m gpu $tests
     step bench 200 bench.txt env ZMPI_BACKEND=cupy mpiexec -n 1 "$PY" experiments/bench_gpu.py \
-        --no-count --stages 0 3 --warmup 2 --steps 5 --out "$OUT/bench"
+        --no-count --batch 8 16 --stages 0 3 --warmup 2 --steps 5 --out "$OUT/bench"
     # the attention core and a GPT step with the flash kernels (tensor cores in fp16 from sm_80)
     step flash 100 flash.txt env ZMPI_BACKEND=cupy mpiexec -n 1 "$PY" \
         experiments/bench_flash_attention.py --warmup 2 --steps 5 --out "$OUT/flash"
@@ -165,8 +166,12 @@ if "$PY" -c "import cupy, sys; sys.exit(cupy.cuda.runtime.getDeviceCount() == 0)
     step trace-small 60 trace_small.txt env ZMPI_BACKEND=cupy mpiexec -n 1 "$PY" \
         experiments/gpu_trace.py --n-layer 4 --d-model 256 --n-head 4 --seq-len 128 --batch 4 \
         --out "$OUT/trace_small"
+    # the issue's stretch peer, last: torch.compile's first steps compile (about a minute)
+    step compile 150 compile.txt env ZMPI_BACKEND=cupy mpiexec -n 1 "$PY" experiments/bench_gpu.py \
+        --no-count --stages --bf16-stages --peers compile --batch 8 --warmup 3 --steps 5 \
+        --out "$OUT/compile"
 else
-    for name in tests bench flash trace trace-small; do note "$(printf '%-8s skipped: no GPU (CuPy sees none)' "$name")"; done
+    for name in tests bench flash trace trace-small compile; do note "$(printf '%-8s skipped: no GPU (CuPy sees none)' "$name")"; done
 fi
 wait $counting || failed=1
 note "results in $OUT"

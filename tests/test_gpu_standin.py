@@ -378,3 +378,57 @@ def test_the_standin_counts_casts_as_cupy_launches_them():
         "astype": [1, 1], "astype to its own dtype": [0, 0], "assignment": [1, 1],
         "copyto": [1, 1], "ufunc of mixed dtypes": [1, 0], "ufunc into another dtype": [1, 0],
         "batched fp16 matmul": [4, 3], "2-D fp16 matmul": [1, 0], "contiguous is itself": True}
+
+
+BENCH_GPU_TIMING = """
+import argparse, json, sys
+sys.path.insert(0, "experiments")
+import bench_gpu
+from zmpi.comm import Comm
+
+comm = Comm()
+rows = []
+for hardware in ("auto", "h200"):  # auto: the stand-in's name is no GPU's: no prediction
+    args = argparse.Namespace(seq_len=32, batch=[2, 3], stages=[0], bf16_stages=[3], peers=[],
+                              hardware=hardware, warmup=1, steps=2, peak_tflops=989.0)
+    rows += bench_gpu.time_gpu(args, comm, shape={**bench_gpu.SMALL, "n_layer": 2})
+print(json.dumps({"rows": rows, "markdown": bench_gpu.markdown(rows)}))
+"""
+
+
+def test_bench_gpu_times_on_the_standin():
+    """bench_gpu.py's timing path runs before it meets a GPU (its first GPU run found a
+    property called as a method): every micro-batch at every stage and precision, a row each,
+    and beside each the step zmpi plan predicts on the named preset, equal to what zmpi.plan
+    gives for that layout. The timings themselves are the stand-in's, not checked."""
+    out = subprocess.run([sys.executable, "-c", BENCH_GPU_TIMING], cwd=REPO_ROOT, env=STANDIN,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "no plan preset for 'zmpi CuPy stand-in'" in out.stderr
+    result = json.loads(out.stdout.splitlines()[-1])
+    rows = result["rows"]
+    assert [(r["precision"], r["stage"], r["batch"]) for r in rows] == \
+        [("fp16", 0, 2), ("bf16", 3, 2), ("fp16", 0, 3), ("bf16", 3, 3)] * 2
+    assert all(r["step_s"] > 0 and r["tokens_per_s"] == r["batch"] * 32 / r["step_s"]
+               for r in rows)
+    assert not any("plan_step_s" in r for r in rows[:4])
+
+    from zmpi.plan.hardware import PRESETS
+    from zmpi.plan.layout import Job, Layout
+    from zmpi.plan.time import step_time
+
+    for r in rows[4:]:
+        job = Job(2, 64, 4, 256, 32, r["batch"], 1, 1, r["precision"], vocab_multiple=128)
+        layout = Layout(1, 1, 1, r["stage"], "none", "none", False, r["batch"], 1, "gpipe")
+        assert r["plan_hardware"] == "h200"
+        assert r["plan_step_s"] == pytest.approx(step_time(job, layout, PRESETS["h200"]).total)
+    table = result["markdown"]
+    assert table[0].startswith("| peer | precision | stage | micro-batch | s/step")
+    assert len(table) == 2 + len(rows) and "(h200, " in table[-1] and "| - |" in table[2]
+    sys.path.insert(0, str(REPO_ROOT / "experiments"))
+    import bench_gpu
+
+    eager = {**rows[0], "peer": "PyTorch eager", "precision": "fp16 (autocast)", "stage": "-",
+             "tokens_per_s": rows[0]["tokens_per_s"] / 2}
+    lines = bench_gpu.markdown([rows[0], rows[2], eager])  # the ratio at the same batch only
+    assert "| 2.00x |" in lines[2] and "| 1.00x |" in lines[4] and "| - |" in lines[3]

@@ -71,6 +71,10 @@ def test_preset_figures():
     assert (a100.inter_node.bandwidth, h100.inter_node.bandwidth,
             v100.inter_node.bandwidth) == (25e9, 50e9, 6.25e9)
     assert (a100.devices_per_node, v100.devices_per_node) == (8, 16)
+    h200 = PRESETS["h200"]  # the H100 with 141 GiB of HBM3e at 4.8 TB/s
+    assert (h200.memory_bandwidth, h200.device_memory) == (4.8e12, 141 * 2**30)
+    assert h200.to_dict() | {"name": "h100", "source": h100.source, "memory_bandwidth": 3.35e12,
+                             "device_memory": 80 * 2**30} == h100.to_dict()
     assert a100.cores_per_node is None and cpu.cores_per_node == cpu.devices_per_node
 
 
@@ -82,7 +86,7 @@ def test_load_hardware_presets_any_case_and_copies():
 
 
 def test_load_hardware_errors(tmp_path):
-    with pytest.raises(ValueError, match=r"'a10'.*a100, h100, v100, cpu.*path of a JSON file"):
+    with pytest.raises(ValueError, match=r"'a10'.*a100, h100, h200, v100, cpu.*path of a JSON file"):
         load_hardware("a10")
     with pytest.raises(ValueError, match="not found"):
         load_hardware(str(tmp_path / "missing.json"))

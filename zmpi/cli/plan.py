@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
                    "bigbird, ...) or a sparse_attention section as JSON; the activations count "
                    "its kept blocks and the config written carries it (docs/sparse-attention.md)")
     p.add_argument("--hardware", default="a100",
-                   help="a100, h100, v100, cpu, this (measure this machine), or a JSON file "
+                   help="a100, h100, h200, v100, cpu, this (measure this machine), or a JSON file "
                    "(docs/plan.md#hardware; default a100)")
     p.add_argument("--device-memory", metavar="SIZE", default=None,
                    help="memory per device, e.g. 80GB (default: the hardware's)")

@@ -1,7 +1,7 @@
 """The machine a plan is for: peak rates, memories, links and the host Adam's rate.
 
 A `Hardware` is plain data (JSON through `to_dict` / `from_dict`, `save`); PRESETS holds
-a100, h100, v100 and cpu. `zmpi.plan.measure.load_hardware(spec)` gives a preset, the current
+a100, h100, h200, v100 and cpu. `zmpi.plan.measure.load_hardware(spec)` gives a preset, the current
 machine measured ("this") or a JSON file of the same fields. Rates are per device (per rank) unless
 a field says otherwise; bandwidths are bytes per second in one direction, latencies seconds.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from decimal import Decimal
 from pathlib import Path
 
@@ -309,6 +309,28 @@ GPU_NOTES = (
     "sockets' theoretical DRAM bandwidth / 28 B (zmpi's HostAdam reaches 60-100% of copy "
     "bandwidth on one thread: results/bench_adam), shared by the node's ranks. ")
 
+H100 = Hardware(
+    name="h100",
+    peak_flops={"fp32": 67e12, "fp16": 989e12, "bf16": 989e12},
+    gemm_efficiency=0.75,
+    memory_bandwidth=3.35e12,
+    device_memory=80 * GiB,
+    host_memory=2 * TiB,
+    devices_per_node=8,
+    intra_node=Link(450e9, 5e-6),
+    inter_node=Link(50e9, 10e-6),
+    host_device=Link(50e9, 10e-6),
+    host_adam_rate=0.7 * 614.4e9 / 28 / 8,
+    source=GPU_NOTES + (
+        "H100 SXM5 80GB (NVIDIA H100 datasheet): 989 TFLOP/s dense fp16/bf16 tensor "
+        "(1,979 with sparsity), 67 TFLOP/s fp32, 3.35 TB/s HBM3. DGX H100 (NVIDIA DGX "
+        "BasePOD reference architecture): 8 GPUs on NVLink 4 / 4 NVSwitch, 900 GB/s per "
+        "GPU both ways = 450 one way; 8x ConnectX-7 NDR 400 Gb/s = 50 GB/s per GPU; PCIe "
+        "Gen5 x16, 64 GB/s theoretical, ~50 achieved; 2 TB DDR5; 2x Xeon Platinum 8480C "
+        "(112 cores), 16 channels DDR5-4800 = 614.4 GB/s: "
+        "0.7 x 614.4e9 / 28 / 8 ranks = 1.92e9 params/s."),
+)
+
 PRESETS: dict[str, Hardware] = {
     "a100": Hardware(
         name="a100",
@@ -333,27 +355,16 @@ PRESETS: dict[str, Hardware] = {
             "2x AMD EPYC 7742, 16 channels DDR4-3200 = 409.6 GB/s: "
             "0.7 x 409.6e9 / 28 / 8 ranks = 1.28e9 params/s."),
     ),
-    "h100": Hardware(
-        name="h100",
-        peak_flops={"fp32": 67e12, "fp16": 989e12, "bf16": 989e12},
-        gemm_efficiency=0.75,
-        memory_bandwidth=3.35e12,
-        device_memory=80 * GiB,
-        host_memory=2 * TiB,
-        devices_per_node=8,
-        intra_node=Link(450e9, 5e-6),
-        inter_node=Link(50e9, 10e-6),
-        host_device=Link(50e9, 10e-6),
-        host_adam_rate=0.7 * 614.4e9 / 28 / 8,
+    "h100": H100,
+    # the H100's chip with more and faster HBM, in the same DGX node
+    "h200": replace(
+        H100, name="h200", memory_bandwidth=4.8e12, device_memory=141 * GiB,
         source=GPU_NOTES + (
-            "H100 SXM5 80GB (NVIDIA H100 datasheet): 989 TFLOP/s dense fp16/bf16 tensor "
-            "(1,979 with sparsity), 67 TFLOP/s fp32, 3.35 TB/s HBM3. DGX H100 (NVIDIA DGX "
-            "BasePOD reference architecture): 8 GPUs on NVLink 4 / 4 NVSwitch, 900 GB/s per "
-            "GPU both ways = 450 one way; 8x ConnectX-7 NDR 400 Gb/s = 50 GB/s per GPU; PCIe "
-            "Gen5 x16, 64 GB/s theoretical, ~50 achieved; 2 TB DDR5; 2x Xeon Platinum 8480C "
-            "(112 cores), 16 channels DDR5-4800 = 614.4 GB/s: "
-            "0.7 x 614.4e9 / 28 / 8 ranks = 1.92e9 params/s."),
-    ),
+            "H200 SXM 141GB (NVIDIA H200 datasheet): the H100 SXM's compute, 989 TFLOP/s dense "
+            "fp16/bf16 tensor (1,979 with sparsity), 67 TFLOP/s fp32, with 141 GB HBM3e at "
+            "4.8 TB/s. DGX H200: the DGX H100's node (8 GPUs on NVLink 4 / 4 NVSwitch, 450 "
+            "GB/s one way per GPU; 8x ConnectX-7 NDR 400 Gb/s = 50 GB/s per GPU; PCIe Gen5, "
+            "~50 GB/s; 2 TB DDR5; 2x Xeon Platinum 8480C: 1.92e9 params/s per rank).")),
     "v100": Hardware(
         name="v100",
         peak_flops={"fp32": 15.7e12, "fp16": 125e12},

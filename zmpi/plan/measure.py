@@ -273,7 +273,7 @@ def measure_this(ranks: int = 2, progress=None, timeout: float = 120.0) -> Hardw
     if backend.is_gpu:  # its layer and engine timings would be the GPU's, its GEMM the CPU's
         raise ValueError("--hardware this measures this machine's CPU ranks (NumPy), but the "
                          "backend here is CuPy: run with ZMPI_BACKEND=numpy, or name a GPU's "
-                         "hardware file (a100, h100, v100, or FILE)")
+                         "hardware file (a100, h100, h200, v100, or FILE)")
     world = _world_size()
     comm = None
     if world > 1:
