@@ -56,7 +56,8 @@ def tmpfs(tmp_path):
 
 
 _COMPILED = (kernels._function, kernels._modules, flash_attention._function,
-             flash_attention._module, flash_attention._tensor_core_module_builds)  # the caches
+             flash_attention._module, flash_attention._tensor_core_module_builds,
+             flash_attention._tensor_cores)  # the caches
 # themselves (a test may patch the names)
 
 

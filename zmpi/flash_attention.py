@@ -262,10 +262,15 @@ def tensor_cores(dtype, hd: int, block: int) -> bool:
     multiple of 16, a GPU of compute capability 8.0 or later, and a CUDA install whose <mma.h>
     compiles (CuPy's NVRTC needs crt/mma.h beside it; a warning, once, where it does not);
     else the SIMT kernels."""
-    return (np.dtype(dtype).itemsize == 2 and hd % 16 == 0 and block % 16 == 0
+    return _tensor_cores(np.dtype(dtype), hd, block, backend.xp.cuda.Device().compute_capability)
+
+
+@functools.cache
+def _tensor_cores(dtype: np.dtype, hd: int, block: int, capability: str) -> bool:
+    return (dtype.itemsize == 2 and hd % 16 == 0 and block % 16 == 0
             and all(_tile_rows(k, block, hd, None, True) for k in _TC_TILES)
-            and int(backend.xp.cuda.Device().compute_capability) >= 80
-            and _tensor_core_module_builds(kernels._C_TYPES[np.dtype(dtype)]))
+            and int(capability) >= 80
+            and _tensor_core_module_builds(kernels._C_TYPES[dtype]))
 
 
 @functools.cache
@@ -291,6 +296,7 @@ def tile_rows(kernel: str, block: int, hd: int, acc, tc: bool = False) -> int:
     return s
 
 
+@functools.cache
 def _tile_rows(kernel: str, block: int, hd: int, acc, tc: bool) -> int | None:
     for s in (64, 32, 16) if tc else (64, 32, 16, 8, 4, 2, 1):
         if block % s == 0 and _shared_bytes(kernel, s, hd, acc, tc) <= SHARED_BYTES:
