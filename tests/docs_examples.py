@@ -38,6 +38,7 @@ KEY VALUE -->`, visible in the page's source:
     rtol X            numbers' relative tolerance
     timings A, B      a number with A or B right before or after it (`8.52it/s`, `70.4 s`,
                       `tok_s=19,256`: it/s, s, tok_s=) is a time or rate: not compared
+                      (tqdm's `it/s` also matches its `s/it`, below one a second)
 
 `python tests/docs_examples.py` lists every example and skip with its reason, and the counts.
 """
@@ -294,7 +295,10 @@ def line_pattern(expected: str) -> re.Pattern:
 
 
 def _literal(text: str) -> str:
-    return r"\s+".join(re.escape(word) for word in re.split(r"\s+", text)).replace(
+    """`text` as a regex: runs of spaces any run; tqdm's rate `it/s` either way round (below
+    one iteration a second tqdm prints `1.23s/it`)."""
+    return r"\s+".join(re.escape(word).replace("it/s", "(?:it/s|s/it)")
+                       for word in re.split(r"\s+", text)).replace(
         r"\s+\s+", r"\s+") if text.strip() else (r"\s+" if text else "")
 
 

@@ -186,6 +186,7 @@ def test_run_page_reports_each_failure(tmp_path):
     ("line one\n...\nline two", "line one\nx\nline two", True),
     ("8.52it/s, loss=2.204, tok_s=19,256", "9.1it/s, loss=2.204, tok_s=1,256", True),
     ("8.52it/s, loss=2.204", "8.52it/s, loss=2.5", False),     # only the timings vary
+    ("8.52it/s, loss=2.204", "1.23s/it, loss=2.204", True),    # tqdm below 1 it/s
 ])
 def test_output_comparison(expected, actual, ok):
     problems = compare(expected, actual, rtol=1e-3, timings=["it/s", "tok_s="])
