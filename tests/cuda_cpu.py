@@ -20,7 +20,8 @@ What a launch checks that a GPU would not say: each argument's type against the 
 declaration (an array of the pointer's element type, C-contiguous; a NumPy scalar of the
 parameter's exact type); no two arrays overlapping; no write outside an array (guard bytes
 around each, checked after the launch), nor to a `const` one; barriers every live thread of a
-block (or lane of a warp) reaches. What it cannot: timing, shared-memory limits and bank
+block (or lane of a warp) reaches, with full masks; wmma tiles loaded and stored 32-byte
+aligned with a leading dimension of a multiple of 16 bytes (mma.h). What it cannot: timing, shared-memory limits and bank
 conflicts, the device's own libm, races between blocks (they run in order), cuBLAS.
 """
 from __future__ import annotations

@@ -42,6 +42,11 @@ extern "C" __global__ void divergent(T* out) {
     else for (int o = 16; o > 0; o >>= 1) out[0] += __shfl_xor_sync(0xffffffffu, out[0], o);
 }
 
+extern "C" __global__ void partial_warp_barrier(T* out) {
+    __syncwarp(0xffffu);
+    out[threadIdx.x] = 0;
+}
+
 extern "C" __global__ void dynamic_shared(T* out) {
     extern __shared__ __align__(16) unsigned char smem[];
     T* s = reinterpret_cast<T*>(smem);
@@ -77,6 +82,8 @@ def test_a_write_out_of_bounds_or_to_a_const_array_is_an_error(module):
 def test_divergent_barriers_are_an_error(module):
     with pytest.raises(RuntimeError, match="divergent barriers"):
         module.get_function("divergent")((1,), (64,), (np.zeros(1),))
+    with pytest.raises(RuntimeError, match="__syncwarp with a partial mask"):  # not a barrier's
+        module.get_function("partial_warp_barrier")((1,), (32,), (np.zeros(32),))
 
 
 def test_arguments_are_checked_against_the_declarations(module):
@@ -94,3 +101,53 @@ def test_arguments_are_checked_against_the_declarations(module):
         row_sums((2,), (32,), (x, x[0], np.int32(4)))
     with pytest.raises(RuntimeError, match="multiple of 32"):
         row_sums((2,), (48,), (x, out, np.int32(4)))
+
+
+WMMA_SOURCE = r"""
+#include <mma.h>
+
+// c (16, 16) = a (16, 16) b (16, 16), a and b staged in shared memory `offset` halves past its
+// start with rows `ld` halves apart: CUDA wants the tiles 32-byte aligned, ld 16 bytes
+extern "C" __global__ void wmma_product(const __half* a, const __half* b, float* c,
+                                        const int offset, const int ld) {
+    extern __shared__ __align__(32) unsigned char smem[];
+    __half* sa = reinterpret_cast<__half*>(smem) + offset;
+    __half* sb = sa + 16 * ld;
+    for (int e = threadIdx.x; e < 256; e += blockDim.x) {
+        sa[(e / 16) * ld + e % 16] = a[e];
+        sb[(e / 16) * ld + e % 16] = b[e];
+    }
+    __syncthreads();
+    nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __half, nvcuda::wmma::row_major> fa;
+    nvcuda::wmma::fragment<nvcuda::wmma::matrix_b, 16, 16, 16, __half, nvcuda::wmma::row_major> fb;
+    nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> fc;
+    nvcuda::wmma::fill_fragment(fc, 0.0f);
+    nvcuda::wmma::load_matrix_sync(fa, sa, ld);
+    nvcuda::wmma::load_matrix_sync(fb, sb, ld);
+    nvcuda::wmma::mma_sync(fc, fa, fb, fc);
+    nvcuda::wmma::store_matrix_sync(c, fc, 16, nvcuda::wmma::mem_row_major);
+}
+"""
+
+
+def test_wmma_tiles_must_be_aligned_as_cuda_says():
+    """A fragment's load or store from a tile not 32-byte aligned, or with a leading dimension
+    that is not a multiple of 16 bytes, is an error (undefined on a GPU); aligned, the product
+    is a b in float."""
+    module = cuda_cpu.RawModule(code=WMMA_SOURCE, options=("--fmad=false",))
+    product = module.get_function("wmma_product")
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((16, 16)).astype(np.float16) for _ in range(2))
+
+    def run(offset, ld):
+        c = cuda_cpu.DEVICE.empty((16, 16), np.float32)
+        product((1,), (32,), (a, b, c, np.int32(offset), np.int32(ld)),
+                shared_mem=(offset + 32 * ld) * 2)
+        return c
+
+    np.testing.assert_allclose(run(16, 24), a.astype(np.float32) @ b.astype(np.float32),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="shared offset 16 with ldm 24 .*32-byte aligned"):
+        run(8, 24)  # 16 bytes in
+    with pytest.raises(RuntimeError, match="ldm 20 .*multiple of 16 bytes"):
+        run(0, 20)  # 40-byte rows

@@ -44,8 +44,25 @@ static inline unsigned int at(const bool row, const int i, const int j, const un
     return row ? i * ldm + j : j * ldm + i;
 }
 
+// CUDA's rule for load_matrix_sync and store_matrix_sync: the tile's first element 256-bit
+// aligned (in shared memory: from the dynamic shared memory's start, which the kernels
+// declare __align__(32); in global memory the address, as cudaMalloc's arrays are here) and
+// ldm a multiple of 16 bytes. A GPU gives undefined results otherwise; here it is an error.
+template <typename E>
+inline void check_tile(const E* p, const unsigned int ldm, const char* what) {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+    const uintptr_t shared = reinterpret_cast<uintptr_t>(zmpi_dynamic_shared);
+    const bool in_shared = at >= shared && at < shared + zmpi_cpu::dynamic_shared_bytes;
+    const uintptr_t offset = in_shared ? at - shared : at;
+    if (offset % 32 || (ldm * sizeof(E)) % 16)
+        zmpi_cpu::fail(std::string(what) + ": a tile at " + (in_shared ? "shared" : "global") +
+                       " offset " + std::to_string(offset) + " with ldm " + std::to_string(ldm) +
+                       " (CUDA needs a 32-byte aligned tile and ldm a multiple of 16 bytes)");
+}
+
 template <typename F, typename E>
 inline void load(F& f, const E* p, const unsigned int ldm, const bool row) {
+    check_tile(p, ldm, "wmma::load_matrix_sync");
     collective();
     for (int i = 0; i < 16; ++i)
         for (int j = 0; j < 16; ++j) f.x[i * 16 + j] = p[at(row, i, j, ldm)];
@@ -70,6 +87,7 @@ inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const 
 
 inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f,
                               unsigned int ldm, layout_t layout) {
+    check_tile(p, ldm, "wmma::store_matrix_sync");
     collective();
     for (int i = 0; i < 16; ++i)
         for (int j = 0; j < 16; ++j) p[at(layout == mem_row_major, i, j, ldm)] = f.x[i * 16 + j];

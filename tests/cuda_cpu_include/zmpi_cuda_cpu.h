@@ -67,6 +67,7 @@ static int current;
 static std::function<void()> kernel;
 static std::string error;
 static uint64_t shuffle_slots[1024];
+static size_t dynamic_shared_bytes;  // the launch's
 
 static void wait_at(State state) {
     fibers[current].state = state;
@@ -159,6 +160,7 @@ static int launch(const unsigned int* grid, const unsigned int* block, size_t sh
     fibers.assign(n, Fiber());
     stacks.assign(n, std::vector<char>(64 * 1024));
     std::vector<unsigned char> dynamic(shared_bytes + 16);
+    dynamic_shared_bytes = shared_bytes;
     kernel = body;
     for (unsigned int z = 0; z < grid[2]; ++z)
         for (unsigned int y = 0; y < grid[1]; ++y)
@@ -167,7 +169,7 @@ static int launch(const unsigned int* grid, const unsigned int* block, size_t sh
                 // shared memory starts as NaN bytes: a read before a write shows
                 std::memset(dynamic.data(), 0xff, dynamic.size());
                 zmpi_dynamic_shared = dynamic.data();
-                if (!run_block()) return 1;
+                if (!run_block() || !error.empty()) return 1;  // a barrier's, or fail()'s
             }
     return 0;
 }
