@@ -213,7 +213,8 @@ def _kernels_equal_the_twin(rng, dev, layout, T, n_head, hd, dtype, tol):
 def test_the_tensor_core_kernels_equal_the_twin(rng, monkeypatch, cuda_device, dtype, sparse, T,
                                                 hd, s):
     """FLASH_TC_SOURCE (16-bit arrays, heads and block multiples of 16, compute capability 8.0
-    or later) through the launchers at tile rows s (one warp per 16 rows): dense with a ragged
+    or later) through the launchers at tile rows s (one warp per 16 rows) where the kernel's
+    tiles fit 48 KiB of shared memory, at the launcher's own rows otherwise: dense with a ragged
     last block, random per-head layouts at block 16 (blocks no query keeps: zero gradients).
     The twin's y, lse and dqkv within the 16-bit type's rounding (p and ds are rounded to it
     before their products); on the CPU, below compute capability 8.0, the SIMT kernels run."""
@@ -222,7 +223,13 @@ def test_the_tensor_core_kernels_equal_the_twin(rng, monkeypatch, cuda_device, d
     function = FA._function
     monkeypatch.setattr(FA, "_function", lambda name, *types: launched.append(name) or
                         function(name, *types))
-    monkeypatch.setattr(FA, "tile_rows", lambda *_: s)
+    rows = FA.tile_rows
+
+    def tile_rows(kernel, block, hd, acc, tc=False):  # at hd 16, s 64 fits the forward only
+        fits = FA._shared_bytes(kernel, s, hd, acc, tc) <= FA.SHARED_BYTES
+        return s if fits else rows(kernel, block, hd, acc, tc)
+
+    monkeypatch.setattr(FA, "tile_rows", tile_rows)
     layout = (FA.sparse_layout(causal_layout(random_layout(rng, n_head, T // 16)), 16)
               if sparse else FA.dense_layout(T))
     qkv = _kernels_equal_the_twin(rng, dev, layout, T, n_head, hd, dtype,

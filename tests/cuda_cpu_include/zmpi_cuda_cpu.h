@@ -157,6 +157,11 @@ static int launch(const unsigned int* grid, const unsigned int* block, size_t sh
              "32, at most 1024");
         return 1;
     }
+    if (shared_bytes > 48 * 1024) {  // beyond it a kernel must opt in first, which zmpi's do not
+        fail(std::to_string(shared_bytes) + " bytes of dynamic shared memory: a launch gets 48 "
+             "KiB unless the kernel opts in (cudaFuncAttributeMaxDynamicSharedMemorySize)");
+        return 1;
+    }
     fibers.assign(n, Fiber());
     stacks.assign(n, std::vector<char>(64 * 1024));
     std::vector<unsigned char> dynamic(shared_bytes + 16);
