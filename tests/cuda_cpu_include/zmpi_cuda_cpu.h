@@ -157,6 +157,11 @@ static int launch(const unsigned int* grid, const unsigned int* block, size_t sh
              "32, at most 1024");
         return 1;
     }
+    if (grid[0] > 2147483647u || grid[1] > 65535u || grid[2] > 65535u) {
+        fail("a grid of (" + std::to_string(grid[0]) + ", " + std::to_string(grid[1]) + ", " +
+             std::to_string(grid[2]) + ") blocks: CUDA's limits are 2^31 - 1, 65535, 65535");
+        return 1;
+    }
     if (shared_bytes > 48 * 1024) {  // beyond it a kernel must opt in first, which zmpi's do not
         fail(std::to_string(shared_bytes) + " bytes of dynamic shared memory: a launch gets 48 "
              "KiB unless the kernel opts in (cudaFuncAttributeMaxDynamicSharedMemorySize)");

@@ -21,8 +21,9 @@ astype / reshape / ravel / fancy indexing / assignment makes, a matmul plus the 
 CuPy makes for it, a host <-> device transfer, a fused kernel run through `launch_twin`;
 views, `empty` and scalar attributes are free); `CASTS[0]`, those of them that are dtype
 casts, kernels CuPy names `cupy_copy__float16_float32` and the like (also in LAUNCHES); and
-`SYNCS[0]`, the blocking device -> host value transfers. `trace()` records where each launch
-came from (file:line of the caller), `trace(casts=True)` where each cast did.
+`SYNCS[0]`, the blocking device -> host value transfers. `trace_launches()` records where each
+launch came from (file:line of the caller), `trace_launches(casts=True)` where each cast did
+(not `trace`: that is CuPy's, the sum of a diagonal).
 
 Casts as CuPy 14.2 launches them (cupy/_core): an astype, a copy, an assignment
 (`a[...] = b`), copyto or ascontiguousarray(dtype=) that changes the dtype is one
@@ -40,6 +41,7 @@ bfloat16, no cast); a batched one raises TypeError, as CuPy 14.2's does (its bat
 sends bfloat16 to its integer kernels, which have none: cupy/cupy#10317), so zmpi must run
 those through zmpi.kernels.matmul.
 """
+import inspect as _inspect
 import weakref
 
 import ml_dtypes as _ml_dtypes
@@ -52,7 +54,7 @@ STANDIN = True
 SYNCS = [0]  # stand-in only: device -> host value transfers so far (float(), int(), .get())
 LAUNCHES = [0]  # stand-in only: kernel launches and copies a GPU would run so far
 CASTS = [0]  # stand-in only: of those, the dtype casts (cupy_copy between two dtypes)
-_TRACE = [None, False]  # a Counter of launch (or cast) sites while trace() is on; casts only?
+_TRACE = [None, False]  # a Counter of launch (or cast) sites while tracing; casts only?
 _BFLOAT16 = _np.dtype(_ml_dtypes.bfloat16)
 
 
@@ -76,9 +78,9 @@ def _cast(src_dtype, dtype):
     _launch(1, int(_np.dtype(src_dtype) != _np.dtype(dtype)))
 
 
-class trace:
-    """`with cupy.trace() as sites:` counts launches by call site (a collections.Counter);
-    `trace(casts=True)` counts only the casts."""
+class trace_launches:  # noqa: N801 (used as a function)
+    """`with cupy.trace_launches() as sites:` counts launches by call site (a
+    collections.Counter); `trace_launches(casts=True)` counts only the casts."""
 
     def __init__(self, casts=False):
         self.casts = casts
@@ -93,6 +95,13 @@ class trace:
         _TRACE[:] = None, False
 
 
+def _signature(params):
+    """The inspect.Signature of a parameter list written as in Python ("a, axis=None")."""
+    namespace = {}
+    exec(f"def f({params}): pass", namespace)
+    return _inspect.signature(namespace["f"])
+
+
 def _copied(src, result):
     """1 when `result` is a new buffer rather than a view of `src` (a copy kernel ran)."""
     return 0 if _np.may_share_memory(src, result) else 1
@@ -102,18 +111,18 @@ class _Memory:
     """A block of device memory (CuPy's MemoryPointer, reduced to its size); the pool counts
     it until it is collected."""
 
-    __slots__ = ("size", "__weakref__")
+    __slots__ = ("_size", "__weakref__")
 
     def __init__(self, size):
-        self.size = size
+        self._size = size
 
 
 class _Pool:
     def __init__(self):
-        self.used = 0
+        self._used = 0
 
     def _add(self, n):
-        self.used += n
+        self._used += n
 
     def malloc(self, size):
         mem = _Memory(size)
@@ -122,12 +131,12 @@ class _Pool:
         return mem
 
     def used_bytes(self):
-        return self.used
+        return self._used
 
     def total_bytes(self):
-        return self.used
+        return self._used
 
-    def free_all_blocks(self):
+    def free_all_blocks(self, stream=None):
         pass
 
 
@@ -232,11 +241,13 @@ class ndarray:  # noqa: N801 (CuPy's name)
             raise ValueError(f"get(): out shape {out.shape} != {self._a.shape}")
         if out.dtype != self._a.dtype:
             raise TypeError(f"get(): out dtype {out.dtype} != {self._a.dtype}")
+        if not (out.flags.c_contiguous or out.flags.f_contiguous):  # as CuPy 14.2's get()
+            raise RuntimeError("`out` cannot be specified when copying to non-contiguous ndarray")
         src = self._a
         _launch()
         if blocking:
             SYNCS[0] += 1
-        if stream is not None and not blocking and not stream.null:
+        if stream is not None and not blocking and not stream._null:
             _poison(out)  # the copy lands when its stream's event is waited for
             stream._queue(lambda: _np.copyto(out, src))
         else:
@@ -246,12 +257,15 @@ class ndarray:  # noqa: N801 (CuPy's name)
     def set(self, arr, stream=None):
         if not isinstance(arr, _np.ndarray):
             raise TypeError(f"set() takes a NumPy array, got {type(arr)}")
-        if arr.shape != self._a.shape or arr.dtype != self._a.dtype:
-            raise ValueError(f"set(): shape/dtype {arr.shape} {arr.dtype} != "
-                             f"{self._a.shape} {self._a.dtype}")
+        if arr.dtype != self._a.dtype:
+            raise TypeError(f"set(): dtype {arr.dtype} != {self._a.dtype}")
+        if arr.shape != self._a.shape:
+            raise ValueError(f"set(): shape {arr.shape} != {self._a.shape}")
+        if not (self._a.flags.c_contiguous or self._a.flags.f_contiguous):  # as CuPy 14.2's
+            raise RuntimeError("Cannot set to non-contiguous array")
         dst = self._a
         _launch()
-        if stream is not None and not stream.null:
+        if stream is not None and not stream._null:
             _poison(dst)
             stream._queue(lambda: dst.__setitem__(Ellipsis, arr))
         else:
@@ -275,9 +289,6 @@ class ndarray:  # noqa: N801 (CuPy's name)
         SYNCS[0] += 1
         return self._a.tolist()
 
-    def __index__(self):
-        return int(self._a)
-
     def item(self):
         SYNCS[0] += 1
         return self._a.item()
@@ -294,16 +305,16 @@ class ndarray:  # noqa: N801 (CuPy's name)
         self._a[_unwrap(key)] = _unwrap(value)
 
     # -- methods
-    def reshape(self, *shape, **kw):
-        result = self._a.reshape(*shape, **kw)
+    def reshape(self, *shape, order="C"):
+        result = self._a.reshape(*shape, order=order)
         _launch(_copied(self._a, result))
         return ndarray(result)
 
     def view(self, dtype=None):
         return ndarray(self._a.view(dtype))
 
-    def astype(self, dtype, copy=True, **kw):
-        out = self._a.astype(dtype, copy=copy)
+    def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
+        out = self._a.astype(dtype, order=order, casting=casting or "unsafe", copy=copy)
         if out is self._a:
             return self
         _cast(self.dtype, out.dtype)
@@ -325,25 +336,38 @@ class ndarray:  # noqa: N801 (CuPy's name)
     def transpose(self, *axes):
         return ndarray(self._a.transpose(*axes))
 
-    def swapaxes(self, a, b):
-        return ndarray(self._a.swapaxes(a, b))
+    def swapaxes(self, axis1, axis2):
+        return ndarray(self._a.swapaxes(axis1, axis2))
 
 
-for _name in ("sum", "max", "min", "mean", "all", "any", "argmax", "var", "std", "prod"):
-    def _reduction(self, *args, _name=_name, out=None, **kwargs):
+_KEEP = "out=None, keepdims=False"
+for _name, _params in {  # CuPy 14.2's parameters (a call CuPy refuses raises TypeError here)
+        "sum": f"axis=None, dtype=None, {_KEEP}", "max": f"axis=None, {_KEEP}",
+        "min": f"axis=None, {_KEEP}", "mean": f"axis=None, dtype=None, {_KEEP}",
+        "all": f"axis=None, {_KEEP}", "any": f"axis=None, {_KEEP}",
+        "argmax": "axis=None, out=None, dtype=None, keepdims=False",
+        "var": "axis=None, dtype=None, out=None, ddof=0, keepdims=False",
+        "std": "axis=None, dtype=None, out=None, ddof=0, keepdims=False",
+        "prod": "axis=None, dtype=None, out=None, keepdims=None"}.items():
+    _accepted = _signature(f"self, {_params}")
+
+    def _reduction(self, *args, _name=_name, _accepts=_accepted, **kwargs):
+        _accepts.bind(self, *args, **kwargs)
+        out = kwargs.pop("out", None)
         _launch()
         if out is not None:  # CuPy returns `out` itself
             getattr(self._a, _name)(*_unwrap(args), out=_unwrap(out), **_unwrap(kwargs))
             return out
         return _wrap(getattr(self._a, _name)(*_unwrap(args), **_unwrap(kwargs)))
+    _reduction.__signature__ = _accepted
     setattr(ndarray, _name, _reduction)
 
 for _op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or",
             "xor", "lt", "le", "gt", "ge", "eq", "ne"):
     for _fmt in ("__{}__", "__r{}__", "__i{}__"):
         _dunder = _fmt.format(_op)
-        if not hasattr(_np.ndarray, _dunder):
-            continue
+        if not hasattr(_np.ndarray, _dunder) or _dunder == "__imatmul__":  # CuPy has none:
+            continue  # `a @= b` binds a new array to a
 
         def _binary(self, other, _dunder=_dunder):
             result = getattr(self._a, _dunder)(_unwrap(other))
@@ -371,10 +395,16 @@ class _DevicePointer:
 _VIEWS = {"empty_like", "broadcast_to", "expand_dims"}  # no device work
 
 
-def _function(np_fn):
+def _function(np_fn, params):
+    """np_fn behind the wall, taking the calls that CuPy's function of that name takes: its
+    parameter list `params` (a call CuPy refuses raises TypeError, NumPy's extras included),
+    passed on to NumPy as given."""
     launches = 0 if np_fn.__name__ in _VIEWS else 1
+    signature = _signature(params)
 
-    def fn(*args, out=None, **kwargs):
+    def fn(*args, **kwargs):
+        signature.bind(*args, **kwargs)
+        out = kwargs.pop("out", None)
         _launch(launches)
         if out is not None:
             if not isinstance(out, ndarray):
@@ -383,13 +413,18 @@ def _function(np_fn):
         result = np_fn(*_unwrap(args), **_unwrap(kwargs))
         return out if out is not None else _wrap(result)
     fn.__name__ = getattr(np_fn, "__name__", "fn")
+    fn.__signature__ = signature
     return fn
 
 
 class _Ufunc:
     def __init__(self, np_ufunc):
         self._u = np_ufunc
-        self._call = _function(np_ufunc)
+        operands = "x" if np_ufunc.nin == 1 else ", ".join(
+            f"x{i + 1}" for i in range(np_ufunc.nin))
+        self.__signature__ = _signature(
+            f"{operands}, /, out=None, *, casting='same_kind', dtype=None")  # CuPy's ufuncs'
+        self._call = _function(np_ufunc, str(self.__signature__)[1:-1])
 
     def __call__(self, *args, **kwargs):
         return self._call(*args, **kwargs)
@@ -408,23 +443,46 @@ for _name in ("add", "subtract", "multiply", "divide", "true_divide", "exp", "lo
               "logical_or", "cos", "sin", "erf" if hasattr(_np, "erf") else "exp"):
     globals()[_name] = _Ufunc(getattr(_np, _name))
 
-for _name in ("where", "triu", "tril", "stack", "concatenate", "einsum",
-              "sum", "zeros_like", "empty_like", "ones_like", "full_like", "take_along_axis",
-              "argmax", "broadcast_to", "expand_dims", "clip", "cumsum", "arange",
-              "linspace", "full", "packbits", "unpackbits"):
-    globals()[_name] = _function(getattr(_np, _name))
+_LIKE = "dtype=None, order='K', subok=None, shape=None"
+_SIGNATURES = {  # CuPy 14.2's (tests/test_standin_api.py compares them with CuPy's own)
+    "where": "condition, x=None, y=None",
+    "triu": "m, k=0",
+    "tril": "m, k=0",
+    "stack": "tup, axis=0, out=None, *, dtype=None, casting='same_kind'",
+    "concatenate": "tup, axis=0, out=None, *, dtype=None, casting='same_kind'",
+    "einsum": "*operands, dtype=None, optimize=False",  # CuPy reads only these two keywords
+    "sum": "a, axis=None, dtype=None, out=None, keepdims=False",
+    "zeros_like": f"a, {_LIKE}",
+    "empty_like": f"prototype, {_LIKE}",
+    "ones_like": f"a, {_LIKE}",
+    "full_like": f"a, fill_value, {_LIKE}",
+    "take_along_axis": "a, indices, axis",
+    "argmax": "a, axis=None, dtype=None, out=None, keepdims=False",
+    "broadcast_to": "array, shape",
+    "expand_dims": "a, axis",
+    "clip": "a, a_min, a_max, out=None",
+    "cumsum": "a, axis=None, dtype=None, out=None",
+    "arange": "start, stop=None, step=1, dtype=None",
+    "linspace": "start, stop, num=50, endpoint=True, retstep=False, dtype=None, axis=0",
+    "full": "shape, fill_value, dtype=None, order='C'",
+    "packbits": "a, axis=None, bitorder='big'",
+    "unpackbits": "a, axis=None, bitorder='big'",
+}
+for _name, _params in _SIGNATURES.items():
+    globals()[_name] = _function(getattr(_np, _name), _params)
 
 
-def copyto(dst, src, **kwargs):
+def copyto(dst, src, casting="same_kind", where=None):
     """One copy kernel (a cast when the dtypes differ)."""
     if not isinstance(dst, ndarray):
         raise TypeError(f"copyto needs a cupy ndarray, got {type(dst)}")
     _cast(getattr(src, "dtype", dst.dtype), dst.dtype)
-    _np.copyto(dst._a, _unwrap(src), **kwargs)
+    _np.copyto(dst._a, _unwrap(src), casting=casting, where=True if where is None else
+               _unwrap(where))
 
 for _name in ("float16", "float32", "float64", "int8", "int32", "int64", "uint8", "uint16",
               "bool_", "integer", "floating", "inf", "nan", "pi", "newaxis", "dtype",
-              "promote_types", "issubdtype", "result_type", "errstate", "iinfo", "finfo"):
+              "promote_types", "issubdtype", "result_type", "iinfo", "finfo"):
     globals()[_name] = getattr(_np, _name)
 
 
@@ -452,7 +510,7 @@ def _matmul_copies(a, b, out):
     return int(launches), int(casts)
 
 
-def matmul(a, b, out=None):
+def matmul(a, b, /, *, out=None):
     """One cuBLAS call, plus the copies CuPy makes for it (`_matmul_copies`). bfloat16: 2-D
     only (float32 accumulation, rounded once); batched, TypeError as CuPy 14.2's."""
     a_, b_ = _unwrap(a), _unwrap(b)
@@ -471,8 +529,14 @@ def matmul(a, b, out=None):
     return out
 
 
-_matmul_function = _function(_np.matmul)
-dot = matmul
+_matmul_function = _function(_np.matmul, "x1, x2, /, out=None")
+
+
+def dot(a, b, out=None):
+    """matmul (zmpi's dot products are of vectors and matrices, where the two agree)."""
+    return matmul(a, b, out=out)
+
+
 ndarray.__matmul__ = lambda self, other: matmul(self, other)
 ndarray.__rmatmul__ = lambda self, other: matmul(other, self)
 
@@ -524,7 +588,11 @@ def asarray(a, dtype=None, order=None):
     return ndarray(_np.array(a, dtype=dtype, copy=True))
 
 
-array = asarray
+def array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, *, blocking=False):
+    """Host -> device, or a copy of a device array (itself only where copy=False)."""
+    if isinstance(obj, ndarray) and copy:
+        return obj.astype(obj.dtype if dtype is None else dtype)
+    return asarray(obj, dtype)
 
 
 def ascontiguousarray(a, dtype=None):
@@ -539,8 +607,10 @@ def ascontiguousarray(a, dtype=None):
     return ndarray(result)
 
 
-def asnumpy(a, stream=None, out=None):
-    return a.get(out=out) if isinstance(a, ndarray) else _np.asarray(a)
+def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
+    if isinstance(a, ndarray):
+        return a.get(stream=stream, order=order, out=out, blocking=blocking)
+    return _np.asarray(a)
 
 
 def get_array_module(*arrays):

@@ -68,8 +68,8 @@ class Event:
     event (or the stream) is synchronized, or when a stream waits for it; `done` answers
     False once while such work is pending (as a copy still in flight would), then runs it."""
 
-    def __init__(self, ops=()):
-        self._ops = list(ops)
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self._ops = []
         self._asked = False
 
     def _run(self):
@@ -98,13 +98,12 @@ class Stream:
     `set(..., stream=s)`) until an event recorded after them is waited for, or the stream is
     synchronized: code that reads a copy's destination too early reads poison."""
 
-    def __init__(self, null=False, non_blocking=False):
-        self.null = null
-        self.non_blocking = non_blocking
+    def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
+        self._null = null  # not CuPy's `null`, the class's null stream
         self._pending = []  # callables, in order; each runs once
 
     def _queue(self, op):
-        if self.null:
+        if self._null:
             op()
             return
         def once():  # runs once, then leaves the queue (and drops what it holds)
@@ -165,9 +164,9 @@ def set_allocator(allocator=None):
     _ALLOCATOR[0] = allocator
 
 
-def alloc_pinned_memory(nbytes):
-    PINNED["bytes"] += nbytes
-    return bytearray(nbytes)
+def alloc_pinned_memory(size):
+    PINNED["bytes"] += size
+    return bytearray(size)
 
 
 def pinned_bytes():
