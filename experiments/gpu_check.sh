@@ -146,8 +146,10 @@ export PY
 step env 60 env.txt bash -c env_report
 
 # -- 3: the checks (the count, on the CPU, beside the GPU's) -------------------------------------
+# at T 1024, so that it cuts attention as the trace's GPT-2 small at micro-batch 8 (two query
+# blocks) and the two counts compare (about 3 minutes on one core)
 (step count 300 count.txt env ZMPI_BACKEND=numpy "$PY" experiments/bench_gpu.py --count \
-    --out "$OUT/count"; exit $failed) &
+    --seq-len 1024 --out "$OUT/count"; exit $failed) &
 counting=$!
 if "$PY" -c "import cupy, sys; sys.exit(cupy.cuda.runtime.getDeviceCount() == 0)" 2> /dev/null; then
     # the test files that hold GPU-marked tests, or tests on the cuda_device fixture (its "gpu"
