@@ -17,7 +17,8 @@
 #      small model's GPU idle time, the most a CUDA graph of its step could save) and
 #      bench_gpu.py's torch.compile peer (bf16, micro-batch 8), and
 #      beside them, on one CPU core, experiments/bench_gpu.py --count (the stand-in's
-#      launches; any machine).
+#      launches; any machine);
+#   4. writes targets.md: issue 48's targets against what was measured (gpu_targets.py).
 # Each step's output goes to one results folder, $OUT (default results/gpu_check), with
 # summary.txt saying what passed, failed (exit code) or was skipped (no GPU) and in how long.
 # Exit 0 when every step that ran passed, 1 otherwise (and when the wheels are missing).
@@ -176,5 +177,7 @@ else
     for name in tests bench flash trace trace-small compile; do note "$(printf '%-8s skipped: no GPU (CuPy sees none)' "$name")"; done
 fi
 wait $counting || failed=1
+# issue 48's targets against what was measured ("-" where a step did not run or finish)
+"$PY" experiments/gpu_targets.py "$OUT" | tee -a "$SUMMARY"
 note "results in $OUT"
 exit $failed

@@ -46,3 +46,47 @@ def test_the_summary_per_step_and_per_layer():
     timed = gpu_trace.summarize(events, steps=2, n_layer=3, wall_s=0.5, unprofiled_s=0.0004)
     assert timed["idle_ms"] == 0.4 - timed["busy_ms"]  # 0.4 ms wall, 0.376 ms busy
     assert "unprofiled wall 0.4 ms/step, GPU idle 0.0 ms/step (6%" in gpu_trace.table(timed, 2)
+
+
+def test_the_targets_table_reads_the_device_checks_results(tmp_path):
+    """experiments/gpu_targets.py: each of issue 48's targets from the check's files, met or
+    not, and "-" for what did not run (here torch.compile)."""
+    import json
+
+    import gpu_targets
+
+    def zmpi(precision, stage, batch, tokens, **extra):
+        return {"peer": "zmpi", "precision": precision, "stage": stage, "batch": batch,
+                "step_s": batch * 1024 / tokens, "tokens_per_s": tokens,
+                "mfu": tokens / 1e6, **extra}
+
+    bench = [zmpi("fp16", 0, 8, 200e3, plan_step_s=0.0451, plan_hardware="h200"),
+             zmpi("fp16", 3, 8, 190e3), zmpi("bf16", 0, 8, 210e3), zmpi("fp16", 0, 16, 250e3),
+             {"peer": "PyTorch eager", "precision": "fp16 (autocast)", "stage": "-",
+              "batch": 8, "step_s": 0.0437, "tokens_per_s": 187.5e3, "mfu": 0.16},
+             {"peer": "PyTorch eager", "precision": "fp16 (autocast)", "stage": "-",
+              "batch": 16, "step_s": 0.06, "tokens_per_s": 273e3, "mfu": 0.2}]
+    for name, data in (("bench/run.json", {"rows": bench}),
+                       ("trace/trace.json", {"args": {"n_layer": None}, "ops_per_step": 540,
+                                             "casts_per_layer": 0.75}),
+                       ("count/run.json", {"rows": [
+                           {"kernels": "fused", "stage": 0, "precision": "fp16",
+                            "launches_per_layer": 40.0, "launches_outside": 39.0}]})):
+        (tmp_path / name).parent.mkdir()
+        (tmp_path / name).write_text(json.dumps(data))
+    rows = {t.split(",")[0].split(" (")[0]: (m, ok) for t, _, m, ok in
+            gpu_targets.targets(tmp_path)}
+    assert rows["zmpi fp16 tokens/s over PyTorch eager's"] == ("0.92x", False)  # micro-batch 16
+    assert rows["stretch: over torch.compile bf16's"] == ("-", None)
+    assert rows["zmpi MFU"] == ("25.0% (micro-batch 16, stage 0)", False)
+    assert rows["bf16 trains and its tokens/s is reported beside fp16's"] == \
+        ("210,000 tokens/s (1.05x fp16)", True)
+    assert rows["GPU operations a layer"] == ("45.0", False)  # 540 / GPT-2 small's 12
+    assert rows["cast kernels a layer"] == ("0.8", True)
+    assert rows["the stand-in's operations a step against the trace's"] == \
+        ("519 against 540 (-4%)", True)
+    assert rows["zmpi plan's step against the measured one"] == \
+        ("0.045 s (h200) against 0.041 s (+10%)", True)
+    table = gpu_targets.markdown(gpu_targets.targets(tmp_path))
+    assert table[2] == "| zmpi fp16 tokens/s over PyTorch eager's, micro-batch 8 | >= 1.0x " \
+                       "| 1.07x | yes |"

@@ -1,0 +1,116 @@
+"""Issue 48's targets against what the device check measured: one table, each target with what
+it wants, what was measured and whether it is met ("-" where its step did not run or finish).
+
+    python experiments/gpu_targets.py results/gpu_check    # experiments/gpu_check.sh runs it last
+
+Reads the device check's folder: bench/run.json (bench_gpu.py: zmpi fp16 and bf16 beside
+PyTorch eager, with zmpi plan's prediction), compile/run.json (PyTorch under torch.compile,
+bf16), trace/trace.json (gpu_trace.py: GPT-2 small's kernels, fp16, stage 0, micro-batch 8)
+and count/run.json (the stand-in's count at T 1024); writes targets.md beside them and prints
+it. The targets (issue 48): zmpi fp16 >= 1.0x PyTorch eager's tokens/s at micro-batches 8 and
+16 (stretch: >= 0.8x torch.compile bf16), MFU >= 30 %, bf16 reported beside fp16, <= 40 GPU
+operations and <= 2 casts a layer, the stand-in's count within 10 % of the trace's, zmpi plan
+within 20 % of the step.
+"""
+import json
+import sys
+from pathlib import Path
+
+EAGER, COMPILED = "PyTorch eager", "PyTorch torch.compile"
+
+
+def _load(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _rows(folder: Path) -> list[dict]:
+    run = _load(folder / "run.json")
+    return run["rows"] if run else []
+
+
+def _zmpi(rows, precision: str, batch: int) -> dict | None:
+    """The fastest zmpi row of `precision` at micro-batch `batch` (any stage)."""
+    found = [r for r in rows if r["peer"] == "zmpi" and r["precision"] == precision
+             and r["batch"] == batch]
+    return max(found, key=lambda r: r["tokens_per_s"]) if found else None
+
+
+def _peer(rows, peer: str, batch: int) -> dict | None:
+    return next((r for r in rows if r["peer"] == peer and r["batch"] == batch), None)
+
+
+def _ratio(a, b) -> float | None:
+    return None if a is None or b is None else a["tokens_per_s"] / b["tokens_per_s"]
+
+
+def targets(out: Path) -> list[tuple[str, str, str, bool | None]]:
+    """(target, wanted, measured, met: None where unmeasured) for the device check in `out`."""
+    bench, compiled, count = (_rows(out / name) for name in ("bench", "compile", "count"))
+    trace = _load(out / "trace" / "trace.json")
+    result = []
+
+    def add(target, wanted, value, met, says):
+        """A target measured as `value` (None: not measured): met(value), says(value)."""
+        result.append((target, wanted, "-", None) if value is None else
+                      (target, wanted, says(value), met(value)))
+
+    for batch in (8, 16):
+        add(f"zmpi fp16 tokens/s over PyTorch eager's, micro-batch {batch}", ">= 1.0x",
+            _ratio(_zmpi(bench, "fp16", batch), _peer(bench, EAGER, batch)),
+            lambda r: r >= 1.0, lambda r: f"{r:.2f}x")
+    add("stretch: over torch.compile bf16's, micro-batch 8", ">= 0.8x",
+        _ratio(_zmpi(bench, "fp16", 8), _peer(compiled, COMPILED, 8)),
+        lambda r: r >= 0.8, lambda r: f"{r:.2f}x")
+    add("zmpi MFU (its best fp16 row)", ">= 30 %",
+        max((r for r in bench if r["peer"] == "zmpi" and r["precision"] == "fp16"),
+            key=lambda r: r["mfu"], default=None),
+        lambda r: r["mfu"] >= 0.30,
+        lambda r: f"{r['mfu']:.1%} (micro-batch {r['batch']}, stage {r['stage']})")
+    fp16 = _zmpi(bench, "fp16", 8)
+    add("bf16 trains and its tokens/s is reported beside fp16's", "reported",
+        _zmpi(bench, "bf16", 8), lambda _: True,
+        lambda r: f"{r['tokens_per_s']:,.0f} tokens/s"
+                  + (f" ({_ratio(r, fp16):.2f}x fp16)" if fp16 else ""))
+    n_layer = (trace["args"].get("n_layer") if trace else None) or 12
+    ops = trace["ops_per_step"] if trace else None
+    add("GPU operations a layer (the trace's a step over its layers, those outside the layers "
+        "included)", "<= 40", ops and ops / n_layer, lambda v: v <= 40, lambda v: f"{v:.1f}")
+    add("cast kernels a layer (the trace)", "<= 2", trace and trace["casts_per_layer"],
+        lambda v: v <= 2, lambda v: f"{v:.1f}")
+    counted = next((r for r in count if (r["kernels"], r["stage"], r["precision"])
+                    == ("fused", 0, "fp16")), None)
+    total = counted and counted["launches_per_layer"] * n_layer + counted["launches_outside"]
+    add("the stand-in's operations a step against the trace's (fused fp16, stage 0)",
+        "within 10 %", ops and total and total / ops - 1, lambda e: abs(e) <= 0.10,
+        lambda e: f"{total:.0f} against {ops:.0f} ({e:+.0%})")
+    row = next((r for r in bench if r["peer"] == "zmpi" and "plan_step_s" in r
+                and (r["precision"], r["stage"], r["batch"]) == ("fp16", 0, 8)), None)
+    add("zmpi plan's step against the measured one (fp16, stage 0, micro-batch 8)",
+        "within 20 %", row, lambda r: abs(r["plan_step_s"] / r["step_s"] - 1) <= 0.20,
+        lambda r: f"{r['plan_step_s']:.3f} s ({r['plan_hardware']}) against "
+                  f"{r['step_s']:.3f} s ({r['plan_step_s'] / r['step_s'] - 1:+.0%})")
+    return result
+
+
+def markdown(rows) -> list[str]:
+    met = {True: "yes", False: "no", None: "-"}
+    return (["| issue 48's target | wanted | measured | met |", "|---|---|---|---|"]
+            + [f"| {t} | {w} | {m} | {met[ok]} |" for t, w, m, ok in rows])
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit("usage: python experiments/gpu_targets.py DEVICE_CHECK_FOLDER")
+    out = Path(sys.argv[1])
+    if not out.is_dir():
+        sys.exit(f"gpu_targets: {out} is not a folder")
+    text = "\n".join(markdown(targets(out))) + "\n"
+    (out / "targets.md").write_text(text)
+    print(text, end="")
+
+
+if __name__ == "__main__":
+    main()
