@@ -244,6 +244,8 @@ class ndarray:  # noqa: N801 (CuPy's name)
         if not (out.flags.c_contiguous or out.flags.f_contiguous):  # as CuPy 14.2's get()
             raise RuntimeError("`out` cannot be specified when copying to non-contiguous ndarray")
         src = self._a
+        if not (src.flags.c_contiguous or src.flags.f_contiguous):
+            _launch()  # CuPy first copies a non-contiguous array into a contiguous one
         _launch()
         if blocking:
             SYNCS[0] += 1
