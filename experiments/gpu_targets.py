@@ -10,7 +10,9 @@ and count/run.json (the stand-in's count at T 1024); writes targets.md beside th
 it. The targets (issue 48): zmpi fp16 >= 1.0x PyTorch eager's tokens/s at micro-batches 8 and
 16 (stretch: >= 0.8x torch.compile bf16), MFU >= 30 %, bf16 reported beside fp16, <= 40 GPU
 operations and <= 2 casts a layer, the stand-in's count within 10 % of the trace's, zmpi plan
-within 20 % of the step.
+within 20 % of the step; and flash/results.json (bench_flash_attention.py): whether the flash
+kernels make the step faster than the blocked path (its 37 operations a layer would meet the
+40), and whether they ran on tensor cores.
 """
 import json
 import sys
@@ -86,6 +88,13 @@ def targets(out: Path) -> list[tuple[str, str, str, bool | None]]:
     add("the stand-in's operations a step against the trace's (fused fp16, stage 0)",
         "within 10 %", ops and total and total / ops - 1, lambda e: abs(e) <= 0.10,
         lambda e: f"{total:.0f} against {ops:.0f} ({e:+.0%})")
+    flash = _load(out / "flash" / "results.json") or {"rows": [], "flash_kernels": {}}
+    steps = {r["path"]: r["seconds"] for r in flash["rows"] if r["case"] == "GPT step"}
+    kinds = ", ".join(f"{k}: {v}" for k, v in flash["flash_kernels"].items())  # tensor cores?
+    add("flash attention's GPT step over the blocked path's (fp16, micro-batch 8; flash counts "
+        "37 operations a layer, the blocked path 62)", "< 1.0x, to make it the GPU's default",
+        steps.get("flash") and steps.get("blocked") and steps["flash"] / steps["blocked"],
+        lambda r: r < 1.0, lambda r: f"{r:.2f}x ({kinds})")
     row = next((r for r in bench if r["peer"] == "zmpi" and "plan_step_s" in r
                 and (r["precision"], r["stage"], r["batch"]) == ("fp16", 0, 8)), None)
     add("zmpi plan's step against the measured one (fp16, stage 0, micro-batch 8)",

@@ -69,6 +69,11 @@ def test_the_targets_table_reads_the_device_checks_results(tmp_path):
     for name, data in (("bench/run.json", {"rows": bench}),
                        ("trace/trace.json", {"args": {"n_layer": None}, "ops_per_step": 540,
                                              "casts_per_layer": 0.75}),
+                       ("flash/results.json", {"flash_kernels": {"block 64": "tensor cores"},
+                                               "rows": [{"case": "GPT step", "path": "blocked",
+                                                         "seconds": 0.04},
+                                                        {"case": "GPT step", "path": "flash",
+                                                         "seconds": 0.05}]}),
                        ("count/run.json", {"rows": [
                            {"kernels": "fused", "stage": 0, "precision": "fp16",
                             "launches_per_layer": 40.0, "launches_outside": 39.0}]})):
@@ -85,6 +90,8 @@ def test_the_targets_table_reads_the_device_checks_results(tmp_path):
     assert rows["cast kernels a layer"] == ("0.8", True)
     assert rows["the stand-in's operations a step against the trace's"] == \
         ("519 against 540 (-4%)", True)
+    assert rows["flash attention's GPT step over the blocked path's"] == \
+        ("1.25x (block 64: tensor cores)", False)
     assert rows["zmpi plan's step against the measured one"] == \
         ("0.045 s (h200) against 0.041 s (+10%)", True)
     table = gpu_targets.markdown(gpu_targets.targets(tmp_path))
