@@ -21,6 +21,38 @@ each third; y, dy (B, seq, C); dqkv (B, seq, 3C); lse, delta (B nh, seq) ACC. q 
 """
 
 FLASH_SOURCE = r"""
+// The geometry of a flash kernel's block (SIMT and tensor-core alike), from its launch: grid x
+// walks the tiles of S rows, grid y the (batch, head) pairs b nh + h. Which head it is, the
+// first row of its tile (queries, or keys in the backward of keys), the layout's block count,
+// and where the head starts in the arrays qkv, dqkv (B, seq, 3C) and y, dy (B, seq, C).
+struct FlashHead {
+    int C;             // nh hd: the columns of y and dy, and of each third of qkv
+    int nb;            // the layout's blocks of `block` rows over seq (the last may be ragged)
+    int bh, b, h;      // blockIdx.y = b nh + h: the (batch, head) pair, its batch, its head
+    int r0;            // blockIdx.x S: the tile's first row
+    long long stride;  // 3C: from one row of qkv (or dqkv) to the next
+    long long at_qkv;  // the element (b, 0, h hd) of qkv and dqkv: row 0 of the head's q third
+    long long at_y;    // the element (b, 0, h hd) of y and dy: row 0 of the head
+    const T* q;        // qkv + at_qkv: the head's q, row 0; its k and v, C and 2C after
+    const T* k;
+    const T* v;
+    __device__ FlashHead(const T* qkv, const int seq, const int nh, const int hd,
+                         const int block, const int S)
+        : C(nh * hd), nb((seq + block - 1) / block), bh(blockIdx.y), b(bh / nh), h(bh % nh),
+          r0(blockIdx.x * S), stride(3LL * C), at_qkv((long long)b * seq * stride + h * hd),
+          at_y((long long)b * seq * C + h * hd), q(qkv + at_qkv), k(q + C), v(q + 2 * C) {}
+};
+
+// A bump allocator over a kernel's dynamic shared memory: the tile of the next n elements of
+// E at `at`, which moves past it, so that a kernel's tiles lie one after another in the order
+// it carves them, as zmpi.flash_attention._shared_bytes counts them (no padding between).
+// `at` must be aligned for E (and 32 bytes for a wmma tile): the tile sizes before keep it so.
+template <typename E> __device__ __forceinline__ E* flash_carve(unsigned char*& at, const int n) {
+    E* tile = reinterpret_cast<E*>(at);
+    at += (size_t)n * sizeof(E);
+    return tile;
+}
+
 // rows [r0, r0 + S) of one head's q, k or v (`src` at its first column, rows `stride` apart)
 // into tile (S, ld) in ACC, times `mul`; zeros past seq
 __device__ void flash_load(const T* src, const long long stride, const int r0, const int seq,
@@ -120,33 +152,32 @@ extern "C" __global__ void flash_forward(const T* qkv, const int* row_ptr, const
                                          const int hd, const int block, const int layout_heads,
                                          const int S, const ACC scale) {
     extern __shared__ __align__(16) unsigned char flash_smem[];
-    const int ld = hd + 1, C = nh * hd, nb = (seq + block - 1) / block;
+    const FlashHead head(qkv, seq, nh, hd, block, S);
+    const int q0 = head.r0, ld = hd + 1;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    ACC* sQ = reinterpret_cast<ACC*>(flash_smem);
-    ACC* sO = sQ + S * ld;
-    ACC* sK = sO + S * ld;
-    ACC* sV = sK + S * ld;
-    ACC* sP = sV + S * ld;  // (S, S)
-    ACC* sM = sP + S * S;
-    ACC* sL = sM + S;
-    ACC* sA = sL + S;
-    const int bh = blockIdx.y, b = bh / nh, h = bh % nh, q0 = blockIdx.x * S;
-    const long long stride = 3LL * C;
-    const T* base = qkv + (long long)b * seq * stride + h * hd;
-    flash_load(base, stride, q0, seq, S, hd, ld, sQ, scale);
+    unsigned char* at = flash_smem;
+    ACC* sQ = flash_carve<ACC>(at, S * ld);
+    ACC* sO = flash_carve<ACC>(at, S * ld);
+    ACC* sK = flash_carve<ACC>(at, S * ld);
+    ACC* sV = flash_carve<ACC>(at, S * ld);
+    ACC* sP = flash_carve<ACC>(at, S * S);
+    ACC* sM = flash_carve<ACC>(at, S);
+    ACC* sL = flash_carve<ACC>(at, S);
+    ACC* sA = flash_carve<ACC>(at, S);
+    flash_load(head.q, head.stride, q0, seq, S, hd, ld, sQ, scale);
     for (int e = threadIdx.x; e < S * ld; e += blockDim.x) sO[e] = 0;
     for (int r = threadIdx.x; r < S; r += blockDim.x) {
         sM[r] = neg_inf((ACC)0);
         sL[r] = 0;
     }
     int begin, end;
-    flash_list(row_ptr, h, layout_heads, nb, q0 / block, &begin, &end);
+    flash_list(row_ptr, head.h, layout_heads, head.nb, q0 / block, &begin, &end);
     for (int n = begin; n < end; ++n) {
         for (int k0 = cols[n] * block; k0 < (cols[n] + 1) * block; k0 += S) {
             if (k0 > q0 + S - 1 || k0 >= seq) continue;  // every key after every query
             __syncthreads();  // the previous tile's readers are done
-            flash_load(base + C, stride, k0, seq, S, hd, ld, sK, (ACC)1);
-            flash_load(base + 2 * C, stride, k0, seq, S, hd, ld, sV, (ACC)1);
+            flash_load(head.k, head.stride, k0, seq, S, hd, ld, sK, (ACC)1);
+            flash_load(head.v, head.stride, k0, seq, S, hd, ld, sV, (ACC)1);
             __syncthreads();
             for (int e = threadIdx.x; e < S * S; e += blockDim.x) {
                 const int r = e / S, c = e % S;
@@ -178,8 +209,7 @@ extern "C" __global__ void flash_forward(const T* qkv, const int* row_ptr, const
         }
     }
     __syncthreads();
-    flash_store_output(y + (long long)b * seq * C + h * hd, lse, sO, ld, sM, sL, bh, q0, seq, S,
-                       hd, C);
+    flash_store_output(y + head.at_y, lse, sO, ld, sM, sL, head.bh, q0, seq, S, hd, head.C);
 }
 
 // FlashAttention-2's backward, queries: delta = rowsum(dy y) (B nh, seq) for the rows q0 .. q0
@@ -192,31 +222,30 @@ extern "C" __global__ void flash_backward_dq(const T* qkv, const T* y, const T* 
                                              const int block, const int layout_heads,
                                              const int S, const ACC scale) {
     extern __shared__ __align__(16) unsigned char flash_smem[];
-    const int ld = hd + 1, C = nh * hd, nb = (seq + block - 1) / block;
-    ACC* sQ = reinterpret_cast<ACC*>(flash_smem);
-    ACC* sDY = sQ + S * ld;
-    ACC* sDQ = sDY + S * ld;
-    ACC* sK = sDQ + S * ld;
-    ACC* sV = sK + S * ld;
-    ACC* sP = sV + S * ld;  // (S, S): ds
-    ACC* sLse = sP + S * S;
-    ACC* sD = sLse + S;
-    const int bh = blockIdx.y, b = bh / nh, h = bh % nh, q0 = blockIdx.x * S;
-    const long long stride = 3LL * C;
-    const T* base = qkv + (long long)b * seq * stride + h * hd;
-    const long long row0 = (long long)b * seq * C + h * hd;  // y, dy: row 0 of the head
-    flash_load(base, stride, q0, seq, S, hd, ld, sQ, scale);
-    flash_load(dy + row0, C, q0, seq, S, hd, ld, sDY, (ACC)1);
+    const FlashHead head(qkv, seq, nh, hd, block, S);
+    const int q0 = head.r0, ld = hd + 1;
+    unsigned char* at = flash_smem;
+    ACC* sQ = flash_carve<ACC>(at, S * ld);
+    ACC* sDY = flash_carve<ACC>(at, S * ld);
+    ACC* sDQ = flash_carve<ACC>(at, S * ld);
+    ACC* sK = flash_carve<ACC>(at, S * ld);
+    ACC* sV = flash_carve<ACC>(at, S * ld);
+    ACC* sP = flash_carve<ACC>(at, S * S);  // ds
+    ACC* sLse = flash_carve<ACC>(at, S);
+    ACC* sD = flash_carve<ACC>(at, S);
+    flash_load(head.q, head.stride, q0, seq, S, hd, ld, sQ, scale);
+    flash_load(dy + head.at_y, head.C, q0, seq, S, hd, ld, sDY, (ACC)1);
     for (int e = threadIdx.x; e < S * ld; e += blockDim.x) sDQ[e] = 0;
-    flash_row_stats(y + row0, dy + row0, lse, delta, sD, sLse, bh, q0, seq, S, hd, C);
+    flash_row_stats(y + head.at_y, dy + head.at_y, lse, delta, sD, sLse, head.bh, q0, seq, S, hd,
+                    head.C);
     int begin, end;
-    flash_list(row_ptr, h, layout_heads, nb, q0 / block, &begin, &end);
+    flash_list(row_ptr, head.h, layout_heads, head.nb, q0 / block, &begin, &end);
     for (int n = begin; n < end; ++n) {
         for (int k0 = cols[n] * block; k0 < (cols[n] + 1) * block; k0 += S) {
             if (k0 > q0 + S - 1 || k0 >= seq) continue;  // every key after every query
             __syncthreads();
-            flash_load(base + C, stride, k0, seq, S, hd, ld, sK, (ACC)1);
-            flash_load(base + 2 * C, stride, k0, seq, S, hd, ld, sV, (ACC)1);
+            flash_load(head.k, head.stride, k0, seq, S, hd, ld, sK, (ACC)1);
+            flash_load(head.v, head.stride, k0, seq, S, hd, ld, sV, (ACC)1);
             __syncthreads();
             for (int e = threadIdx.x; e < S * S; e += blockDim.x) {
                 const int r = e / S, c = e % S;
@@ -235,8 +264,7 @@ extern "C" __global__ void flash_backward_dq(const T* qkv, const T* y, const T* 
         }
     }
     __syncthreads();
-    flash_store_rows(dqkv + (long long)b * seq * stride + h * hd, stride, q0, seq, S, hd, sDQ,
-                     ld, scale);
+    flash_store_rows(dqkv + head.at_qkv, head.stride, q0, seq, S, hd, sDQ, ld, scale);
 }
 
 // FlashAttention-2's backward, keys: for key rows k0 .. k0 + S of head h, over the query
@@ -249,38 +277,36 @@ extern "C" __global__ void flash_backward_dkv(const T* qkv, const T* dy, const A
                                               const int layout_heads, const int S,
                                               const ACC scale) {
     extern __shared__ __align__(16) unsigned char flash_smem[];
-    const int ld = hd + 1, C = nh * hd, nb = (seq + block - 1) / block;
-    ACC* sK = reinterpret_cast<ACC*>(flash_smem);
-    ACC* sV = sK + S * ld;
-    ACC* sDK = sV + S * ld;
-    ACC* sDV = sDK + S * ld;
-    ACC* sQ = sDV + S * ld;
-    ACC* sDY = sQ + S * ld;
-    ACC* sP = sDY + S * ld;  // (S queries, S keys): p
-    ACC* sS = sP + S * S;  // ds
-    ACC* sLse = sS + S * S;
-    ACC* sD = sLse + S;
-    const int bh = blockIdx.y, b = bh / nh, h = bh % nh, k0 = blockIdx.x * S;
-    const long long stride = 3LL * C;
-    const T* base = qkv + (long long)b * seq * stride + h * hd;
-    const long long row0 = (long long)b * seq * C + h * hd;
-    flash_load(base + C, stride, k0, seq, S, hd, ld, sK, (ACC)1);
-    flash_load(base + 2 * C, stride, k0, seq, S, hd, ld, sV, (ACC)1);
+    const FlashHead head(qkv, seq, nh, hd, block, S);
+    const int k0 = head.r0, ld = hd + 1;
+    unsigned char* at = flash_smem;
+    ACC* sK = flash_carve<ACC>(at, S * ld);
+    ACC* sV = flash_carve<ACC>(at, S * ld);
+    ACC* sDK = flash_carve<ACC>(at, S * ld);
+    ACC* sDV = flash_carve<ACC>(at, S * ld);
+    ACC* sQ = flash_carve<ACC>(at, S * ld);
+    ACC* sDY = flash_carve<ACC>(at, S * ld);
+    ACC* sP = flash_carve<ACC>(at, S * S);  // (S queries, S keys): p
+    ACC* sS = flash_carve<ACC>(at, S * S);  // ds
+    ACC* sLse = flash_carve<ACC>(at, S);
+    ACC* sD = flash_carve<ACC>(at, S);
+    flash_load(head.k, head.stride, k0, seq, S, hd, ld, sK, (ACC)1);
+    flash_load(head.v, head.stride, k0, seq, S, hd, ld, sV, (ACC)1);
     for (int e = threadIdx.x; e < S * ld; e += blockDim.x) {
         sDK[e] = 0;
         sDV[e] = 0;
     }
     int begin, end;
-    flash_list(col_ptr, h, layout_heads, nb, k0 / block, &begin, &end);
+    flash_list(col_ptr, head.h, layout_heads, head.nb, k0 / block, &begin, &end);
     for (int n = begin; n < end; ++n) {
         for (int q0 = rows[n] * block; q0 < (rows[n] + 1) * block; q0 += S) {
             if (q0 + S - 1 < k0 || q0 >= seq || k0 >= seq) continue;  // every query first
             __syncthreads();
-            flash_load(base, stride, q0, seq, S, hd, ld, sQ, scale);
-            flash_load(dy + row0, C, q0, seq, S, hd, ld, sDY, (ACC)1);
+            flash_load(head.q, head.stride, q0, seq, S, hd, ld, sQ, scale);
+            flash_load(dy + head.at_y, head.C, q0, seq, S, hd, ld, sDY, (ACC)1);
             for (int r = threadIdx.x; r < S; r += blockDim.x) {
-                sLse[r] = q0 + r < seq ? lse[(long long)bh * seq + q0 + r] : (ACC)0;
-                sD[r] = q0 + r < seq ? delta[(long long)bh * seq + q0 + r] : (ACC)0;
+                sLse[r] = q0 + r < seq ? lse[(long long)head.bh * seq + q0 + r] : (ACC)0;
+                sD[r] = q0 + r < seq ? delta[(long long)head.bh * seq + q0 + r] : (ACC)0;
             }
             __syncthreads();
             for (int e = threadIdx.x; e < S * S; e += blockDim.x) {
@@ -305,8 +331,8 @@ extern "C" __global__ void flash_backward_dkv(const T* qkv, const T* dy, const A
         }
     }
     __syncthreads();
-    T* head = dqkv + (long long)b * seq * stride + h * hd;
-    flash_store_rows(head + C, stride, k0, seq, S, hd, sDK, ld, (ACC)1);
-    flash_store_rows(head + 2 * C, stride, k0, seq, S, hd, sDV, ld, (ACC)1);
+    T* dhead = dqkv + head.at_qkv;  // the head in dqkv: dk C after, dv 2C after
+    flash_store_rows(dhead + head.C, head.stride, k0, seq, S, hd, sDK, ld, (ACC)1);
+    flash_store_rows(dhead + 2 * head.C, head.stride, k0, seq, S, hd, sDV, ld, (ACC)1);
 }
 """

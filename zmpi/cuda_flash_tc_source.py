@@ -17,11 +17,12 @@ What differs from the SIMT kernels' arithmetic: q is not scaled before the produ
 scores are), and p and ds are rounded to T before their products (FlashAttention's choice):
 results agree with the twin within T's rounding.
 
-Tiles (T elements; float elements), ldh = hd + 8, ldp = S + 8, lds = max(S, hd) + 4,
-ldo = hd + 4, every tile 32-byte aligned as the MMA's loads and stores require:
-    forward   sQ sK sV (S, ldh); sP (S, ldp); sS (S, lds); sO (S, ldo); m, l, alpha (S)
-    dq        sQ sDY sK sV (S, ldh); sP (S, ldp); sS sT (S, lds); sDQ (S, ldo); lse, delta (S)
-    dkv       sK sV sQ sDY (S, ldh); sP sDS (S, ldp); sS sT (S, lds); sDK sDV (S, ldo);
+Tiles (T elements; float elements), carved in this order, with the leading dimensions of
+TcLeadingDims ld: ld.h = hd + 8, ld.p = S + 8, ld.s = max(S, hd) + 4, ld.o = hd + 4, every
+tile 32-byte aligned as the MMA's loads and stores require:
+    forward   sQ sK sV (S, ld.h); sP (S, ld.p); sS (S, ld.s); sO (S, ld.o); m, l, alpha (S)
+    dq        sQ sDY sK sV (S, ld.h); sP (S, ld.p); sS sT (S, ld.s); sDQ (S, ld.o); lse, delta (S)
+    dkv       sK sV sQ sDY (S, ld.h); sP sDS (S, ld.p); sS sT (S, ld.s); sDK sDV (S, ld.o);
               lse, delta (S)
 """
 
@@ -74,6 +75,17 @@ __device__ void tc_product(const T* a, const int lda, const T* b, const int ldb,
     }
 }
 
+// The leading dimensions (in elements) of the tensor-core kernels' tiles of S rows: each row
+// padded past its width (against shared-memory bank conflicts) to a multiple of 16 bytes, as
+// wmma's loads and stores require. h: T tiles of a head's hd columns (q, k, v, dy); p: T tiles
+// of S columns (p, ds); s: float tiles of products of either width (scores, p v); o: float
+// sums of hd columns (o, dq, dk, dv). zmpi.flash_attention._shared_bytes counts the same.
+struct TcLeadingDims {
+    int h, p, s, o;
+    __device__ TcLeadingDims(const int S, const int hd)
+        : h(hd + 8), p(S + 8), s((S > hd ? S : hd) + 4), o(hd + 4) {}
+};
+
 // rows [r0, r0 + S) of one head's q, k, v or dy (`src` at its first column, rows `stride`
 // apart) into tile (S, ld) of T as stored; zeros past seq
 __device__ void tc_load(const T* src, const long long stride, const int r0, const int seq,
@@ -93,46 +105,44 @@ extern "C" __global__ void flash_tc_forward(const T* qkv, const int* row_ptr, co
                                             const int layout_heads, const int S,
                                             const ACC scale) {
     extern __shared__ __align__(32) unsigned char flash_smem[];
-    const int ldh = hd + 8, ldp = S + 8, lds = (S > hd ? S : hd) + 4, ldo = hd + 4;
-    const int C = nh * hd, nb = (seq + block - 1) / block;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    T* sQ = reinterpret_cast<T*>(flash_smem);
-    T* sK = sQ + S * ldh;
-    T* sV = sK + S * ldh;
-    T* sP = sV + S * ldh;
-    float* sS = reinterpret_cast<float*>(sP + S * ldp);
-    float* sO = sS + S * lds;
-    float* sM = sO + S * ldo;
-    float* sL = sM + S;
-    float* sA = sL + S;
-    const int bh = blockIdx.y, b = bh / nh, h = bh % nh, q0 = blockIdx.x * S;
-    const long long stride = 3LL * C;
-    const T* base = qkv + (long long)b * seq * stride + h * hd;
-    tc_load(base, stride, q0, seq, S, hd, ldh, sQ);
-    for (int e = threadIdx.x; e < S * ldo; e += blockDim.x) sO[e] = 0;
+    const FlashHead head(qkv, seq, nh, hd, block, S);
+    const TcLeadingDims ld(S, hd);
+    const int q0 = head.r0, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned char* at = flash_smem;
+    T* sQ = flash_carve<T>(at, S * ld.h);
+    T* sK = flash_carve<T>(at, S * ld.h);
+    T* sV = flash_carve<T>(at, S * ld.h);
+    T* sP = flash_carve<T>(at, S * ld.p);
+    float* sS = flash_carve<float>(at, S * ld.s);
+    float* sO = flash_carve<float>(at, S * ld.o);
+    float* sM = flash_carve<float>(at, S);
+    float* sL = flash_carve<float>(at, S);
+    float* sA = flash_carve<float>(at, S);
+    tc_load(head.q, head.stride, q0, seq, S, hd, ld.h, sQ);
+    for (int e = threadIdx.x; e < S * ld.o; e += blockDim.x) sO[e] = 0;
     for (int r = threadIdx.x; r < S; r += blockDim.x) {
         sM[r] = neg_inf(0.0f);
         sL[r] = 0;
     }
     // the warp's 16 rows; two lanes a row in the softmax, each every other column
     const int w0 = warp * 16, r = w0 + (lane >> 1), half = lane & 1;
-    float* s = sS + w0 * lds;
+    float* s = sS + w0 * ld.s;
     int begin, end;
-    flash_list(row_ptr, h, layout_heads, nb, q0 / block, &begin, &end);
+    flash_list(row_ptr, head.h, layout_heads, head.nb, q0 / block, &begin, &end);
     for (int n = begin; n < end; ++n) {
         for (int k0 = cols[n] * block; k0 < (cols[n] + 1) * block; k0 += S) {
             if (k0 > q0 + S - 1 || k0 >= seq) continue;  // every key after every query
             __syncthreads();  // the previous tile's readers are done
-            tc_load(base + C, stride, k0, seq, S, hd, ldh, sK);
-            tc_load(base + 2 * C, stride, k0, seq, S, hd, ldh, sV);
+            tc_load(head.k, head.stride, k0, seq, S, hd, ld.h, sK);
+            tc_load(head.v, head.stride, k0, seq, S, hd, ld.h, sV);
             __syncthreads();
-            tc_product<true>(sQ + w0 * ldh, ldh, sK, ldh, hd, S / 16, s, lds, false);
+            tc_product<true>(sQ + w0 * ld.h, ld.h, sK, ld.h, hd, S / 16, s, ld.s, false);
             __syncwarp();
             float mx = neg_inf(0.0f);
             for (int c = half; c < S; c += 2) {
                 const bool kept = k0 + c <= q0 + r && k0 + c < seq;
-                const float v = kept ? s[(r - w0) * lds + c] * scale : neg_inf(0.0f);
-                s[(r - w0) * lds + c] = v;
+                const float v = kept ? s[(r - w0) * ld.s + c] * scale : neg_inf(0.0f);
+                s[(r - w0) * ld.s + c] = v;
                 mx = v > mx ? v : mx;
             }
             const float other = __shfl_xor_sync(0xffffffffu, mx, 1);
@@ -140,25 +150,24 @@ extern "C" __global__ void flash_tc_forward(const T* qkv, const int* row_ptr, co
             float m_old, m_new, m_use, sum = 0;
             flash_new_max(sM, r, mx, &m_old, &m_new, &m_use);
             for (int c = half; c < S; c += 2) {
-                const float p = acc_exp(s[(r - w0) * lds + c] - m_use);
-                store(sP + r * ldp + c, p);
+                const float p = acc_exp(s[(r - w0) * ld.s + c] - m_use);
+                store(sP + r * ld.p + c, p);
                 sum += p;
             }
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             __syncwarp();  // every lane has read m_old before it changes
             if (half == 0) flash_rescale(sM, sL, sA, r, m_old, m_new, m_use, sum);
             __syncwarp();
-            tc_product<false>(sP + w0 * ldp, ldp, sV, ldh, S, hd / 16, s, lds, false);
+            tc_product<false>(sP + w0 * ld.p, ld.p, sV, ld.h, S, hd / 16, s, ld.s, false);
             __syncwarp();
             for (int e = lane; e < 16 * hd; e += 32) {  // o = o alpha + p v, row by row
                 const int i = e / hd, d = e % hd;
-                sO[(w0 + i) * ldo + d] = sO[(w0 + i) * ldo + d] * sA[w0 + i] + s[i * lds + d];
+                sO[(w0 + i) * ld.o + d] = sO[(w0 + i) * ld.o + d] * sA[w0 + i] + s[i * ld.s + d];
             }
         }
     }
     __syncthreads();
-    flash_store_output(y + (long long)b * seq * C + h * hd, lse, sO, ldo, sM, sL, bh, q0, seq,
-                       S, hd, C);
+    flash_store_output(y + head.at_y, lse, sO, ld.o, sM, sL, head.bh, q0, seq, S, hd, head.C);
 }
 
 // FLASH_SOURCE's flash_backward_dq on tensor cores: delta = rowsum(dy y) for rows q0 .. q0 + S
@@ -170,55 +179,52 @@ extern "C" __global__ void flash_tc_backward_dq(const T* qkv, const T* y, const 
                                                 const int block, const int layout_heads,
                                                 const int S, const ACC scale) {
     extern __shared__ __align__(32) unsigned char flash_smem[];
-    const int ldh = hd + 8, ldp = S + 8, lds = (S > hd ? S : hd) + 4, ldo = hd + 4;
-    const int C = nh * hd, nb = (seq + block - 1) / block;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    T* sQ = reinterpret_cast<T*>(flash_smem);
-    T* sDY = sQ + S * ldh;
-    T* sK = sDY + S * ldh;
-    T* sV = sK + S * ldh;
-    T* sP = sV + S * ldh;  // ds
-    float* sS = reinterpret_cast<float*>(sP + S * ldp);  // scores
-    float* sT = sS + S * lds;  // dy v^T
-    float* sDQ = sT + S * lds;
-    float* sLse = sDQ + S * ldo;
-    float* sD = sLse + S;
-    const int bh = blockIdx.y, b = bh / nh, h = bh % nh, q0 = blockIdx.x * S;
-    const long long stride = 3LL * C;
-    const T* base = qkv + (long long)b * seq * stride + h * hd;
-    const long long row0 = (long long)b * seq * C + h * hd;  // y, dy: row 0 of the head
-    tc_load(base, stride, q0, seq, S, hd, ldh, sQ);
-    tc_load(dy + row0, C, q0, seq, S, hd, ldh, sDY);
-    for (int e = threadIdx.x; e < S * ldo; e += blockDim.x) sDQ[e] = 0;
-    flash_row_stats(y + row0, dy + row0, lse, delta, sD, sLse, bh, q0, seq, S, hd, C);
+    const FlashHead head(qkv, seq, nh, hd, block, S);
+    const TcLeadingDims ld(S, hd);
+    const int q0 = head.r0, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned char* at = flash_smem;
+    T* sQ = flash_carve<T>(at, S * ld.h);
+    T* sDY = flash_carve<T>(at, S * ld.h);
+    T* sK = flash_carve<T>(at, S * ld.h);
+    T* sV = flash_carve<T>(at, S * ld.h);
+    T* sP = flash_carve<T>(at, S * ld.p);  // ds
+    float* sS = flash_carve<float>(at, S * ld.s);  // scores
+    float* sT = flash_carve<float>(at, S * ld.s);  // dy v^T
+    float* sDQ = flash_carve<float>(at, S * ld.o);
+    float* sLse = flash_carve<float>(at, S);
+    float* sD = flash_carve<float>(at, S);
+    tc_load(head.q, head.stride, q0, seq, S, hd, ld.h, sQ);
+    tc_load(dy + head.at_y, head.C, q0, seq, S, hd, ld.h, sDY);
+    for (int e = threadIdx.x; e < S * ld.o; e += blockDim.x) sDQ[e] = 0;
+    flash_row_stats(y + head.at_y, dy + head.at_y, lse, delta, sD, sLse, head.bh, q0, seq, S, hd,
+                    head.C);
     const int w0 = warp * 16, r = w0 + (lane >> 1), half = lane & 1;
-    float* s = sS + w0 * lds;
-    float* t = sT + w0 * lds;
+    float* s = sS + w0 * ld.s;
+    float* t = sT + w0 * ld.s;
     int begin, end;
-    flash_list(row_ptr, h, layout_heads, nb, q0 / block, &begin, &end);
+    flash_list(row_ptr, head.h, layout_heads, head.nb, q0 / block, &begin, &end);
     for (int n = begin; n < end; ++n) {
         for (int k0 = cols[n] * block; k0 < (cols[n] + 1) * block; k0 += S) {
             if (k0 > q0 + S - 1 || k0 >= seq) continue;  // every key after every query
             __syncthreads();
-            tc_load(base + C, stride, k0, seq, S, hd, ldh, sK);
-            tc_load(base + 2 * C, stride, k0, seq, S, hd, ldh, sV);
+            tc_load(head.k, head.stride, k0, seq, S, hd, ld.h, sK);
+            tc_load(head.v, head.stride, k0, seq, S, hd, ld.h, sV);
             __syncthreads();
-            tc_product<true>(sQ + w0 * ldh, ldh, sK, ldh, hd, S / 16, s, lds, false);
-            tc_product<true>(sDY + w0 * ldh, ldh, sV, ldh, hd, S / 16, t, lds, false);
+            tc_product<true>(sQ + w0 * ld.h, ld.h, sK, ld.h, hd, S / 16, s, ld.s, false);
+            tc_product<true>(sDY + w0 * ld.h, ld.h, sV, ld.h, hd, S / 16, t, ld.s, false);
             __syncwarp();
             for (int c = half; c < S; c += 2) {
                 const bool kept = k0 + c <= q0 + r && k0 + c < seq && q0 + r < seq;
-                const float p = kept ? acc_exp(s[(r - w0) * lds + c] * scale - sLse[r]) : 0.0f;
-                store(sP + r * ldp + c, p * (t[(r - w0) * lds + c] - sD[r]));
+                const float p = kept ? acc_exp(s[(r - w0) * ld.s + c] * scale - sLse[r]) : 0.0f;
+                store(sP + r * ld.p + c, p * (t[(r - w0) * ld.s + c] - sD[r]));
             }
             __syncwarp();
-            tc_product<false>(sP + w0 * ldp, ldp, sK, ldh, S, hd / 16, sDQ + w0 * ldo, ldo,
+            tc_product<false>(sP + w0 * ld.p, ld.p, sK, ld.h, S, hd / 16, sDQ + w0 * ld.o, ld.o,
                               true);
         }
     }
     __syncthreads();
-    flash_store_rows(dqkv + (long long)b * seq * stride + h * hd, stride, q0, seq, S, hd, sDQ,
-                     ldo, scale);
+    flash_store_rows(dqkv + head.at_qkv, head.stride, q0, seq, S, hd, sDQ, ld.o, scale);
 }
 
 // FLASH_SOURCE's flash_backward_dkv on tensor cores: for key rows k0 .. k0 + S, over the query
@@ -231,67 +237,64 @@ extern "C" __global__ void flash_tc_backward_dkv(const T* qkv, const T* dy, cons
                                                  const int layout_heads, const int S,
                                                  const ACC scale) {
     extern __shared__ __align__(32) unsigned char flash_smem[];
-    const int ldh = hd + 8, ldp = S + 8, lds = (S > hd ? S : hd) + 4, ldo = hd + 4;
-    const int C = nh * hd, nb = (seq + block - 1) / block;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    T* sK = reinterpret_cast<T*>(flash_smem);
-    T* sV = sK + S * ldh;
-    T* sQ = sV + S * ldh;
-    T* sDY = sQ + S * ldh;
-    T* sP = sDY + S * ldh;  // p^T (keys, queries)
-    T* sDS = sP + S * ldp;  // ds^T
-    float* sS = reinterpret_cast<float*>(sDS + S * ldp);  // k q^T
-    float* sT = sS + S * lds;  // v dy^T
-    float* sDK = sT + S * lds;
-    float* sDV = sDK + S * ldo;
-    float* sLse = sDV + S * ldo;
-    float* sD = sLse + S;
-    const int bh = blockIdx.y, b = bh / nh, h = bh % nh, k0 = blockIdx.x * S;
-    const long long stride = 3LL * C;
-    const T* base = qkv + (long long)b * seq * stride + h * hd;
-    const long long row0 = (long long)b * seq * C + h * hd;
-    tc_load(base + C, stride, k0, seq, S, hd, ldh, sK);
-    tc_load(base + 2 * C, stride, k0, seq, S, hd, ldh, sV);
-    for (int e = threadIdx.x; e < S * ldo; e += blockDim.x) {
+    const FlashHead head(qkv, seq, nh, hd, block, S);
+    const TcLeadingDims ld(S, hd);
+    const int k0 = head.r0, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned char* at = flash_smem;
+    T* sK = flash_carve<T>(at, S * ld.h);
+    T* sV = flash_carve<T>(at, S * ld.h);
+    T* sQ = flash_carve<T>(at, S * ld.h);
+    T* sDY = flash_carve<T>(at, S * ld.h);
+    T* sP = flash_carve<T>(at, S * ld.p);  // p^T (keys, queries)
+    T* sDS = flash_carve<T>(at, S * ld.p);  // ds^T
+    float* sS = flash_carve<float>(at, S * ld.s);  // k q^T
+    float* sT = flash_carve<float>(at, S * ld.s);  // v dy^T
+    float* sDK = flash_carve<float>(at, S * ld.o);
+    float* sDV = flash_carve<float>(at, S * ld.o);
+    float* sLse = flash_carve<float>(at, S);
+    float* sD = flash_carve<float>(at, S);
+    tc_load(head.k, head.stride, k0, seq, S, hd, ld.h, sK);
+    tc_load(head.v, head.stride, k0, seq, S, hd, ld.h, sV);
+    for (int e = threadIdx.x; e < S * ld.o; e += blockDim.x) {
         sDK[e] = 0;
         sDV[e] = 0;
     }
     const int w0 = warp * 16, r = w0 + (lane >> 1), half = lane & 1;  // r: a key row
-    float* s = sS + w0 * lds;
-    float* t = sT + w0 * lds;
+    float* s = sS + w0 * ld.s;
+    float* t = sT + w0 * ld.s;
     int begin, end;
-    flash_list(col_ptr, h, layout_heads, nb, k0 / block, &begin, &end);
+    flash_list(col_ptr, head.h, layout_heads, head.nb, k0 / block, &begin, &end);
     for (int n = begin; n < end; ++n) {
         for (int q0 = rows[n] * block; q0 < (rows[n] + 1) * block; q0 += S) {
             if (q0 + S - 1 < k0 || q0 >= seq || k0 >= seq) continue;  // every query first
             __syncthreads();
-            tc_load(base, stride, q0, seq, S, hd, ldh, sQ);
-            tc_load(dy + row0, C, q0, seq, S, hd, ldh, sDY);
+            tc_load(head.q, head.stride, q0, seq, S, hd, ld.h, sQ);
+            tc_load(dy + head.at_y, head.C, q0, seq, S, hd, ld.h, sDY);
             for (int i = threadIdx.x; i < S; i += blockDim.x) {
-                sLse[i] = q0 + i < seq ? lse[(long long)bh * seq + q0 + i] : 0.0f;
-                sD[i] = q0 + i < seq ? delta[(long long)bh * seq + q0 + i] : 0.0f;
+                sLse[i] = q0 + i < seq ? lse[(long long)head.bh * seq + q0 + i] : 0.0f;
+                sD[i] = q0 + i < seq ? delta[(long long)head.bh * seq + q0 + i] : 0.0f;
             }
             __syncthreads();
-            tc_product<true>(sK + w0 * ldh, ldh, sQ, ldh, hd, S / 16, s, lds, false);
-            tc_product<true>(sV + w0 * ldh, ldh, sDY, ldh, hd, S / 16, t, lds, false);
+            tc_product<true>(sK + w0 * ld.h, ld.h, sQ, ld.h, hd, S / 16, s, ld.s, false);
+            tc_product<true>(sV + w0 * ld.h, ld.h, sDY, ld.h, hd, S / 16, t, ld.s, false);
             __syncwarp();
             for (int c = half; c < S; c += 2) {  // c: a query column
                 const bool kept = k0 + r <= q0 + c && k0 + r < seq && q0 + c < seq;
-                const float p = kept ? acc_exp(s[(r - w0) * lds + c] * scale - sLse[c]) : 0.0f;
-                store(sP + r * ldp + c, p);
-                store(sDS + r * ldp + c, p * (t[(r - w0) * lds + c] - sD[c]));
+                const float p = kept ? acc_exp(s[(r - w0) * ld.s + c] * scale - sLse[c]) : 0.0f;
+                store(sP + r * ld.p + c, p);
+                store(sDS + r * ld.p + c, p * (t[(r - w0) * ld.s + c] - sD[c]));
             }
             __syncwarp();
-            tc_product<false>(sP + w0 * ldp, ldp, sDY, ldh, S, hd / 16, sDV + w0 * ldo, ldo,
+            tc_product<false>(sP + w0 * ld.p, ld.p, sDY, ld.h, S, hd / 16, sDV + w0 * ld.o, ld.o,
                               true);
-            tc_product<false>(sDS + w0 * ldp, ldp, sQ, ldh, S, hd / 16, sDK + w0 * ldo, ldo,
+            tc_product<false>(sDS + w0 * ld.p, ld.p, sQ, ld.h, S, hd / 16, sDK + w0 * ld.o, ld.o,
                               true);
         }
     }
     __syncthreads();
-    T* head = dqkv + (long long)b * seq * stride + h * hd;
-    flash_store_rows(head + C, stride, k0, seq, S, hd, sDK, ldo, scale);
-    flash_store_rows(head + 2 * C, stride, k0, seq, S, hd, sDV, ldo, 1.0f);
+    T* dhead = dqkv + head.at_qkv;  // the head in dqkv: dk C after, dv 2C after
+    flash_store_rows(dhead + head.C, head.stride, k0, seq, S, hd, sDK, ld.o, scale);
+    flash_store_rows(dhead + 2 * head.C, head.stride, k0, seq, S, hd, sDV, ld.o, 1.0f);
 }
 #endif
 """
