@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -134,11 +135,13 @@ def count_on_standin(args) -> list[dict]:
     return json.loads(out.splitlines()[-1])
 
 
-def time_gpu(args, comm, shape=GPT2_SMALL) -> list[dict]:
+def time_gpu(args, comm, shape=GPT2_SMALL, measured=lambda rows: None) -> list[dict]:
     """Step time, tokens/s and MFU of a GPT of `shape` (GPT-2 small) on this GPU (zmpi) per
     micro-batch, precision and stage (fp16 at --stages, bf16 at --bf16-stages), with what
     `zmpi plan` predicts for it on --hardware; then PyTorch on rank 0 (--peers) when it is
-    installed with CUDA. Each row is printed as it is measured."""
+    installed with CUDA (a peer that fails is a line on stderr, not the end of the run). Each
+    row is printed as it is measured, and `measured` is given the rows so far (the results
+    written as they come: a run stopped by a time limit keeps what it measured)."""
     from zmpi import backend
     from zmpi.data import SyntheticSource
     from zmpi.engine import Engine
@@ -176,11 +179,18 @@ def time_gpu(args, comm, shape=GPT2_SMALL) -> list[dict]:
             rows.append(row)
             if comm.rank == 0:
                 print(markdown([row])[-1], flush=True)
+                measured(rows)
         for peer in args.peers if comm.rank == 0 else ():
-            row = time_torch(args, cfg, batch, peer)
+            try:
+                row = time_torch(args, cfg, batch, peer)
+            except Exception as e:  # noqa: BLE001 (the peer's failure is reported, zmpi's kept)
+                print(f"bench_gpu: PyTorch {peer} at micro-batch {batch} failed: "
+                      f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                continue
             if row is not None:
                 rows.append(row)
                 print(markdown([row])[-1], flush=True)
+                measured(rows)
     return rows
 
 
@@ -209,11 +219,13 @@ def plan_hardware(name: str):
 
         device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
         device = device.decode() if isinstance(device, bytes) else device
-        name = next((k for k in ("h200", "h100", "a100", "v100") if k in device.lower()), None)
-        if name is None:
+        # the presets are SXM boards: not a GH200, nor an H100 PCIe or NVL
+        match = re.search(r"\b(h200|h100|a100|v100)\b", device.lower())
+        if match is None or re.search(r"pcie|nvl", device.lower()):
             print(f"bench_gpu: no plan preset for {device!r}: no prediction (--hardware)",
                   file=sys.stderr)
             return None
+        name = match.group(1)
     return load_hardware(name)
 
 
@@ -258,7 +270,9 @@ def time_torch(args, cfg, batch: int, peer: str) -> dict | None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     dtype = torch.float16 if peer == "eager" else torch.bfloat16
     scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
-    forward = torch.compile(model) if peer == "compile" else model
+    if peer == "compile":  # a fresh compile at this batch's static shapes (no dynamic graph
+        torch._dynamo.reset()  # left from another micro-batch's compile in this process)
+    forward = torch.compile(model, dynamic=False) if peer == "compile" else model
     rng = np.random.default_rng(1)
     times = []
     for _ in range(args.warmup + args.steps):
@@ -333,9 +347,17 @@ def main():
             sys.exit("bench_gpu: timing needs CuPy and a GPU (this process computes with "
                      f"{backend.name}); --count runs anywhere")
         else:
-            rows = time_gpu(args, comm) + ([] if args.no_count else count_on_standin(args))
+            rows = time_gpu(args, comm, measured=lambda rows: save(args, rows, comm))
+            rows += [] if args.no_count else count_on_standin(args)
+    if comm.rank == 0 and not rows:  # (only rank 0 times the PyTorch peers)
+        sys.exit("bench_gpu: nothing was measured (no PyTorch with CUDA for --peers?)")
     if comm.rank == 0:
         print("\n".join(markdown(rows)))
+        save(args, rows, comm)
+
+
+def save(args, rows, comm) -> None:
+    """The rows so far into --out (rank 0)."""
     if args.out and comm.rank == 0:
         from results import write_results
 

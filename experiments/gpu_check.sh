@@ -19,8 +19,9 @@
 #      beside them, on one CPU core, experiments/bench_gpu.py --count (the stand-in's
 #      launches; any machine);
 #   4. writes targets.md: issue 48's targets against what was measured (gpu_targets.py).
-# Each step's output goes to one results folder, $OUT (default results/gpu_check), with
-# summary.txt saying what passed, failed (exit code) or was skipped (no GPU) and in how long.
+# Each step's output goes to one results folder, $OUT (default results/gpu_check; an earlier
+# run's files there are removed first), with summary.txt saying what passed, failed (exit
+# code) or was skipped (no GPU; no C compiler for torch.compile) and in how long.
 # Exit 0 when every step that ran passed, 1 otherwise (and when the wheels are missing).
 #
 #   bash experiments/gpu_check.sh          # or: make gpu-check
@@ -33,6 +34,9 @@ DEPS=${GPU_DEPS:-${TMPDIR:-/tmp}/zmpi-gpu-deps}
 PY=${PYTHON:-python3}
 OUT=${OUT:-results/gpu_check}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+# this run's results only: a step that does not run or finish must not leave an earlier run's
+rm -rf "$OUT"/{bench,compile,flash,trace,trace_small,count} "$OUT"/targets.md \
+    "$OUT"/{summary,install,env,tests,bench,flash,trace,trace_small,compile,count}.txt
 SUMMARY=$OUT/summary.txt
 DEADLINE=$((SECONDS + ${GPU_CHECK_SECONDS:-460}))
 failed=0
@@ -169,15 +173,24 @@ if "$PY" -c "import cupy, sys; sys.exit(cupy.cuda.runtime.getDeviceCount() == 0)
     step trace-small 60 trace_small.txt env ZMPI_BACKEND=cupy mpiexec -n 1 "$PY" \
         experiments/gpu_trace.py --n-layer 4 --d-model 256 --n-head 4 --seq-len 128 --batch 4 \
         --out "$OUT/trace_small"
-    # the issue's stretch peer, last: torch.compile's first steps compile (about a minute)
-    step compile 150 compile.txt env ZMPI_BACKEND=cupy mpiexec -n 1 "$PY" experiments/bench_gpu.py \
-        --no-count --stages --bf16-stages --peers compile --batch 8 --warmup 3 --steps 5 \
-        --out "$OUT/compile"
+    # the issue's stretch peer, last: torch.compile's first steps compile (about a minute;
+    # Triton builds its launchers with the host's C compiler)
+    if ! command -v cc gcc clang > /dev/null; then
+        note "compile  skipped: no C compiler (cc, gcc or clang) for torch.compile's Triton"
+    else
+        step compile 150 compile.txt env ZMPI_BACKEND=cupy mpiexec -n 1 "$PY" \
+            experiments/bench_gpu.py --no-count --stages --bf16-stages --peers compile \
+            --batch 8 --warmup 3 --steps 5 --out "$OUT/compile"
+    fi
 else
     for name in tests bench flash trace trace-small compile; do note "$(printf '%-8s skipped: no GPU (CuPy sees none)' "$name")"; done
 fi
 wait $counting || failed=1
 # issue 48's targets against what was measured ("-" where a step did not run or finish)
-"$PY" experiments/gpu_targets.py "$OUT" | tee -a "$SUMMARY"
+if ! "$PY" experiments/gpu_targets.py "$OUT" >> "$SUMMARY" 2>&1; then
+    note "targets  FAILED: experiments/gpu_targets.py (its error is above)"
+    failed=1
+fi
+cat "$OUT/targets.md" 2> /dev/null
 note "results in $OUT"
 exit $failed

@@ -11,8 +11,9 @@ it. The targets (issue 48): zmpi fp16 >= 1.0x PyTorch eager's tokens/s at micro-
 16 (stretch: >= 0.8x torch.compile bf16), MFU >= 30 %, bf16 reported beside fp16, <= 40 GPU
 operations and <= 2 casts a layer, the stand-in's count within 10 % of the trace's, zmpi plan
 within 20 % of the step; and flash/results.json (bench_flash_attention.py): whether the flash
-kernels make the step faster than the blocked path (its 37 operations a layer would meet the
-40), and whether they ran on tensor cores.
+kernels make the step faster than the blocked path (25 fewer operations a layer on the
+stand-in), and whether they ran on tensor cores. A trace that saw no GPU operation (a profiler
+without CUPTI) counts as not measured.
 """
 import json
 import sys
@@ -35,13 +36,13 @@ def _rows(folder: Path) -> list[dict]:
 
 def _zmpi(rows, precision: str, batch: int) -> dict | None:
     """The fastest zmpi row of `precision` at micro-batch `batch` (any stage)."""
-    found = [r for r in rows if r["peer"] == "zmpi" and r["precision"] == precision
+    found = [r for r in rows if r.get("peer") == "zmpi" and r["precision"] == precision
              and r["batch"] == batch]
     return max(found, key=lambda r: r["tokens_per_s"]) if found else None
 
 
 def _peer(rows, peer: str, batch: int) -> dict | None:
-    return next((r for r in rows if r["peer"] == peer and r["batch"] == batch), None)
+    return next((r for r in rows if r.get("peer") == peer and r["batch"] == batch), None)
 
 
 def _ratio(a, b) -> float | None:
@@ -67,7 +68,7 @@ def targets(out: Path) -> list[tuple[str, str, str, bool | None]]:
         _ratio(_zmpi(bench, "fp16", 8), _peer(compiled, COMPILED, 8)),
         lambda r: r >= 0.8, lambda r: f"{r:.2f}x")
     add("zmpi MFU (its best fp16 row)", ">= 30 %",
-        max((r for r in bench if r["peer"] == "zmpi" and r["precision"] == "fp16"),
+        max((r for r in bench if r.get("peer") == "zmpi" and r["precision"] == "fp16"),
             key=lambda r: r["mfu"], default=None),
         lambda r: r["mfu"] >= 0.30,
         lambda r: f"{r['mfu']:.1%} (micro-batch {r['batch']}, stage {r['stage']})")
@@ -76,26 +77,30 @@ def targets(out: Path) -> list[tuple[str, str, str, bool | None]]:
         _zmpi(bench, "bf16", 8), lambda _: True,
         lambda r: f"{r['tokens_per_s']:,.0f} tokens/s"
                   + (f" ({_ratio(r, fp16):.2f}x fp16)" if fp16 else ""))
+    # a trace that saw no GPU operation measured nothing (a profiler without CUPTI)
+    trace = trace if trace and trace["ops_per_step"] > 0 else None
     n_layer = (trace["args"].get("n_layer") if trace else None) or 12
     ops = trace["ops_per_step"] if trace else None
     add("GPU operations a layer (the trace's a step over its layers, those outside the layers "
-        "included)", "<= 40", ops and ops / n_layer, lambda v: v <= 40, lambda v: f"{v:.1f}")
-    add("cast kernels a layer (the trace)", "<= 2", trace and trace["casts_per_layer"],
+        "included: issue 48's measure)", "<= 40", None if ops is None else ops / n_layer,
+        lambda v: v <= 40, lambda v: f"{v:.1f}")
+    add("cast kernels a layer (the trace)", "<= 2", trace["casts_per_layer"] if trace else None,
         lambda v: v <= 2, lambda v: f"{v:.1f}")
-    counted = next((r for r in count if (r["kernels"], r["stage"], r["precision"])
+    counted = next((r for r in count if (r.get("kernels"), r.get("stage"), r.get("precision"))
                     == ("fused", 0, "fp16")), None)
-    total = counted and counted["launches_per_layer"] * n_layer + counted["launches_outside"]
+    total = None if counted is None else (counted["launches_per_layer"] * n_layer
+                                          + counted["launches_outside"])
     add("the stand-in's operations a step against the trace's (fused fp16, stage 0)",
-        "within 10 %", ops and total and total / ops - 1, lambda e: abs(e) <= 0.10,
-        lambda e: f"{total:.0f} against {ops:.0f} ({e:+.0%})")
+        "within 10 %", None if total is None or ops is None else total / ops - 1,
+        lambda e: abs(e) <= 0.10, lambda e: f"{total:.0f} against {ops:.0f} ({e:+.0%})")
     flash = _load(out / "flash" / "results.json") or {"rows": [], "flash_kernels": {}}
     steps = {r["path"]: r["seconds"] for r in flash["rows"] if r["case"] == "GPT step"}
     kinds = ", ".join(f"{k}: {v}" for k, v in flash["flash_kernels"].items())  # tensor cores?
-    add("flash attention's GPT step over the blocked path's (fp16, micro-batch 8; flash counts "
-        "37 operations a layer, the blocked path 62)", "< 1.0x, to make it the GPU's default",
-        steps.get("flash") and steps.get("blocked") and steps["flash"] / steps["blocked"],
-        lambda r: r < 1.0, lambda r: f"{r:.2f}x ({kinds})")
-    row = next((r for r in bench if r["peer"] == "zmpi" and "plan_step_s" in r
+    add("flash attention's GPT step over the blocked path's (fp16, micro-batch 8; on the "
+        "stand-in flash takes 25 fewer operations a layer)", "< 1.0x, to make it the GPU's "
+        "default", steps["flash"] / steps["blocked"] if {"flash", "blocked"} <= steps.keys()
+        else None, lambda r: r < 1.0, lambda r: f"{r:.2f}x ({kinds})")
+    row = next((r for r in bench if r.get("peer") == "zmpi" and "plan_step_s" in r
                 and (r["precision"], r["stage"], r["batch"]) == ("fp16", 0, 8)), None)
     add("zmpi plan's step against the measured one (fp16, stage 0, micro-batch 8)",
         "within 20 %", row, lambda r: abs(r["plan_step_s"] / r["step_s"] - 1) <= 0.20,

@@ -120,6 +120,8 @@ def main():
     engine.close()
     events = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
               if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not events:  # the profiler saw no kernel: CUPTI is missing or not permitted here
+        sys.exit("gpu_trace: the profiler recorded no GPU operation (is CUPTI available?)")
     summary = summarize(events, args.steps, cfg.n_layer, wall, unprofiled)
     text = table(summary, args.rows)
     print(text)

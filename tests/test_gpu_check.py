@@ -65,7 +65,9 @@ def test_the_targets_table_reads_the_device_checks_results(tmp_path):
              {"peer": "PyTorch eager", "precision": "fp16 (autocast)", "stage": "-",
               "batch": 8, "step_s": 0.0437, "tokens_per_s": 187.5e3, "mfu": 0.16},
              {"peer": "PyTorch eager", "precision": "fp16 (autocast)", "stage": "-",
-              "batch": 16, "step_s": 0.06, "tokens_per_s": 273e3, "mfu": 0.2}]
+              "batch": 16, "step_s": 0.06, "tokens_per_s": 273e3, "mfu": 0.2},
+             {"kernels": "fused", "stage": 0, "precision": "fp16", "batch": 8,  # a count's
+              "launches_per_layer": 62.0, "launches_outside": 39.0}]
     for name, data in (("bench/run.json", {"rows": bench}),
                        ("trace/trace.json", {"args": {"n_layer": None}, "ops_per_step": 540,
                                              "casts_per_layer": 0.75}),
@@ -97,3 +99,10 @@ def test_the_targets_table_reads_the_device_checks_results(tmp_path):
     table = gpu_targets.markdown(gpu_targets.targets(tmp_path))
     assert table[2] == "| zmpi fp16 tokens/s over PyTorch eager's, micro-batch 8 | >= 1.0x " \
                        "| 1.07x | yes |"
+    # a trace without GPU operations (no CUPTI) measured nothing
+    (tmp_path / "trace/trace.json").write_text(json.dumps(
+        {"args": {"n_layer": None}, "ops_per_step": 0, "casts_per_layer": 0}))
+    rows = {t.split(",")[0].split(" (")[0]: (m, ok) for t, _, m, ok in
+            gpu_targets.targets(tmp_path)}
+    assert rows["GPU operations a layer"] == rows["cast kernels a layer"] == ("-", None)
+    assert rows["the stand-in's operations a step against the trace's"] == ("-", None)

@@ -387,12 +387,13 @@ import bench_gpu
 from zmpi.comm import Comm
 
 comm = Comm()
-rows = []
+rows, saved = [], []
 for hardware in ("auto", "h200"):  # auto: the stand-in's name is no GPU's: no prediction
     args = argparse.Namespace(seq_len=32, batch=[2, 3], stages=[0], bf16_stages=[3], peers=[],
                               hardware=hardware, warmup=1, steps=2, peak_tflops=989.0)
-    rows += bench_gpu.time_gpu(args, comm, shape={**bench_gpu.SMALL, "n_layer": 2})
-print(json.dumps({"rows": rows, "markdown": bench_gpu.markdown(rows)}))
+    rows += bench_gpu.time_gpu(args, comm, shape={**bench_gpu.SMALL, "n_layer": 2},
+                               measured=lambda so_far: saved.append(len(so_far)))
+print(json.dumps({"rows": rows, "markdown": bench_gpu.markdown(rows), "saved": saved}))
 """
 
 
@@ -406,6 +407,7 @@ def test_bench_gpu_times_on_the_standin():
     assert out.returncode == 0, out.stderr
     assert "no plan preset for 'zmpi CuPy stand-in'" in out.stderr
     result = json.loads(out.stdout.splitlines()[-1])
+    assert result["saved"] == [1, 2, 3, 4] * 2  # the results written after every row
     rows = result["rows"]
     assert [(r["precision"], r["stage"], r["batch"]) for r in rows] == \
         [("fp16", 0, 2), ("bf16", 3, 2), ("fp16", 0, 3), ("bf16", 3, 3)] * 2
