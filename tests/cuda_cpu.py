@@ -20,11 +20,12 @@ What a launch checks that a GPU would not say: each argument's type against the 
 declaration (an array of the pointer's element type, C-contiguous; a NumPy scalar of the
 parameter's exact type); no two arrays overlapping; no write outside an array (guard bytes
 around each, checked after the launch), nor to a `const` one; barriers every live thread of a
-block (or lane of a warp) reaches, with full masks; wmma tiles loaded and stored 32-byte
-aligned with a leading dimension of a multiple of 16 bytes (mma.h); grids within CUDA's
-limits; at most 48 KiB of dynamic shared memory (more needs an opt-in zmpi's kernels do not make). What it cannot: timing,
-static shared memory's size and bank conflicts, registers, the device's own libm, races
-between blocks (they run in order), cuBLAS.
+block (or lane of a warp) reaches, with full masks (a partial mask is legal CUDA, which this
+executor does not model: an error); wmma tiles loaded and stored 32-byte aligned with a
+leading dimension of a multiple of 16 bytes (mma.h); grids within CUDA's limits; at most 48
+KiB of dynamic shared memory (more needs an opt-in zmpi's kernels do not make). What it
+cannot: timing, static shared memory's size and bank conflicts, registers, the device's own
+libm, races between blocks (they run in order), cuBLAS.
 """
 from __future__ import annotations
 

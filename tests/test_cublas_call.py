@@ -27,12 +27,12 @@ class DeviceArray(np.ndarray):
         return types.SimpleNamespace(ptr=self.ctypes.data)
 
 
-ALLOCATIONS = []  # (address, bytes) of every array the tests make: "device memory"
+ALLOCATIONS = []  # every array the test makes, its "device memory", kept alive until its end
 
 
 def allocate(a: np.ndarray) -> DeviceArray:
     """`a` (C-contiguous) as device memory: the fake reads and writes only inside such."""
-    ALLOCATIONS.append((a.ctypes.data, a.nbytes))
+    ALLOCATIONS.append(a)
     return a.view(DeviceArray)
 
 
@@ -42,7 +42,8 @@ def _column_major(ptr, dtype, rows, cols, ld, what):
     if ld < max(1, rows):
         raise ValueError(f"CUBLAS_STATUS_INVALID_VALUE: {what} {ld} < {rows} rows")
     n = (cols - 1) * ld + rows
-    if not any(at <= ptr and ptr + n * dtype.itemsize <= at + size for at, size in ALLOCATIONS):
+    if not any(a.ctypes.data <= ptr and ptr + n * dtype.itemsize <= a.ctypes.data + a.nbytes
+               for a in ALLOCATIONS):
         raise ValueError(f"the matrix of {what} {ld} at {ptr:#x} is outside every array")
     flat = np.frombuffer((ctypes.c_char * (n * dtype.itemsize)).from_address(ptr), dtype)
     return np.lib.stride_tricks.as_strided(flat, (rows, cols), (dtype.itemsize,
@@ -99,7 +100,7 @@ def fake_cublas(monkeypatch):
     monkeypatch.setattr(backend, "xp", xp)
     monkeypatch.setattr(backend, "is_device_array", lambda a: isinstance(a, DeviceArray))
     yield
-    ALLOCATIONS.clear()  # a freed array's memory is no longer "device memory"
+    ALLOCATIONS.clear()
 
 
 def device(rng, shape, dtype):

@@ -86,7 +86,8 @@ def test_load_hardware_presets_any_case_and_copies():
 
 
 def test_load_hardware_errors(tmp_path):
-    with pytest.raises(ValueError, match=r"'a10'.*a100, h100, h200, v100, cpu.*path of a JSON file"):
+    with pytest.raises(ValueError,
+                       match=r"'a10'.*a100, h100, h200, v100, cpu.*path of a JSON file"):
         load_hardware("a10")
     with pytest.raises(ValueError, match="not found"):
         load_hardware(str(tmp_path / "missing.json"))

@@ -189,13 +189,15 @@ static inline void __syncthreads() { zmpi_cpu::wait_at(zmpi_cpu::AT_SYNCTHREADS)
 
 // every lane of the warp waits here (the warp's lanes then see each other's shared-memory writes)
 static inline void __syncwarp(unsigned int mask = 0xffffffffu) {
-    if (mask != 0xffffffffu) zmpi_cpu::fail("__syncwarp with a partial mask");
+    if (mask != 0xffffffffu)  // legal CUDA, which this executor does not model
+        zmpi_cpu::fail("__syncwarp with a partial mask (not modelled here)");
     zmpi_cpu::wait_at(zmpi_cpu::AT_SHUFFLE);
 }
 
 template <typename A> static A __shfl_xor_sync(unsigned int mask, A v, int lane_mask) {
     static_assert(sizeof(A) <= 8, "a shuffle moves at most 8 bytes");
-    if (mask != 0xffffffffu) zmpi_cpu::fail("__shfl_xor_sync with a partial mask");
+    if (mask != 0xffffffffu)  // legal CUDA, which this executor does not model
+        zmpi_cpu::fail("__shfl_xor_sync with a partial mask (not modelled here)");
     const unsigned int t = zmpi_cpu::current, lane = t & 31;
     uint64_t bits = 0;
     std::memcpy(&bits, &v, sizeof(A));
