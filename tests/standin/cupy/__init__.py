@@ -233,19 +233,32 @@ class ndarray:  # noqa: N801 (CuPy's name)
 
     # -- explicit copies
     def get(self, stream=None, order="C", out=None, blocking=True):
+        """As CuPy 14.2's (cupy/_core/core.pyx): a copy kernel first where the array's layout
+        is not the host array's (out's, or `order`: C, F, or A for F where the array is
+        F-contiguous), then the transfer, a sync unless blocking=False; nothing for an empty
+        array without `out`."""
+        src = self._a
         if out is None:
-            out = _np.empty_like(self._a)
+            if src.size == 0:
+                return _np.empty(src.shape, src.dtype)
+            order = order.upper()
+            if order == "A":
+                order = "F" if src.flags.f_contiguous else "C"
+            if order not in ("C", "F"):
+                raise ValueError(f"unsupported order: {order}")
+            out = _np.empty(src.shape, src.dtype, order=order)
         if isinstance(out, ndarray):
             raise TypeError("out must be a NumPy array")
-        if out.shape != self._a.shape:
-            raise ValueError(f"get(): out shape {out.shape} != {self._a.shape}")
-        if out.dtype != self._a.dtype:
-            raise TypeError(f"get(): out dtype {out.dtype} != {self._a.dtype}")
-        if not (out.flags.c_contiguous or out.flags.f_contiguous):  # as CuPy 14.2's get()
-            raise RuntimeError("`out` cannot be specified when copying to non-contiguous ndarray")
-        src = self._a
-        if not (src.flags.c_contiguous or src.flags.f_contiguous):
-            _launch()  # CuPy first copies a non-contiguous array into a contiguous one
+        if out.shape != src.shape:
+            raise ValueError(f"get(): out shape {out.shape} != {src.shape}")
+        if out.dtype != src.dtype:
+            raise TypeError(f"get(): out dtype {out.dtype} != {src.dtype}")
+        if not (out.flags.c_contiguous and src.flags.c_contiguous
+                or out.flags.f_contiguous and src.flags.f_contiguous):
+            if not (out.flags.c_contiguous or out.flags.f_contiguous):
+                raise RuntimeError("`out` cannot be specified when copying to non-contiguous "
+                                   "ndarray")
+            _launch()  # the array copied into out's layout on the device first
         _launch()
         if blocking:
             SYNCS[0] += 1
