@@ -18,11 +18,11 @@ scores are), and p and ds are rounded to T before their products (FlashAttention
 results agree with the twin within T's rounding.
 
 Tiles (T elements; float elements), carved in this order, with the leading dimensions of
-TcLeadingDims ld: ld.h = hd + 8, ld.p = S + 8, ld.s = max(S, hd) + 4, ld.o = hd + 4, every
+TcLeadingDims ld: ld.hd = hd + 8, ld.p = S + 8, ld.s = max(S, hd) + 4, ld.o = hd + 4, every
 tile 32-byte aligned as the MMA's loads and stores require:
-    forward   sQ sK sV (S, ld.h); sP (S, ld.p); sS (S, ld.s); sO (S, ld.o); m, l, alpha (S)
-    dq        sQ sDY sK sV (S, ld.h); sP (S, ld.p); sS sT (S, ld.s); sDQ (S, ld.o); lse, delta (S)
-    dkv       sK sV sQ sDY (S, ld.h); sP sDS (S, ld.p); sS sT (S, ld.s); sDK sDV (S, ld.o);
+    forward   sQ sK sV (S, ld.hd); sP (S, ld.p); sS (S, ld.s); sO (S, ld.o); m, l, alpha (S)
+    dq        sQ sDY sK sV (S, ld.hd); sP (S, ld.p); sS sT (S, ld.s); sDQ (S, ld.o); lse, delta (S)
+    dkv       sK sV sQ sDY (S, ld.hd); sP sDS (S, ld.p); sS sT (S, ld.s); sDK sDV (S, ld.o);
               lse, delta (S)
 """
 
@@ -77,13 +77,14 @@ __device__ void tc_product(const T* a, const int lda, const T* b, const int ldb,
 
 // The leading dimensions (in elements) of the tensor-core kernels' tiles of S rows: each row
 // padded past its width (against shared-memory bank conflicts) to a multiple of 16 bytes, as
-// wmma's loads and stores require. h: T tiles of a head's hd columns (q, k, v, dy); p: T tiles
-// of S columns (p, ds); s: float tiles of products of either width (scores, p v); o: float
-// sums of hd columns (o, dq, dk, dv). zmpi.flash_attention._shared_bytes counts the same.
+// wmma's loads and stores require. hd: T tiles of a head's hd columns (q, k, v, dy); p: T
+// tiles of S columns (p, ds); s: float tiles of products of either width (scores, p v); o:
+// float sums of hd columns (o, dq, dk, dv). zmpi.flash_attention._shared_bytes counts the same.
 struct TcLeadingDims {
-    int h, p, s, o;
-    __device__ TcLeadingDims(const int S, const int hd)
-        : h(hd + 8), p(S + 8), s((S > hd ? S : hd) + 4), o(hd + 4) {}
+    int hd, p, s, o;
+    __device__ TcLeadingDims(const int S, const int head_size)
+        : hd(head_size + 8), p(S + 8), s((S > head_size ? S : head_size) + 4),
+          o(head_size + 4) {}
 };
 
 // rows [r0, r0 + S) of one head's q, k, v or dy (`src` at its first column, rows `stride`
@@ -109,16 +110,16 @@ extern "C" __global__ void flash_tc_forward(const T* qkv, const int* row_ptr, co
     const TcLeadingDims ld(S, hd);
     const int q0 = head.r0, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     unsigned char* at = flash_smem;
-    T* sQ = flash_carve<T>(at, S * ld.h);
-    T* sK = flash_carve<T>(at, S * ld.h);
-    T* sV = flash_carve<T>(at, S * ld.h);
+    T* sQ = flash_carve<T>(at, S * ld.hd);
+    T* sK = flash_carve<T>(at, S * ld.hd);
+    T* sV = flash_carve<T>(at, S * ld.hd);
     T* sP = flash_carve<T>(at, S * ld.p);
     float* sS = flash_carve<float>(at, S * ld.s);
     float* sO = flash_carve<float>(at, S * ld.o);
     float* sM = flash_carve<float>(at, S);
     float* sL = flash_carve<float>(at, S);
     float* sA = flash_carve<float>(at, S);
-    tc_load(head.q, head.stride, q0, seq, S, hd, ld.h, sQ);
+    tc_load(head.q, head.stride, q0, seq, S, hd, ld.hd, sQ);
     for (int e = threadIdx.x; e < S * ld.o; e += blockDim.x) sO[e] = 0;
     for (int r = threadIdx.x; r < S; r += blockDim.x) {
         sM[r] = neg_inf(0.0f);
@@ -133,10 +134,10 @@ extern "C" __global__ void flash_tc_forward(const T* qkv, const int* row_ptr, co
         for (int k0 = cols[n] * block; k0 < (cols[n] + 1) * block; k0 += S) {
             if (k0 > q0 + S - 1 || k0 >= seq) continue;  // every key after every query
             __syncthreads();  // the previous tile's readers are done
-            tc_load(head.k, head.stride, k0, seq, S, hd, ld.h, sK);
-            tc_load(head.v, head.stride, k0, seq, S, hd, ld.h, sV);
+            tc_load(head.k, head.stride, k0, seq, S, hd, ld.hd, sK);
+            tc_load(head.v, head.stride, k0, seq, S, hd, ld.hd, sV);
             __syncthreads();
-            tc_product<true>(sQ + w0 * ld.h, ld.h, sK, ld.h, hd, S / 16, s, ld.s, false);
+            tc_product<true>(sQ + w0 * ld.hd, ld.hd, sK, ld.hd, hd, S / 16, s, ld.s, false);
             __syncwarp();
             float mx = neg_inf(0.0f);
             for (int c = half; c < S; c += 2) {
@@ -158,7 +159,7 @@ extern "C" __global__ void flash_tc_forward(const T* qkv, const int* row_ptr, co
             __syncwarp();  // every lane has read m_old before it changes
             if (half == 0) flash_rescale(sM, sL, sA, r, m_old, m_new, m_use, sum);
             __syncwarp();
-            tc_product<false>(sP + w0 * ld.p, ld.p, sV, ld.h, S, hd / 16, s, ld.s, false);
+            tc_product<false>(sP + w0 * ld.p, ld.p, sV, ld.hd, S, hd / 16, s, ld.s, false);
             __syncwarp();
             for (int e = lane; e < 16 * hd; e += 32) {  // o = o alpha + p v, row by row
                 const int i = e / hd, d = e % hd;
@@ -183,18 +184,18 @@ extern "C" __global__ void flash_tc_backward_dq(const T* qkv, const T* y, const 
     const TcLeadingDims ld(S, hd);
     const int q0 = head.r0, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     unsigned char* at = flash_smem;
-    T* sQ = flash_carve<T>(at, S * ld.h);
-    T* sDY = flash_carve<T>(at, S * ld.h);
-    T* sK = flash_carve<T>(at, S * ld.h);
-    T* sV = flash_carve<T>(at, S * ld.h);
+    T* sQ = flash_carve<T>(at, S * ld.hd);
+    T* sDY = flash_carve<T>(at, S * ld.hd);
+    T* sK = flash_carve<T>(at, S * ld.hd);
+    T* sV = flash_carve<T>(at, S * ld.hd);
     T* sP = flash_carve<T>(at, S * ld.p);  // ds
     float* sS = flash_carve<float>(at, S * ld.s);  // scores
     float* sT = flash_carve<float>(at, S * ld.s);  // dy v^T
     float* sDQ = flash_carve<float>(at, S * ld.o);
     float* sLse = flash_carve<float>(at, S);
     float* sD = flash_carve<float>(at, S);
-    tc_load(head.q, head.stride, q0, seq, S, hd, ld.h, sQ);
-    tc_load(dy + head.at_y, head.C, q0, seq, S, hd, ld.h, sDY);
+    tc_load(head.q, head.stride, q0, seq, S, hd, ld.hd, sQ);
+    tc_load(dy + head.at_y, head.C, q0, seq, S, hd, ld.hd, sDY);
     for (int e = threadIdx.x; e < S * ld.o; e += blockDim.x) sDQ[e] = 0;
     flash_row_stats(y + head.at_y, dy + head.at_y, lse, delta, sD, sLse, head.bh, q0, seq, S, hd,
                     head.C);
@@ -207,11 +208,11 @@ extern "C" __global__ void flash_tc_backward_dq(const T* qkv, const T* y, const 
         for (int k0 = cols[n] * block; k0 < (cols[n] + 1) * block; k0 += S) {
             if (k0 > q0 + S - 1 || k0 >= seq) continue;  // every key after every query
             __syncthreads();
-            tc_load(head.k, head.stride, k0, seq, S, hd, ld.h, sK);
-            tc_load(head.v, head.stride, k0, seq, S, hd, ld.h, sV);
+            tc_load(head.k, head.stride, k0, seq, S, hd, ld.hd, sK);
+            tc_load(head.v, head.stride, k0, seq, S, hd, ld.hd, sV);
             __syncthreads();
-            tc_product<true>(sQ + w0 * ld.h, ld.h, sK, ld.h, hd, S / 16, s, ld.s, false);
-            tc_product<true>(sDY + w0 * ld.h, ld.h, sV, ld.h, hd, S / 16, t, ld.s, false);
+            tc_product<true>(sQ + w0 * ld.hd, ld.hd, sK, ld.hd, hd, S / 16, s, ld.s, false);
+            tc_product<true>(sDY + w0 * ld.hd, ld.hd, sV, ld.hd, hd, S / 16, t, ld.s, false);
             __syncwarp();
             for (int c = half; c < S; c += 2) {
                 const bool kept = k0 + c <= q0 + r && k0 + c < seq && q0 + r < seq;
@@ -219,7 +220,7 @@ extern "C" __global__ void flash_tc_backward_dq(const T* qkv, const T* y, const 
                 store(sP + r * ld.p + c, p * (t[(r - w0) * ld.s + c] - sD[r]));
             }
             __syncwarp();
-            tc_product<false>(sP + w0 * ld.p, ld.p, sK, ld.h, S, hd / 16, sDQ + w0 * ld.o, ld.o,
+            tc_product<false>(sP + w0 * ld.p, ld.p, sK, ld.hd, S, hd / 16, sDQ + w0 * ld.o, ld.o,
                               true);
         }
     }
@@ -241,10 +242,10 @@ extern "C" __global__ void flash_tc_backward_dkv(const T* qkv, const T* dy, cons
     const TcLeadingDims ld(S, hd);
     const int k0 = head.r0, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     unsigned char* at = flash_smem;
-    T* sK = flash_carve<T>(at, S * ld.h);
-    T* sV = flash_carve<T>(at, S * ld.h);
-    T* sQ = flash_carve<T>(at, S * ld.h);
-    T* sDY = flash_carve<T>(at, S * ld.h);
+    T* sK = flash_carve<T>(at, S * ld.hd);
+    T* sV = flash_carve<T>(at, S * ld.hd);
+    T* sQ = flash_carve<T>(at, S * ld.hd);
+    T* sDY = flash_carve<T>(at, S * ld.hd);
     T* sP = flash_carve<T>(at, S * ld.p);  // p^T (keys, queries)
     T* sDS = flash_carve<T>(at, S * ld.p);  // ds^T
     float* sS = flash_carve<float>(at, S * ld.s);  // k q^T
@@ -253,8 +254,8 @@ extern "C" __global__ void flash_tc_backward_dkv(const T* qkv, const T* dy, cons
     float* sDV = flash_carve<float>(at, S * ld.o);
     float* sLse = flash_carve<float>(at, S);
     float* sD = flash_carve<float>(at, S);
-    tc_load(head.k, head.stride, k0, seq, S, hd, ld.h, sK);
-    tc_load(head.v, head.stride, k0, seq, S, hd, ld.h, sV);
+    tc_load(head.k, head.stride, k0, seq, S, hd, ld.hd, sK);
+    tc_load(head.v, head.stride, k0, seq, S, hd, ld.hd, sV);
     for (int e = threadIdx.x; e < S * ld.o; e += blockDim.x) {
         sDK[e] = 0;
         sDV[e] = 0;
@@ -268,15 +269,15 @@ extern "C" __global__ void flash_tc_backward_dkv(const T* qkv, const T* dy, cons
         for (int q0 = rows[n] * block; q0 < (rows[n] + 1) * block; q0 += S) {
             if (q0 + S - 1 < k0 || q0 >= seq || k0 >= seq) continue;  // every query first
             __syncthreads();
-            tc_load(head.q, head.stride, q0, seq, S, hd, ld.h, sQ);
-            tc_load(dy + head.at_y, head.C, q0, seq, S, hd, ld.h, sDY);
+            tc_load(head.q, head.stride, q0, seq, S, hd, ld.hd, sQ);
+            tc_load(dy + head.at_y, head.C, q0, seq, S, hd, ld.hd, sDY);
             for (int i = threadIdx.x; i < S; i += blockDim.x) {
                 sLse[i] = q0 + i < seq ? lse[(long long)head.bh * seq + q0 + i] : 0.0f;
                 sD[i] = q0 + i < seq ? delta[(long long)head.bh * seq + q0 + i] : 0.0f;
             }
             __syncthreads();
-            tc_product<true>(sK + w0 * ld.h, ld.h, sQ, ld.h, hd, S / 16, s, ld.s, false);
-            tc_product<true>(sV + w0 * ld.h, ld.h, sDY, ld.h, hd, S / 16, t, ld.s, false);
+            tc_product<true>(sK + w0 * ld.hd, ld.hd, sQ, ld.hd, hd, S / 16, s, ld.s, false);
+            tc_product<true>(sV + w0 * ld.hd, ld.hd, sDY, ld.hd, hd, S / 16, t, ld.s, false);
             __syncwarp();
             for (int c = half; c < S; c += 2) {  // c: a query column
                 const bool kept = k0 + r <= q0 + c && k0 + r < seq && q0 + c < seq;
@@ -285,9 +286,9 @@ extern "C" __global__ void flash_tc_backward_dkv(const T* qkv, const T* dy, cons
                 store(sDS + r * ld.p + c, p * (t[(r - w0) * ld.s + c] - sD[c]));
             }
             __syncwarp();
-            tc_product<false>(sP + w0 * ld.p, ld.p, sDY, ld.h, S, hd / 16, sDV + w0 * ld.o, ld.o,
+            tc_product<false>(sP + w0 * ld.p, ld.p, sDY, ld.hd, S, hd / 16, sDV + w0 * ld.o, ld.o,
                               true);
-            tc_product<false>(sDS + w0 * ld.p, ld.p, sQ, ld.h, S, hd / 16, sDK + w0 * ld.o, ld.o,
+            tc_product<false>(sDS + w0 * ld.p, ld.p, sQ, ld.hd, S, hd / 16, sDK + w0 * ld.o, ld.o,
                               true);
         }
     }
