@@ -22,9 +22,9 @@ parameter's exact type); no two arrays overlapping; no write outside an array (g
 around each, checked after the launch), nor to a `const` one; barriers every live thread of a
 block (or lane of a warp) reaches, with full masks (a partial mask is legal CUDA, which this
 executor does not model: an error); wmma tiles loaded and stored 32-byte aligned with a
-leading dimension of a multiple of 16 bytes (mma.h); grids within CUDA's limits; at most 48
-KiB of dynamic shared memory (more needs an opt-in zmpi's kernels do not make). What it
-cannot: timing, static shared memory's size and bank conflicts, registers, the device's own
+leading dimension of a multiple of 16 bytes (mma.h); grids and blocks within CUDA's limits;
+at most 48 KiB of dynamic shared memory (more needs an opt-in zmpi's kernels do not make).
+What it cannot: timing, static shared memory's size and bank conflicts, registers, the device's own
 libm, races between blocks (they run in order), cuBLAS.
 """
 from __future__ import annotations

@@ -101,6 +101,8 @@ def test_arguments_are_checked_against_the_declarations(module):
         row_sums((2,), (32,), (x, x[0], np.int32(4)))
     with pytest.raises(RuntimeError, match="multiple of 32"):
         row_sums((2,), (48,), (x, out, np.int32(4)))
+    with pytest.raises(RuntimeError, match="z at most 64"):
+        row_sums((2,), (1, 1, 128), (x, out, np.int32(4)))
     with pytest.raises(RuntimeError, match="CUDA's limits are 2"):
         module.get_function("dynamic_shared")((1, 65536), (32,), (np.zeros(32),))
     with pytest.raises(RuntimeError, match="49153 bytes of dynamic shared memory"):

@@ -152,9 +152,9 @@ static int launch(const unsigned int* grid, const unsigned int* block, size_t sh
     gridDim = {grid[0], grid[1], grid[2]};
     blockDim = {block[0], block[1], block[2]};
     const unsigned int n = block[0] * block[1] * block[2];
-    if (n == 0 || n > 1024 || n % 32) {
-        fail("blockDim of " + std::to_string(n) + " threads: these kernels need a multiple of "
-             "32, at most 1024");
+    if (n == 0 || n > 1024 || n % 32 || block[2] > 64) {  // CUDA's: z at most 64
+        fail("blockDim of " + std::to_string(n) + " threads (z " + std::to_string(block[2]) +
+             "): these kernels need a multiple of 32, at most 1024, z at most 64");
         return 1;
     }
     if (grid[0] > 2147483647u || grid[1] > 65535u || grid[2] > 65535u) {
