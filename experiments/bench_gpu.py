@@ -375,12 +375,16 @@ def _vs_eager(row, timed) -> str:
     return f"{row['tokens_per_s'] / eager[0]['tokens_per_s']:.2f}x" if eager else "-"
 
 
+def plan_error(row) -> float:
+    """How far zmpi plan's step is from the measured one: (plan - measured) / measured."""
+    return row["plan_step_s"] / row["step_s"] - 1
+
+
 def _planned(row) -> str:
-    """The plan's predicted s/step and its error, (plan - measured) / measured."""
+    """The plan's predicted s/step and its error."""
     if "plan_step_s" not in row:
         return "-"
-    error = row["plan_step_s"] / row["step_s"] - 1
-    return f"{row['plan_step_s']:.3f} ({row['plan_hardware']}, {error:+.0%})"
+    return f"{row['plan_step_s']:.3f} ({row['plan_hardware']}, {plan_error(row):+.0%})"
 
 
 def markdown(rows) -> list[str]:

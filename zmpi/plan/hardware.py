@@ -1,9 +1,10 @@
 """The machine a plan is for: peak rates, memories, links and the host Adam's rate.
 
 A `Hardware` is plain data (JSON through `to_dict` / `from_dict`, `save`); PRESETS holds
-a100, h100, h200, v100 and cpu. `zmpi.plan.measure.load_hardware(spec)` gives a preset, the current
-machine measured ("this") or a JSON file of the same fields. Rates are per device (per rank) unless
-a field says otherwise; bandwidths are bytes per second in one direction, latencies seconds.
+a100, h100, h200, v100 and cpu. `zmpi.plan.measure.load_hardware(spec)` gives a preset, the
+current machine measured ("this") or a JSON file of the same fields. Rates are per device (per
+rank) unless a field says otherwise; bandwidths are bytes per second in one direction,
+latencies seconds.
 
     hw = Hardware.from_dict(PRESETS["a100"].to_dict())   # a copy of a preset
     parse_size("80GB", "--device-memory")       # 8e10; units in a file as in a flag
@@ -358,7 +359,8 @@ PRESETS: dict[str, Hardware] = {
     "h100": H100,
     # the H100's chip with more and faster HBM, in the same DGX node
     "h200": replace(
-        H100, name="h200", memory_bandwidth=4.8e12, device_memory=141 * GiB,
+        H100, name="h200", peak_flops=dict(H100.peak_flops), memory_bandwidth=4.8e12,
+        device_memory=141 * GiB,
         source=GPU_NOTES + (
             "H200 SXM 141GB (NVIDIA H200 datasheet): the H100 SXM's compute, 989 TFLOP/s dense "
             "fp16/bf16 tensor (1,979 with sparsity), 67 TFLOP/s fp32, with 141 GB HBM3e at "
