@@ -7,6 +7,8 @@
     layers       Linear, Dense (Linear + GELU), Embedding, LayerNorm, GELU, CausalSelfAttention,
                  MLP (transformer feed-forward), Block
     losses       Loss, CrossEntropyLoss (ignore_index), MSELoss
+    llama_layers RMSNorm, SwiGLU, RotaryEmbedding, GroupedQueryAttention (the Llama family's
+                 layers; their kernels in llama_functional and gqa)
 """
 
 from zmpi.backend import array_module, compute_dtype
