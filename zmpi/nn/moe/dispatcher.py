@@ -7,10 +7,10 @@ are gathers (each row comes from one token, each token from at most k rows), so 
 deterministic and need no scatter-add on either backend.
 
 This dispatcher is the single-process one: every expert is here. It is the seam expert
-parallelism plugs into: an expert-parallel dispatcher sends each rank's rows of the experts
-another rank holds between `dispatch` and the experts (an all-to-all of the counts, then of the
-rows), and returns the outputs the same way before `combine`; the router and the experts do
-not change.
+parallelism plugs into: zmpi.parallel.expert's dispatcher, with this interface, sends each
+rank's rows of the experts another rank holds between `dispatch` and the experts (an
+all-to-all of capacity buffers), and returns the outputs the same way before `combine`; the
+router and the experts do not change.
 """
 
 from typing import NamedTuple

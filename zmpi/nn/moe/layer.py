@@ -44,6 +44,10 @@ class MoE(Module):
                         the micro-batches): the auxiliary and z losses' gradients get it too
     After forward: aux_loss and z_loss (0-d arrays, coefficients included, to add to the
     reported loss) and routing (zmpi.nn.moe.router.Routing: choices, drops, expert load).
+
+    `experts` and `dispatcher` are the layer's two replaceable parts: expert parallelism
+    (zmpi.parallel.expert.expert_parallel) swaps in this rank's share of the experts and a
+    dispatcher with TokenDispatcher's interface that moves rows between ranks.
     """
 
     def __init__(self, d_model, num_experts, k=1, *, hidden=None, capacity_factor=1.0,
