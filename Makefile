@@ -1,9 +1,21 @@
 # zmpi: `make demo` trains a small GPT under mpiexec; `make test` runs the test suite.
 # Both create .venv and install everything on first use (MPI comes from the mpich wheel).
+# MPI=system uses the MPI on PATH instead (a cluster's module): mpi4py built from source
+# with its mpicc, its mpiexec, no mpich wheel, in .venv-system (docs/testing.md).
+MPI    ?= wheel
+ifeq ($(MPI),wheel)
 VENV   ?= .venv
+MPIEXEC := $(VENV)/bin/mpiexec
+EXTRAS := dev,mpich
+else ifeq ($(MPI),system)
+VENV   ?= .venv-system
+MPIEXEC := mpiexec
+EXTRAS := dev
+else
+$(error MPI=$(MPI): give MPI=wheel (the mpich wheel, the default) or MPI=system (the MPI on PATH))
+endif
 PYTHON ?= python3
 PY     := $(VENV)/bin/python
-MPIEXEC := $(VENV)/bin/mpiexec
 STAMP  := $(VENV)/.installed
 NP     ?= 2
 STAGE  ?= 3
@@ -15,7 +27,7 @@ export OPENBLAS_NUM_THREADS=1
 export MKL_NUM_THREADS=1
 export ZMPI_BACKEND ?= numpy
 
-.PHONY: install test test-docs test-gpu demo lint clean tables bench bench-install bench-adam bench-host-kernels \
+.PHONY: install test test-strategy test-docs test-gpu demo lint clean tables bench bench-install bench-adam bench-host-kernels \
 	bench-offload bench-nvme bench-onebit bench-zeropp bench-checkpoint bench-debug bench-tensor \
 	bench-pipeline bench-recompute bench-plan bench-gpu count-gpu reproduce report bench-sparse \
 	gpu-wheels gpu-check
@@ -28,12 +40,28 @@ export ZMPI_BACKEND ?= numpy
 REAL_CUPY_VERSION := 14.2.0
 REAL_CUPY := $(VENV)/real-cupy
 REAL_CUPY_STAMP := $(REAL_CUPY)/.installed-$(REAL_CUPY_VERSION)
+# CUDA 13's NVRTC, runtime headers and crt/ headers (pip wheels, about 60 MB, off sys.path) for
+# tests/test_kernels_compile.py, which compiles zmpi's kernels in both wheel layouts CuPy
+# compiles in (CUDA 12's are the dev extra's). Without PyPI: a warning, and those tests skip,
+# or fail where CI=true.
+CUDA13_VERSION := 13.0.88
+CUDA13_WHEELS := $(VENV)/cuda13
+CUDA13_STAMP := $(CUDA13_WHEELS)/.installed-$(CUDA13_VERSION)
+# transformers and torch (the hf-test extra; torch pinned to the CPU build pip finds here) for
+# tests/test_hf_interop.py, which holds zmpi's GPT-2 to transformers'. Without PyPI: a
+# warning, and those tests skip.
+HF_TEST_STAMP := $(VENV)/.installed-hf-test
 
-install: $(STAMP) $(REAL_CUPY_STAMP)
+install: $(STAMP) $(REAL_CUPY_STAMP) $(CUDA13_STAMP) $(HF_TEST_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+ifeq ($(MPI),system)
+	@command -v mpicc > /dev/null || { echo "make MPI=system: no mpicc on PATH (load the MPI module first)"; exit 2; }
+	MPICC=$$(command -v mpicc) $(PY) -m pip install -q --disable-pip-version-check \
+	  --no-binary=mpi4py 'mpi4py>=4.0'
+endif
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 $(REAL_CUPY_STAMP): | $(STAMP)
@@ -42,19 +70,48 @@ $(REAL_CUPY_STAMP): | $(STAMP)
 	  cupy-cuda13x==$(REAL_CUPY_VERSION) cuda-pathfinder==1.9.1 && touch $@ || \
 	  echo "warning: CuPy $(REAL_CUPY_VERSION) not installed: tests/test_standin_api.py skips"
 
-test: $(STAMP) $(REAL_CUPY_STAMP)
+$(CUDA13_STAMP): | $(STAMP)
+	rm -rf $(CUDA13_WHEELS)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --target $(CUDA13_WHEELS) \
+	  nvidia-cuda-nvrtc==$(CUDA13_VERSION) nvidia-cuda-runtime==$(CUDA13_VERSION) \
+	  nvidia-cuda-crt==$(CUDA13_VERSION) && touch $@ || \
+	  echo "warning: CUDA $(CUDA13_VERSION) wheels not installed: the CUDA 13 compile tests skip"
+
+$(HF_TEST_STAMP): pyproject.toml | $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[hf-test]' && touch $@ || \
+	  echo "warning: transformers and torch not installed: tests/test_hf_interop.py skips"
+
+test: $(STAMP) $(REAL_CUPY_STAMP) $(CUDA13_STAMP) $(HF_TEST_STAMP)
 	$(PY) -m pytest -q --durations=15
+
+# The shared strategy suite (tests/test_zero.py at 1-4 ranks) on one strategy: STRATEGY=name;
+# STRATEGY_MODULE=file.py imports a strategy file first, no package needed (docs/strategies.md).
+test-strategy: $(STAMP)
+	@test -n "$(STRATEGY)" || { echo "make test-strategy: give STRATEGY=name (and STRATEGY_MODULE=file.py for a file)"; exit 2; }
+	$(PY) -m pytest -q tests/test_zero.py --strategy $(STRATEGY) \
+	  $(if $(STRATEGY_MODULE),--strategy-module $(STRATEGY_MODULE))
 
 # Every example of README.md and docs/ run as written, its shown output compared (docs/testing.md)
 test-docs: $(STAMP)
 	$(PY) tests/docs_examples.py
 	$(PY) -m pytest -q -m docs tests/test_docs_examples.py
 
-# On a machine with an NVIDIA GPU: the GPU-marked tests and the multi-rank suites on CuPy.
-test-gpu: $(STAMP)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[gpu,dev]'
-	ZMPI_BACKEND=cupy $(PY) -m pytest -q -m gpu
-	ZMPI_BACKEND=cupy $(PY) -m pytest -q tests/test_zero.py tests/test_comm.py tests/test_offload.py
+# On a machine with an NVIDIA GPU: the GPU-marked tests and the multi-rank suites on CuPy,
+# offline, installing nothing: on GPU_PYTHON's own CuPy (a GPU image's cupy-cuda13x; elsewhere
+# `pip install -e '.[gpu,dev]'` first), with zmpi and mpi4py importable there (`make gpu-check`
+# sets both up from carried wheels). The Python's own pytest plugins stay out
+# (PYTEST_DISABLE_PLUGIN_AUTOLOAD), the one the suite needs is named (-p pytest_timeout).
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+GPU_PYTEST := ZMPI_BACKEND=cupy PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(GPU_PYTHON) -m pytest -q \
+	-p pytest_timeout
+test-gpu:
+	@$(GPU_PYTHON) -c 'import cupy' 2> /dev/null || { echo "make test-gpu: no CuPy in \
+	$(GPU_PYTHON): give GPU_PYTHON=, or pip install -e '.[gpu,dev]' where there is network"; exit 2; }
+	@$(GPU_PYTHON) -c 'import zmpi.models, mpi4py, pytest_timeout' 2> /dev/null || { echo \
+	"make test-gpu: $(GPU_PYTHON) cannot import zmpi.models, mpi4py and pytest_timeout: pip \
+	install -e '.[dev]', or run make gpu-check, which sets them up from carried wheels"; exit 2; }
+	$(GPU_PYTEST) -m gpu
+	$(GPU_PYTEST) tests/test_zero.py tests/test_comm.py tests/test_offload.py
 
 demo: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) -m zmpi.cli train --stage $(STAGE) --precision $(PRECISION)
@@ -84,8 +141,13 @@ bench-onebit: bench-install
 bench-zeropp: bench-install
 	$(MPIEXEC) -n 4 $(PY) experiments/bench_zeropp.py --out results/zeropp
 
+# Every strategy's memory and traffic: the shipped ones, installed plugins (entry points) and
+# STRATEGY_MODULE=file.py's, then into results/zero_tables_n$(NP)_<file> (the committed
+# tables, which make test compares, stay the shipped strategies'): docs/experiments.md.
 tables: $(STAMP)
-	$(MPIEXEC) -n $(NP) $(PY) experiments/zero_tables.py --out results/zero_tables_n$(NP)
+	$(MPIEXEC) -n $(NP) $(PY) experiments/zero_tables.py \
+	  --out results/zero_tables_n$(NP)$(if $(STRATEGY_MODULE),_$(basename $(notdir $(STRATEGY_MODULE)))) \
+	  $(if $(STRATEGY_MODULE),--strategy-module $(STRATEGY_MODULE))
 
 bench: bench-install
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_vs_torch.py --profile --out results/vs_torch_n$(NP)
@@ -117,6 +179,7 @@ reproduce: bench-install
 	$(MAKE) bench-zeropp
 	$(MAKE) bench-sparse
 	$(MAKE) report
+	$(PY) experiments/freshness.py  # which results are still older than their code (GPU ones)
 
 report: $(STAMP)
 	$(PY) experiments/report.py
@@ -152,11 +215,15 @@ bench-gpu: bench-install
 # there is network downloads what it installs (about 16 MB, for GPU_PYTHON_VERSION) into
 # GPU_WHEELS, git-ignored: carry that folder; there, `make gpu-check` (experiments/gpu_check.sh)
 # installs them, runs the GPU tests, bench_gpu.py beside PyTorch, the kernel trace and the
-# counts in under 8 minutes, and writes results/gpu_check (or $OUT).
+# counts within 540 s, and writes summary.txt, targets.md and results.tar.gz into
+# results/gpu_check (or $OUT).
 GPU_WHEELS ?= experiments/gpu_wheels
 GPU_PYTHON_VERSION ?= 3.12
+# nvidia-cuda-crt: crt/mma.h for the tensor-core flash kernels (CuPy's cudart headers lack it);
+# gpu_check.sh's DEPS is on sys.path, where zmpi.kernels.source.crt_include_dir looks.
 GPU_WHEEL_PACKAGES := mpi4py==4.1.2 mpich==5.0.2 ml_dtypes==0.6.0 tqdm==4.70.1 pytest==9.2.0 \
-	pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pytest-timeout==2.4.0
+	pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pytest-timeout==2.4.0 \
+	nvidia-cuda-crt==$(CUDA13_VERSION)
 
 gpu-wheels:
 	rm -rf $(GPU_WHEELS)

@@ -4,7 +4,7 @@
 
 On the same arrays, one thread each (the setting an offloading rank gets per core), for
 shards of 1 M to 64 M fp32 elements: zmpi's `HostAdam` (fp32 gradients, and fp16 gradients
-as ZeRO-Offload hands them over), once as one compiled loop (zmpi.host_kernels, Numba: the
+as ZeRO-Offload hands them over), once as one compiled loop (zmpi.kernels.host, Numba: the
 `fast` extra, skipped if missing) and once as NumPy ufuncs (ZMPI_NUMBA=0), a textbook NumPy
 Adam whose every line allocates shard-sized temporaries, and torch.optim.AdamW with
 `foreach=True` and `fused=True` (torch from the `bench` extra; skipped if missing). Prints
@@ -24,8 +24,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 from results import write_results  # noqa: E402
-from zmpi import host_kernels  # noqa: E402
 from zmpi.comm import Comm  # noqa: E402
+from zmpi.kernels import host as host_kernels  # noqa: E402
 from zmpi.optim.adam import HostAdam  # noqa: E402
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

@@ -1,5 +1,6 @@
-"""Fused flash attention (zmpi.flash_attention) against the blocked path and PyTorch's SDPA, on
-a GPU: what docs/gpu.md's "Fused flash attention (unmeasured)" asks a GPU session to measure.
+"""Fused flash attention (zmpi.kernels.flash_attention) against the blocked path and PyTorch's
+SDPA, on a GPU: what docs/gpu.md's "Fused flash attention (unmeasured)" asks a GPU session to
+measure.
 
     python experiments/bench_flash_attention.py --out results/flash       # on a GPU
     python experiments/bench_flash_attention.py --tiny                    # anywhere: a dry run
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from zmpi import backend
-from zmpi import flash_attention as FA
+from zmpi.kernels import flash_attention as FA
 from zmpi.nn import attention as A
 from zmpi.nn import sparse_attention as S
 from zmpi.nn.sparsity import causal_layout, sparsity_from_dict

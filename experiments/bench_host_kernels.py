@@ -1,4 +1,4 @@
-"""Host float16 kernels: zmpi.host_kernels' compiled loops against NumPy and PyTorch on the CPU.
+"""Host float16 kernels: zmpi.kernels.host's compiled loops against NumPy and PyTorch on the CPU.
 
     make bench-host-kernels  # python experiments/bench_host_kernels.py --out results/host_kernels
 
@@ -20,8 +20,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 from results import write_results  # noqa: E402
-from zmpi import host_kernels  # noqa: E402
 from zmpi.comm import Comm  # noqa: E402
+from zmpi.kernels import host as host_kernels  # noqa: E402
 from zmpi.plan.measure import call_seconds  # noqa: E402
 
 

@@ -45,7 +45,7 @@ LAYOUTS = {  # name: the sparse_attention section (None: dense attention)
     "fixed": {"mode": "fixed", **UNI},
     "fixed, 64 local blocks": {"mode": "fixed", "num_local_blocks": 64, **UNI},
     "variable": {"mode": "variable", **UNI},
-    "bigbird": {"mode": "bigbird", **UNI},
+    "bigbird": {"mode": "bigbird", "num_random_blocks": 1, **UNI},  # the class's default
     "bslongformer": {"mode": "bslongformer", **UNI},
     "local": {"mode": "local"},
 }

@@ -13,7 +13,10 @@ operations and <= 2 casts a layer, the stand-in's count within 10 % of the trace
 within 20 % of the step; and flash/results.json (bench_flash_attention.py): whether the flash
 kernels make the step faster than the blocked path (25 fewer operations a layer on the
 stand-in), and whether they ran on tensor cores. A trace that saw no GPU operation (a profiler
-without CUPTI) counts as not measured.
+without CUPTI) counts as not measured. Last, issue 55's decision on CUDA graphs, from
+trace_small/trace.json (gpu_trace.py on a small model): a graph of the step is worth writing
+when the GPU idles for GRAPH_IDLE of the step or more (the most a graph could save), and the
+plan is dropped otherwise (docs/gpu.md, "CUDA graphs").
 """
 import json
 import sys
@@ -22,6 +25,7 @@ from pathlib import Path
 from bench_gpu import TORCH_PEERS, plan_error
 
 EAGER, COMPILED = TORCH_PEERS["eager"][0], TORCH_PEERS["compile"][0]  # the peers' row names
+GRAPH_IDLE = 0.20  # the GPU's idle share of a small model's step that makes a graph worth it
 
 
 def _load(path: Path):
@@ -108,12 +112,22 @@ def targets(out: Path) -> list[tuple[str, str, str, bool | None]]:
         "within 20 %", row, lambda r: abs(plan_error(r)) <= 0.20,
         lambda r: f"{r['plan_step_s']:.3f} s ({r['plan_hardware']}) against "
                   f"{r['step_s']:.3f} s ({plan_error(r):+.0%})")
+    small = _load(out / "trace_small" / "trace.json")
+    small = small if small and small["ops_per_step"] > 0 and small.get("idle_ms") is not None \
+        else None
+    add("CUDA graphs (issue 55): the GPU's idle time in a small model's step (d_model 256, 4 "
+        "layers, T 128, micro-batch 4), the most a graph of the step saves",
+        f">= {GRAPH_IDLE:.0%} of the step: write the graph path; less: drop it", small,
+        lambda t: t["idle_ms"] >= GRAPH_IDLE * t["unprofiled_wall_ms"],
+        lambda t: f"{t['idle_ms']:.1f} of {t['unprofiled_wall_ms']:.1f} ms a step "
+                  f"({t['idle_ms'] / t['unprofiled_wall_ms']:.0%})")
     return result
 
 
 def markdown(rows) -> list[str]:
     met = {True: "yes", False: "no", None: "-"}
-    return (["| issue 48's target | wanted | measured | met |", "|---|---|---|---|"]
+    return (["| target (issue 48; CUDA graphs: 55) | wanted | measured | met |",
+             "|---|---|---|---|"]
             + [f"| {t} | {w} | {m} | {met[ok]} |" for t, w, m, ok in rows])
 
 

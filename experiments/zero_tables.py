@@ -1,11 +1,13 @@
-"""Measured model-state memory and traffic per rank of every shipped partition strategy, next to
-what each strategy declares, the ZeRO paper's formulas, and stage 3.
+"""Measured model-state memory and traffic per rank of every partition strategy, next to what
+each strategy declares, the ZeRO paper's formulas, and stage 3.
 
     mpiexec -n 4 python experiments/zero_tables.py --out results/zero_tables_n4
 
 Builds the demo GPT (or --d-model/--n-layer), runs one fp16 training step with each of
 stage0..stage3, hybrid and hybrid_zero2 (in shard groups of each --group-sizes that divides
-N; default 2), and writes what the MemoryLedger and the Comm counters saw as CSV and Markdown,
+N; default 2) and every registered plugin (an installed entry point, or a file given with
+--strategy-module; its "paper formula" is the closest ZeRO stage's, the row says which), and
+writes what the MemoryLedger and the Comm counters saw as CSV and Markdown,
 plus run.json (config, git revision, environment). Traffic is what one rank sends under the
 ring model, per communicator: "world" for stages 0-3, "shard" (inside a group) and "replica"
 (across groups) for hybrid sharding.
@@ -22,21 +24,36 @@ import numpy as np
 
 from results import write_results
 from zmpi import backend
+from zmpi.cli.report import closest_zero_stage, stage_formula
 from zmpi.comm import Comm
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
 from zmpi.memory import MODEL_STATE, comm_volume_elements, model_state_bytes
 from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.zero import available_strategies, get_strategy, load_strategy_file
 
 MIB = 2**20
 
 
+def plugins() -> list[str]:
+    """The registered strategies that zmpi does not ship: installed entry points of
+    "zmpi.strategies" and those of the files given with --strategy-module."""
+    return [name for name in available_strategies()
+            if not get_strategy(name).__module__.startswith("zmpi.")]
+
+
 def cases(world_size, group_sizes):
-    """(label, zero_optimization) of every strategy measured."""
+    """(label, zero_optimization) of every strategy measured: the stages, hybrid sharding in
+    groups of each of `group_sizes` that divides the ranks, and every plugin with each of its
+    `suite_configs` (the settings the shared test suite runs it with)."""
     out = [(f"stage{s}", {"stage": s}) for s in range(4)]
     for name in ("hybrid", "hybrid_zero2"):
         out += [(f"{name} G={g}", {"strategy": name, "shard_group_size": g})
                 for g in group_sizes if world_size % g == 0]
+    for name in plugins():
+        out += [(name + "".join(f" {k}={v}" for k, v in extra.items()),
+                 {"strategy": name, **extra})
+                for extra in get_strategy(name).suite_configs(world_size)]
     return out
 
 
@@ -75,6 +92,12 @@ def measure(comm, model_cfg, label, zero, micro_batch):
         stage = int(label[-1])
         row["formula_MiB"] = model_state_bytes(psi, comm.size, stage, 2, 2, 12) / MIB
         row["formula_sent_MiB"] = 2 * comm_volume_elements(psi, comm.size, stage) / MIB
+    elif "stage" not in zero and not label.startswith("hybrid"):  # a plugin: its closest stage's
+        formula = stage_formula(engine.strategy)
+        row["closest_stage"] = closest_zero_stage(engine.strategy)
+        row["strategy"] = f"{label} (vs ZeRO-{row['closest_stage']})"
+        if formula is not None:
+            row["formula_MiB"] = sum(formula.values()) / MIB
     return row
 
 
@@ -85,7 +108,15 @@ def main():
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--group-sizes", type=int, nargs="+", default=[2])
+    parser.add_argument("--strategy-module", action="append", default=[], metavar="FILE.py",
+                        help="a strategy file whose registered strategies get rows too "
+                        "(repeatable; installed entry points get theirs without it)")
     args = parser.parse_args()
+    for path in args.strategy_module:
+        try:
+            load_strategy_file(path)
+        except ValueError as e:
+            parser.error(str(e))
     comm = Comm()
     model_cfg = GPTConfig(65, 64, args.n_layer, 4, args.d_model)
     rows = [measure(comm, model_cfg, label, zero, args.micro_batch)

@@ -10,6 +10,7 @@ gets gradient from both ends of the model but is owned (and named) only by unit 
     model.backward_loss()             # grads accumulate into p.grad
 """
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass, replace
@@ -17,6 +18,7 @@ from dataclasses import dataclass, replace
 import numpy
 
 from zmpi import backend
+from zmpi.config.moe import MoEConfig
 from zmpi.nn import (
     Block,
     LayerNorm,
@@ -32,6 +34,7 @@ from zmpi.nn import (
 from zmpi.nn import attention as A
 from zmpi.nn import functional as F
 from zmpi.nn import sparse_attention as S
+from zmpi.nn.moe import MoE
 from zmpi.nn.sparsity import SparsityConfig, model_layout, sparsity_from_dict
 from zmpi.parallel.tensor.plan import mark_sequence_parallel, parallelize
 from zmpi.parallel.tensor.regions import (
@@ -73,26 +76,46 @@ class GPTConfig:
 
 
 def gpt_unit_numels(n_layer: int, d_model: int, vocab_size: int, seq_len: int,
-                    tp: int = 1, vocab_multiple: int = 1) -> list[int]:
+                    tp: int = 1, vocab_multiple: int = 1, moe=None) -> list[int]:
     """Parameters one rank allocates in each of zmpi's GPT units, [embedding, block x n_layer,
     LM head], with tensor parallelism over `tp` ranks and the vocabulary padded to a multiple
     of vocab_multiple x tp (`vocab_shard`): the token embedding's Vp / tp rows and the position
     embedding's seq_len d; per block
     (12 d^2 + 7 d) / tp split (qkv, fc with biases; proj, mlp.proj weights) and 6 d replicated
     (two LayerNorms, the two row-parallel biases); the head's final LayerNorm, 2 d (it reads
-    the tied embedding)."""
+    the tied embedding). moe: a `moe` config section (dict or MoEConfig; tp 1 only): its
+    MoE blocks hold `moe_block_numel` parameters."""
     d = d_model
     embedding = (vocab_shard(vocab_size, tp, 0, vocab_multiple)[2] + seq_len) * d
-    return [embedding, *[(12 * d * d + 7 * d) // tp + 6 * d] * n_layer, 2 * d]
+    blocks = [(12 * d * d + 7 * d) // tp + 6 * d] * n_layer
+    section = _moe_config(moe)
+    for i, experts in ({} if section is None else section.layer_experts(n_layer)).items():
+        blocks[i] = moe_block_numel(d, experts, section.use_residual,
+                                    section.num_shared_experts)
+    return [embedding, *blocks, 2 * d]
+
+
+def moe_block_numel(d_model: int, num_experts: int, use_residual: bool = False,
+                    num_shared_experts: int = 0) -> int:
+    """Parameters of a GPT block whose MLP is a mixture of `num_experts` experts of 4 d hidden
+    units (zmpi.nn.moe.MoE): the attention and LayerNorms' 4 d^2 + 8 d, the gate's d E, E
+    experts of 8 d^2 + 5 d each, PR-MoE's residual MLP (8 d^2 + 5 d) and coefficient
+    (2 d + 2) with use_residual, and the shared experts' one MLP of 4 d s hidden units
+    (8 s d^2 + 4 s d + d)."""
+    d, E, s = d_model, num_experts, num_shared_experts
+    mlp = 8 * d * d + 5 * d
+    return (4 * d * d + 8 * d + d * E + E * mlp + (mlp + 2 * d + 2 if use_residual else 0)
+            + (8 * s * d * d + 4 * s * d + d if s else 0))
 
 
 def gpt_num_params(n_layer: int, d_model: int, vocab_size: int, seq_len: int,
-                   tp: int = 1, vocab_multiple: int = 1) -> int:
+                   tp: int = 1, vocab_multiple: int = 1, moe=None) -> int:
     """Parameters of zmpi's GPT (tied LM head) that one rank allocates with tensor parallelism
     over `tp` ranks and the vocabulary padded to a multiple of vocab_multiple x tp, the sum of
     `gpt_unit_numels`. At tp = 1 and vocab_multiple 1 it is the model's parameters,
-    V d + T d + L (12 d^2 + 13 d) + 2 d; otherwise what a rank allocates (padding included)."""
-    return sum(gpt_unit_numels(n_layer, d_model, vocab_size, seq_len, tp, vocab_multiple))
+    V d + T d + L (12 d^2 + 13 d) + 2 d; otherwise what a rank allocates (padding included).
+    moe: the `moe` config section, if any (its blocks counted by `moe_block_numel`)."""
+    return sum(gpt_unit_numels(n_layer, d_model, vocab_size, seq_len, tp, vocab_multiple, moe))
 
 
 def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: int,
@@ -226,15 +249,19 @@ class TokenPositionEmbedding(Module):
     sums over tp (zmpi.parallel.tensor.vocab); wpe stays whole. With sequence_parallel the sum
     is a reduce-scatter to this rank's sequence shard, x (B, T/tp, C), to which the rank adds
     its own positions' wpe rows (wpe is marked `sequence_parallel`: its gradient is partial).
+
+    positions=False: no wpe (a model whose attention places the tokens, as Llama's RoPE does):
+    x = wte[idx], seq_len only bounds T.
     """
 
     def __init__(self, vocab_size, seq_len, d_model, rng, dtype, tp=None,
-                 sequence_parallel=False, vocab_multiple=1):
-        self.tp, self.vocab_size = tp, vocab_size
+                 sequence_parallel=False, vocab_multiple=1, positions=True):
+        self.tp, self.vocab_size, self.seq_len = tp, vocab_size, seq_len
+        self.vocab_multiple = vocab_multiple
         self.wte = vocab_parameter(vocab_size, d_model, tp, rng, dtype, multiple=vocab_multiple)
-        self.wpe = normal_parameter(rng, (seq_len, d_model), 0.02, dtype)
+        self.wpe = normal_parameter(rng, (seq_len, d_model), 0.02, dtype) if positions else None
         self.scatter = ReduceScatterToSequenceRegion(tp) if sequence_parallel else None
-        if sequence_parallel:
+        if sequence_parallel and positions:
             mark_sequence_parallel(self.wpe)
 
     def forward(self, idx):
@@ -242,8 +269,8 @@ class TokenPositionEmbedding(Module):
         xp = array_module(wte)
         idx = xp.asarray(idx)
         B, T = idx.shape
-        if T > self.wpe.shape[0]:
-            raise ValueError(f"sequence length {T} > seq_len {self.wpe.shape[0]}")
+        if T > self.seq_len:
+            raise ValueError(f"sequence length {T} > seq_len {self.seq_len}")
         positions = xp.arange(T)
         if self.scatter is not None:  # this rank's positions; refused before any collective
             n = sequence_shard(T, self.tp)
@@ -256,6 +283,9 @@ class TokenPositionEmbedding(Module):
                                           reduce=self.scatter is None)
         if self.scatter is not None:
             tok = self.scatter.forward(tok)  # the sum over tp, this rank's (B, T/tp, C)
+        if self.wpe is None:
+            self._save(tok_cache, None)
+            return tok
         # positions are in range (T <= seq_len above): no check, no device sync
         pos, pos_cache = embedding_lookup(self.wpe, positions, check=False)  # (T or T/tp, C)
         self._save(tok_cache, pos_cache)
@@ -263,7 +293,8 @@ class TokenPositionEmbedding(Module):
 
     def backward(self, dx):
         tok_cache, pos_cache = self._pop()
-        accumulate_grad_(self.wpe, F.embedding_backward(dx.sum(axis=0), pos_cache))
+        if self.wpe is not None:
+            accumulate_grad_(self.wpe, F.embedding_backward(dx.sum(axis=0), pos_cache))
         if self.scatter is not None:
             dx = self.scatter.backward(dx)  # (B, T, C): every rank's positions
         if self.tp is None:
@@ -276,6 +307,10 @@ class TokenPositionEmbedding(Module):
 class LMHead(Module):
     """Last unit: logits = ln_f(x) @ wte.T.  x (B, T, C) -> logits (B, T, Vp).
 
+    norm: the final normalisation (default a LayerNorm, GPT-2's; Llama passes its RMSNorm).
+    tied=False: the head owns its output projection, `lm_head`, a table shaped and split as
+    the embedding's wte (drawn from `rng`), instead of borrowing wte (Llama's default).
+
     Owns ln_f; borrows wte from the embedding unit (`shared_units = (embedding,)`). The
     padding columns (ids >= V of the padded vocabulary) are -inf (`F.mask_padding`): any loss
     or sampling gives them probability 0, and their gradient, and so the padding rows' of wte,
@@ -286,17 +321,24 @@ class LMHead(Module):
     the logits (GatherFromSequenceRegion), whose backward reduce-scatters the input gradient.
     """
 
-    def __init__(self, embedding, d_model, dtype, sequence_parallel=False):
-        self.shared_units = (embedding,)
-        self.ln_f = LayerNorm(d_model, dtype=dtype)
+    def __init__(self, embedding, d_model, dtype, sequence_parallel=False, norm=None,
+                 tied=True, rng=None):
+        self._tp = embedding.tp  # the embedding's tensor-parallel Comm (or None)
+        if tied:
+            self.shared_units = (embedding,)
+        else:
+            self.lm_head = vocab_parameter(embedding.vocab_size, d_model, embedding.tp, rng,
+                                           dtype, multiple=embedding.vocab_multiple)
+        self.ln_f = LayerNorm(d_model, dtype=dtype) if norm is None else norm
         self.gather = GatherFromSequenceRegion(embedding.tp) if sequence_parallel else None
         if sequence_parallel:
             mark_sequence_parallel(self.ln_f)
 
     @property
     def wte(self):
-        """The tied token embedding Parameter, owned by the embedding unit."""
-        return self.shared_units[0].wte
+        """The output projection: the tied token embedding Parameter, owned by the embedding
+        unit, or the head's own `lm_head`."""
+        return self.shared_units[0].wte if self.shared_units else self.lm_head
 
     def forward(self, x):
         h = self.ln_f.forward(x)  # (B, T, C); sequence parallel: (B, T/tp, C)
@@ -308,9 +350,8 @@ class LMHead(Module):
 
     def backward(self, dlogits):
         h = self._pop()
-        embedding = self.shared_units[0]
-        if embedding.tp is not None:  # this rank's vocabulary rows; dh summed over tp
-            dh = vocab_head_backward(self.wte, h, dlogits, embedding.tp,
+        if self._tp is not None:  # this rank's vocabulary rows; dh summed over tp
+            dh = vocab_head_backward(self.wte, h, dlogits, self._tp,
                                      reduce=self.gather is None)
             if self.gather is not None:  # the sum over tp, this rank's sequence shard
                 dh = self.gather.backward(dh)
@@ -319,6 +360,15 @@ class LMHead(Module):
         dh, dWT, _ = F.linear_backward(dlogits.astype(WT.dtype, copy=False), (h, WT))
         accumulate_grad_(self.wte, dWT.T)
         return self.ln_f.backward(dh)
+
+
+def _moe_config(spec) -> MoEConfig | None:
+    """The MoEConfig of GPT's `moe` argument (None, a `moe` config section or a MoEConfig);
+    None without experts."""
+    if spec is None:
+        return None
+    section = spec if isinstance(spec, MoEConfig) else MoEConfig.from_dict(spec)
+    return section if section.enabled else None
 
 
 def _sparsity(spec, n_head: int):
@@ -362,36 +412,62 @@ class GPT(UnitModel):
     over that layout intersected with the causal mask (zmpi.nn.sparse_attention;
     docs/sparse-attention.md), each tensor rank running its own heads' layouts. The batch's T
     must then be a multiple of the layout's block (`check_batch` raises a ValueError).
+
+    moe: None (dense), a `moe` config section (dict, DeepSpeed-MoE's keys: zmpi.config.moe)
+    or a MoEConfig. The blocks it names (every moe_layer_interval-th, or `layers`) get a
+    mixture of experts (zmpi.nn.moe.MoE, each with its own expert count and random stream,
+    seeded from `seed` and the block) in place of their MLP, as DeepSpeed-MoE and GShard do;
+    its routing groups are the batch's sequences. Not with tensor parallelism. Whoever trains
+    the model sets each MoE layer's routing (`moe_layers()`; the Engine does: docs/moe.md);
+    `inference()` routes as in evaluation (eval_capacity_factor, no random draws).
     """
 
     def __init__(self, config, seed=0, dtype=numpy.float32, tp=None, sequence_parallel=False,
-                 sparse_attention=None):
+                 sparse_attention=None, moe=None):
+        self.config = c = self._setup(config, tp, sequence_parallel)
+        multiple, sp = c.vocab_multiple, self.sequence_parallel
+        self.sparse_attention = sparsity = _sparsity(sparse_attention, c.n_head)
+        if self.tp is not None and c.n_head % tp.size:
+            raise ValueError(f"n_head={c.n_head} is not divisible by the tensor-parallel size "
+                             f"{tp.size}: every rank must hold an equal share of the heads")
+        self.moe = _moe_config(moe)
+        experts = {} if self.moe is None else self.moe.layer_experts(c.n_layer)
+        if experts and self.tp is not None:
+            raise ValueError("MoE blocks are not split by tensor parallelism yet: build an MoE "
+                             "GPT without tp")
+        rng = numpy.random.default_rng(seed)
+        proj_std = 0.02 / math.sqrt(2 * c.n_layer)
+        embedding = TokenPositionEmbedding(c.vocab_size, c.seq_len, c.d_model, rng, dtype,
+                                           self.tp, sp, multiple)
+
+        def mlp(i):  # block i's feed-forward: None for GPT-2's MLP
+            if i not in experts:
+                return None
+            return MoE(c.d_model, experts[i], rng=rng, dtype=dtype, proj_std=proj_std,
+                       seed=seed * c.n_layer + i, **self.moe.layer_options())
+
+        # each block is split as soon as it is built: no rank holds the whole model
+        blocks = [parallelize(Block(c.d_model, c.n_head, rng=rng, dtype=dtype,
+                                    proj_std=proj_std, sparsity=sparsity, mlp=mlp(i)), self.tp, sp)
+                  for i in range(c.n_layer)]
+        loss = None if self.tp is None else VocabParallelCrossEntropy(self.tp, c.vocab_size,
+                                                                      multiple=multiple)
+        super().__init__([embedding, *blocks, LMHead(embedding, c.d_model, dtype, sp)],
+                         loss=loss)
+
+    def _setup(self, config, tp, sequence_parallel):
+        """Set `tp` (None at one rank) and `sequence_parallel` (checked); returns `config`
+        with its vocab_multiple resolved (None: `default_vocab_multiple` of the backend)."""
         multiple = config.vocab_multiple
         if multiple is None:
             multiple = default_vocab_multiple(backend.is_gpu)
         elif type(multiple) is not int or multiple < 1:
             raise ValueError(f"vocab_multiple must be an integer >= 1, got {multiple!r}")
-        self.config = c = replace(config, vocab_multiple=multiple)
         self.tp = tp if tp is not None and tp.size > 1 else None
         if not isinstance(sequence_parallel, bool):
             raise TypeError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
-        self.sequence_parallel = sp = sequence_parallel and self.tp is not None
-        self.sparse_attention = sparsity = _sparsity(sparse_attention, c.n_head)
-        if self.tp is not None and c.n_head % tp.size:
-            raise ValueError(f"n_head={c.n_head} is not divisible by the tensor-parallel size "
-                             f"{tp.size}: every rank must hold an equal share of the heads")
-        rng = numpy.random.default_rng(seed)
-        proj_std = 0.02 / math.sqrt(2 * c.n_layer)
-        embedding = TokenPositionEmbedding(c.vocab_size, c.seq_len, c.d_model, rng, dtype,
-                                           self.tp, sp, multiple)
-        # each block is split as soon as it is built: no rank holds the whole model
-        blocks = [parallelize(Block(c.d_model, c.n_head, rng=rng, dtype=dtype,
-                                    proj_std=proj_std, sparsity=sparsity), self.tp, sp)
-                  for _ in range(c.n_layer)]
-        loss = None if self.tp is None else VocabParallelCrossEntropy(self.tp, c.vocab_size,
-                                                                      multiple=multiple)
-        super().__init__([embedding, *blocks, LMHead(embedding, c.d_model, dtype, sp)],
-                         loss=loss)
+        self.sequence_parallel = sequence_parallel and self.tp is not None
+        return replace(config, vocab_multiple=multiple)
 
     def check_batch(self, inputs, targets) -> bool:
         """(B, T) integer token ids in [0, vocab_size), T <= seq_len, targets shaped as inputs
@@ -412,8 +488,29 @@ class GPT(UnitModel):
                         getattr(self.loss_fn, "ignore_index", None))
         return True
 
+    def moe_layers(self) -> list[MoE]:
+        """The MoE layers, in block order ([] for a dense model)."""
+        return [block.mlp for block in self.units[1:-1] if isinstance(block.mlp, MoE)]
+
+    @contextlib.contextmanager
+    def inference(self):
+        """As UnitModel.inference, with every MoE layer routing as in evaluation
+        (eval_capacity_factor, no random draws) until it ends."""
+        layers = self.moe_layers()
+        training = [layer.training for layer in layers]
+        for layer in layers:
+            layer.training = False
+        try:
+            with super().inference():
+                yield
+        finally:
+            for layer, was in zip(layers, training, strict=True):
+                layer.training = was
+
     def tied_parameters(self):
-        """The LM head's output projection is the token embedding."""
+        """The LM head's output projection is the token embedding (where tied)."""
+        if not self.units[-1].shared_units:
+            return {}
         return {f"units.{len(self.units) - 1}.wte": "units.0.wte"}
 
     def generate(self, idx, max_new_tokens, temperature=1.0, rng=None, vocab=None):

@@ -1,12 +1,12 @@
 """zmpi's CUDA C++ kernels run on the CPU, for tests on a machine without a GPU: the real source
-(zmpi.cuda_source.SOURCE, zmpi.cuda_flash_source.FLASH_SOURCE), compiled by g++ against the
-CUDA builtins in tests/cuda_cpu_include/ and launched through zmpi's own launchers.
+(zmpi/kernels/*.cu, the modules zmpi.kernels.source.module_source joins), compiled by g++
+against the CUDA builtins in tests/cuda_cpu_include/ and launched through zmpi's own launchers.
 
     import cuda_cpu
     monkeypatch.setattr(backend, "xp", cuda_cpu.DEVICE)    # zmpi.kernels' launchers now run
     y, cache = kernels.cuda_layernorm_forward(x, w, b, 1e-5)  # layernorm_forward on the CPU
 
-`DEVICE` stands in for the cupy module where zmpi.kernels and zmpi.flash_attention use it:
+`DEVICE` stands in for the cupy module where zmpi.kernels and its flash_attention use it:
 its `RawModule(code=..., options=...)` compiles the source for the options' -D types (once per
 source and options, cached in the temp directory) and `get_function(name)` gives a kernel
 called as CuPy's are, `kernel(grid, block, args, shared_mem=0)`; its arrays are NumPy arrays,
@@ -16,6 +16,21 @@ __syncthreads() and warp shuffles (zmpi_cuda_cpu.h), so the kernels' indexing, t
 barriers and reductions run as written, on IEEE float32/float64 arithmetic without FMA
 contraction (NVRTC's --fmad=false), with the libm's expf/logf/tanhf in place of CUDA's.
 
+The schedule: ordered (`DEVICE.shuffle_seed = None`, the default), the blocks run in grid
+order and a block's runnable threads in ascending index until each reaches its next barrier;
+shuffled (`DEVICE.shuffle_seed = SEED`), both in orders drawn anew for every launch and every
+round between barriers from SEED and the launch's number, so a result that depends on which
+block or thread runs first (a race: a thread reading what another writes between the same
+two barriers, a block reading another's output) differs from the ordered run's or fails, and
+the same seed repeats it. Denormals: `DEVICE.RawModule` adds -ftz=true to the options as
+CuPy 14.2 does to every module (cupy/cuda/compiler.py), and a module compiled with it runs
+its launches with denormal inputs and results flushed to zero (x86's FTZ and DAZ; unlike
+CUDA's -ftz, float64's too). Dynamic shared memory: a launch gets at most 48 KiB unless the
+kernel's `max_dynamic_shared_size_bytes` (CuPy's RawKernel attribute, CUDA's
+cudaFuncAttributeMaxDynamicSharedMemorySize) was raised first, which is refused past the
+device's opt-in limit (`cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]`, by
+compute capability: 227 KiB on sm_90, 163 KiB on sm_80, ...).
+
 What a launch checks that a GPU would not say: each argument's type against the kernel's
 declaration (an array of the pointer's element type, C-contiguous; a NumPy scalar of the
 parameter's exact type); no two arrays overlapping; no write outside an array (guard bytes
@@ -23,9 +38,12 @@ around each, checked after the launch), nor to a `const` one; barriers every liv
 block (or lane of a warp) reaches, with full masks (a partial mask is legal CUDA, which this
 executor does not model: an error); wmma tiles loaded and stored 32-byte aligned with a
 leading dimension of a multiple of 16 bytes (mma.h); grids and blocks within CUDA's limits;
-at most 48 KiB of dynamic shared memory (more needs an opt-in zmpi's kernels do not make).
-What it cannot: timing, static shared memory's size and bank conflicts, registers, the device's own
-libm, races between blocks (they run in order), cuBLAS.
+dynamic shared memory within the kernel's limit (above). What it cannot: timing, static
+shared memory's size and bank conflicts (static `__shared__` arrays are C++ statics that keep
+the previous block's values, not NaN), registers, the device's own libm, two blocks running
+at once (a shuffled grid still runs one block at a time, each to its end, so it shows races
+of order, not of interleaving between blocks), a thread switching anywhere but at a barrier,
+cuBLAS.
 """
 from __future__ import annotations
 
@@ -54,6 +72,12 @@ _DTYPES = {"__half": np.float16, "__nv_bfloat16": ml_dtypes.bfloat16, "float": n
 _CTYPES = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
            np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.float32): ctypes.c_float,
            np.dtype(np.float64): ctypes.c_double}
+SHARED_BYTES = 48 << 10  # dynamic shared memory a launch gets without an opt-in
+# the most a kernel may opt in to, by compute capability (CUDA C++ Programming Guide, Table
+# "Technical Specifications per Compute Capability"), bytes
+SHARED_OPTIN = {"70": 96 << 10, "72": 96 << 10, "75": 64 << 10, "80": 163 << 10,
+                "86": 99 << 10, "87": 163 << 10, "89": 99 << 10, "90": 227 << 10,
+                "100": 227 << 10, "120": 99 << 10}
 
 
 class Parameter:
@@ -80,27 +104,57 @@ def signatures(code: str, defines: dict[str, str]) -> dict[str, list[Parameter]]
 
 
 class Kernel:
-    """A compiled kernel, called as CuPy's RawKernel: kernel(grid, block, args, shared_mem)."""
+    """A compiled kernel, called as CuPy's RawKernel: kernel(grid, block, args, shared_mem),
+    with its `max_dynamic_shared_size_bytes` (48 KiB until raised; kept by the module, as CUDA
+    keeps it on the function)."""
 
-    def __init__(self, library, name: str, parameters: list[Parameter]):
-        self.name, self.parameters = name, parameters
+    def __init__(self, module: RawModule, name: str, parameters: list[Parameter]):
+        self.name, self.parameters, self._module = name, parameters, module
+        library = module.library
         self._launch = getattr(library, f"zmpi_launch_{name}")
         self._launch.restype = ctypes.c_int
         self._launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t] + [
             ctypes.c_void_p if p.pointer else _CTYPES[p.dtype] for p in parameters]
         self._error = library.zmpi_error
         self._error.restype = ctypes.c_char_p
+        self._schedule = library.zmpi_schedule
+        self._schedule.argtypes = [ctypes.c_int, ctypes.c_ulonglong, ctypes.c_int]
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        return self._module.shared_limits.get(self.name, SHARED_BYTES)
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, n):
+        capability = DEVICE.compute_capability
+        most = SHARED_OPTIN.get(capability, SHARED_BYTES)  # as cuda.Device().attributes says
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= most:
+            raise RuntimeError(f"{self.name}: max_dynamic_shared_size_bytes {n!r}: "
+                               f"CUDA_ERROR_INVALID_VALUE (compute capability {capability} "
+                               f"opts in to at most {most} bytes)")
+        self._module.shared_limits[self.name] = int(n)
 
     def __call__(self, grid, block, args, shared_mem=0):
         if len(args) != len(self.parameters):
             raise TypeError(f"{self.name}: {len(args)} arguments for "
                             f"{len(self.parameters)} parameters")
+        limit = self.max_dynamic_shared_size_bytes
+        if shared_mem > limit:
+            raise RuntimeError(
+                f"{self.name}: {shared_mem} bytes of dynamic shared memory: the kernel's limit "
+                f"is {limit} (48 KiB unless max_dynamic_shared_size_bytes is raised, up to the "
+                f"device's MaxSharedMemoryPerBlockOptin)")
         arrays = [a for a in args if isinstance(a, np.ndarray)]
         for i, a in enumerate(arrays):
             if any(np.shares_memory(a, b) for b in arrays[i + 1:]):
                 raise ValueError(f"{self.name}: two arguments share memory")
         copies = [self._argument(p, a) for p, a in zip(self.parameters, args, strict=True)]
         dims = [np.array((*d, 1, 1)[:3], np.uint32) for d in (tuple(grid), tuple(block))]
+        DEVICE.launches += 1
+        seed = DEVICE.shuffle_seed
+        self._schedule(int(seed is not None),
+                       0 if seed is None else hash((seed, DEVICE.launches)) % 2**64,
+                       int(self._module.flush_to_zero))
         status = self._launch(dims[0].ctypes.data, dims[1].ctypes.data, shared_mem,
                               *[c.pointer if isinstance(c, _Guarded) else c for c in copies])
         if status:
@@ -147,13 +201,17 @@ class _Guarded:
 
 
 class RawModule:
-    """CuPy's RawModule(code=..., options=...) for the CPU: -D options define the types,
-    --fmad=false is g++'s -ffp-contract=off (always on), the rest are NVRTC's and ignored."""
+    """NVRTC's module for the CPU, as CuPy's RawModule(code=..., options=...) without CuPy's
+    own options (DEVICE.RawModule adds them): -D options define the types, -ftz=true flushes
+    denormals in its launches, --fmad=false is g++'s -ffp-contract=off (always on), the rest
+    are NVRTC's and ignored."""
 
     def __init__(self, code: str, options=()):
         if COMPILER is None:
             raise RuntimeError("cuda_cpu: no C++ compiler (g++, or $CXX)")
         defines = dict(o[2:].split("=", 1) for o in options if o.startswith("-D"))
+        self.flush_to_zero = "-ftz=true" in options
+        self.shared_limits = {}  # {kernel: its max_dynamic_shared_size_bytes, once raised}
         self.kernels = signatures(code, defines)
         self.library = ctypes.CDLL(str(_compile(_translation_unit(code, self.kernels),
                                                 [f"-D{k}={v}" for k, v in defines.items()])))
@@ -161,7 +219,7 @@ class RawModule:
     def get_function(self, name: str) -> Kernel:
         if name not in self.kernels:
             raise AttributeError(f"cuda_cpu: no kernel {name!r} in the module")
-        return Kernel(self.library, name, self.kernels[name])
+        return Kernel(self, name, self.kernels[name])
 
 
 def _translation_unit(code: str, kernels: dict[str, list[Parameter]]) -> str:
@@ -201,15 +259,27 @@ def _compile(source: str, defines: list[str]) -> Path:
 
 class _Device:
     """The cupy module as zmpi's launchers use it, over NumPy (see the module docstring);
-    `compute_capability` is what its cuda.Device() says (a test may set another)."""
+    `compute_capability` is what its cuda.Device() says, with the attributes that follow from
+    it (a test may set another); `shuffle_seed` the schedule of every launch (None: ordered);
+    `launches` counts them."""
 
-    RawModule = RawModule
     ndarray = np.ndarray
     compute_capability = "90"
+    shuffle_seed = None
+    launches = 0
+
+    @staticmethod
+    def RawModule(code: str, options=()):  # noqa: N802 (CuPy's name)
+        """CuPy's RawModule: compiled with -ftz=true added, as CuPy adds it to every module."""
+        return RawModule(code, (*options, "-ftz=true"))
 
     @property
     def cuda(self):
-        device = types.SimpleNamespace(compute_capability=self.compute_capability)
+        device = types.SimpleNamespace(
+            compute_capability=self.compute_capability,
+            attributes={"MaxSharedMemoryPerBlock": SHARED_BYTES,
+                        "MaxSharedMemoryPerBlockOptin": SHARED_OPTIN.get(self.compute_capability,
+                                                                     SHARED_BYTES)})
         return types.SimpleNamespace(Device=lambda *_: device)
 
     def __getattr__(self, name):

@@ -1,68 +1,84 @@
 """A ctypes wrapper of NVRTC, CUDA's run-time compiler (the one CuPy's RawModule calls), for
-compiling zmpi.kernels.SOURCE on a machine without a GPU, a driver or a CUDA toolkit
-(tests/test_kernels_compile.py). Only NVRTC's documented C API (nvrtc.h) is used.
+compiling zmpi's kernels (zmpi/kernels/*.cu) on a machine without a GPU, a driver or a CUDA
+toolkit (tests/test_kernels_compile.py, tests/test_flash_attention.py), in both pip-wheel
+layouts CuPy compiles in. Only NVRTC's documented C API (nvrtc.h) is used.
 
-NVRTC comes from the pip wheel nvidia-cuda-nvrtc-cu12 (the dev extra, Linux x86_64), which
-installs libnvrtc.so.12 under site-packages/nvidia/cuda_nvrtc/lib/; a CUDA toolkit's
-libnvrtc.so.12 on the loader's path serves too. NVRTC 12.x has no cuda_fp16.h among its
-builtin headers: it comes from nvidia-cuda-runtime-cu12 (nvidia/cuda_runtime/include/), as it
-does for CuPy, or from a toolkit ($CUDA_PATH/include).
+A `Toolchain` is one layout as CuPy sees it: NVRTC, and CuPy's single CUDA include directory,
+the one cuda.pathfinder's find_nvidia_header_directory("cudart") gives (its catalog: the first
+of nvidia/cu13/include and nvidia/cuda_runtime/include holding cuda_runtime.h), which is all
+CuPy 14 passes NVRTC with -I. NVRTC has no cuda_fp16.h among its builtin headers: it comes
+from there.
+- "cuda12": the venv's nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12 (the dev extra,
+  Linux x86_64): libnvrtc.so.12 in nvidia/cuda_nvrtc/lib, headers in nvidia/cuda_runtime/include;
+  crt/mma.h is elsewhere, in nvidia-cuda-nvcc-cu12's nvidia/cuda_nvcc/include.
+- "cuda13": nvidia-cuda-nvrtc, -runtime and -crt 13.x, which `make install` puts in
+  CUDA13_WHEELS (pip --target, off sys.path): everything in nvidia/cu13/ (crt/ included).
 
-    lib = nvrtc.load()                      # None when NVRTC is not installed
-    ok, log = nvrtc.compile_source(lib, source, ["--gpu-architecture=sm_90", ...])
+    chain = nvrtc.toolchain("cuda12")   # a Toolchain, or a string: why there is none here
+    ok, log = nvrtc.compile_source(chain.lib, source, ["-arch=sm_90", f"-I{chain.include}"])
 """
 from __future__ import annotations
 
 import ctypes
 import importlib.util
 import os
+import sys
 from pathlib import Path
+from typing import NamedTuple
 
 NVRTC_SUCCESS = 0
 NVRTC_ERROR_COMPILATION = 6  # the source did not compile: the log says why
+# Where `make install` puts the CUDA 13 wheels (Makefile: CUDA13_WHEELS)
+CUDA13_WHEELS = Path(os.environ.get("ZMPI_CUDA13_WHEELS", Path(sys.prefix, "cuda13")))
+LAYOUTS = ("cuda12", "cuda13")
 
 
-def _wheel_dirs(package: str, sub: str) -> list[Path]:
-    """`sub` of the pip wheel's namespace package nvidia.<package>, where it exists."""
+class Toolchain(NamedTuple):
+    name: str  # one of LAYOUTS
+    lib: ctypes.CDLL  # NVRTC, its functions declared
+    include: str  # CuPy's one CUDA include directory in this layout
+    root: str  # the folder holding the wheels' nvidia/ (what zmpi's crt lookup searches)
+
+
+def _wheel_roots(package: str) -> list[Path]:
+    """The folders (site-packages) holding the pip wheel's namespace package nvidia.<package>."""
     try:
         spec = importlib.util.find_spec(f"nvidia.{package}")
     except (ImportError, ValueError):
         return []
     roots = spec.submodule_search_locations if spec is not None else None
-    return [Path(root, sub) for root in roots or () if Path(root, sub).is_dir()]
+    return [Path(root).parent.parent for root in roots or ()]
 
 
-def load():
-    """libnvrtc.so.12 as a ctypes.CDLL with the functions below declared, or None if none
-    loads: the wheel's first, then whatever the loader finds (a toolkit's)."""
-    candidates = [str(p) for d in _wheel_dirs("cuda_nvrtc", "lib")
-                  for p in sorted(d.glob("libnvrtc.so.*")) if ".alt." not in p.name]
-    for candidate in [*candidates, "libnvrtc.so.12"]:
-        try:
-            lib = ctypes.CDLL(candidate)
-        except OSError:
-            continue
-        _declare(lib)
-        return lib
-    return None
+def cupy_include_dir(root) -> str | None:
+    """CuPy's CUDA include directory under `root` (cuda.pathfinder's lookup of cudart's
+    headers), or None."""
+    dirs = (Path(root, "nvidia", sub, "include") for sub in ("cu13", "cuda_runtime"))
+    return next((str(d) for d in dirs if (d / "cuda_runtime.h").is_file()), None)
 
 
-def crt_include_dir() -> str | None:
-    """A directory holding crt/mma.h, which <mma.h> (warp matrix multiply-accumulate)
-    includes: the wheel nvidia-cuda-nvcc-cu12's, else a toolkit's; None without one."""
-    dirs = _wheel_dirs("cuda_nvcc", "include")
-    dirs += [Path(os.environ[v], "include") for v in ("CUDA_PATH", "CUDA_HOME") if v in os.environ]
-    dirs.append(Path("/usr/local/cuda/include"))
-    return next((str(d) for d in dirs if (d / "crt" / "mma.h").is_file()), None)
-
-
-def cuda_include_dir() -> str | None:
-    """A directory holding cuda_fp16.h (and the runtime headers it includes): the wheel
-    nvidia-cuda-runtime-cu12's, else a toolkit's ($CUDA_PATH, $CUDA_HOME, /usr/local/cuda)."""
-    dirs = _wheel_dirs("cuda_runtime", "include")
-    dirs += [Path(os.environ[v], "include") for v in ("CUDA_PATH", "CUDA_HOME") if v in os.environ]
-    dirs.append(Path("/usr/local/cuda/include"))
-    return next((str(d) for d in dirs if (d / "cuda_fp16.h").is_file()), None)
+def toolchain(name: str) -> Toolchain | str:
+    """The layout `name` (LAYOUTS) where it is installed, else why not (a sentence)."""
+    if name == "cuda12":
+        roots, lib_dir, soname = _wheel_roots("cuda_nvrtc"), ("cuda_nvrtc", "lib"), "so.12"
+        missing = "pip install nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12 (the dev extra)"
+    elif name == "cuda13":
+        roots, lib_dir, soname = [CUDA13_WHEELS], ("cu13", "lib"), "so.13"
+        missing = (f"the CUDA 13 wheels are not in {CUDA13_WHEELS}: `make install` puts them "
+                   "there (a step that needs PyPI)")
+    else:
+        raise ValueError(f"no layout {name!r}: one of {LAYOUTS}")
+    for root in roots:
+        library = Path(root, "nvidia", *lib_dir, f"libnvrtc.{soname}")
+        include = cupy_include_dir(root)
+        if library.is_file() and include is not None:
+            for builtins in sorted(library.parent.glob("libnvrtc-builtins.so.*")):
+                # NVRTC 13 dlopens this by name, which the loader does not find beside it
+                ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(str(library))
+            _declare(lib)
+            return Toolchain(name, lib, include, str(root))
+    return f"no NVRTC with CUDA headers for {name}: {missing}"
 
 
 def _declare(lib) -> None:

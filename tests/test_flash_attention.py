@@ -1,11 +1,10 @@
-"""Fused flash attention (zmpi.flash_attention, docs/gpu.md "Fused flash attention"): its NumPy
-twin against zmpi's dense and block-sparse attention and a float64 masked-dense reference, and
-by float64 finite differences; the CUDA kernels themselves run on the CPU (tests/cuda_cpu.py:
+"""Fused flash attention (zmpi.kernels.flash_attention, docs/gpu.md "Fused flash attention"): its
+NumPy twin against zmpi's dense and block-sparse attention and a float64 masked-dense reference,
+and by float64 finite differences; the CUDA kernels themselves run on the CPU (tests/cuda_cpu.py:
 compiled by g++, each launch's arguments checked against the kernels' signatures) against the
 twin, at several tile sizes; their source compiled by NVRTC for every dtype; the config key; a
-GPT trained on the
-CuPy stand-in with and without it (same losses, launches per layer); and, on a GPU, each CUDA
-launcher against its twin and a GPT step with and without flash.
+GPT trained on the CuPy stand-in with and without it (same losses, launches per layer); and, on a
+GPU, each CUDA launcher against its twin and a GPT step with and without flash.
 """
 import json
 import subprocess
@@ -16,12 +15,12 @@ import numpy as np
 import pytest
 from gradcheck import check
 from mpi_util import CLI, REPO_ROOT, STANDIN, child_env
-from test_kernels_compile import ARCHITECTURES, _compile, nvrtc_lib  # noqa: F401
+from test_kernels_compile import ARCHITECTURES, _compile, toolchain  # noqa: F401
 from test_sparse_attention import masked_attention, random_layout
 
 from zmpi import backend, kernels
-from zmpi import flash_attention as FA
 from zmpi.config import Config, ConfigError
+from zmpi.kernels import flash_attention as FA
 from zmpi.nn import attention as A
 from zmpi.nn import sparse_attention as S
 from zmpi.nn.sparsity import causal_layout, sparsity_from_dict
@@ -157,16 +156,23 @@ def test_bad_shapes_are_refused(rng):
 
 @pytest.mark.parametrize("kernel", ["flash_forward", "flash_backward_dq", "flash_backward_dkv"])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
-def test_tiles_fit_shared_memory_and_divide_the_block(kernel, dtype):
+@pytest.mark.parametrize("limit", [FA.SHARED_BYTES, cuda_cpu.SHARED_OPTIN["90"]],
+                         ids=["48KiB", "opt-in-sm90"])
+def test_tiles_fit_shared_memory_and_divide_the_block(kernel, dtype, limit):
+    """The largest tile that divides the block and fits the limit, on tensor cores too."""
     acc = kernels.acc_dtype(dtype)
-    for block in (1, 4, 12, 16, 64, 128):
-        for hd in (4, 64, 128):
-            s = FA.tile_rows(kernel, block, hd, acc)
-            assert block % s == 0 and FA._shared_bytes(kernel, s, hd, acc) <= FA.SHARED_BYTES
-            assert s == block or s == 64 or FA._shared_bytes(kernel, 2 * s, hd, acc) > \
-                FA.SHARED_BYTES or block % (2 * s)
-    with pytest.raises(ValueError, match="heads of size 5000"):
-        FA.tile_rows(kernel, 16, 5000, acc)
+    for tc in (False, True) if dtype == np.float16 else (False,):
+        for block in (16, 64, 128) if tc else (1, 4, 12, 16, 64, 128):
+            for hd in (16, 64, 128) if tc else (4, 64, 128):
+                s = FA._tile_rows(kernel, block, hd, acc, tc, limit)
+                if s is None:  # not even the smallest tile fits: tensor_cores says no
+                    assert tc and FA._shared_bytes(kernel, 16, hd, acc, tc) > limit
+                    continue
+                assert block % s == 0 and FA._shared_bytes(kernel, s, hd, acc, tc) <= limit
+                assert s == block or s == 64 or block % (2 * s) or \
+                    FA._shared_bytes(kernel, 2 * s, hd, acc, tc) > limit
+    with pytest.raises(ValueError, match=f"heads of size 50000 .* in {limit} bytes"):
+        FA.tile_rows(kernel, 16, 50000, acc, False, limit)
 
 
 # -- the CUDA kernels: on the CPU (tests/cuda_cpu.py), their source through NVRTC --------------
@@ -176,7 +182,7 @@ def test_tiles_fit_shared_memory_and_divide_the_block(kernel, dtype):
                                           (True, 32, 4), (True, 32, 2), (True, 32, 8)])
 def test_the_kernels_equal_the_twin_at_every_tile_size(rng, monkeypatch, cuda_device, dtype,
                                                        sparse, T, s):
-    """FLASH_SOURCE's kernels through their launchers at tile rows s (s / 2 for the keys'
+    """flash.cu's kernels through their launchers at tile rows s (s / 2 for the keys'
     backward), on the CPU and on a GPU: several tiles a block, a ragged last block, heads with
     their own layouts. The twin's y, lse and dqkv, to round-off (float64) or fp16's output
     rounding, every element written."""
@@ -212,7 +218,7 @@ def _kernels_equal_the_twin(rng, dev, layout, T, n_head, hd, dtype, tol):
                                               (True, 96, 32, 16)])
 def test_the_tensor_core_kernels_equal_the_twin(rng, monkeypatch, cuda_device, dtype, sparse, T,
                                                 hd, s):
-    """FLASH_TC_SOURCE (16-bit arrays, heads and block multiples of 16, compute capability 8.0
+    """flash_tc.cu (16-bit arrays, heads and block multiples of 16, compute capability 8.0
     or later) through the launchers at tile rows s (one warp per 16 rows) where the kernel's
     tiles fit 48 KiB of shared memory, at the launcher's own rows otherwise: dense with a ragged
     last block, random per-head layouts at block 16 (blocks no query keeps: zero gradients).
@@ -225,9 +231,9 @@ def test_the_tensor_core_kernels_equal_the_twin(rng, monkeypatch, cuda_device, d
                         function(name, *types))
     rows = FA.tile_rows
 
-    def tile_rows(kernel, block, hd, acc, tc=False):  # at hd 16, s 64 fits the forward only
-        fits = FA._shared_bytes(kernel, s, hd, acc, tc) <= FA.SHARED_BYTES
-        return s if fits else rows(kernel, block, hd, acc, tc)
+    def tile_rows(kernel, block, hd, acc, tc=False, limit=FA.SHARED_BYTES):
+        fits = FA._shared_bytes(kernel, s, hd, acc, tc) <= limit
+        return s if fits else rows(kernel, block, hd, acc, tc, limit)
 
     monkeypatch.setattr(FA, "tile_rows", tile_rows)
     layout = (FA.sparse_layout(causal_layout(random_layout(rng, n_head, T // 16)), 16)
@@ -242,36 +248,144 @@ def test_the_tensor_core_kernels_equal_the_twin(rng, monkeypatch, cuda_device, d
         assert launched == ["flash_forward"]
 
 
+def test_the_launcher_opts_in_to_its_tiles_shared_memory(rng, cuda_device):
+    """Tiles past 48 KiB launch: the launcher raises the kernel's max_dynamic_shared_size_bytes
+    first (the CPU executor, as CUDA, refuses the launch otherwise). hd 64 in fp32: the
+    forward's 64-row tiles take 82 KiB."""
+    qkv, layout = rng.standard_normal((1, 64, 3 * 64)).astype(np.float32), FA.dense_layout(64)
+    y, _ = FA.cuda_flash_forward(cuda_device.asarray(qkv), layout, 1)
+    need = FA._shared_bytes("flash_forward", 64, 64, np.float32)
+    assert need > FA.SHARED_BYTES
+    assert FA._function("flash_forward", "float", "float").max_dynamic_shared_size_bytes >= need
+    want, _ = FA._forward_twin(qkv, layout, 1)
+    np.testing.assert_allclose(cuda_device.asnumpy(y), want, rtol=1e-5, atol=1e-5)
+
+
+PIPELINE_SOURCE = r"""
+#include <cuda_pipeline_primitives.h>
+// thread 0 copies src (4 floats) into shared memory asynchronously, and 16 zero-filled bytes
+// after them: what the tile holds before the wait, and after it
+extern "C" __global__ void copy_late(const float* src, float* before, float* after) {
+    __shared__ __align__(16) float tile[8];
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < 8; ++i) tile[i] = -1.0f;
+        __pipeline_memcpy_async(tile, src, 16);
+        __pipeline_memcpy_async(tile + 4, src, 16, 16);
+        __pipeline_commit();
+        for (int i = 0; i < 8; ++i) before[i] = tile[i];
+        __pipeline_wait_prior(0);
+        for (int i = 0; i < 8; ++i) after[i] = tile[i];
+    }
+}
+"""
+
+
+def test_the_executors_async_copies_land_at_the_wait():
+    """tests/cuda_cpu_include/cuda_pipeline_primitives.h: a copy is made when its thread waits
+    for it, not before (the latest CUDA allows), so a kernel that reads early reads stale data;
+    zero-fill as cp.async's."""
+    kernel = cuda_cpu.RawModule(code=PIPELINE_SOURCE).get_function("copy_late")
+    src = np.arange(1, 5, dtype=np.float32)
+    before, after = np.zeros(8, np.float32), np.zeros(8, np.float32)
+    kernel((1,), (32,), (src, before, after))
+    np.testing.assert_array_equal(before, -1)
+    np.testing.assert_array_equal(after, [1, 2, 3, 4, 0, 0, 0, 0])
+
+
+BANKS_SOURCE = r"""
+// words[step][lane]: the 32-bit word of a scores row (ld floats) and of a p row (S + 8 halves)
+// that softmax lane `lane` touches at its step, as flash_tc.cu's loops index them
+extern "C" __global__ void zmpi_softmax_words(int* scores, int* probs, const int S,
+                                              const int ld) {
+    const int lane = threadIdx.x & 31, row = lane >> 1;
+    for (int j = lane & 1, step = 0; j < S; j += 2, ++step) {
+        const int c = tc_column(j, lane, S);
+        scores[step * 32 + lane] = row * ld + c;
+        probs[step * 32 + lane] = (row * (S + 8) + c) / 2;
+    }
+}
+"""
+
+
+@pytest.mark.parametrize("S", [16, 32, 64])
+def test_the_tensor_core_softmax_has_no_bank_conflicts(S):
+    """At every step of the softmax loops a warp's 32 lanes read 32 words of the scores in 32
+    different banks, and write p (or ds) in words of which no two share a bank (two lanes may
+    share a word), for every head size (flash_tc.cu's tc_column, run on the CPU)."""
+    code = kernels.module_source(FA.families(True)) + BANKS_SOURCE
+    module = cuda_cpu.RawModule(code=code, options=("-DZMPI_T=__half", "-DZMPI_ACC=float"))
+    for hd in range(16, 129, 16):
+        scores, probs = (np.zeros((S // 2, 32), np.int32) for _ in range(2))
+        module.get_function("zmpi_softmax_words")((1,), (32,), (scores, probs, np.int32(S),
+                                                                np.int32(max(S, hd) + 4)))
+        for step in range(S // 2):
+            assert len(set(scores[step] % 32)) == 32, (hd, step, scores[step])
+            words = set(probs[step])
+            assert len({w % 32 for w in words}) == len(words), (hd, step, probs[step])
+
+
 def test_tensor_cores_only_where_they_apply(monkeypatch):
-    """16-bit arrays, hd and block multiples of 16, tiles that fit, compute capability >= 8.0."""
-    monkeypatch.setattr(backend, "xp", cuda_cpu.DEVICE)
+    """16-bit arrays, hd and block multiples of 16, tiles that fit the device's opt-in shared
+    memory, compute capability >= 8.0; the tiles at the device's size."""
+    monkeypatch.setattr(backend, "xp", cuda_cpu.DEVICE)  # compute capability 9.0: 227 KiB
+    assert FA.shared_limit() == 227 << 10
     assert FA.tensor_cores(np.float16, 64, 64) and FA.tensor_cores(backend.BFLOAT16, 112, 16)
+    assert FA.tensor_cores(np.float16, 128, 64)  # dk/dv's tiles pass 48 KiB: opted in to
     assert not FA.tensor_cores(np.float32, 64, 64)  # fp32: SIMT (no fp32 MMA here)
     assert not FA.tensor_cores(np.float16, 40, 64)  # hd not a multiple of 16
     assert not FA.tensor_cores(np.float16, 64, 8)  # block 8: a tile is 16 rows at least
-    assert not FA.tensor_cores(np.float16, 128, 64)  # dk/dv's 16-row tiles pass 48 KiB
+    assert not FA.tensor_cores(np.float16, 1024, 64)  # 16-row tiles pass even 227 KiB
+    limit = FA.shared_limit()  # 64-row tiles, 4 warps a block (dk/dv at hd 128: 32 rows)
+    for kernel in ("flash_forward", "flash_backward_dq", "flash_backward_dkv"):
+        assert FA.tile_rows(kernel, 64, 64, np.float32, True, limit) == 64
+        assert FA.tile_rows(kernel, 64, 128, np.float32, True, limit) == (
+            32 if kernel == "flash_backward_dkv" else 64)
+    assert FA.tile_rows("flash_forward", 64, 64, np.float32, False, limit) == 64  # 82 KiB
+    assert FA.tile_rows("flash_forward", 64, 64, np.float32, True) == 32  # within 48 KiB
+    assert FA.tile_rows("flash_backward_dkv", 64, 64, np.float32, True) == 16
+    monkeypatch.setattr(cuda_cpu.DEVICE, "compute_capability", "80")  # A100: 163 KiB
+    assert FA.tensor_cores(np.float16, 128, 64)
+    assert FA.tile_rows("flash_backward_dkv", 64, 128, np.float32, True,
+                        FA.shared_limit()) == 32
     monkeypatch.setattr(cuda_cpu.DEVICE, "compute_capability", "70")
     assert not FA.tensor_cores(np.float16, 64, 64)
-    assert FA.tile_rows("flash_forward", 64, 64, np.float32, True) == 32
-    assert FA.tile_rows("flash_backward_dkv", 64, 64, np.float32, True) == 16
 
 
-# (T, ACC, with the tensor-core kernels): their modules as zmpi.flash_attention compiles them
+# (T, ACC, with the tensor-core kernels): their modules as zmpi.kernels.flash_attention compiles
+# them
 OPTION_SETS = [("__half", "float", False), ("__nv_bfloat16", "float", False),
                ("float", "float", False), ("double", "double", False), ("__half", "float", True),
                ("__nv_bfloat16", "float", True)]
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch_index", [0, 1], ids=["oldest", "hopper"])
 @pytest.mark.parametrize("t, acc, tc", OPTION_SETS)
-def test_flash_source_compiles_without_warnings(nvrtc_lib, t, acc, tc, arch):  # noqa: F811
-    """SOURCE + FLASH_SOURCE, and + FLASH_TC_SOURCE for 16-bit T (its kernels compiled out
-    before sm_80; <mma.h> needs crt/mma.h, from the nvcc wheel here)."""
-    if tc and len(nvrtc_lib[1]) < 2:
-        pytest.skip("no crt/mma.h (pip install nvidia-cuda-nvcc-cu12: the dev extra does)")
-    ok, log = _compile(nvrtc_lib, FA.module_source(tc), t, acc, arch)
-    assert ok, f"T={t}, ACC={acc}, {arch}:\n{log}"
-    assert log == "", f"T={t}, ACC={acc}, {arch}: NVRTC warns:\n{log}"
+def test_flash_source_compiles_without_warnings(toolchain, t, acc, tc, arch_index):  # noqa: F811
+    """The flash modules (flash.cu after the fused ops', and flash_tc.cu for 16-bit T, its
+    kernels compiled out before sm_80) in each wheel layout with CuPy's include directory and
+    zmpi's options alone: <mma.h> finds crt/mma.h through the directory compile_options adds."""
+    arch = ARCHITECTURES[toolchain.name][arch_index]
+    code = kernels.module_source(FA.families(tc))
+    ok, log = _compile(toolchain, code, t, acc, arch)
+    assert ok, f"{toolchain.name}, T={t}, ACC={acc}, {arch}:\n{log}"
+    assert log == "", f"{toolchain.name}, T={t}, ACC={acc}, {arch}: NVRTC warns:\n{log}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", ["__half", "__nv_bfloat16"])
+def test_the_tensor_core_module_compiles_on_the_device(t):
+    """On a GPU of compute capability 8.0 or later the tensor-core module must compile through
+    CuPy as zmpi asks it to: a failure here, where `tensor_cores` would only warn and run the
+    SIMT kernels."""
+    cupy = pytest.importorskip("cupy")
+    if getattr(cupy, "STANDIN", False) or cupy.cuda.runtime.getDeviceCount() == 0:
+        pytest.skip("needs a CUDA device")
+    if int(cupy.cuda.Device().compute_capability) < 80:
+        pytest.skip("the tensor-core kernels need compute capability 8.0")
+    assert backend.xp is cupy, "run with ZMPI_BACKEND=cupy"
+    for kernel in ("flash_tc_forward", "flash_tc_backward_dq", "flash_tc_backward_dkv"):
+        FA._function(kernel, t, "float")  # CuPy's CompileException, if it does not
+    assert FA._tensor_core_module_builds(t)
 
 
 # -- the config key and the GPT on the stand-in -------------------------------------------------
@@ -306,7 +420,7 @@ import json, sys
 sys.path[:0] = ["tests/ranks", "tests"]
 import cupy, numpy as np
 from zero_checks import config
-from zmpi import flash_attention as FA
+from zmpi.kernels import flash_attention as FA
 from zmpi.comm import Comm
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine

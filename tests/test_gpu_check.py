@@ -1,9 +1,13 @@
 """The device check's parts that run without a GPU or network: experiments/gpu_check.sh refuses
-in one line without its wheels (and writes nothing else), and experiments/gpu_trace.py's table
-counts GPU operations and casts per step and per layer. (Its install part was dry-run in a
-fresh venv with cp311 wheels: docs/gpu.md, "Running the device check".)"""
+in one line without its wheels (and installs nothing), its dry run (the exact device command,
+every step as on a GPU with its command logged instead of run) leaves what the device tool
+brings back within the budget, and experiments/gpu_trace.py's table counts GPU operations
+and casts per step and per layer. (Its install part was run in a fresh venv with cp311
+wheels: docs/gpu.md, "Running the device check".)"""
+import re
 import subprocess
 import sys
+import tarfile
 
 from mpi_util import REPO_ROOT
 
@@ -11,16 +15,84 @@ sys.path.insert(0, str(REPO_ROOT / "experiments"))
 import gpu_trace  # noqa: E402
 
 SCRIPT = REPO_ROOT / "experiments" / "gpu_check.sh"
+DEVICE_TIMEOUT_S = 600  # the device tool's most for one command: the check's timeout_s
+STEPS = ["env", "tests", "bench", "flash", "trace", "trace-small", "compile", "count"]
+
+
+def _check(tmp_path, **env):
+    """The device command, `bash experiments/gpu_check.sh`, with $OUT as the tool sets it."""
+    return subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"),
+                               "GPU_DEPS": str(tmp_path / "deps"), "TMPDIR": str(tmp_path),
+                               "PYTHON": sys.executable, **env})
+
+
+def _what_comes_back(out):
+    """The files under out as the device tool brings them back: each a plain file at most 2
+    folders down, named in letters, digits, '.', '_' and '-', at most 16 MiB; at most 8."""
+    files = [p for p in out.rglob("*") if not p.is_dir()]
+    for p in files:
+        parts = p.relative_to(out).parts
+        assert p.is_file() and not p.is_symlink() and len(parts) <= 3, p
+        assert all(re.fullmatch(r"[A-Za-z0-9._-]+", part) for part in parts), p
+        assert p.stat().st_size <= 16 << 20, p
+    assert len(files) <= 8 and sum(p.stat().st_size for p in files) <= 64 << 20
+    return sorted(str(p.relative_to(out)) for p in files)
 
 
 def test_without_the_wheels_the_check_says_what_to_run(tmp_path):
-    out = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60,
-                         env={"PATH": "/usr/bin:/bin", "GPU_WHEELS": str(tmp_path / "none"),
-                              "OUT": str(tmp_path / "out"), "GPU_DEPS": str(tmp_path / "deps")})
+    out = _check(tmp_path, GPU_WHEELS=str(tmp_path / "none"))
     assert out.returncode == 1
     assert "no mpi4py and mpich wheels in" in out.stdout and "make gpu-wheels" in out.stdout
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["summary.txt"]
+    assert _what_comes_back(tmp_path / "out") == ["results.tar.gz", "summary.txt"]
     assert not (tmp_path / "deps").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # its scratch folder removed
+
+
+def test_the_dry_run_brings_back_three_files_within_the_budget(tmp_path):
+    """The device command's dry run: summary.txt, targets.md and results.tar.gz (a log per
+    step), every step's limit with its kill grace and the install's reserve inside the
+    default budget, and the budget inside the device tool's 600 s."""
+    out = _check(tmp_path, GPU_CHECK_DRY_RUN="1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert _what_comes_back(tmp_path / "out") == ["results.tar.gz", "summary.txt", "targets.md"]
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    limits = dict(re.findall(r"^(\S+) +dry run +(\d+) s limit", summary, re.M))
+    assert sorted(limits) == sorted(STEPS)
+    budget, steps, n, grace, reserve, planned = map(int, re.search(
+        r"^budget +(\d+) s: steps (\d+) s \+ (\d+) x (\d+) s kill grace \+ (\d+) s install "
+        r"and packing = (\d+) s$", summary, re.M).groups())
+    assert steps == sum(int(v) for k, v in limits.items() if k != "count") and n == 7
+    assert planned == steps + n * grace + reserve <= budget
+    assert int(limits["count"]) <= budget - reserve  # beside the others, on the CPU
+    assert budget + 30 <= DEVICE_TIMEOUT_S  # 30 s for the tool's own start of the command
+    with tarfile.open(tmp_path / "out" / "results.tar.gz") as tar:
+        logs = {m.name.removeprefix("./"): tar.extractfile(m).read().decode()
+                for m in tar.getmembers() if m.isfile()}
+    assert {f"{s.replace('-', '_')}.txt" for s in STEPS} <= set(logs)
+    assert "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1" in logs["tests.txt"]
+    assert "-p pytest_timeout" in logs["tests.txt"] and " -m gpu " in logs["tests.txt"]
+    assert logs["targets.md"] == (tmp_path / "out" / "targets.md").read_text()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_budget_or_dry_run_setting_it_cannot_read_is_refused(tmp_path):
+    for env in ({"GPU_CHECK_SECONDS": "9m"}, {"GPU_CHECK_DRY_RUN": "yes"}):
+        out = _check(tmp_path, **env)
+        assert out.returncode == 2 and len(out.stdout.splitlines()) == 1
+        assert "want whole seconds, and 0 or 1" in out.stdout
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_step_the_budget_leaves_out_is_skipped_not_failed(tmp_path):
+    out = _check(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_SECONDS="30")
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "over the budget: the last steps may be skipped" in summary
+    for name in STEPS:
+        assert re.search(rf"^{name} +skipped: the 30 s budget is spent$", summary, re.M)
+    assert "FAILED" not in summary
+    assert _what_comes_back(tmp_path / "out") == ["results.tar.gz", "summary.txt", "targets.md"]
 
 
 def test_casts_are_cupys_conversions_between_two_dtypes():
@@ -96,6 +168,15 @@ def test_the_targets_table_reads_the_device_checks_results(tmp_path):
         ("1.25x (block 64: tensor cores)", False)
     assert rows["zmpi plan's step against the measured one"] == \
         ("0.045 s (h200) against 0.041 s (+10%)", True)
+    assert rows["CUDA graphs"] == ("-", None)  # trace_small did not run
+    (tmp_path / "trace_small").mkdir()
+    for idle, decided in ((3.0, True), (1.0, False)):  # of a 10 ms step
+        (tmp_path / "trace_small/trace.json").write_text(json.dumps(
+            {"args": {"n_layer": 4}, "ops_per_step": 200, "casts_per_layer": 0,
+             "unprofiled_wall_ms": 10.0, "idle_ms": idle}))
+        rows = {t.split(",")[0].split(" (")[0]: (m, ok) for t, _, m, ok in
+                gpu_targets.targets(tmp_path)}
+        assert rows["CUDA graphs"] == (f"{idle:.1f} of 10.0 ms a step ({idle / 10:.0%})", decided)
     table = gpu_targets.markdown(gpu_targets.targets(tmp_path))
     assert table[2] == "| zmpi fp16 tokens/s over PyTorch eager's, micro-batch 8 | >= 1.0x " \
                        "| 1.07x | yes |"
@@ -106,3 +187,21 @@ def test_the_targets_table_reads_the_device_checks_results(tmp_path):
             gpu_targets.targets(tmp_path)}
     assert rows["GPU operations a layer"] == rows["cast kernels a layer"] == ("-", None)
     assert rows["the stand-in's operations a step against the trace's"] == ("-", None)
+
+
+def test_make_test_gpu_installs_nothing_and_refuses_without_cupy():
+    """`make test-gpu` runs on the Python's own CuPy (no pip, which would put cupy-cuda12x over
+    a GPU image's cupy-cuda13x, and fails offline), without the Python's own pytest plugins;
+    where that Python has no CuPy it says so in one line."""
+    plan = subprocess.run(["make", "-n", "test-gpu"], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=60)
+    assert plan.returncode == 0 and "-m pip" not in plan.stdout
+    pytest_lines = [line for line in plan.stdout.splitlines() if " -m pytest " in line]
+    assert len(pytest_lines) == 2 and all("PYTEST_DISABLE_PLUGIN_AUTOLOAD=1" in line and
+                                          "-p pytest_timeout" in line for line in pytest_lines)
+    done = subprocess.run(["make", "-s", "test-gpu", f"GPU_PYTHON={sys.executable}"],
+                          capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
+    assert done.returncode == 2
+    assert done.stdout.strip().splitlines() == [
+        f"make test-gpu: no CuPy in {sys.executable}: give GPU_PYTHON=, or pip install -e "
+        "'.[gpu,dev]' where there is network"]

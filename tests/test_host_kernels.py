@@ -1,4 +1,4 @@
-"""The compiled host loops (zmpi.host_kernels, the `fast` extra) give NumPy's bits.
+"""The compiled host loops (zmpi.kernels.host, the `fast` extra) give NumPy's bits.
 
 The dev extra installs numba, so `make test` runs these; without numba they skip, and every
 caller uses the NumPy path they are compared against here.
@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from zmpi import host_kernels
 from zmpi.backend import BFLOAT16
+from zmpi.kernels import host as host_kernels
 from zmpi.optim.adam import AdamCoefficients, _adam_ufuncs_, adam_chunk_
 
 needs_loops = pytest.mark.skipif(host_kernels.adam is None, reason="numba not installed")
@@ -107,7 +107,7 @@ def test_setting_is_checked():
     assert host_kernels.load("0") is None
     with pytest.raises(ValueError, match="ZMPI_NUMBA must be 0"):
         host_kernels.load("yes")
-    out = subprocess.run([sys.executable, "-c", "import zmpi.host_kernels as k; "
+    out = subprocess.run([sys.executable, "-c", "import zmpi.kernels.host as k; "
                           "print(k.adam is None)"], env={"ZMPI_NUMBA": "0", "PATH": ""},
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "True", out.stderr

@@ -7,6 +7,7 @@ launches of its CUDA launcher, and "composed" runs the same twin op by op on sta
 the two must agree bit for bit, and the fused one must be one launch (two or three where the
 docstrings say so) and no cast.
 """
+import functools
 import json
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from mpi_util import REPO_ROOT, STANDIN, child_env
 
 from zmpi import backend, kernels
 from zmpi.config import Config, ConfigError
+from zmpi.kernels import source
 from zmpi.nn import attention as A
 from zmpi.nn import functional as F
 from zmpi.optim.adam import AdamCoefficients, _adam_twin, _sum_of_squares_twin
@@ -244,6 +246,35 @@ def test_each_cuda_kernel_matches_its_twin(cuda_device, dtype):
         want = np.zeros(y.shape, dtype)
         want[:, :, 4:9] = kernels._matmul_twin(a[:, :, 2:7], bt.swapaxes(-1, -2), None)
         same([y], [want])
+
+
+@pytest.mark.parametrize("master", [np.float32, np.float64])
+def test_adam_without_contraction_gives_the_twins_bits(cuda_device, monkeypatch, master):
+    """--fmad=false, the test-only option (zmpi.kernels.source.compile_options): Adam's update
+    is products, sums, a quotient and a square root, each rounded once on a GPU as in NumPy, so
+    compiled without multiply-add contraction the kernel gives the twin's bits exactly (bf16
+    gradients, a float32 or float64 master); the production module, contracted, agrees within
+    rounding (test_each_cuda_kernel_matches_its_twin)."""
+    cupy = cuda_device
+    rng = np.random.default_rng(1)
+    monkeypatch.setattr(kernels, "compile_options",
+                        functools.partial(source.compile_options, fmad=False))
+    caches = (kernels._function, kernels._modules)
+    for cache in caches:
+        cache.cache_clear()
+    try:
+        k = AdamCoefficients.of(master, 3, 1e-2, (0.9, 0.999), 1e-8, 0.1, True, 0.5)
+        state = [rng.standard_normal(1000).astype(master) for _ in range(3)]
+        state[2] **= 2  # v >= 0
+        grads = rng.standard_normal(1000).astype(backend.BFLOAT16)
+        on_device = [cupy.asarray(a) for a in state]
+        kernels.cuda_adam(on_device[0], cupy.asarray(grads), *on_device[1:], k)
+        _adam_twin(state[0], grads, state[1], state[2], k)
+        for got, want in zip(on_device, state, strict=True):
+            np.testing.assert_array_equal(cupy.asnumpy(got), want)
+    finally:
+        for cache in caches:  # the production options' modules again
+            cache.cache_clear()
 
 
 def _gpu():

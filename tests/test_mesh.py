@@ -5,7 +5,8 @@ the engine's mesh at tp = pp = 1 is the world (pipelines: tests/test_pipeline.py
 import pytest
 from mpi_util import RANKS_DIR, run_mpi
 
-from zmpi.parallel.mesh import Coordinates, mesh_sizes
+from zmpi.config import ConfigError
+from zmpi.parallel.mesh import Coordinates, NodeOrder, mesh_sizes
 
 # 4 ranks: (tp, pp) -> per world rank (dp_rank, pp_rank, tp_rank), groups as world ranks
 # (dp, pp, tp) and pipeline neighbours (prev, next); by hand from rank = pp*(dp*tp) + dp*tp + tp
@@ -90,3 +91,22 @@ def test_eight_ranks_by_hand():
 def test_a_mesh_that_does_not_divide_is_a_clear_error(size, tp, pp, words):
     with pytest.raises(ValueError, match=words):
         mesh_sizes(size, tp, pp)
+
+
+# ---- groups inside a node, whatever the placement (issue 56; across hosts:
+# tests/test_twohost.py) ------------------------------------------------------------------------
+@pytest.mark.parametrize("sizes, group", [((2, 2), 2), ((2, 2), 1), ((2, 2), 4), ((4, 4), 2),
+                                          ((2, 2, 2, 2), 4), ((3, 1), 1), ((3, 1), 4)])
+def test_groups_inside_a_node_or_of_whole_nodes_are_accepted(sizes, group):
+    NodeOrder(0, tuple(range(sum(sizes))), sizes).check_groups(group, "key")
+
+
+@pytest.mark.parametrize("sizes, group", [((3, 1), 2), ((2, 2, 2), 3), ((4, 2), 3)])
+def test_a_group_that_would_split_a_node_across_nodes_is_refused(sizes, group):
+    """Nodes of 3 and 1 ranks in groups of 2: the second group would hold one rank of each
+    node; refused naming the key, the ranks per node and the placement flag."""
+    order = NodeOrder(0, tuple(range(sum(sizes))), sizes)
+    with pytest.raises(ConfigError, match=rf"^key: groups of {group} ranks would span nodes "
+                       rf"without holding them whole: the nodes hold {', '.join(map(str, sizes))}"
+                       r" ranks; .*\(mpiexec -ppn, srun --ntasks-per-node\)$"):
+        order.check_groups(group, "key")

@@ -61,7 +61,7 @@ CASES = {  # mode -> [(constructor kwargs, block rows)]
                   attention=BOTH, horizontal_global_attention=[False, True],
                   num_different_global_patterns=[1, 2, 4], n=[1, 2, 5, 7, 8, 12]),
     "variable": with_globals(grid(**HEADS, num_random_blocks=[0, 3],
-                                  local_window_blocks=[[1], [2, 3], [1, 2, 1]],
+                                  local_window_blocks=[[1], [2, 3], [1, 2, 1], [2, 0, 3]],
                                   globals=GLOBALS, attention=BOTH,
                                   horizontal_global_attention=[False, True], n=[1, 4, 10])),
     "bigbird": grid(**HEADS, num_random_blocks=[0, 1, 2], num_sliding_window_blocks=[1, 2, 3, 5],
@@ -241,10 +241,14 @@ def test_random_layouts_are_deterministic_in_the_seed_and_on_every_rank():
 
 def test_each_modes_keys_and_defaults_are_deepspeeds_constructor_arguments():
     """A mode's JSON keys are its DeepSpeed constructor's arguments but num_heads (the model
-    gives it), with DeepSpeed's defaults; the random modes add their seed (default 0)."""
+    gives it), with the defaults of DeepSpeed's config reader: the constructor's, but bigbird's
+    num_random_blocks, SPARSE_NUM_RANDOM_BLOCKS_DEFAULT = 0 in deepspeed/runtime/config.py
+    (the constructor's is 1); the random modes add their seed (default 0)."""
+    reader = {"bigbird": {"num_random_blocks": 0}}
     for mode, cls in ds.MODES.items():
         params = inspect.signature(cls.__init__).parameters
         theirs = {k: p.default for k, p in params.items() if k not in ("self", "num_heads")}
+        theirs.update(reader.get(mode, {}))
         ours = mode_keys(mode)
         assert ("seed" in ours) == (mode in RANDOM_MODES) and ours.pop("seed", 0) == 0
         assert ours == {k: tuple(v) if isinstance(v, list) else v for k, v in theirs.items()}
@@ -268,6 +272,10 @@ def test_the_json_section_as_deepspeed_writes_it():
                                               global_block_end_indices=(2, 9))
     assert sparsity_from_dict({"mode": "variable", "global_block_end_indices": None}, 2) == \
         VariableSparsityConfig(2)
+    # DeepSpeed's config reader gives bigbird SPARSE_NUM_RANDOM_BLOCKS_DEFAULT = 0 random
+    # blocks (its class's default, and BigBirdSparsityConfig's, is 1)
+    assert sparsity_from_dict({"mode": "bigbird"}, 2) == BigBirdSparsityConfig(
+        2, num_random_blocks=0)
 
 
 REFUSED = [  # (section, the key named, words of the reason)
@@ -417,7 +425,7 @@ def test_keys_that_leave_the_layout_unchanged_are_noted():
         assert cfg.notes()[0].startswith("different_layout_per_head: accepted without effect")
     assert sparsity_from_dict({"mode": "variable", "seed": 5}, 4).notes() == \
         ["seed: accepted without effect (num_random_blocks is 0)"]
-    for section in [{"mode": "bigbird", "seed": 5},
+    for section in [{"mode": "bigbird", "num_random_blocks": 1, "seed": 5},
                     {"num_different_global_patterns": 2, "attention": "unidirectional"},
                     {"mode": "variable", "num_random_blocks": 1, "seed": 3}]:
         cfg = sparsity_from_dict({**section, "different_layout_per_head": True}, 4)

@@ -475,10 +475,10 @@ def _calls(attribute: str | None = None, receiver: str | None = None) -> list:
 
 def _launches() -> list:
     """(file:line, call) of zmpi's kernel launches: `_function(name, dtype, acc)(grid, block,
-    args)` in zmpi/kernels.py, `function(grid, block, args, shared_mem=...)` in
-    zmpi/flash_attention.py."""
+    args)` in zmpi/kernels/__init__.py, `function(grid, block, args, shared_mem=...)` in
+    zmpi/kernels/flash_attention.py."""
     return [(f"{source}:{node.lineno}", node) for source, node in _zmpi_nodes()
-            if source.name in ("kernels.py", "flash_attention.py")
+            if source.parent.name == "kernels" and source.name.endswith(".py")
             and isinstance(node, ast.Call) and (
                 isinstance(node.func, ast.Name) and node.func.id == "function"
                 or isinstance(node.func, ast.Call) and isinstance(node.func.func, ast.Name)

@@ -78,3 +78,42 @@ def test_available_strategies_lists_every_builtin_in_a_fresh_process():
                           " print(available_strategies())"], capture_output=True, text=True,
                          cwd=REPO_ROOT, check=True).stdout
     assert "['hybrid', 'hybrid_zero2', 'stage0', 'stage1', 'stage2', 'stage3', 'zeropp']" in out
+
+
+def test_the_names_a_strategy_author_uses_are_documented_and_importable():
+    """docs/strategies.md's table of names: each imports as written, and it holds every name
+    the built-in strategies import from zmpi.config and zmpi.words (ConfigError, count)."""
+    import importlib
+
+    section = DOC.read_text().split("## Names a strategy author uses", 1)[1].split("\n## ")[0]
+    names = re.findall(r"^\| `(zmpi\.[\w.]+)` \|", section, re.M)
+    for dotted in names:
+        module, _, attr = dotted.rpartition(".")
+        assert hasattr(importlib.import_module(module), attr), dotted
+    used = set()
+    for path in (REPO_ROOT / "zmpi" / "zero").glob("*.py"):
+        for module, attrs in re.findall(r"^from (zmpi\.(?!zero)[\w.]+) import (.+)$",
+                                        path.read_text(), re.M):
+            used |= {f"{module}.{a.strip()}" for a in attrs.split(",")}
+    assert {"zmpi.config.ConfigError", "zmpi.words.count"} <= used
+    assert {n for n in used if n.startswith(("zmpi.config.", "zmpi.words."))} <= set(names)
+
+
+def test_load_strategy_file_registers_its_strategies(tmp_path, isolated_registry):
+    from zmpi.zero import load_strategy_file
+
+    path = tmp_path / "mine_file.py"
+    path.write_text(example_code().replace('"zero1_allreduce"', '"mine_file"'))
+    assert load_strategy_file(path) == ["mine_file"]
+    assert load_strategy_file(path) == ["mine_file"]  # already imported: not run again
+    assert get_strategy("mine_file").__module__ == "mine_file"
+    with pytest.raises(ValueError, match="is not a Python file"):
+        load_strategy_file(tmp_path / "missing.py")
+    (tmp_path / "bad_file.py").write_text("raise RuntimeError('boom')\n")
+    with pytest.raises(ValueError, match="cannot load strategy module .*RuntimeError: boom"):
+        load_strategy_file(tmp_path / "bad_file.py")
+    other = tmp_path / "sub"
+    other.mkdir()
+    (other / "mine_file.py").write_text("")
+    with pytest.raises(ValueError, match="a module named 'mine_file' is already imported"):
+        load_strategy_file(other / "mine_file.py")

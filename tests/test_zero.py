@@ -5,12 +5,16 @@ One `mpiexec -n N` launch per world size (1, 2, 3, 4; 3 gives uneven shards and 
 tests/ranks/zero_checks.py over every registered strategy (stage0-3, hybrid and hybrid_zero2
 at every group size that divides N, zeropp's hpZ alone and with quantization) and the
 tutorial strategy of docs/strategies.md, loaded
-by module path. Registering a strategy is enough to have it checked here. The assertions
+by module path. Every strategy the registry knows is checked here: the built-in ones, installed
+entry points, and strategy files named with `--strategy-module FILE.py`; `--strategy NAME`
+runs the suite on that strategy alone (tests/conftest.py; `make test-strategy`). The assertions
 compare what the ranks report with the reference (tests/reference.py), with the strategy's
 `expected_model_state` / `expected_traffic`, and, for stages 0-3, with the ZeRO paper's
 formulas (zmpi.memory).
 """
+import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -54,18 +58,73 @@ QUANTIZED_MODEL_MOVE_RTOL, QUANTIZED_LOSS_RTOL = 0.8, 1e-2
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"n{n}")
-def run(request, tmp_path_factory):
+def run(request, tmp_path_factory, strategy_selection):
+    only, files = strategy_selection
     out = tmp_path_factory.mktemp(f"zero_n{request.param}")
     (out / "zero1_allreduce.py").write_text(example_code())
-    reports = run_mpi(RANKS_DIR / "zero_checks.py", request.param, args=[out, TUTORIAL],
+    # the tutorial, unless the suite runs on other strategies or a file of that name replaces it
+    tutorial = not (only and "zero1_allreduce" not in only) and not any(
+        Path(f).stem == "zero1_allreduce" for f in files)
+    args = [out, *[TUTORIAL] * tutorial, *files, *(f"--only={name}" for name in only)]
+    reports = run_mpi(RANKS_DIR / "zero_checks.py", request.param, args=args,
                       timeout=300, env={"PYTHONPATH": f"{REPO_ROOT}:{out}"})
     return request.param, out, reports
+
+
+@pytest.fixture
+def whole_suite(strategy_selection):
+    """Skips a check of the built-in strategies (or of none) when the suite runs on chosen
+    strategies only (--strategy)."""
+    if strategy_selection[0]:
+        pytest.skip(f"the suite runs on --strategy {', '.join(strategy_selection[0])} only")
 
 
 def test_every_registered_strategy_is_in_the_suite():
     labels = {label.split(",")[0] for label, _ in zero_checks.strategies(4)}
     assert set(available_strategies()) <= labels
     assert {"stage0", "stage3", "hybrid", "hybrid_zero2"} <= labels
+
+
+def _file_strategy(path, name, broken=False):
+    """The tutorial strategy of docs/strategies.md saved at `path`, registered as `name`; with
+    `broken`, its gradient allreduce is left out (each rank updates with its own gradients)."""
+    code = example_code().replace('"zero1_allreduce"', f'"{name}"')
+    if broken:
+        code = code.replace("self.comm.allreduce(self.grads_full)", "pass")
+    path.write_text(code)
+    return path
+
+
+def test_a_strategy_file_joins_the_suite_and_can_run_alone(tmp_path, isolated_registry):
+    """--strategy-module FILE.py: the file's @register strategies are in the suite without a
+    package; --strategy NAME: they alone; a name not available is one clear error."""
+    path = _file_strategy(tmp_path / "mine_zero1.py", "zero1_mine")
+    assert "zero1_mine" in {label for label, _ in zero_checks.strategies(2, [str(path)])}
+    chosen = zero_checks.strategies(2, [str(path)], ["zero1_mine"])
+    assert [label for label, _ in chosen] == ["zero1_mine"]
+    assert [label for label, _ in zero_checks.strategies(4, (), ["hybrid"])] == [
+        "hybrid,shard_group_size=1", "hybrid,shard_group_size=2", "hybrid,shard_group_size=4"]
+    with pytest.raises(ValueError, match="no partition strategy 'nope'; available: "):
+        list(zero_checks.strategies(2, (), ["nope"]))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("broken", [False, True], ids=["sound", "broken"])
+def test_make_test_strategy_runs_the_suite_on_a_strategy_file(tmp_path, broken, whole_suite):
+    """What `make test-strategy STRATEGY=zero1_mine STRATEGY_MODULE=FILE.py` runs: the shared
+    suite on that file's strategy alone (here at 2 ranks). It passes for the tutorial's
+    strategy and fails on parity for the same strategy without its gradient allreduce."""
+    path = _file_strategy(tmp_path / "mine_zero1.py", "zero1_mine", broken)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+         "-k", "n2 and (parity or declared)", "--strategy", "zero1_mine", "--strategy-module",
+         str(path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
+    if broken:
+        assert done.returncode == 1, done.stdout[-3000:]
+        assert "zero1_mine fp64 n=2: relative error" in done.stdout, done.stdout[-3000:]
+    else:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+        assert "3 passed" in done.stdout, done.stdout[-3000:]
 
 
 def test_buckets_group_small_units_and_send_large_ones_alone():
@@ -116,9 +175,10 @@ def _parity_errors(params, init, ref):
 
 
 @pytest.mark.mpi
-def test_parity_with_single_process_reference(run, references):
+def test_parity_with_single_process_reference(run, references, strategy_selection):
     n, out, reports = run
-    assert {c["strategy"].split(",")[0] for c in reports[0]["parity"]} >= {"zero1_allreduce"}
+    assert {c["strategy"].split(",")[0] for c in reports[0]["parity"]} >= (
+        set(strategy_selection[0]) or {"zero1_allreduce"})
     for i, case in enumerate(reports[0]["parity"]):
         variant = case["variant"]
         dtype = zero_checks.VARIANTS[variant][0]
@@ -226,7 +286,7 @@ def test_traffic_matches_declared_and_paper_formula(run):
 
 
 @pytest.mark.mpi
-def test_persistence_threshold_trades_memory_for_traffic(run):
+def test_persistence_threshold_trades_memory_for_traffic(run, whole_suite):
     """Stage 3 with stage3_param_persistence_threshold=500: the units of at most 500 elements
     (GPT's embedding unit and final LayerNorm/head unit) stay gathered. Each costs its full
     fp16 parameters in memory and saves all but one of its allgathers per step."""
@@ -249,7 +309,7 @@ def test_persistence_threshold_trades_memory_for_traffic(run):
 
 
 @pytest.mark.mpi
-def test_pluggable_losses_equal_the_single_process_reference(run):
+def test_pluggable_losses_equal_the_single_process_reference(run, whole_suite):
     """An MLP regressor with MSE at stage 3, and GPT with cross-entropy ignoring -100 targets
     at stage 2 with accumulation (a different number of counted tokens on every rank and
     micro-batch): the loss is the mean over all ranks' counted targets, as one process on the
@@ -282,7 +342,7 @@ def test_pluggable_losses_equal_the_single_process_reference(run):
 
 
 @pytest.mark.mpi
-def test_loss_scaler_trajectory(run):
+def test_loss_scaler_trajectory(run, whole_suite):
     """scale 2^8, window 2, hysteresis 1: grow after 2 clean steps, halve on the planted
     overflow (step 2, one rank only), which every rank skips without touching parameters."""
     _, _, reports = run
@@ -291,3 +351,60 @@ def test_loss_scaler_trajectory(run):
             assert case["scales"] == [256, 512, 256, 256, 512, 512], case
             assert case["skipped"] == 1 and case["global_steps"] == 5
             assert case["skipped_change"] == 0.0
+
+
+def _moe_reference(section, accumulation, clip):
+    """One process's (parameters, losses, routing) for a MoE case of zero_checks: the whole
+    global batch of each step in one forward, each MoE layer keyed by the step and its
+    groups from 0, the auxiliary and z losses added to the loss as the engine reports it."""
+    config = zero_checks.GPT_CONFIG
+    source = SyntheticSource(config.vocab_size, config.seq_len,
+                             zero_checks.GLOBAL_BATCH * accumulation, seed=1)
+    model = GPT(config, seed=0, dtype=np.float64, moe=section)
+    layers, loss, routing, steps = model.moe_layers(), model.loss, {}, iter(range(10**9))
+
+    def moe_loss(x, y):
+        step = next(steps)
+        for layer in layers:
+            layer.set_routing((step,), 0)
+        value = loss(x, y)
+        for i, layer in enumerate(layers):
+            routing[f"route{step}_{i}_experts"] = layer.routing.experts.copy()
+            routing[f"route{step}_{i}_kept"] = layer.routing.kept.copy()
+        return value + sum(float(layer.aux_loss + layer.z_loss) for layer in layers)
+
+    model.loss = moe_loss
+    batches = [source.global_sample(step) for step in range(zero_checks.STEPS)]
+    params, losses = reference_train(model, batches, lr=1e-2, weight_decay=0.1, clip=clip)
+    return params, losses, routing
+
+
+@pytest.fixture(scope="module")
+def moe_references():
+    """{case: (parameters, losses, routing)} of one process for each of zero_checks.MOE_CASES."""
+    return {name: _moe_reference(section, accumulation, clip)
+            for name, (_, accumulation, clip, _, section) in zero_checks.MOE_CASES.items()}
+
+
+@pytest.mark.mpi
+def test_moe_gpt_trains_as_one_process(run, moe_references, whole_suite):
+    """A GPT with MoE blocks (zero_checks.MOE_CASES: top-1 and top-2, a pyramid of 4 and 2
+    experts, every other block, PR-MoE with a shared expert, Jitter and RSample, random token
+    selection, drops, accumulation, clipping, full recompute) under ZeRO 0-3 at every world
+    size (3: uneven shards) in fp64: the parameters and losses of one process, and every
+    step's choices and dropped tokens exactly one process's."""
+    n, out, reports = run
+    for name, (ref, ref_losses, ref_routing) in moe_references.items():
+        with np.load(out / f"moe_{name}.npz") as f:
+            got = dict(f)
+        where = f"MoE {name} n={n}"
+        routing = {k: got.pop(k) for k in list(got) if k.startswith("route")}
+        assert sorted(routing) == sorted(ref_routing), where
+        assert any(not kept.all() for k, kept in ref_routing.items() if k.endswith("kept"))
+        for key, want in ref_routing.items():
+            np.testing.assert_array_equal(routing[key], want, err_msg=f"{where}: {key}")
+        assert sorted(got) == sorted(ref), where
+        rel = max(np.abs(got[k] - ref[k]).max() / np.abs(ref[k]).max() for k in ref)
+        assert rel <= FP64_RTOL, f"{where}: relative error {rel:.2e}"
+        np.testing.assert_allclose(reports[0]["moe"][name], ref_losses, rtol=LOSS_RTOL["fp64"],
+                                   err_msg=where)

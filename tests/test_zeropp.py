@@ -143,6 +143,32 @@ def test_keys_act_with_stage_3_and_are_rejected_below():
         Config.from_dict({"zero_optimization": {"zero_quantized_nontrainable_weights": True}})
 
 
+@pytest.mark.parametrize("given, sizes, in_blocks, offload, expected", [
+    (None, (2, 2), True, False, 2),  # across nodes in blocks: a node's ranks
+    (None, (4, 4, 4), True, False, 4),
+    (None, (4,), True, False, 1),  # one node: the group would be the world
+    (None, (3, 1), True, False, 1),  # nodes of different sizes
+    (None, (2, 2), False, False, 1),  # round-robin: asked for by name only
+    (None, (2, 2), True, True, 1),  # offload_param keeps the device free of the copy
+    (1, (2, 2), True, False, 1),  # given: as given
+    (4, (2, 2), True, False, 4)])
+def test_hpz_partition_defaults_to_the_node_size(given, sizes, in_blocks, offload, expected):
+    """Issue 56: hpZ's group is a node's ranks unless `zero_hpz_partition_size` says
+    otherwise, where the data-parallel ranks span nodes (zeropp.ZeroPP.hpz_size)."""
+    from zmpi.parallel.mesh import NodeOrder
+
+    zero = {"stage": 3, "zero_quantized_weights": True}
+    if given is not None:
+        zero["zero_hpz_partition_size"] = given
+    if offload:
+        zero["offload_param"] = {"device": "cpu"}
+    config = Config.from_dict({"zero_optimization": zero}).zero_optimization
+    n = sum(sizes)
+    ranks = tuple(range(n)) if in_blocks else tuple(range(0, n, 2)) + tuple(range(1, n, 2))
+    assert zeropp.ZeroPP.hpz_size(config, NodeOrder(0, ranks, sizes)) == expected
+    assert zeropp.ZeroPP.hpz_size(config, None) == (given or 1)  # one rank
+
+
 def test_one_rank_engine_runs_zeropp_and_other_strategies_refuse_its_keys():
     cfg = GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, d_model=16)
     engine = Engine(GPT(cfg, seed=0), {"train_micro_batch_size_per_gpu": 2, "zero_optimization":

@@ -37,8 +37,6 @@ import sys
 import ml_dtypes
 import numpy as np
 
-from zmpi import host_kernels
-
 _DTYPES = {
     "float64": np.dtype(np.float64),
     "fp64": np.dtype(np.float64),
@@ -330,6 +328,8 @@ def copy_(dst, src):
     Host -> device casts on the host, then copies (only dst.nbytes cross the bus: what
     ZeRO-Offload sends back after the host update is fp16 parameters). Device -> host casts
     on the device, then copies. Returns once dst holds the values."""
+    from zmpi.kernels import host as host_kernels  # here: zmpi.kernels imports this module
+
     if is_device_array(dst) == is_device_array(src):
         host_kernels.cast_(dst, src)
     elif is_device_array(dst):

@@ -9,10 +9,12 @@ can be traced back to the code and machine that produced it.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
 import platform
+import socket
 import subprocess
 import sys
 import time
@@ -56,9 +58,25 @@ def environment() -> dict:
     }
 
 
-def run_metadata(comm, **extra) -> dict:
-    """A JSON-serialisable record of the run: time, world size, git revision, environment."""
-    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world_size": comm.size,
+def rank_hosts(comm) -> dict[str, list[int]]:
+    """Collective over `comm` (one small allgather; none for one rank): {hostname: the ranks
+    on it}, hosts in the order of their lowest rank."""
+    names = comm.allgather_object(socket.gethostname()) if comm.size > 1 else \
+        [socket.gethostname()]
+    hosts: dict[str, list[int]] = {}
+    for rank, name in enumerate(names):
+        hosts.setdefault(name, []).append(rank)
+    return hosts
+
+
+def run_metadata(comm, hosts: dict | None = None, **extra) -> dict:
+    """A JSON-serialisable record of the run: time, world size, git revision, environment,
+    and the hosts: "hosts" ({hostname: its ranks}, `rank_hosts`) and "nodes" (how many),
+    where `hosts` is given (a collective gathers them) or there is one rank."""
+    if hosts is None and comm.size == 1:
+        hosts = {socket.gethostname(): [0]}
+    where = {} if hosts is None else {"nodes": len(hosts), "hosts": hosts}
+    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world_size": comm.size, **where,
             "git_revision": git_revision(), "environment": environment(), **extra}
 
 
@@ -115,22 +133,32 @@ def _drop_rows_from(path: Path, first: int) -> int:
 
 
 def foreign_run(out: str | Path, run_id: str) -> str | None:
-    """Why run `run_id` may not write its record into directory `out`: its run.json is
-    another run's (it names another run id, or none: written before zmpi recorded them, or
-    it does not read), or `out` cannot be made. None where `out` holds no run.json or run
-    `run_id`'s, which a resumed run goes on with (the run id travels in its checkpoints'
-    manifests: zmpi.checkpoint.ownership). Made here, if missing (one process: rank 0)."""
+    """Why run `run_id` may not write its record into directory `out` (which exists): its
+    run.json is another run's (it names another run id, or none: written before zmpi
+    recorded them, or it does not read); it holds a metrics.csv but no run.json (another
+    run's rows: a run writes run.json before its first row); or it is a checkpoint
+    directory (`latest`, a checkpoint's manifest.json). None where `out` holds no record or
+    run `run_id`'s, which a resumed run goes on with (the run id travels in its
+    checkpoints' manifests: zmpi.checkpoint.ownership)."""
+    from zmpi.checkpoint.ownership import complete_checkpoints
+    from zmpi.checkpoint.store import LATEST
+
     out = Path(out)
+    if (out / LATEST).exists() or next(complete_checkpoints(out), None) is not None:
+        return (f"--out {out} is a checkpoint directory: give another directory for the "
+                "run's record (run.json, metrics.csv); checkpoints go to --ckpt-dir")
     try:
-        out.mkdir(parents=True, exist_ok=True)
         text = (out / "run.json").read_text()
     except FileNotFoundError:
+        if (out / "metrics.csv").exists():
+            return (f"--out {out} holds a metrics.csv but no run.json (another run's rows, "
+                    "which this run's would be appended to): give another directory")
         return None
     except OSError as e:
         return f"--out {out}: {e.strerror}"
     try:
         owner = json.loads(text).get("run_id")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         owner = None
     if owner == run_id:
         return None
@@ -141,65 +169,134 @@ def foreign_run(out: str | Path, run_id: str) -> str | None:
             "the run that saved its checkpoint)")
 
 
+def claim_out(out: str | Path, run_id: str):
+    """Rank 0's hold on `zmpi train`'s --out for run `run_id`: (lock, None), the directory
+    made if missing and locked as a checkpoint directory is (zmpi.checkpoint.ownership.
+    lock_directory: `out`/.zmpi-lock, held until the lock is closed or the process ends), so
+    that two runs, or two resumes of one run, never write one metrics.csv at once; or
+    (None, why not), one line: the directory cannot be made, another process holds it, or
+    `foreign_run` refuses it."""
+    from zmpi.checkpoint.ownership import lock_directory
+    from zmpi.checkpoint.store import CheckpointError
+
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = lock_directory(out, run_id, "writing its record (run.json, metrics.csv)")
+    except OSError as e:
+        return None, f"--out {out}: cannot be made: {e.strerror}"
+    except CheckpointError as e:
+        return None, f"--out {e}"
+    refused = foreign_run(out, run_id)
+    if refused:
+        lock.close()
+        return None, refused
+    return lock, None
+
+
+class RecordError(RuntimeError):
+    """--out could not be written (a full disk, an I/O error): one line naming the file.
+    Raised on rank 0 alone: `zmpi train` ends the job with it (zmpi.comm.faults.fail_alone)."""
+
+
 class RunRecord:
     """A run's output directory, written as the run goes (rank 0; other ranks do nothing):
     run.json at the start (status "running") and again at the end (its final status and
     results), metrics.csv appended and flushed every step. A run that is killed keeps what it
     did. run.json names the run (`run_id` in `meta`, the engine's), so that no other run
-    writes into the directory (`foreign_run`, checked before).
+    writes into the directory (`claim_out`, before: it locks the directory; `lock`, the lock
+    it returned, is let go by `close`).
 
     metrics.csv has one row per step. A run that starts at step `first_step` (a resumed run:
     the checkpoint's step; else 0) in a directory that already has a metrics.csv first drops
     the rows for steps >= first_step, which the killed run did after its last checkpoint and
     this run does again (and a row a kill cut short), rewriting the file atomically; run.json
     then says so: "metrics_truncated_from": first_step, "metrics_rows_dropped": how many.
-    The rows before first_step stay, and the new ones are appended after them."""
+    The rows before first_step stay, and the new ones are appended after them.
+    A write that fails (ENOSPC) is a RecordError naming the file, not the OSError of a
+    buffered write surfacing later (from append, or from close). Constructing it is
+    collective over `comm` (run.json's "hosts", `rank_hosts`)."""
 
-    def __init__(self, out: str | Path, comm, first_step: int = 0, **meta):
-        self.out, self.active = Path(out), comm.rank == 0
-        self.meta = run_metadata(comm, first_step=first_step, **meta)
+    def __init__(self, out: str | Path, comm, first_step: int = 0, lock=None, **meta):
+        self.out, self.active, self.lock = Path(out), comm.rank == 0, lock
+        self.meta = run_metadata(comm, rank_hosts(comm), first_step=first_step, **meta)
         self._metrics = None
         if self.active:
+            try:
+                self._start(first_step)
+            except RecordError:
+                with contextlib.suppress(RecordError):
+                    self.close()  # the file and the lock let go; run.json as it could be
+                raise
+
+    def _start(self, first_step: int) -> None:
+        path = self.out / "metrics.csv"
+        with self._writing("metrics.csv"):
             self.out.mkdir(parents=True, exist_ok=True)
-            path = self.out / "metrics.csv"
             dropped = _drop_rows_from(path, first_step)
-            if dropped:
-                self.meta.update(metrics_truncated_from=first_step, metrics_rows_dropped=dropped)
-            self.write(status="running")
+        if dropped:
+            self.meta.update(metrics_truncated_from=first_step, metrics_rows_dropped=dropped)
+        self.write(status="running")
+        with self._writing("metrics.csv"):
             fresh = not path.exists() or path.stat().st_size == 0
             self._metrics = open(path, "a", newline="")  # noqa: SIM115 (open for the run)
             self._writer = csv.writer(self._metrics)
             if fresh:
                 self._writer.writerow(METRICS)
 
+    @contextlib.contextmanager
+    def _writing(self, name: str):
+        """An OSError in the block as a RecordError: `--out OUT: NAME not written: why`."""
+        try:
+            yield
+        except OSError as e:
+            raise RecordError(f"--out {self.out}: {name} not written: {e.strerror or e}") \
+                from None
+
     def write(self, **fields) -> None:
         """(Re)write run.json with the metadata and `fields` (atomically)."""
         if self.active:
             self.meta.update(fields)
             tmp = self.out / "run.json.tmp"
-            tmp.write_text(json.dumps(self.meta, indent=2, default=str))
-            tmp.replace(self.out / "run.json")
+            with self._writing("run.json"):
+                try:
+                    tmp.write_text(json.dumps(self.meta, indent=2, default=str))
+                    tmp.replace(self.out / "run.json")
+                finally:
+                    tmp.unlink(missing_ok=True)
 
     def append(self, row) -> None:
         if self.active:
-            self._writer.writerow(row)
-            self._metrics.flush()
+            with self._writing("metrics.csv"):
+                self._writer.writerow(row)
+                self._metrics.flush()
 
     def close(self, **fields) -> None:
-        self.write(**fields)
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
+        """Write run.json with `fields`, close metrics.csv and let go of --out's lock."""
+        metrics, self._metrics = self._metrics, None
+        try:
+            self.write(**fields)
+        finally:  # the file closed and the lock let go even if run.json cannot be written
+            try:
+                if metrics is not None:
+                    with self._writing("metrics.csv"):
+                        metrics.close()
+            finally:
+                if self.lock is not None:
+                    self.lock.close()
+                    self.lock = None
 
     def __enter__(self) -> RunRecord:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
         """A run that raises before `close` ends with run.json's status "failed" (a failed
-        save, a non-finite loss) or "interrupted" (Ctrl-C) and the error, not "running"."""
+        save, a non-finite loss) or "interrupted" (Ctrl-C) and the error, not "running",
+        where it can be written (after a RecordError, a full disk, the error goes on alone)."""
         if kind is not None and self._metrics is not None:
-            self.close(status="interrupted" if issubclass(kind, KeyboardInterrupt) else "failed",
-                       error=f"{kind.__name__}: {error}")
+            with contextlib.suppress(RecordError):
+                self.close(status="interrupted" if issubclass(kind, KeyboardInterrupt)
+                           else "failed", error=f"{kind.__name__}: {error}")
 
 
 class StepSummary:

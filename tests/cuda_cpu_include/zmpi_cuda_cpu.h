@@ -1,13 +1,25 @@
 // CUDA C++ on a CPU, for tests (tests/cuda_cpu.py): the builtins zmpi's kernels use, and a
 // scheduler that runs one block's threads as fibers (ucontext) on one OS thread, the blocks of
-// a grid one after another. A __syncthreads() releases when every live thread of the block
+// a grid one after another (a fiber is made once a launch with makecontext, and switched to and
+// from with _setjmp/_longjmp, which leave the signal mask alone: no system call a switch). A
+// __syncthreads() releases when every live thread of the block
 // waits at one; a warp shuffle when every lane of the warp waits at one. Threads that wait at
 // different barriers when nothing can run, or a shuffle a warp's lanes do not all reach, is
-// an error the launch returns (a real GPU would hang or give undefined results). Included
-// before the kernel source (g++ -include); the source's <cuda_fp16.h> and <cuda_bf16.h> are
-// the ones beside this file.
+// an error the launch returns (a real GPU would hang or give undefined results). Ordered (the
+// default), the blocks run in grid order and the runnable threads in ascending index between
+// barriers; shuffled (zmpi_schedule), both in an order drawn from the launch's seed, so a
+// result that depends on which block or thread runs first (a race) shows. Flush-to-zero (as
+// NVRTC's -ftz=true) sets the x86 MXCSR's FTZ and DAZ bits for the launch: denormal inputs and
+// results of float32 and, unlike CUDA's, float64 operations become zero. Included before the
+// kernel source (g++ -include); the source's <cuda_fp16.h> and <cuda_bf16.h> are the ones
+// beside this file.
 #pragma once
+#undef _FORTIFY_SOURCE  // its longjmp check refuses a jump to another fiber's stack
+#include <setjmp.h>
 #include <ucontext.h>
+#include <xmmintrin.h>
+
+#include <algorithm>
 
 #include <cmath>
 #include <cstdint>
@@ -57,26 +69,76 @@ static inline float atomicAdd(float* p, float v) {
 namespace zmpi_cpu {
 enum State { RUNNABLE, AT_SYNCTHREADS, AT_SHUFFLE, DONE };
 struct Fiber {
-    ucontext_t context;
+    jmp_buf resume;  // where it goes on: a barrier it waits at, or the start of its kernel
     State state;
 };
 static std::vector<Fiber> fibers;
-static std::vector<std::vector<char>> stacks;
-static ucontext_t scheduler;
+static std::vector<std::vector<char>> stacks;  // kept from launch to launch
+static jmp_buf scheduler;
 static int current;
 static std::function<void()> kernel;
 static std::string error;
 static uint64_t shuffle_slots[1024];
 static size_t dynamic_shared_bytes;  // the launch's
+static bool shuffled = false, flush_to_zero = false;  // the next launch's (zmpi_schedule)
+static uint64_t random_state;
 
-static void wait_at(State state) {
-    fibers[current].state = state;
-    swapcontext(&fibers[current].context, &scheduler);
+static uint64_t next_random() {  // splitmix64
+    uint64_t z = (random_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
 }
 
+// 0, 1, ..., n - 1, in a random order (Fisher-Yates) when shuffled
+static void order(std::vector<unsigned int>& indices, size_t n) {
+    indices.resize(n);
+    for (size_t i = 0; i < n; ++i) indices[i] = (unsigned int)i;
+    if (shuffled)
+        for (size_t i = n; i > 1; --i) std::swap(indices[i - 1], indices[next_random() % i]);
+}
+
+// The running fiber waits (a barrier, or its kernel's end): back to the scheduler.
+__attribute__((noinline)) static void wait_at(State state) {
+    fibers[current].state = state;
+    if (!_setjmp(fibers[current].resume)) _longjmp(scheduler, 1);
+}
+
+// A fiber's life: made, it goes back at once; then each time the scheduler resumes it at its
+// start, it runs the kernel as thread `current` of a block to the end.
 static void fiber_main() {
-    kernel();
-    fibers[current].state = DONE;  // uc_link returns to the scheduler
+    wait_at(RUNNABLE);
+    for (;;) {
+        kernel();
+        wait_at(DONE);
+    }
+}
+
+// Run fiber t until it waits.
+__attribute__((noinline)) static void resume(int t) {
+    current = t;
+    if (!_setjmp(scheduler)) _longjmp(fibers[t].resume, 1);
+}
+
+// Start a fiber at `start` and come back when it first waits.
+__attribute__((noinline)) static void start_fiber(int t, ucontext_t* start) {
+    current = t;
+    if (!_setjmp(scheduler)) setcontext(start);
+}
+
+// Make n fibers on stacks of their own, each waiting at its kernel's start.
+static void make_fibers(int n) {
+    if ((int)stacks.size() < n) stacks.resize(n, std::vector<char>(64 * 1024));
+    fibers.assign(n, Fiber());
+    for (int t = 0; t < n; ++t) {
+        ucontext_t start;
+        getcontext(&start);
+        start.uc_stack.ss_sp = stacks[t].data();
+        start.uc_stack.ss_size = stacks[t].size();
+        start.uc_link = nullptr;  // fiber_main never returns
+        makecontext(&start, fiber_main, 0);
+        start_fiber(t, &start);
+    }
 }
 
 static void fail(const std::string& what) {
@@ -91,23 +153,16 @@ static std::string block_name() {
 // Run the current block's blockDim threads to the end; false on a barrier error.
 static bool run_block() {
     const int n = (int)(blockDim.x * blockDim.y * blockDim.z);
-    for (int t = 0; t < n; ++t) {
-        Fiber& f = fibers[t];
-        getcontext(&f.context);
-        f.context.uc_stack.ss_sp = stacks[t].data();
-        f.context.uc_stack.ss_size = stacks[t].size();
-        f.context.uc_link = &scheduler;
-        makecontext(&f.context, fiber_main, 0);
-        f.state = RUNNABLE;
-    }
+    for (int t = 0; t < n; ++t) fibers[t].state = RUNNABLE;  // each at its kernel's start
+    std::vector<unsigned int> turns;
     for (;;) {
-        for (int t = 0; t < n; ++t) {
+        order(turns, n);  // a new order for each round between barriers
+        for (const unsigned int t : turns) {
             if (fibers[t].state != RUNNABLE) continue;
-            current = t;
             threadIdx.x = t % blockDim.x;
             threadIdx.y = t / blockDim.x % blockDim.y;
             threadIdx.z = t / (blockDim.x * blockDim.y);
-            swapcontext(&scheduler, &fibers[t].context);
+            resume(t);
         }
         int live = 0, at_sync = 0;
         bool released = false;
@@ -162,28 +217,43 @@ static int launch(const unsigned int* grid, const unsigned int* block, size_t sh
              std::to_string(grid[2]) + ") blocks: CUDA's limits are 2^31 - 1, 65535, 65535");
         return 1;
     }
-    if (shared_bytes > 48 * 1024) {  // beyond it a kernel must opt in first, which zmpi's do not
-        fail(std::to_string(shared_bytes) + " bytes of dynamic shared memory: a launch gets 48 "
-             "KiB unless the kernel opts in (cudaFuncAttributeMaxDynamicSharedMemorySize)");
+    const uint64_t total = (uint64_t)grid[0] * grid[1] * grid[2];
+    if (total > (1u << 22)) {  // legal CUDA, and hours here
+        fail("a grid of " + std::to_string(total) + " blocks: the CPU executor runs at most "
+             "2^22");
         return 1;
     }
-    fibers.assign(n, Fiber());
-    stacks.assign(n, std::vector<char>(64 * 1024));
     std::vector<unsigned char> dynamic(shared_bytes + 16);
     dynamic_shared_bytes = shared_bytes;
     kernel = body;
-    for (unsigned int z = 0; z < grid[2]; ++z)
-        for (unsigned int y = 0; y < grid[1]; ++y)
-            for (unsigned int x = 0; x < grid[0]; ++x) {
-                blockIdx = {x, y, z};
-                // shared memory starts as NaN bytes: a read before a write shows
-                std::memset(dynamic.data(), 0xff, dynamic.size());
-                zmpi_dynamic_shared = dynamic.data();
-                if (!run_block() || !error.empty()) return 1;  // a barrier's, or fail()'s
-            }
-    return 0;
+    std::vector<unsigned int> blocks;
+    order(blocks, (size_t)total);
+    const unsigned int csr = _mm_getcsr();
+    if (flush_to_zero) _mm_setcsr(csr | 0x8040);  // FTZ and DAZ
+    make_fibers((int)n);  // after: their contexts take the MXCSR from here
+    int status = 0;
+    for (const unsigned int b : blocks) {
+        blockIdx = {b % grid[0], b / grid[0] % grid[1], b / (grid[0] * grid[1])};
+        // shared memory starts as NaN bytes: a read before a write shows
+        std::memset(dynamic.data(), 0xff, dynamic.size());
+        zmpi_dynamic_shared = dynamic.data();
+        if (!run_block() || !error.empty()) {  // a barrier's, or fail()'s
+            status = 1;
+            break;
+        }
+    }
+    _mm_setcsr(csr);
+    return status;
 }
 }  // namespace zmpi_cpu
+
+// The next launch's schedule: blocks and threads in order (shuffled 0) or in an order drawn
+// from seed; denormals flushed to zero or not.
+extern "C" void zmpi_schedule(int shuffled, unsigned long long seed, int flush_to_zero) {
+    zmpi_cpu::shuffled = shuffled != 0;
+    zmpi_cpu::random_state = seed;
+    zmpi_cpu::flush_to_zero = flush_to_zero != 0;
+}
 
 static inline void __syncthreads() { zmpi_cpu::wait_at(zmpi_cpu::AT_SYNCTHREADS); }
 

@@ -16,9 +16,10 @@ import numpy as np
 from _report import report
 from zero_checks import GLOBAL_BATCH, GPT_CONFIG, config, digest, gpt_data
 
-from zmpi import backend, host_kernels
+from zmpi import backend
 from zmpi.comm import Comm
 from zmpi.engine import Engine
+from zmpi.kernels import host as host_kernels
 from zmpi.memory import DEVICES, MODEL_STATE
 from zmpi.models.gpt import GPT
 

@@ -1,15 +1,18 @@
 """Rank side of tests/test_zero.py: every check of every partition strategy for one world size,
 in one launch.
 
-    mpiexec -n N python tests/ranks/zero_checks.py OUT_DIR [package.module:Class ...]
+    mpiexec -n N python tests/ranks/zero_checks.py OUT_DIR [--only NAME ...] [SPEC ...]
 
-The strategies are every registered one (each with its `suite_configs(N)`) plus those named
-on the command line. Parity runs write rank 0's gathered parameters to
+The strategies are every registered one (each with its `suite_configs(N)`) plus those the
+SPECs load: "package.module:Class", or a strategy file "path/to/file.py" whose `@register`
+strategies join (tests/conftest.py's --strategy-module). With --only, just the strategies
+named (and the strategy-independent checks, losses and the loss scaler, are left out).
+Parity runs write rank 0's gathered parameters to
 OUT_DIR/<strategy>__<variant>.npz (the test compares them with the single-process reference);
 everything else goes into the rank's one JSON report.
 """
+import argparse
 import hashlib
-import sys
 
 import numpy as np
 from _report import report
@@ -21,7 +24,7 @@ from zmpi.engine import Engine
 from zmpi.memory import MODEL_STATE
 from zmpi.models.gpt import GPT, GPTConfig
 from zmpi.models.mlp import MLPModel
-from zmpi.zero import available_strategies, get_strategy
+from zmpi.zero import available_strategies, get_strategy, load_strategy_file
 
 GPT_CONFIG = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=2, d_model=16)
 GLOBAL_BATCH = 12  # rows per micro-step over all ranks: splits over 1, 2, 3 and 4 ranks
@@ -37,12 +40,22 @@ VARIANTS = {  # name: (precision, gradient_accumulation_steps, gradient_clipping
 }
 
 
-def strategies(n, paths=()):
+def strategies(n, paths=(), only=()):
     """(label, zero_optimization extras) of every strategy under test: each registered one
-    (after loading `paths`) with each of its suite configs, e.g. "hybrid,shard_group_size=2"."""
+    (after loading `paths`: "module:Class" or a file "x.py"), or only those named in `only`,
+    with each of its suite configs, e.g. "hybrid,shard_group_size=2". ValueError for a name
+    in `only` that is not available."""
     for path in paths:
-        get_strategy(path)  # registers it under its own name
-    for name in available_strategies():
+        if path.endswith(".py"):
+            load_strategy_file(path)
+        else:
+            get_strategy(path)  # registers it under its own name
+    unknown = sorted(set(only) - set(available_strategies()))
+    if unknown:
+        raise ValueError(f"no partition strategy {', '.join(map(repr, unknown))}; available: "
+                         f"{', '.join(available_strategies())} (a strategy file: "
+                         "--strategy-module FILE.py)")
+    for name in sorted(only) or available_strategies():
         for extra in get_strategy(name).suite_configs(n):
             label = name + "".join(f",{k}={v}" for k, v in extra.items())
             yield label, {"strategy": name, **extra}
@@ -189,6 +202,60 @@ def losses(comm, out_dir):
     return results
 
 
+MOE = {"num_experts": [4, 2], "layers": [0, 1], "k": 2, "capacity_factor": 0.5,
+       "min_capacity": 0, "noisy_gate_policy": "RSample", "z_loss_coef": 1e-3}  # drops tokens
+MOE_CASES = {  # name: (ZeRO stage, accumulation, clipping, recompute, the GPT's moe section)
+    "stage0": (0, 2, 0.05, "none", MOE),
+    "stage1": (1, 1, 0.0, "none", {"num_experts": 4, "noisy_gate_policy": "Jitter",
+                                   "moe_layer_interval": 2, "capacity_factor": 0.75}),
+    "stage2": (2, 2, 0.05, "none", {"num_experts": 3, "k": 2, "use_residual": True,
+                                    "num_shared_experts": 1, "capacity_factor": 0.5}),
+    "stage3": (3, 2, 0.05, "full", MOE),  # the recomputed forward routes the same
+}
+
+
+def moe_routing_record(engine):
+    """Wraps engine.moe.losses (called once per micro-batch forward) to keep every MoE layer's
+    choices and drops; returns the list it appends [(experts, kept) per layer] to."""
+    seen, losses = [], engine.moe.losses
+
+    def recording():
+        seen.append([(layer.routing.experts.copy(), layer.routing.kept.copy())
+                     for layer in engine.moe.layers])
+        return losses()
+
+    engine.moe.losses = recording
+    return seen
+
+
+def moe(comm, out_dir):
+    """A GPT with MoE blocks (MOE_CASES) trained in fp64 under ZeRO 0-3: rank 0 saves the
+    parameters and every step's routing of every global row, gathered in global order
+    (OUT_DIR/moe_<case>.npz: the parameters, route<step>_<layer>_{experts,kept}); the test
+    compares them with one process. Returns the losses."""
+    results = {}
+    for name, (stage, accumulation, clip, recompute, section) in MOE_CASES.items():
+        cfg = config(stage, "fp64", accumulation, clip, n=comm.size)
+        cfg.update(moe=section, activation_checkpointing={"recompute": recompute})
+        engine = Engine(GPT(GPT_CONFIG, seed=0, dtype=np.float64, moe=section), cfg, comm)
+        seen, data, saved = moe_routing_record(engine), gpt_data(comm, accumulation), {}
+        results[name] = []
+        for step in range(STEPS):
+            results[name].append(engine.train_step(*data.sample(step)))
+            mine = [[np.concatenate(a) for a in zip(*(micro[layer] for micro in seen),
+                                                    strict=True)]
+                    for layer in range(len(engine.moe.layers))]  # this rank's rows in order
+            seen.clear()
+            for layer, parts in enumerate(zip(*comm.allgather_object(mine), strict=True)):
+                for what, arrays in zip(("experts", "kept"), zip(*parts, strict=True),
+                                        strict=True):
+                    saved[f"route{step}_{layer}_{what}"] = np.concatenate(arrays)
+        params = engine.gather_parameters()
+        if comm.rank == 0:
+            np.savez(f"{out_dir}/moe_{name}.npz", **params, **saved)
+    return results
+
+
 def loss_scaler(comm):
     """fp16, window 2, hysteresis 1, scale 2^8; an inf planted in rank N-1's gradient at step 2
     must skip the step on every rank and halve the scale."""
@@ -217,9 +284,16 @@ def loss_scaler(comm):
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("specs", nargs="*")
+    parser.add_argument("--only", action="append", default=[])
+    args = parser.parse_args()
     comm = Comm()
-    cases = list(strategies(comm.size, sys.argv[2:]))
-    report({"parity": parity(comm, sys.argv[1], cases),
-            "memory_traffic": memory_and_traffic(comm, cases),
-            "losses": losses(comm, sys.argv[1]),
-            "loss_scaler": loss_scaler(comm)})
+    cases = list(strategies(comm.size, args.specs, args.only))
+    results = {"parity": parity(comm, args.out_dir, cases),
+               "memory_traffic": memory_and_traffic(comm, cases)}
+    if not args.only:
+        results.update(losses=losses(comm, args.out_dir), loss_scaler=loss_scaler(comm),
+                       moe=moe(comm, args.out_dir))
+    report(results)

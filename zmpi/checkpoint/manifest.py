@@ -65,6 +65,9 @@ def read_manifest(ckpt: Path) -> dict:
         checksum = manifest.pop("checksum")
     except (ValueError, KeyError, AttributeError, TypeError) as e:
         raise CheckpointError(f"{path}: corrupt: not a readable manifest ({e})") from None
+    except RecursionError:  # json.loads of a crafted nesting (5,000 levels)
+        raise CheckpointError(f"{path}: corrupt: not a readable manifest (nested too "
+                              "deeply)") from None
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: mismatch: format {manifest.get('format')!r}, not "
                               f"{FORMAT!r}")

@@ -7,6 +7,8 @@ Before its first save into a directory (`zmpi train`: at start-up) a run claims 
 - rank 0 locks `DIR/.zmpi-lock` (an advisory `flock`) for as long as the engine lives, and
   writes who holds it there: a second writer is refused with one line naming the holder. The
   lock goes when the process does, however it ends;
+- every rank looks for a file rank 0 has just created in DIR, so a directory that the nodes
+  do not share (a node-local path) is found now, named as such;
 - every rank creates and removes a file in DIR, so a directory that cannot be written is
   found now, not at the first save after training for nothing;
 - if DIR holds complete checkpoints of another run, the claim is refused unless `overwrite`:
@@ -21,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import secrets
 import shutil
 import socket
 import time
@@ -69,7 +72,7 @@ def take(directory: Path, run_id: str, overwrite: bool = False) -> Claim:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"{directory}: not writable: {e.strerror}") from None
-    lock = _lock(directory, run_id)
+    lock = lock_directory(directory, run_id, "writing checkpoints")
     try:
         others = sorted(p.name for p, m in complete_checkpoints(directory)
                         if m.get("run_id") != run_id)
@@ -85,8 +88,34 @@ def take(directory: Path, run_id: str, overwrite: bool = False) -> Claim:
         raise
 
 
-def probe(directory: Path) -> None:
-    """CheckpointError unless this process can create a file in `directory`."""
+MARKER_WAIT = 2.0  # seconds a rank looks for rank 0's marker (`probe`)
+
+
+def shared_marker(directory: Path) -> str:
+    """Rank 0's part of the check that `directory` is shared: a new empty file there (the
+    name returned) for every rank to find (`probe`); the claim removes it."""
+    name = f".zmpi-shared-{secrets.token_hex(8)}"
+    try:
+        (directory / name).write_bytes(b"")
+    except OSError as e:
+        raise CheckpointError(f"{directory}: not writable: {e.strerror}") from None
+    return name
+
+
+def probe(directory: Path, marker: str | None = None) -> None:
+    """CheckpointError unless this process sees `marker` (rank 0's `shared_marker`) in
+    `directory` within MARKER_WAIT seconds (a network file system's caches may show a new
+    file late), which it does not where the nodes do not share the directory, and can
+    create a file there."""
+    deadline = time.monotonic() + MARKER_WAIT
+    while marker is not None and not (directory / marker).is_file():
+        if time.monotonic() < deadline:
+            time.sleep(0.05)
+            continue
+        raise CheckpointError(
+            f"{directory}: not shared between the nodes: {socket.gethostname()} does not see "
+            "the file rank 0 has just created there; a checkpoint directory must be on a "
+            "file system every node mounts at that path (not a node-local drive)")
     path = directory / f".zmpi-probe-{socket.gethostname()}-{os.getpid()}"
     try:
         path.write_bytes(b"")
@@ -95,8 +124,20 @@ def probe(directory: Path) -> None:
         raise CheckpointError(f"{directory}: not writable: {e.strerror}") from None
 
 
-def _lock(directory: Path, run_id: str):
-    """The locked, open lock file of `directory`, its content naming this process."""
+def lock_directory(directory: Path, run_id: str, doing: str):
+    """The locked, open lock file `directory`/LOCK (an advisory `flock`, held until it is
+    closed or the process ends), its content naming this process and run `run_id`; a
+    CheckpointError, one line, if another process holds it (`{directory}: in use: run R (pid
+    P on HOST, since T) is {doing} here; ...`) or it cannot be opened and locked (a lock
+    file that is no regular file: a FIFO or a directory). Locks checkpoint directories
+    (`take`) and `zmpi train`'s --out (zmpi.runinfo.claim_out)."""
+    from zmpi.files import check_input
+
+    if os.path.lexists(directory / LOCK):
+        try:  # open() of a FIFO waits for a writer; flock of some files fails oddly
+            check_input(directory / LOCK, "lock file")
+        except ValueError as e:
+            raise CheckpointError(f"{directory}: cannot be locked: {e}") from None
     try:
         f = open(directory / LOCK, "a+")  # noqa: SIM115 (held open while the run lives)
     except OSError as e:
@@ -111,16 +152,30 @@ def _lock(directory: Path, run_id: str):
             h = json.loads(holder)
             who = (f"run {h['run_id'][:12]} (pid {h['pid']} on {h['host']}, since "
                    f"{h['since']})")
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             who = "another process"
-        raise CheckpointError(f"{directory}: in use: {who} is writing checkpoints here; "
-                              "wait for it to end or choose another directory") from None
+        raise CheckpointError(f"{directory}: in use: {who} is {doing} here; wait for it "
+                              "to end or choose another directory") from None
     f.seek(0)
     f.truncate()
     f.write(json.dumps({"run_id": run_id, "pid": os.getpid(), "host": socket.gethostname(),
                         "since": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
     f.flush()
     return f
+
+
+def other_runs(directory: Path, manifest: dict) -> list[str]:
+    """A note when `directory`, where the checkpoint of `manifest` lies, holds complete
+    checkpoints of other runs too (one copied in from elsewhere): which run's checkpoint was
+    read and which tags are another's, so that a resume (Checkpointer.load) or a verify
+    (`zmpi ckpt verify`) of the wrong one is not silent."""
+    others = sorted(p.name for p, m in complete_checkpoints(directory)
+                    if m["run_id"] != manifest["run_id"])
+    if not others:
+        return []
+    return [f"{directory} holds checkpoints of more than one run: read "
+            f"{manifest['tag']} of run {manifest['run_id'][:12]}; {_summary(others)} "
+            f"{'is' if len(others) == 1 else 'are'} another run's"]
 
 
 def _summary(tags: list[str]) -> str:

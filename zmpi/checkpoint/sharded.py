@@ -37,7 +37,15 @@ import numpy as np
 
 from zmpi import backend
 from zmpi.checkpoint.manifest import read_manifest, state_crc, write_manifest
-from zmpi.checkpoint.ownership import Claim, complete_checkpoints, probe, prune, take
+from zmpi.checkpoint.ownership import (
+    Claim,
+    complete_checkpoints,
+    other_runs,
+    probe,
+    prune,
+    shared_marker,
+    take,
+)
 from zmpi.checkpoint.store import (
     LATEST,
     MANIFEST,
@@ -168,8 +176,9 @@ class Checkpointer:
     # ---- directories ------------------------------------------------------------------------
     def claim(self, directory, overwrite: bool = False) -> Claim:
         """engine.claim_checkpoint_dir: lock `directory` for this run (rank 0), check that
-        every rank can write there (ownership.py); once per directory. The same
-        CheckpointError on every rank when it is another run's, in use or not writable."""
+        every rank sees rank 0's files there and can write there (ownership.py); once per
+        directory. The same CheckpointError on every rank when it is another run's, in use,
+        not shared between the nodes or not writable."""
         key = os.path.abspath(directory)
         if key not in self.claims:
             self.claims[key] = self._claim(Path(directory), overwrite)
@@ -177,14 +186,28 @@ class Checkpointer:
 
     def _claim(self, directory: Path, overwrite: bool) -> Claim:
         comm, run_id = self.comm, self.run_id
-        held = agree(comm, f"claiming checkpoint directory {directory}",
-                     lambda: take(directory, run_id, overwrite) if comm.rank == 0 else None)
+        def take_and_mark():
+            claim = take(directory, run_id, overwrite)
+            try:
+                return claim, shared_marker(directory)
+            except CheckpointError:
+                claim.release()
+                raise
+
+        held, marker = agree(comm, f"claiming checkpoint directory {directory}",
+                             lambda: take_and_mark() if comm.rank == 0 else (None, None))
+        marker = comm.bcast_object(marker)
         try:
-            agree(comm, f"checking that {directory} is writable", probe, directory)
+            agree(comm, f"checking that {directory} is shared and writable", probe, directory,
+                  marker)
         except CheckpointError:
             if held is not None:
                 held.release()
             raise
+        finally:
+            if comm.rank == 0:  # every rank has looked for it (agree's allgather)
+                (directory / marker).unlink(missing_ok=True)
+            comm.barrier()  # gone before any rank goes on (and lists the directory)
         return held or Claim(directory, run_id, None)
 
     def release(self) -> None:
@@ -330,7 +353,8 @@ class Checkpointer:
             if not fallback or tag is not None or isinstance(error, RanksReadDifferently):
                 raise  # disagreeing file systems are not a damaged checkpoint: no fallback
             ckpt, manifest, states, skipped = _load_fallback(comm, directory, read, error)
-        notes = skipped + state.restore(manifest, states)
+        notes = skipped + state.restore(manifest, states) + \
+            comm.bcast_object(other_runs(ckpt.parent, manifest) if comm.rank == 0 else None)
         if manifest["run_id"] != self.run_id:
             self.release()  # claimed for the run this engine no longer is
             self.run_id = manifest["run_id"]

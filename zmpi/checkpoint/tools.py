@@ -71,6 +71,19 @@ def inspect(directory, tag=None) -> str:
     return "\n".join(lines)
 
 
+def runs_note(directory, tag=None) -> list[str]:
+    """ownership.other_runs for the checkpoint `tag` (default: `latest`'s) of `directory`:
+    a note if the directory holds checkpoints of another run too ([] if it does not, or the
+    checkpoint does not read: `verify` names that)."""
+    from zmpi.checkpoint.ownership import other_runs
+
+    try:
+        ckpt = resolve_tag(directory, tag)
+        return other_runs(ckpt.parent, read_manifest(ckpt))
+    except CheckpointError:
+        return []
+
+
 def verify(directory, tag=None) -> list[str]:
     """Every problem found in a checkpoint (empty: it is sound): the manifest's checksum,
     each shard's presence, size, CRC-32 and identity, every dataset read back through its
@@ -105,6 +118,28 @@ def verify(directory, tag=None) -> list[str]:
     return problems
 
 
+def check_outside(directory, out: Path, what: str) -> None:
+    """ValueError if `out` is checkpoint directory `directory` or inside it, where it could
+    replace the very shards being read or `latest` (`what`: what is written there)."""
+    target, inside = Path(out).resolve(), Path(directory).resolve()
+    if target == inside or inside in target.parents:
+        raise ValueError(f"output {out}: inside the checkpoint directory {directory}; write "
+                         f"{what} elsewhere")
+
+
+def whole_masters(reader: ShardReader, manifest: dict):
+    """(name, full master value) of every parameter of the checkpoint `reader` reads, one at
+    a time, in layout order: a tensor-parallel checkpoint's slices put together, the
+    vocabulary's padding dropped (fp32; fp64 for an fp64 model)."""
+    dtype = np.dtype(manifest["master_dtype"])
+    saved, local = manifest["splits_obj"], manifest["layout_obj"].shapes()
+    whole = TensorSplits()  # one rank holding every parameter whole
+    for name, shape in saved.whole_shapes(manifest["layout_obj"]).items():
+        flat = np.empty(math.prod(shape), dtype)
+        read_resliced(reader, "master", name, 0, flat, whole, 0, shape, saved, local[name])
+        yield name, flat.reshape(shape)
+
+
 def consolidate(directory, out, tag=None, npz=False) -> Path:
     """Write every parameter's full master value (fp32; fp64 for an fp64 model) to `out` as
     one HDF5 file (datasets named after the parameters) or, with npz, a NumPy .npz. Written
@@ -117,29 +152,16 @@ def consolidate(directory, out, tag=None, npz=False) -> Path:
     ckpt = resolve_tag(directory, tag)
     manifest = read_manifest(ckpt)
     out = Path(out)
-    target, inside = out.resolve(), Path(directory).resolve()
-    if target == inside or inside in target.parents:
-        raise ValueError(f"output {out}: inside the checkpoint directory {directory}; write "
-                         "the consolidated file elsewhere")
+    check_outside(directory, out, "the consolidated file")
     check_output(out, "output")
-    dtype = np.dtype(manifest["master_dtype"])
     tied = manifest["tied"]
-    saved, local = manifest["splits_obj"], manifest["layout_obj"].shapes()
-    whole = TensorSplits()  # one rank holding every parameter whole
     with ShardReader(ckpt, manifest) as reader:
-        def tensors():
-            for name, shape in saved.whole_shapes(manifest["layout_obj"]).items():
-                flat = np.empty(math.prod(shape), dtype)
-                read_resliced(reader, "master", name, 0, flat, whole, 0, shape, saved,
-                              local[name])
-                yield name, flat.reshape(shape)
-
         try:
             with replacing(out) as tmp:
                 if npz:
-                    _write_npz(tmp, tensors(), tied)
+                    _write_npz(tmp, whole_masters(reader, manifest), tied)
                 else:
-                    _write_h5(tmp, tensors(), tied, manifest, ckpt)
+                    _write_h5(tmp, whole_masters(reader, manifest), tied, manifest, ckpt)
         except OSError as e:
             raise CheckpointError(f"{out}: not written: {e.strerror or e}") from None
     return out

@@ -9,6 +9,7 @@
     mpiexec -n 2 python -m zmpi.cli train --save-every 100 --ckpt-dir ckpt --steps 300
     mpiexec -n 4 python -m zmpi.cli train --resume ckpt --steps 600   # any world size
     python -m zmpi.cli ckpt inspect ckpt        # also: verify, consolidate ckpt out.h5
+    python -m zmpi.cli ckpt import-hf gpt2-dir ckpt   # and export-hf ckpt dir: transformers'
 
 `train` trains a character-level GPT on the shipped Tiny Shakespeare corpus with any ZeRO
 stage, shows a progress bar on rank 0 (loss, tokens/s), prints every rank's measured
@@ -24,11 +25,19 @@ import argparse
 import sys
 
 from zmpi.checkpoint import CheckpointError
-from zmpi.cli import ckpt, estimate, plan, train
-from zmpi.cli.config_from_flags import DEFAULT_STAGE, DEFAULTS, MODEL_FLAGS, SCHEDULE_FLAGS
+from zmpi.cli import ckpt, estimate, hf, plan, train
+from zmpi.cli.config_from_flags import (
+    DEFAULT_STAGE,
+    DEFAULTS,
+    MODEL_FLAGS,
+    MOE_FLAGS,
+    SCHEDULE_FLAGS,
+)
 from zmpi.cli.inputs import _rank
 from zmpi.config import RECOMPUTE
+from zmpi.data import DataChanged
 from zmpi.offload.files import NVMeError
+from zmpi.runinfo import RecordError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -89,11 +98,16 @@ def main(argv=None) -> None:
                    "that mode's DeepSpeed defaults (block 16), or the config's keys where it "
                    "names the same mode; none: dense attention. --seq-len a multiple of the "
                    "block (docs/sparse-attention.md)")
+    for flag, key, kind, meta, say in MOE_FLAGS:
+        t.add_argument(flag, type=kind, metavar=meta, default=None, help=f"{say} (moe.{key}; "
+                       "docs/moe.md)")
     t.add_argument("--shard-group-size", type=int, metavar="G", default=None,
                    help="hybrid strategies: shard over groups of G ranks (default: a node)")
-    t.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default=None,
+    t.add_argument("--precision", choices=("fp32", "fp16", "bf16", "fp64"), default=None,
                    help="parameter/gradient storage; overrides the config's fp16/bf16 "
-                   "sections (default: from --config, else fp32)")
+                   "sections (default: from --config, else fp32). fp64: a float64 model, "
+                   "master and Adam state, for parity checks: any number of ranks trains as "
+                   "one process does, to rounding (docs/stages.md)")
     t.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     t.add_argument("--batch", type=int, default=None,
                    help="sequences per optimizer step over all ranks and accumulation steps "
@@ -151,6 +165,9 @@ def main(argv=None) -> None:
                    help="start a new run in a checkpoint directory that holds another run's "
                    "checkpoints: they are deleted once this run's first one is complete "
                    "(without this flag such a directory is refused)")
+    t.add_argument("--init-from", metavar="DIR", default=None,
+                   help="start from the weights of a transformers model directory (its model "
+                   "must be this run's): fresh optimizer state, step 0 (docs/checkpoints.md)")
     e = sub.add_parser("estimate", help="model-state memory per rank from the ZeRO formulas")
     e.add_argument("--params", type=float, default=None,
                    help="the model's parameter count Psi (e.g. 7.5e9); or give a GPT shape")
@@ -193,6 +210,10 @@ def main(argv=None) -> None:
                    help="with --micro-batch: block-sparse attention's activations, a mode at "
                    "DeepSpeed's defaults (fixed, bigbird, ...) or a sparse_attention section "
                    "as JSON (docs/sparse-attention.md)")
+    e.add_argument("--moe", metavar="E|JSON", default=None,
+                   help="with a GPT shape: mixture-of-experts blocks of E experts each in every "
+                   "block, or a moe config section as JSON (docs/moe.md); their experts count "
+                   "in Psi")
     e.add_argument("--stage", type=int, choices=range(4), default=None,
                    help="one ZeRO stage (default: all four)")
     e.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16",
@@ -209,7 +230,8 @@ def main(argv=None) -> None:
                    help="stage 3 parameter shards on the host")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.add_parser(sub)
-    c = sub.add_parser("ckpt", help="inspect, verify or consolidate a checkpoint (no MPI)")
+    c = sub.add_parser("ckpt", help="inspect, verify or consolidate a checkpoint, or exchange "
+                       "it with transformers (no MPI)")
     csub = c.add_subparsers(dest="ckpt_command", required=True)
     for name, text in (("inspect", "print the manifest: step, world size, dtypes, files"),
                        ("verify", "check every checksum; exit code 0 if sound, else 1"),
@@ -220,13 +242,14 @@ def main(argv=None) -> None:
             p.add_argument("out", help="output file (.h5, or .npz with --npz)")
             p.add_argument("--npz", action="store_true", help="write a NumPy .npz")
         p.add_argument("--tag", help="which checkpoint (default: the one `latest` names)")
+    hf.add_parsers(csub)
     args = parser.parse_args(argv)
     for flag in _repeated_flags(sys.argv[1:] if argv is None else argv):
         if _rank() == 0:  # a wrapper's appended flag overrides, but never unnoticed
             print(f"zmpi: {flag} given more than once: the last one counts", file=sys.stderr,
                   flush=True)
     if args.command == "ckpt":
-        ckpt.ckpt(args)
+        (hf.run if args.ckpt_command in hf.COMMANDS else ckpt.ckpt)(args)
     elif args.command == "plan":
         plan.run(args)
     elif args.command == "train":
@@ -236,8 +259,9 @@ def main(argv=None) -> None:
             if _rank() == 0:
                 print(f"zmpi train: {e}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
-        except NVMeError as e:  # this rank's drive failed in a step: its peers cannot know
-            from zmpi.comm.faults import fail_alone
+        except (NVMeError, RecordError, DataChanged) as e:  # this rank's drive failed in a
+            from zmpi.comm.faults import fail_alone  # step, or --out's, or its --data file
+            # changed (on its node only, perhaps): its peers cannot know
 
             fail_alone(f"zmpi train: {e}", 1)
     else:

@@ -21,6 +21,8 @@ def ckpt(args) -> None:
             for problem in problems:
                 print(problem)
             print(count(len(problems), "problem") if problems else "ok: every checksum matches")
+            for note in tools.runs_note(args.directory, args.tag):
+                print(f"note: {note}")
             raise SystemExit(1 if problems else 0)
         else:
             out = tools.consolidate(args.directory, args.out, args.tag, args.npz)

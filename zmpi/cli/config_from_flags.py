@@ -21,6 +21,15 @@ class InputError(SystemExit):
 
 
 MODEL_FLAGS = ("seq_len", "n_layer", "n_head", "d_model")  # also the config's model section
+MOE_FLAGS = (  # (flag, key of the moe section, type, metavar, what it does)
+    ("--moe-experts", "num_experts", int, "E", "mixture of experts: the MoE blocks' MLP "
+     "becomes E experts (DeepSpeed-MoE, GShard)"),
+    ("--moe-k", "k", int, "K", "with MoE: experts per token (1 Switch, 2 GShard; default 1)"),
+    ("--moe-interval", "moe_layer_interval", int, "K", "with MoE: every K-th block is an MoE "
+     "block (default 1: all)"),
+    ("--moe-capacity-factor", "capacity_factor", float, "F", "with MoE: each expert takes at "
+     "most ceil(k x sequence / E x F) tokens of a sequence (default 1.0)"),
+)
 
 
 def _set(cfg: dict, path: str, value, flag: str, notes: list) -> None:
@@ -47,9 +56,15 @@ def _get(cfg: dict, path: str):
 
 def _read_config(path: str) -> dict:
     """The JSON object in `path` (zmpi.config.parse_json: no repeated key, no NaN or
-    Infinity); a ConfigError (one line) if it cannot be read or parsed."""
+    Infinity); a ConfigError (one line) if it is no regular file (zmpi.files.check_input:
+    a device or a FIFO would never end, or wait forever), or cannot be read or parsed."""
     from zmpi.config import ConfigError, parse_json
+    from zmpi.files import check_input
 
+    try:  # a device (/dev/zero) or a FIFO would never end or wait forever
+        check_input(path, "")
+    except ValueError as e:
+        raise ConfigError("", f"cannot read {e}") from None
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
@@ -208,7 +223,7 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
         raise InputError(f"--stage {args.stage} contradicts the strategy "
                          f"{strategy!r} (from {'--strategy' if args.strategy else '--config'}); "
                          "give one of them")
-    if args.precision is not None:  # exactly one of fp16/bf16 on (or neither for fp32)
+    if args.precision is not None:  # one of fp16/bf16 on, or neither (fp32, fp64: the model's)
         for section in ("fp16", "bf16"):
             _set(cfg, f"{section}.enabled", args.precision == section, "--precision", notes)
     if args.offload_optimizer or args.delay_update is not None:
@@ -233,6 +248,10 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
         _set(cfg, "activation_checkpointing.profile", True, "--profile", notes)
     if getattr(args, "sparse_attention", None) is not None:
         _sparse_attention_from_flag(cfg, args.sparse_attention, notes)
+    for flag, key, *_ in MOE_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            _set(cfg, f"moe.{key}", value, flag, notes)
     for name in MODEL_FLAGS:
         _set(cfg, f"model.{name}", getattr(args, name), f"--{name.replace('_', '-')}", notes)
     cfg.setdefault("seed", 0)

@@ -3,7 +3,8 @@
 data-parallel ranks of each tensor rank's share, plus Megatron's tensor-parallel traffic (with
 --sequence-parallel, Korthikanti et al.'s reduce-scatters and allgathers); with --micro-batch,
 the activation memory per rank (zmpi.models.gpt.gpt_activation_bytes) beside Korthikanti et
-al.'s count (docs/activation-memory.md)."""
+al.'s count (docs/activation-memory.md); with --moe, a GPT shape's MoE blocks' experts counted in
+Psi (every rank holds every expert: expert parallelism is not built into the engine yet)."""
 from __future__ import annotations
 
 import json
@@ -68,6 +69,36 @@ def check_inputs(args) -> None:
             raise Refused(f"{flag} must be >= 1, got {value}")
 
 
+def moe_section(args):
+    """--moe as a MoEConfig for the GPT shape (None without it): an expert count E, or a `moe`
+    config section as JSON (docs/moe.md). Refused with --params, --tp above 1 (MoE blocks are
+    not split by tensor parallelism yet) and --micro-batch (the MoE layers' activations are
+    not counted yet), or where the section does not fit the shape."""
+    from zmpi.config import ConfigError, MoEConfig, parse_json
+
+    flag = getattr(args, "moe", None)
+    if flag is None:
+        return None
+    for given, why in ((args.params is not None, "needs a GPT shape (--n-layer), not --params"),
+                       (args.tp > 1, "MoE blocks are not split by tensor parallelism yet: "
+                                     "--tp 1"),
+                       (args.micro_batch is not None, "the MoE layers' activations are not "
+                                                      "counted yet: leave out --micro-batch")):
+        if given:
+            raise Refused(f"--moe {flag}: {why}")
+    try:
+        text = flag.strip()
+        section = parse_json(text, "--moe") if text.startswith("{") else \
+            {"num_experts": int(text) if text.isdigit() else text}
+        moe = MoEConfig.from_dict(section)
+        moe.layer_experts(args.n_layer)
+    except ConfigError as e:
+        raise Refused(f"--moe {flag}: {e}") from None
+    if not moe.enabled:
+        raise Refused(f"--moe {flag}: give num_experts")
+    return moe
+
+
 def estimate(args) -> None:
     """Print the ZeRO paper's per-rank model-state memory and traffic for each stage (or
     --stage); with offload flags, device and host memory (ZeRO-Offload); with --micro-batch,
@@ -80,8 +111,9 @@ def estimate(args) -> None:
                       f"{args.world_size} into data-parallel replicas")
     if args.micro_batch is not None and (args.n_layer is None or args.micro_batch < 1):
         raise Refused("--micro-batch needs a GPT shape and is >= 1")
+    moe = moe_section(args)
     psi = args.params / tp if args.params is not None else gpt_num_params(
-        args.n_layer, args.d_model, args.vocab_size, args.seq_len, tp, args.vocab_multiple)
+        args.n_layer, args.d_model, args.vocab_size, args.seq_len, tp, args.vocab_multiple, moe)
     dp = args.world_size // tp
     pb = args.param_bytes if args.param_bytes is not None else \
         (4 if args.precision == "fp32" else 2)

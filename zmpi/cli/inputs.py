@@ -15,6 +15,7 @@ from zmpi.cli.config_from_flags import (
     _read_config,
     build_config,
 )
+from zmpi.files import check_input, check_output_dir
 
 
 def _rank() -> int:
@@ -72,8 +73,11 @@ def check_args(args) -> None:
         raise InputError("--vocab-size acts only with --data (the shipped corpus has its own "
                          "vocabulary; a model's larger one is the config's model.vocab_size)")
     for flag, path in (("--out", args.out), ("--log-dir", args.log_dir)):
-        if path is not None and Path(path).exists() and not Path(path).is_dir():
-            raise InputError(f"{flag} {path} is a file, not a directory")
+        try:  # a file, or /proc: the first write would be a traceback per rank
+            if path is not None:
+                check_output_dir(path, flag)
+        except ValueError as e:
+            raise InputError(str(e)) from None
     if args.out and args.resume is None and (Path(args.out) / "run.json").exists():
         raise InputError(f"--out {args.out} holds an earlier run (run.json): give another "
                          "directory, or --resume to go on with that run there")
@@ -133,6 +137,10 @@ def _checked_inputs(args, world_size: int):
     check_args(args)
     if args.data:  # a binary token file, memory-mapped
         try:
+            check_input(args.data, "--data")  # a FIFO or a device: the map would hang
+        except ValueError as e:
+            raise InputError(str(e)) from None
+        try:
             tokens, vocab_size = load_tokens(args.data, args.vocab_size)
         except (OSError, ValueError) as e:
             raise InputError(f"--data {args.data}: {e}") from None
@@ -158,6 +166,7 @@ def _checked_inputs(args, world_size: int):
                          f"size {tp.autotp_size}: sequence parallelism gives every tensor rank "
                          "an equal share of the positions")
     _check_sparse_layout(resolved, args.seq_len, args.n_head)
+    resolved.moe.layer_experts(args.n_layer)  # the MoE blocks are in the model
     planned = resolved.model.vocab_size
     if planned is not None and planned < vocab_size:
         raise ConfigError("model.vocab_size", f"{planned} is smaller than the vocabulary of "
@@ -170,7 +179,62 @@ def _checked_inputs(args, world_size: int):
         raise ConfigError("zero_optimization.strategy", str(e)) from None
     _check_stage_agrees(config, strategy)
     _check_nvme_paths(resolved)
+    _check_plausible_sizes(args, resolved, planned or vocab_size, world_size)
     return tokenizer, train_tokens, val_tokens, vocab_size, config, notes
+
+
+def _host_memory() -> int:
+    """Bytes of physical memory of this machine."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_plausible_sizes(args, resolved, vocab: int, world_size: int) -> None:
+    """Sizes no machine of this kind can hold, refused before anything is allocated (an
+    InputError naming the flags and keys): the model's states, at 16 bytes a parameter (fp32
+    master, Adam's m and v, a parameter and a gradient; V d + T d + L (12 d^2 + 13 d) + 2 d
+    parameters) beyond the memory of `world_size` such machines and, with NVMe offload, the
+    drive's free space; or one micro-batch's logits, (micro-batch, seq_len, vocab / tp) in
+    fp32, beyond one machine's memory. `--n-layer 1000000000` grew memory with no first line,
+    `--batch 1000000000` was an ArrayMemoryError per rank, `vocab_size: 1e12` NumPy's message
+    naming no key."""
+    import os
+    import shutil
+
+    from zmpi.words import count
+
+    memory = _host_memory()
+    d, tp = args.d_model, resolved.tensor_parallel.autotp_size
+    params = vocab * d + args.seq_len * d + args.n_layer * (12 * d * d + 13 * d) + 2 * d
+    room, where = world_size * memory, f"the memory of {count(world_size, 'rank')} of this " \
+        f"machine ({_gib(memory)} each)"
+    zero = resolved.zero_optimization
+    for section in (zero.offload_optimizer, zero.offload_param):
+        if section.nvme:  # its directory checked (_check_nvme_paths), made when it is not
+            drive = Path(os.path.abspath(section.nvme_path))
+            while not drive.exists():
+                drive = drive.parent
+            room += shutil.disk_usage(drive).free
+            where += f" and the free space of {section.nvme_path}"
+    if 16 * params > room:
+        raise InputError(f"the model (n_layer {args.n_layer:,}, d_model {d:,}, vocab_size "
+                         f"{vocab:,}: {params:,} parameters) needs at least "
+                         f"{_gib(16 * params)} for its states (16 bytes a parameter), more "
+                         f"than {where}: check --n-layer, --d-model and model.vocab_size")
+    micro = resolved.train_micro_batch_size_per_gpu
+    logits = 4 * micro * args.seq_len * -(-vocab // tp)
+    if logits > memory:
+        raise InputError(f"a micro-batch of {micro:,} sequences (train_micro_batch_size_per_gpu"
+                         f", of a global batch of {resolved.train_batch_size:,}) needs "
+                         f"{_gib(logits)} for its logits alone ({micro:,} x seq_len "
+                         f"{args.seq_len:,} x vocab_size {vocab:,} x 4 bytes), more than this "
+                         f"machine's memory ({_gib(memory)}): check --batch, "
+                         "train_micro_batch_size_per_gpu and model.vocab_size")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
 
 
 def stage_origin(args, config: dict) -> str:

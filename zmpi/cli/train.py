@@ -11,6 +11,7 @@ import numpy as np
 
 from zmpi.checkpoint import CheckpointError
 from zmpi.cli.config_from_flags import InputError, _get
+from zmpi.cli.hf import init_from
 from zmpi.cli.inputs import (
     _agree_on_inputs,
     _checked_inputs,
@@ -31,9 +32,9 @@ def train(args) -> None:
 
     from zmpi.comm import Comm
     from zmpi.config import ConfigError
-    from zmpi.data import BatchSampler
+    from zmpi.data import BatchSampler, FileWatch
     from zmpi.engine import Engine
-    from zmpi.runinfo import PreemptionGuard, RunRecord, StepSummary, foreign_run, rank_logger
+    from zmpi.runinfo import PreemptionGuard, RunRecord, StepSummary, claim_out, rank_logger
 
     comm = Comm()
     where = f"config {args.config}" if args.config else "config from the flags"
@@ -48,6 +49,8 @@ def train(args) -> None:
     _agree_on_inputs(comm, problem, None if inputs is None else inputs_digest(inputs))
     log = rank_logger(comm.rank, args.log_dir)  # --log-dir checked above
     tokenizer, train_tokens, val_tokens, vocab_size, config, notes = inputs
+    # --data is read in place (memory-mapped): checked unchanged before each read of it
+    read_data = FileWatch(args.data).check if args.data else lambda: None
     model_vocab = _get(config, "model.vocab_size") or vocab_size  # checked: >= vocab_size
     model_cfg = GPTConfig(model_vocab, args.seq_len, args.n_layer, args.n_head, args.d_model,
                           _get(config, "model.vocab_multiple") or None)
@@ -57,8 +60,10 @@ def train(args) -> None:
         mesh = Mesh(comm, tp=_get(config, "tensor_parallel.autotp_size") or 1,
                     pp=_get(config, "pipeline.stages") or 1)
         model = GPT(model_cfg, seed=args.seed, tp=mesh.tp_comm,
+                    dtype=np.float64 if args.precision == "fp64" else np.float32,
                     sequence_parallel=_get(config, "tensor_parallel.sequence_parallel") is True,
-                    sparse_attention=config.get("sparse_attention") or None)
+                    sparse_attention=config.get("sparse_attention") or None,
+                    moe=config.get("moe") or None)
         engine = Engine(model, config, comm, mesh=mesh)
     except (ValueError, MemoryError, NVMeError, OSError) as e:  # alike on every rank
         _exit_build_failure(e, where, comm.rank)
@@ -72,7 +77,8 @@ def train(args) -> None:
                               seed=args.seed)
     val_data = BatchSampler(val_tokens, args.seq_len, global_batch, mesh.dp_rank, mesh.dp,
                             seed=args.seed + 1)
-    total = gpt_num_params(args.n_layer, args.d_model, model_vocab, args.seq_len)
+    total = gpt_num_params(args.n_layer, args.d_model, model_vocab, args.seq_len,
+                           moe=config.get("moe") or None)
     log.info(f"zmpi train: GPT {total:,} params, {count(comm.size, 'rank')} (dp {mesh.dp} x "
              f"pp {mesh.pp} x tp {mesh.tp}), {engine.strategy.name} "
              f"({stage_origin(args, config)}), {engine.dtype.name}, global batch "
@@ -83,23 +89,33 @@ def train(args) -> None:
     # with --save-every, a resumed run saves where it resumed from (unless --ckpt-dir)
     ckpt_dir = Path(args.ckpt_dir or (args.resume if args.save_every else None)
                     or out / "checkpoints")
+    if args.init_from is not None:
+        init_from(args, engine, log)
     first = _resume(args, engine, comm, log) if args.resume is not None else 0
-    # --out is this run's own (a resumed run's: the run id its checkpoint recorded) or new
-    refused = comm.bcast_object(foreign_run(out, engine.run_id) if comm.rank == 0 else None)
+    # --out is this run's own (a resumed run's: the run id its checkpoint recorded) or new,
+    # and not another directory of the run's; rank 0 locks it for the run
+    out_lock, refused = None, None
+    if comm.rank == 0 and out.resolve() == ckpt_dir.resolve():
+        refused = f"--out {out} is the checkpoint directory too: give two directories"
+    elif comm.rank == 0:
+        out_lock, refused = claim_out(out, engine.run_id)
+    refused = comm.bcast_object(refused)
     if refused:
         _exit_bad_input(refused)
     if args.save_every:
         _claim(engine, ckpt_dir, args.overwrite_ckpt_dir, log)
     # run.json says "failed" if anything below raises (RunRecord.__exit__)
     with RunRecord(out, comm, argv=sys.argv, config=cfg.to_dict(), model=vars(model_cfg),
-                   engine=engine.describe(), first_step=first, run_id=engine.run_id) as record:
+                   engine=engine.describe(), first_step=first, run_id=engine.run_id,
+                   lock=out_lock) as record:
         guard = PreemptionGuard()
         summary = StepSummary()  # what the end needs; the rows go to metrics.csv only
         bar = tqdm(range(first, args.steps), disable=comm.rank != 0, file=sys.stdout,
                    mininterval=0.5, dynamic_ncols=True)
-        start = time.perf_counter()
+        start, skipped = time.perf_counter(), engine.scaler.skipped_steps  # before this run
         for step in bar:
             t0 = time.perf_counter()
+            read_data()
             loss = engine.train_step(*train_data.sample(step))
             tokens_per_s = global_batch * args.seq_len / (time.perf_counter() - t0)
             summary.add(loss)
@@ -128,10 +144,11 @@ def train(args) -> None:
                 return
         elapsed = time.perf_counter() - start
         engine.flush()  # a delayed update in flight lands before evaluation
-        log.info(traffic_line(engine, summary.steps))
+        log.info(traffic_line(engine, summary.steps, engine.scaler.skipped_steps - skipped))
         profile = engine.phases.table(comm) if args.profile else None
         if profile:
             log.info("time per step by phase (ms):\n" + profile)
+        read_data()
         val_loss = np.mean([engine.eval_loss(*val_data.sample(i)) for i in range(4)])
         mean_tps = summary.steps * global_batch * args.seq_len / elapsed
         log.info(f"loss {summary.first_loss:.3f} -> {summary.last_loss:.3f} (val {val_loss:.3f}); "

@@ -41,6 +41,7 @@ from zmpi.comm.faults import (
     _FORWARD_S,
     _PEERS,
     CollectiveMismatch,
+    SettingsDiffer,
     _abort,
     _call_site,
     _end_local_peers,
@@ -69,6 +70,6 @@ from zmpi.comm.wire import (
     reduction_dtype,
 )
 
-__all__ = ["MPI", "Comm", "CollectiveMismatch", "OPS", "OpCounter", "Request", "wait_all",
-           "make_progress", "account_staging_in", "staging_nbytes", "cuda_support", "mpi_flavour",
-           "install_abort_on_exception", "waited_seconds"]
+__all__ = ["MPI", "Comm", "CollectiveMismatch", "SettingsDiffer", "OPS", "OpCounter",
+           "Request", "wait_all", "make_progress", "account_staging_in", "staging_nbytes",
+           "cuda_support", "mpi_flavour", "install_abort_on_exception", "waited_seconds"]

@@ -82,6 +82,8 @@ class Comm:
         self.check_collectives = False
         self._calls = 0  # collectives started on this communicator (the debug check's index)
         debug = os.environ.get("ZMPI_DEBUG", "").strip() not in ("", "0")
+        if MPI.COMM_WORLD.Get_size() > 1:  # before the settings check: its error said once
+            install_abort_on_exception()
         if self.size > 1:  # which MPI calls a rank makes: alike on every rank, or an error
             faults.check_settings_alike(self.mpi, {
                 "the backend (ZMPI_BACKEND: CuPy or NumPy)": backend.is_gpu,
@@ -90,8 +92,6 @@ class Comm:
                 "the collective check (ZMPI_DEBUG)": debug})
         if debug:
             self.enable_collective_checks()
-        if MPI.COMM_WORLD.Get_size() > 1:
-            install_abort_on_exception()
         faults._watchdog()
 
     # ---- the debug check

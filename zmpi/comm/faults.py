@@ -137,6 +137,20 @@ def at_abort(fn) -> None:
     _AT_ABORT.append(fn)
 
 
+def _run_at_abort() -> None:
+    """Run the `at_abort` hooks (they remove the swap files of this rank and of its peers on
+    this host); never raises. Every path to an abort calls this before it waits for anything
+    (a rank's output to be forwarded, rank 0's line after Ctrl-C, the other ranks' watchdog
+    lines): the first rank's abort reaches mpiexec, whose proxies kill the ranks of every
+    host, a waiting one with its files, so a wait before the removal left another host's
+    swap files behind."""
+    for fn in list(_AT_ABORT):
+        try:
+            fn()
+        except Exception:  # the job is being aborted: nothing may stop that
+            pass
+
+
 def local_peer_pids() -> list[int]:
     """The pids of this job's other ranks on this host (those an abort ends)."""
     return [pid for pid, _, _ in _PEERS]
@@ -154,12 +168,9 @@ def _abort(code: int) -> None:
     the job's other ranks on its host itself (`_end_local_peers`; ranks on other hosts are left
     to the launcher) and ends with os._exit(code). An MPI whose MPI_Abort ends the calling
     process itself leaves the peers to its launcher, as before. The `at_abort` hooks run
-    first (they remove the swap files of this rank and its peers on this host)."""
-    for fn in _AT_ABORT:
-        try:
-            fn()
-        except Exception:  # the job is being aborted: nothing may stop that
-            pass
+    first (`_run_at_abort`; every caller that waits before it aborts has run them before
+    that wait already)."""
+    _run_at_abort()
     MPI.COMM_WORLD.Abort(code)
     _end_local_peers()
     for stream in (sys.stdout, sys.stderr):
@@ -180,6 +191,7 @@ def fail_alone(message: str, code: int) -> None:
     if world.Get_size() == 1:
         print(message, file=sys.stderr, flush=True)
         raise SystemExit(code)
+    _run_at_abort()
     sys.stdout.flush()
     sys.stderr.write(f"[rank {world.Get_rank()}] {message}; aborting the MPI job\n")
     sys.stderr.flush()
@@ -195,7 +207,8 @@ def install_abort_on_exception():
     wait forever in their next collective. Equivalent to launching with `python -m mpi4py`.
     Every abort in zmpi then SIGKILLs the job's other ranks on this host and exits (`_abort`).
     A KeyboardInterrupt (Ctrl-C, which mpiexec forwards to every rank) prints one line on
-    rank 0 instead of a traceback per rank, and aborts with exit code 130.
+    rank 0 instead of a traceback per rank, and aborts with exit code 130; a SettingsDiffer
+    (raised alike on every rank) prints its message once, on rank 0, and aborts (exit 1).
     """
     global _abort_installed
     if _abort_installed:
@@ -208,6 +221,10 @@ def install_abort_on_exception():
         world = MPI.COMM_WORLD
         if issubclass(exc_type, KeyboardInterrupt):
             _interrupted()
+        _run_at_abort()
+        if issubclass(exc_type, SettingsDiffer):  # its ranks all raised it: one line
+            _say_once(str(exc), exc.said_here)
+            _abort(1)
         tag = f"[rank {world.Get_rank()}] "
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         lines = [f"uncaught exception on rank {world.Get_rank()} of {world.Get_size()}, "
@@ -230,20 +247,29 @@ _INTERRUPT = threading.Lock()
 
 
 def _interrupted():
-    """Ctrl-C reached this rank (mpiexec forwards it to every rank): rank 0 says so in one
-    line, the others give it a second to do that, and the job is aborted (exit code 130).
+    """Ctrl-C reached this rank (mpiexec forwards it to every rank): the `at_abort` hooks run
+    at once (this rank's swap files go before any wait), rank 0 says so in one line, the
+    others give it a second to do that, and the job is aborted (exit code 130).
     Once per process (the main thread and the watcher thread may both get here)."""
     if not _INTERRUPT.acquire(blocking=False):
         time.sleep(60)  # the other caller is aborting the job
         return
+    _run_at_abort()  # before the wait: another host's abort may kill this rank during it
     world = MPI.COMM_WORLD
-    if world.Get_rank() == 0:
-        sys.stderr.write(f"zmpi: interrupted; ending all {world.Get_size()} ranks\n")
+    _say_once(f"zmpi: interrupted; ending all {world.Get_size()} ranks", world.Get_rank() == 0)
+    _abort(130)
+
+
+def _say_once(line: str, here: bool) -> None:
+    """Before an abort that every rank makes alike: the one rank `here` writes `line` to
+    stderr and gives mpiexec time to forward it; the others give it a second to do that."""
+    if here:
+        sys.stdout.flush()
+        sys.stderr.write(line + "\n")
         sys.stderr.flush()
         time.sleep(_FORWARD_S)
     else:
         time.sleep(1.0)
-    _abort(130)
 
 
 def _watch_interrupts():
@@ -321,6 +347,7 @@ def check_at_exit(comm) -> None:
         comm._start_queued()  # the check is a collective: after what is queued
         check_call(comm, "end of program", site="exit")
     except CollectiveMismatch as e:
+        _run_at_abort()
         sys.stderr.write(f"[rank {comm.rank}] {e}\n")
         sys.stderr.flush()
         time.sleep(_FORWARD_S)
@@ -333,7 +360,8 @@ class _Watchdog:
 
     A daemon thread sleeps and checks the waits in progress (no spinning); on expiry it prints,
     tagged with the rank, which collective is waited for and where it was called, gives the
-    other waiting ranks two seconds to say the same, and calls MPI_Abort.
+    other waiting ranks two seconds to say the same, and calls MPI_Abort (the `at_abort`
+    hooks run before those two seconds).
     """
 
     def __init__(self, timeout: float):
@@ -365,6 +393,7 @@ class _Watchdog:
         site = _call_site(frame)
         what = what() if callable(what) else what
         world = MPI.COMM_WORLD
+        _run_at_abort()  # before the wait for the other ranks' lines (`_run_at_abort`)
         sys.stderr.write(f"[rank {world.Get_rank()}] zmpi watchdog: waited {waited:.0f} s "
                          f"(ZMPI_COLLECTIVE_TIMEOUT) in {what}, called at {site}; a rank "
                          "that does not call it (or hangs before it) stops the job; "
@@ -400,12 +429,22 @@ def waited_seconds() -> float:
     return _WAITED[0]
 
 
+class SettingsDiffer(RuntimeError):
+    """The ranks' settings differ (`check_settings_alike`): raised on every rank of the
+    communicator alike, so an uncaught one is said once, by its rank 0 (`said_here`), not as
+    a traceback per rank."""
+
+    def __init__(self, message: str, said_here: bool = True):
+        super().__init__(message)
+        self.said_here = said_here
+
+
 def check_settings_alike(mpi_comm, settings: dict[str, bool]) -> None:
     """Collective (one small allreduce): every rank of `mpi_comm` has the same `settings`
     ({name: value}), those that decide which MPI calls a rank makes. A rank that differed
     would make calls its peers do not (a blocking collective against a non-blocking one, an
-    extra allgather per collective) and hang them; instead a RuntimeError on every rank names
-    what differs."""
+    extra allgather per collective) and hang them; instead a SettingsDiffer (a RuntimeError)
+    on every rank names what differs."""
     mine = np.array(list(settings.values()), np.int32)
     both = np.concatenate([mine, -mine])  # one MAX gives the max and (negated) the min
     with _watched(f"the settings check ({mpi_comm.Get_size()} ranks)"):
@@ -413,8 +452,9 @@ def check_settings_alike(mpi_comm, settings: dict[str, bool]) -> None:
     differ = [name for name, high, low in zip(settings, both[:len(mine)], -both[len(mine):],
                                               strict=True) if high != low]
     if differ:
-        raise RuntimeError(f"zmpi: the ranks disagree on {' and '.join(differ)}; set it alike "
-                           "on every rank (each node's environment and GPUs)")
+        raise SettingsDiffer(f"zmpi: the ranks disagree on {' and '.join(differ)}; set it "
+                             "alike on every rank (each node's environment and GPUs)",
+                             mpi_comm.Get_rank() == 0)
 
 
 class _watched:  # noqa: N801 (used as a function-like context manager)

@@ -11,10 +11,11 @@ import os
 import threading
 import time
 
-from zmpi import backend, host_kernels
+from zmpi import backend
 from zmpi.comm.faults import _watched
 from zmpi.comm.staging import _POOL
 from zmpi.comm.wire import _spec, header_mismatch, header_payload, message_header, message_tags
+from zmpi.kernels import host as host_kernels
 
 # isort: split
 import numpy as np

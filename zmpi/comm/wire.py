@@ -54,7 +54,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zmpi import backend, host_kernels  # backend before mpi4py.MPI: it picks this rank's GPU
+from zmpi import backend  # before mpi4py.MPI: it picks this rank's GPU
+from zmpi.kernels import host as host_kernels
 
 # isort: split
 from mpi4py import MPI

@@ -35,12 +35,13 @@ a strategy that does not split the ranks). This module imports no MPI.
 Modules: `base` (ConfigError, "auto", the `_Section` mechanism), `sections` (optimizer,
 scheduler, fp16/bf16, tensor_parallel, pipeline, debug, memory_budget, aio), `zero`
 (zero_optimization and its offload subsections), `onebit` (1-bit Adam's keys and the layouts
-it allows), `core` (the top-level `Config`). Import from `zmpi.config`; the split is an
-implementation detail.
+it allows), `moe` (mixture-of-experts blocks), `core` (the top-level `Config`). Import from
+`zmpi.config`; the split is an implementation detail.
 """
 
 from .base import AUTO, ConfigError, parse_json
 from .core import Config
+from .moe import MoEConfig
 from .sections import (
     RECOMPUTE,
     ActivationCheckpointingConfig,
@@ -62,5 +63,5 @@ __all__ = ["ConfigError", "AUTO", "OptimizerConfig", "SchedulerConfig", "FP16Con
            "BF16Config", "OffloadConfig", "OffloadParamConfig", "ZeroConfig",
            "TensorParallelConfig", "PipelineConfig", "ActivationCheckpointingConfig",
            "RECOMPUTE", "DebugConfig", "MemoryBudgetConfig", "AioConfig", "ModelConfig",
-           "SparseAttentionConfig", "Config",
+           "SparseAttentionConfig", "MoEConfig", "Config",
            "parse_json"]

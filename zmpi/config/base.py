@@ -37,9 +37,10 @@ class ConfigError(ValueError):
 
 def parse_json(text: str, where: str | None = None):
     """The JSON value in `text`, stricter than json.loads: a key repeated in one object
-    (json.loads keeps the last silently) and a number that is not finite (NaN, Infinity,
-    1e400) are ConfigErrors naming the key, as is invalid or too deeply nested JSON. `where`
-    (a file name) starts the messages that name no key."""
+    (json.loads keeps the last silently), a number that is not finite (NaN, Infinity,
+    1e400) and an integer of more digits than Python converts (4,300: a ValueError from
+    json.loads) are ConfigErrors naming the key, as is invalid or too deeply nested JSON.
+    `where` (a file name) starts the messages that name no key."""
     prefix = f"{where}: " if where else ""
 
     def unique(pairs):
@@ -51,7 +52,7 @@ def parse_json(text: str, where: str | None = None):
         return seen
 
     try:
-        value = json.loads(text, object_pairs_hook=unique)
+        value = json.loads(text, object_pairs_hook=unique, parse_int=_parse_int)
     except json.JSONDecodeError as e:
         raise ConfigError("", f"{prefix}not valid JSON: {e.msg} at line {e.lineno} column "
                               f"{e.colno}") from None
@@ -61,10 +62,26 @@ def parse_json(text: str, where: str | None = None):
     return value
 
 
+class _LongInteger(str):
+    """An integer literal of more digits than int() converts, kept as its text by
+    `_parse_int` so that `_check_finite` can name its key."""
+
+
+def _parse_int(text: str):
+    try:
+        return int(text)
+    except ValueError:  # beyond sys.get_int_max_str_digits()
+        return _LongInteger(text)
+
+
 def _check_finite(value, key: str) -> None:
-    """ConfigError naming the first number in `value` (parsed JSON) that is not finite."""
+    """ConfigError naming the first number in `value` (parsed JSON) that is not finite, or
+    an integer too long to convert (`_LongInteger`)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(key, f"must be a finite number, got {value!r}")
+    if isinstance(value, _LongInteger):
+        raise ConfigError(key, f"an integer of {len(value.lstrip('-')):,} digits, beyond any "
+                          "value zmpi takes")
     items = value.items() if isinstance(value, dict) else \
         enumerate(value) if isinstance(value, list) else ()
     for k, v in items:

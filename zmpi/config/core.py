@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from zmpi.words import count
 
 from .base import AUTO, ConfigError, _check, _Section, parse_json
+from .moe import MoEConfig, check_moe_layout
 from .onebit import check_onebit_layout
 from .sections import (
     ActivationCheckpointingConfig,
@@ -77,11 +78,12 @@ class Config(_Section):
     aio: AioConfig = field(default_factory=AioConfig)  # the NVMe tier's file I/O
     model: ModelConfig = field(default_factory=ModelConfig)
     sparse_attention: SparseAttentionConfig = field(default_factory=SparseAttentionConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture-of-experts blocks
     seed: int = 0
     steps_per_print: int = 10
     kernels: str = "fused"  # zmpi.kernels: one launch per fused op on a GPU, or "composed"
     tf32: bool = False  # float32 matmuls on TensorFloat-32 tensor cores (CuPy on Ampere+)
-    attention_kernel: str = "blocked"  # zmpi.flash_attention: "flash" fuses attention on CuPy
+    attention_kernel: str = "blocked"  # kernels.flash_attention: "flash" fuses attention (CuPy)
 
     def _validate(self):
         self._at_least(1, "train_batch_size", "train_micro_batch_size_per_gpu",
@@ -113,6 +115,7 @@ class Config(_Section):
                "activation_checkpointing.partition_activations", "with sequence_parallel each "
                "tensor rank's unit inputs are already its own share of the sequence: drop one")
         check_onebit_layout(self)  # 1-bit Adam: ZeRO stage 0 and data parallelism only
+        check_moe_layout(self)  # MoE: no tensor parallelism or pipeline yet
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Config:

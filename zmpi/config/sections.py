@@ -119,7 +119,9 @@ class SchedulerConfig(_Section):
 class FP16Config(_Section):
     """fp16 mixed precision; `loss_scale` 0 means dynamic scaling starting at
     2**initial_scale_power, halved on overflow after `hysteresis` overflows, doubled after
-    `loss_scale_window` clean steps, never below `min_loss_scale` (DeepSpeed semantics)."""
+    `loss_scale_window` clean steps, never below `min_loss_scale` (DeepSpeed semantics). A
+    static `loss_scale` never changes: `hysteresis` overflows in a row end the run, and so
+    does one below 1 that flushes every gradient to zero (zmpi.engine.step)."""
 
     _ALWAYS = {
         "consecutive_hysteresis": (False, "restores the hysteresis only when the scale grows"),

@@ -141,7 +141,8 @@ class ZeroConfig(_Section):
     acted on by the `zeropp` strategy (zmpi/zero/zeropp.py, docs/zeropp.md):
     `zero_quantized_weights` (qwZ: int8 parameter allgathers), `zero_quantized_gradients`
     (qgZ: int4 gradients reduced by all-to-all) and `zero_hpz_partition_size` (hpZ: a
-    secondary parameter shard in groups of that many ranks, gathered in backward). The other
+    secondary parameter shard in groups of that many ranks, gathered in backward; not given,
+    a node's ranks where the ranks span nodes in blocks, else 1: zmpi/zero/zeropp.py). The other
     DeepSpeed keys are in `_ALWAYS` and `_INERT` (README, "Config keys").
     """
 
@@ -182,7 +183,7 @@ class ZeroConfig(_Section):
     shard_group_size: int | None = None
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
-    zero_hpz_partition_size: int = 1
+    zero_hpz_partition_size: int | None = None  # None: the zeropp strategy picks (hpz_size)
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
 
@@ -212,7 +213,8 @@ class ZeroConfig(_Section):
         """The ZeRO++ keys set away from their defaults (zmpi/zero/zeropp.py acts on them)."""
         return [k for k, on in (("zero_quantized_weights", self.zero_quantized_weights),
                                 ("zero_quantized_gradients", self.zero_quantized_gradients),
-                                ("zero_hpz_partition_size", self.zero_hpz_partition_size > 1))
+                                ("zero_hpz_partition_size",
+                                 (self.zero_hpz_partition_size or 1) > 1))
                 if on]
 
     @property

@@ -12,13 +12,14 @@ exactly the batch a single-process reference sees (`global_sample(step)`), which
 multi-rank tests compare against. No global random state is used.
 
 Modules: `text` (load_text, CharTokenizer), `tokens` (load_tokens, read_meta,
-check_vocab_size), `sampler` (train_val_split, BatchSampler, SyntheticSource). Import from
-`zmpi.data`; the split is an implementation detail.
+check_vocab_size, FileWatch), `sampler` (train_val_split, BatchSampler, SyntheticSource).
+Import from `zmpi.data`; the split is an implementation detail.
 """
 
 from .sampler import BatchSampler, SyntheticSource, train_val_split
 from .text import CharTokenizer, load_text
-from .tokens import MAX_VOCAB, check_vocab_size, load_tokens, read_meta
+from .tokens import MAX_VOCAB, DataChanged, FileWatch, check_vocab_size, load_tokens, read_meta
 
 __all__ = ["load_text", "CharTokenizer", "train_val_split", "BatchSampler", "SyntheticSource",
-           "load_tokens", "read_meta", "check_vocab_size", "MAX_VOCAB"]
+           "load_tokens", "read_meta", "check_vocab_size", "MAX_VOCAB", "FileWatch",
+           "DataChanged"]

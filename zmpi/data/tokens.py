@@ -1,14 +1,18 @@
 """Binary token files for zmpi.data: `load_tokens` (nanoGPT's flat uint16 .bin files,
-memory-mapped), `check_vocab_size`, and `read_meta`, which reads meta.json or nanoGPT's meta.pkl
+memory-mapped), `FileWatch` (the map's file checked unchanged before each read),
+`check_vocab_size`, and `read_meta`, which reads meta.json or nanoGPT's meta.pkl
 with a restricted unpickler that refuses every global, so a crafted file cannot run code."""
 
 from __future__ import annotations
 
+import os
 import pickle
+from pathlib import Path
 
 import numpy as np
 
-__all__ = ["load_tokens", "check_vocab_size", "read_meta", "MAX_VOCAB"]
+__all__ = ["load_tokens", "check_vocab_size", "read_meta", "MAX_VOCAB", "FileWatch",
+           "DataChanged"]
 
 
 def load_tokens(path, vocab_size: int | None = None) -> tuple[np.ndarray, int]:
@@ -16,11 +20,13 @@ def load_tokens(path, vocab_size: int | None = None) -> tuple[np.ndarray, int]:
     prepare.py writes (e.g. OpenWebText's train.bin), memory-mapped, never read whole. The
     vocabulary size comes from `vocab_size`, else from meta.json ({"vocab_size": V}) or
     nanoGPT's meta.pkl beside the file (read by `read_meta`, which never runs code); ValueError
-    otherwise, if the vocabulary size is not an int in 1..65536, or if the first million ids
+    otherwise, if `path` is no regular file (a FIFO, a device: zmpi.files.check_input), if the
+    vocabulary size is not an int in 1..65536, or if the first million ids
     do not fit it."""
-    from pathlib import Path
 
-    path = Path(path)
+    from zmpi.files import check_input
+
+    path = check_input(path, "")  # a FIFO or a device would hang the memory map
     if vocab_size is not None:
         check_vocab_size(vocab_size, "vocab_size")
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
@@ -38,6 +44,41 @@ def load_tokens(path, vocab_size: int | None = None) -> tuple[np.ndarray, int]:
     if len(head) and int(head.max()) >= vocab_size:
         raise ValueError(f"{path}: token id {int(head.max())} >= vocab size {vocab_size}")
     return tokens, int(vocab_size)
+
+
+class DataChanged(RuntimeError):
+    """A token file read in place changed while it was read (`FileWatch.check`)."""
+
+
+class FileWatch:
+    """What a memory-mapped file was when it was mapped (device, inode, size, modification
+    time): `check()` before each read of the map raises DataChanged naming the file and how
+    it changed: cut short (a page past its new end is a SIGBUS that kills the process with
+    no word), rewritten in place, or replaced, or gone (the run would go on with other
+    tokens than its data's)."""
+
+    def __init__(self, path, what: str = "--data"):
+        self.path, self.what = Path(path), what
+        self.seen = self._identity()
+
+    def _identity(self) -> tuple:
+        st = os.stat(self.path)
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+    def check(self) -> None:
+        try:
+            now = self._identity()
+        except OSError as e:
+            raise DataChanged(f"{self.what} {self.path}: gone while training reads it: "
+                              f"{e.strerror}") from None
+        if now == self.seen:
+            return
+        how = ("replaced by another file" if now[:2] != self.seen[:2] else
+               f"cut from {self.seen[2]:,} to {now[2]:,} bytes" if now[2] < self.seen[2] else
+               f"grown from {self.seen[2]:,} to {now[2]:,} bytes" if now[2] > self.seen[2]
+               else "rewritten in place")
+        raise DataChanged(f"{self.what} {self.path} changed while training reads it ({how}): "
+                          "restore it (or give the new file) and --resume")
 
 
 MAX_VOCAB = 1 << 16  # token files hold uint16 ids
@@ -66,9 +107,10 @@ def read_meta(path) -> dict:
     with vocab_size, itos, stoi) read by an unpickler that refuses every class and function,
     so a crafted file cannot run code. ValueError naming the file otherwise."""
     import json
-    from pathlib import Path
 
-    path = Path(path)
+    from zmpi.files import check_input
+
+    path = check_input(path, "")  # a FIFO would wait for a writer
     try:
         if path.suffix == ".pkl":
             with open(path, "rb") as f:

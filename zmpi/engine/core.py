@@ -33,7 +33,7 @@ import warnings
 
 import numpy as np
 
-from zmpi import backend, flash_attention, kernels
+from zmpi import backend, kernels
 from zmpi.checkpoint.sharded import Checkpointer
 from zmpi.checkpoint.tensor import TensorSplits
 from zmpi.comm import make_progress
@@ -51,6 +51,7 @@ from zmpi.engine.checks import (
 )
 from zmpi.engine.delayed import DelayedUpdate
 from zmpi.engine.hooks import EngineHooks, as_config
+from zmpi.engine.moe import MoERouting, check_moe
 from zmpi.engine.optimizer import build_optimizer
 from zmpi.engine.pipeline import PipelineRun
 from zmpi.engine.profile import PhaseProfile
@@ -58,6 +59,7 @@ from zmpi.engine.state import TrainState
 from zmpi.engine.step import reduce_and_update
 from zmpi.engine.tensor import gather_tensor_slices, replicated_ranges, sequence_ranges
 from zmpi.engine.traffic import EngineTraffic
+from zmpi.kernels import flash_attention
 from zmpi.memory import MemoryLedger
 from zmpi.nn import functional as F
 from zmpi.nn.checkpointing import InputStore
@@ -94,6 +96,8 @@ class Engine(EngineTraffic):
         check_mesh(self.mesh, config, model)
         check_model_shape(config, model)
         check_sparse_attention(config, model)
+        self.moe = MoERouting(model)  # the MoE layers' routing and losses (engine/moe.py)
+        check_moe(config, self.mesh, model, self.moe)
         self.config = config.resolve_batch(self.mesh.dp)
         self.micro_batch = self.config.train_micro_batch_size_per_gpu
         self.accumulation = self.config.gradient_accumulation_steps
@@ -223,7 +227,9 @@ class Engine(EngineTraffic):
         they are split into micro-batches. Gradients are averaged over the global batch
         (all ranks, all micro-batches; over the counted targets of all of them when the
         model's loss ignores some, see zmpi.nn.losses). Returns the global mean loss (same on
-        every rank).
+        every rank), the MoE layers' auxiliary and z losses included. Data-parallel rank d's
+        rows are rows [d b, (d + 1) b) of the global batch (zmpi.data's samplers): MoE layers
+        route each sequence by its global row (engine/moe.py).
         """
         rows = self.micro_batch * self.accumulation
         if len(inputs) != rows or len(targets) != rows:
@@ -247,13 +253,16 @@ class Engine(EngineTraffic):
         if self.pipeline is not None:  # the stage's share of every micro-batch, scheduled
             total = self.pipeline.train(self, inputs, targets, normalizer, clock)
         else:
+            first = self.mesh.dp_rank * len(inputs)  # this rank's rows of the global batch
             for i in range(self.accumulation):
                 rows_i = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
                 self.strategy.sync_gradients = (i == self.accumulation - 1
                                                 and self.optimizer.reduces_gradients)
+                self.moe.before(self.global_steps, first + rows_i.start, self.scaler.scale,
+                                inputs[rows_i])
                 total = total + self.model.forward_loss(self.xp.asarray(inputs[rows_i]),
                                                         self.xp.asarray(targets[rows_i]),
-                                                        normalizer)
+                                                        normalizer) + self.moe.losses()
                 clock.lap("forward")
                 self.model.backward_loss(scale=self.scaler.scale)
                 clock.lap("backward")

@@ -78,6 +78,16 @@ class TrainState:
             raise CheckpointError(f"{where}: mismatch: the checkpoint is of a different model "
                                   f"({'; '.join(differ)})")
 
+    def restore_weights(self, master) -> None:
+        """Install master weights alone (this rank's owned shard, in this engine's layout; a
+        collective), as a fresh run from them (zmpi train --init-from): the parameters become
+        the master weights cast, as `restore` makes them without "params"; the optimizer
+        state, steps and loss scaler stay as built."""
+        engine = self._engine
+        engine.strategy.set_state_shard("master", master)
+        engine.delayed.unpublished = True
+        engine.flush()
+
     def restore(self, manifest: dict, states: dict) -> list[str]:
         """Install a checkpoint read by zmpi.checkpoint (a collective). `states`: this rank's
         owned shard of each model state, in this engine's layout; without "params" (the
@@ -111,6 +121,8 @@ class TrainState:
                          f"had {manifest.get('scheduler')}); it goes on from step "
                          f"{engine.global_steps}")
         opt.lr = manifest.get("last_lr", opt.lr) if engine.schedule else opt.lr
+        notes += _attention_change(manifest["config"].get("sparse_attention") or {},
+                                   engine.config.sparse_attention)
         if manifest["dtype"] != engine.dtype.name:
             notes.append(f"parameters are stored as {engine.dtype.name} (the checkpoint had "
                          f"{manifest['dtype']}): they are the master weights cast")
@@ -128,6 +140,28 @@ class TrainState:
         if engine.delayed.unpublished and not delayed:
             engine.flush()
         return notes
+
+
+def _attention_change(saved: dict, ours) -> list[str]:
+    """A note, as for a change of dtype, when the checkpoint's run attended with another
+    layout (its config's `sparse_attention` section, `saved`) than this engine's config
+    (`ours`, a SparseAttentionConfig): sections that make the same layout (keys given at
+    their defaults) are no change. A section that no longer reads is named as saved."""
+    from zmpi.config import ConfigError, SparseAttentionConfig
+
+    try:
+        same = SparseAttentionConfig.from_dict(saved).sparsity(1) == ours.sparsity(1)
+    except ConfigError:
+        same = False
+    if same:
+        return []
+
+    def said(section):
+        return f"sparse_attention {json.dumps(section, sort_keys=True)}" if section else \
+            "dense attention"
+
+    return [f"attention is {said(ours.to_dict())} (the checkpoint's run had {said(saved)}): "
+            "the weights carry over, the layers attend to other blocks"]
 
 
 def _optimizer_change(saved: str, kind: str, opt) -> str:

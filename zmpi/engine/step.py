@@ -4,7 +4,9 @@
                                 finish the strategy's reductions; read the loss and the
                                 gradients' sum of squares back in one transfer; unscale (loss
                                 scaling and the global-batch mean); skip on overflow or name
-                                the first non-finite unit; clip; Adam now, or in the
+                                the first non-finite unit (an overflow at the least scale,
+                                or `hysteresis` in a row at a static one; every gradient
+                                zero at a static scale below 1); clip; Adam now, or in the
                                 background (DPU)
     apply_schedule(engine)      the LR schedule's rate (and betas) for the step about to run
     clip_coef(engine, sumsq)    the factor that brings the global L2 norm to gradient_clipping
@@ -47,19 +49,29 @@ def reduce_and_update(engine, loss) -> float:
     finite = math.isfinite(sumsq) or engine.optimizer.all_finite(grads)
     engine.flush()  # the previous step's delayed update lands (its compute overlapped ours)
     apply_schedule(engine)  # a skipped step keeps the rate it would have run at
+    scaler = engine.scaler
     if any_rank(engine.comm, not finite):
-        scaler = engine.scaler
-        at_minimum = scaler.scale <= scaler.min_scale and scaler.hysteresis_left <= 1
-        if not engine.config.fp16.enabled or at_minimum:
+        if not engine.config.fp16.enabled or scaler.at_minimum:
             where = first_nonfinite_unit(engine, grads)
             raise FloatingPointError(
                 f"non-finite gradients at optimizer step {engine.global_steps} "
                 f"({engine.scaler.skipped_steps} skipped before; {engine.dtype.name}"
-                + (f", loss scale already at its minimum {scaler.min_scale:g}"
-                   if engine.config.fp16.enabled else "")
+                + ("" if not engine.config.fp16.enabled else
+                   f", loss scale already at its minimum {scaler.min_scale:g}"
+                   if scaler.dynamic else
+                   f", at the static fp16.loss_scale {scaler.scale:g}, which never changes: "
+                   f"{scaler.hysteresis} overflows in a row; lower it, or give 0 for dynamic "
+                   "scaling")
                 + f"); the first in backward order is in {where}")
         scaler.update(overflow=True)  # skip the step on every rank
         return loss
+    if engine.config.fp16.enabled and not scaler.dynamic and scaler.scale < 1 and \
+            not any_rank(engine.comm, sumsq > 0):  # only a scale below 1 flushes more
+        raise FloatingPointError(
+            f"every gradient is zero at optimizer step {engine.global_steps}: the static "
+            f"fp16.loss_scale {scaler.scale:g} flushes the scaled gradients to zero in "
+            f"{engine.dtype.name} (its least magnitude is 6e-08), and nothing trains; raise "
+            "it, or give 0 for dynamic scaling")
     # Adam on the master shard and moments (host, device or NVMe: the strategy's)
     update = (engine.optimizer, grads, grad_scale, clip_coef(engine, sumsq, grads, grad_scale))
     if engine.delay_update and engine.global_steps >= engine.delay_update_warmup:

@@ -17,8 +17,8 @@ import math
 
 import numpy
 
-from zmpi import flash_attention
 from zmpi.backend import compute_dtype
+from zmpi.kernels import flash_attention
 from zmpi.nn import attention as A
 from zmpi.nn import functional as F
 from zmpi.nn import sparse_attention as S
@@ -151,7 +151,7 @@ class CausalSelfAttention(Module):
     made once per sequence length T (a multiple of its block) for this layer's heads. Mode
     "dense" runs the dense kernels (its layout keeps every block: the same numbers). With the
     config's attention_kernel "flash", on device arrays, dense and sparse attention run
-    zmpi.flash_attention's fused kernels instead (they keep no probabilities either way).
+    zmpi.kernels.flash_attention's fused kernels instead (they keep no probabilities either way).
     """
 
     tp_plan = {"qkv": "colwise_heads", "proj": "rowwise"}
@@ -249,18 +249,22 @@ class Block(Module):
     x (B, T, C) -> (B, T, C). Under sequence parallelism (zmpi.parallel.tensor.plan) x is this
     rank's sequence shard (B, T/tp, C): the LayerNorms and residual adds work on it, and the
     attention and MLP gather the sequence at their input and reduce-scatter it at their output.
+
+    mlp: the feed-forward module, None for GPT-2's MLP (built here, after the attention, from
+    `rng`); a mixture of experts (zmpi.nn.moe.MoE) makes the block an MoE block.
     """
 
     tp_plan = {"ln1": "sequence", "ln2": "sequence"}  # zmpi.parallel.tensor.plan
 
     def __init__(self, d_model, n_head, rng=None, dtype=numpy.float32, std=0.02, proj_std=None,
-                 sparsity=None):
+                 sparsity=None, mlp=None):
         rng = numpy.random.default_rng(rng)
         self.ln1 = LayerNorm(d_model, dtype=dtype)
         self.attn = CausalSelfAttention(d_model, n_head, rng=rng, dtype=dtype, std=std,
                                         proj_std=proj_std, sparsity=sparsity)
         self.ln2 = LayerNorm(d_model, dtype=dtype)
-        self.mlp = MLP(d_model, rng=rng, dtype=dtype, std=std, proj_std=proj_std)
+        self.mlp = MLP(d_model, rng=rng, dtype=dtype, std=std, proj_std=proj_std) \
+            if mlp is None else mlp
 
     def forward(self, x):
         self._save(True)

@@ -8,8 +8,8 @@ sets them to None while ZeRO-3 has the unit's parameters released. Layers theref
 
 import numpy
 
-from zmpi import host_kernels
 from zmpi.backend import array_module, compute_dtype
+from zmpi.kernels import host as host_kernels
 
 
 class Parameter:

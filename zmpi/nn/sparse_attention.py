@@ -19,7 +19,7 @@ this project's BLAS: tests/test_sparse_attention.py checks it). The batched prod
 through `kernels.matmul`, as dense attention's: NumPy's matmul on a CPU, one cuBLAS GEMM
 without casts on a GPU (CuPy 14.2's own has no bfloat16 batched product). On a GPU each
 operation here is a launch per block row (the CuPy path works, about 35 launches a row
-forward and backward, but is launch-bound): zmpi.flash_attention's fused kernels replace the
+forward and backward, but is launch-bound): zmpi.kernels.flash_attention's fused kernels replace the
 row loops there (the config's attention_kernel "flash").
 
 Shapes: B batch, T time, C channels, nh heads, hd = C // nh head size, nb = T // block.

@@ -261,7 +261,7 @@ class VariableSparsityConfig(_RandomBlocks, SparsityConfig):
     keys per row drawn from all blocks (in "unidirectional" too: DeepSpeed's rule)."""
     mode: ClassVar[str] = "variable"
     num_random_blocks: int = _param(0, _integer, least=0, at_most_rows=True)
-    local_window_blocks: tuple = _param((4,), _integers, least=1, nonempty=True)
+    local_window_blocks: tuple = _param((4,), _integers, least=0, nonempty=True)
     global_block_indices: tuple = _param((0,), _integers, least=0)
     global_block_end_indices: tuple | None = _param(None, _integers, least=1, optional=True)
     attention: str = _param("bidirectional", _attention)
@@ -270,6 +270,10 @@ class VariableSparsityConfig(_RandomBlocks, SparsityConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        last = len(self.local_window_blocks) - 1
+        if self.local_window_blocks[last] < 1:  # DeepSpeed: range(..., 0), a ValueError
+            _refuse(_key(f"local_window_blocks[{last}]"), "the last window's size repeats to "
+                    f"the end of the sequence: must be >= 1, got {self.local_window_blocks[last]}")
         _check_global_ranges(self)
         _check_horizontal(self)
 
@@ -377,15 +381,24 @@ MODES: dict[str, type] = {cls.mode: cls for cls in (
 DEFAULT_MODE = "fixed"  # DeepSpeed's, when the section names none
 
 
+# DeepSpeed's config reader (deepspeed/runtime/config.py, get_sparse_bigbird_config) fills a
+# key the section leaves out from its constants, SPARSE_NUM_RANDOM_BLOCKS_DEFAULT = 0 for
+# bigbird, where BigBirdSparsityConfig's own default is 1
+READER_DEFAULTS = {"bigbird": {"num_random_blocks": 0}}
+
+
 def mode_keys(mode: str) -> dict:
-    """{key: default} a mode's JSON section takes besides "mode" (its fields but num_heads)."""
-    return {f.name: f.default for f in dataclasses.fields(MODES[mode])
-            if f.init and f.name != "num_heads"}
+    """{key: default} a mode's JSON section takes besides "mode" (its fields but num_heads),
+    each default as DeepSpeed's config reader gives it (READER_DEFAULTS over the class's)."""
+    return {**{f.name: f.default for f in dataclasses.fields(MODES[mode])
+               if f.init and f.name != "num_heads"}, **READER_DEFAULTS.get(mode, {})}
 
 
 def sparsity_from_dict(section: dict, num_heads: int) -> SparsityConfig:
     """The config a DeepSpeed `sparse_attention` section names, for a model of num_heads heads:
-    "mode" (default "fixed") and that mode's keys, each defaulting as in DeepSpeed. ValueError
+    "mode" (default "fixed") and that mode's keys, each defaulting as DeepSpeed's config
+    reader defaults it (where that is not the class's: `bigbird`'s num_random_blocks is 0,
+    READER_DEFAULTS). ValueError
     naming `sparse_attention.<key>` for an unknown key, a key of another mode, or a value of
     the wrong type or range, or that breaks DeepSpeed's rules between keys."""
     if not isinstance(section, dict):
@@ -400,7 +413,8 @@ def sparsity_from_dict(section: dict, num_heads: int) -> SparsityConfig:
             what = (f"a key of mode {' and '.join(map(repr, owners))}, not of {mode!r}"
                     if owners else "unknown key")
             _refuse(_key(key), f"{what}; mode {mode!r} takes {', '.join(keys)}")
-    return MODES[mode](num_heads=num_heads, **{k: v for k, v in section.items() if k != "mode"})
+    given = {**READER_DEFAULTS.get(mode, {}), **section}
+    return MODES[mode](num_heads=num_heads, **{k: v for k, v in given.items() if k != "mode"})
 
 
 def causal_layout(layout) -> numpy.ndarray:

@@ -154,6 +154,25 @@ def _remove_peers_dirs(root: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+class _RemoveOnAbort:
+    """A SwapFile's `at_abort` hook: remove its directory by name, and nothing more. The
+    descriptors stay open (the process ends within seconds, closing them): an abort runs its
+    hooks before it waits (zmpi.comm.faults), while this process's other threads may still
+    read and write the file, and a descriptor closed under them could be reused by another
+    file they then write. Dropped from the hooks once the SwapFile is closed (`alive`)."""
+
+    def __init__(self, finalizer, directory: str):
+        self.finalizer, self.directory = finalizer, directory
+
+    @property
+    def alive(self) -> bool:
+        return self.finalizer.alive
+
+    def __call__(self) -> None:
+        if self.finalizer.alive:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
 def _make_locked_dir(root: Path) -> tuple[str, object]:
     """A new swap directory PREFIX* under `root`, and its lock file, held: made under a
     hidden name, locked, then renamed, so `remove_dead` never finds one unlocked."""
@@ -201,7 +220,7 @@ class SwapFile:
         self.dir, lock = _make_locked_dir(root)
         self.path, self._fds = Path(self.dir) / f"{name}.bin", []
         self._finalizer = weakref.finalize(self, _remove, self._fds, self.dir, lock)
-        at_abort(self._finalizer)
+        at_abort(_RemoveOnAbort(self._finalizer, self.dir))
         at_abort(functools.partial(_remove_peers_dirs, root))
         try:
             self.fd, self.direct = self._open(nbytes)

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from zmpi import backend, host_kernels, kernels
+from zmpi import backend, kernels
 from zmpi.backend import array_module, host_cores
+from zmpi.kernels import host as host_kernels
 
 HOST_CHUNK = 65536  # elements; p, m, v and two fp32 scratch chunks stay within L2/L3
 

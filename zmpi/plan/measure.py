@@ -41,7 +41,7 @@ a layout's steps):
   a rank's training step keeps when those ranks all train at once, a barrier before each
   step (engine_rates.measure_crowd_efficiency).
 - host Adam: zmpi.optim.adam.HostAdam stepping an 8 Mi-element fp32 shard on one thread; the
-  host add: zmpi.host_kernels.add_ of two 8 Mi-element float16 arrays (offload's accumulation).
+  host add: zmpi.kernels.host.add_ of two 8 Mi-element float16 arrays (offload's accumulation).
 - elementwise rate and layer overhead (zmpi.plan.engine_rates): a 2-block GPT of each of
   LAYER_SHAPES (three block sizes) trained by the Engine on this rank alone (fp32, ZeRO-0),
   its blocks' forward and backward seconds from the Engine's profile (the least of 9 steps,
@@ -83,6 +83,7 @@ from pathlib import Path
 
 import numpy as np
 
+from zmpi.files import check_input
 from zmpi.plan.engine_rates import measure_crowd_efficiency, measure_engine, measure_layer
 from zmpi.plan.hardware import PRESETS, Hardware, Link
 from zmpi.plan.link_rates import (
@@ -152,7 +153,7 @@ def measure_adam(repeats: int = 3) -> dict:
     """Parameters per second of one HostAdam step on one thread (fp32 shard and grads), and
     float16 elements per second of the host add that accumulates an offloaded gradient shard
     (`host_kernels.add_`, what ZeRO-2/3 run every micro-step)."""
-    from zmpi import host_kernels
+    from zmpi.kernels import host as host_kernels
     from zmpi.optim.adam import HostAdam
 
     rng = np.random.default_rng(0)
@@ -395,11 +396,9 @@ def load_hardware(spec, progress=None) -> Hardware:
     if name.lower() == "this":
         return measure_this(progress=progress)
     path = Path(name)
-    if path.is_dir():
-        raise ValueError(f"hardware file {name}: a directory, not a JSON file")
-    if not path.is_file():
-        if path.suffix or len(path.parts) > 1:
-            raise ValueError(f"hardware file {name}: not found")
+    if os.path.lexists(path) or path.suffix or len(path.parts) > 1:
+        check_input(path, "hardware file")  # a directory, a device (/dev/null), missing
+    else:
         raise ValueError(f"unknown hardware {name!r}: a preset ({', '.join(PRESETS)}), "
                          f"'this' (measure this machine) or the path of a JSON file")
     from zmpi.config import parse_json

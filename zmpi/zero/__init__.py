@@ -6,7 +6,13 @@ hybrid_zero2, zeropp), so `get_strategy` finds them by name: Python runs this fi
 """
 from zmpi.zero import hybrid, stage0, stage1, stage2, stage3, zeropp  # noqa: F401  (@register)
 from zmpi.zero.context import StrategyContext
-from zmpi.zero.registry import available_strategies, get_strategy, register
+from zmpi.zero.registry import (
+    available_strategies,
+    get_strategy,
+    load_strategy_file,
+    register,
+)
 from zmpi.zero.strategy import Strategy
 
-__all__ = ["Strategy", "StrategyContext", "available_strategies", "get_strategy", "register"]
+__all__ = ["Strategy", "StrategyContext", "available_strategies", "get_strategy",
+           "load_strategy_file", "register"]

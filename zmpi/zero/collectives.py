@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from zmpi import backend, host_kernels
+from zmpi import backend
 from zmpi.backend import HostCopy, array_module
+from zmpi.kernels import host as host_kernels
 
 
 def _add_(dst, src) -> None:

@@ -5,11 +5,16 @@ ZeRO++'s hpZ (Wang et al., 2023) partition within a node for the same reason: th
 of ZeRO-3 run on every layer, so keep them on the fast links of one node and let only one
 gradient allreduce per step cross the slow network.
 
-The N ranks form N/G *shard groups* of G consecutive ranks and G *replica groups* (the ranks
-at the same position in every shard group), both made with `Comm.split`. Config:
+The N ranks form N/G *shard groups* of G ranks of one node (or of G/n whole nodes of n ranks)
+and G *replica groups* (the ranks at the same position in every shard group), both made with
+`Comm.split`. The groups are cut from the ranks ordered node by node (MPI's shared-memory
+split, zmpi.parallel.mesh.node_order), not from the ranks' numbers: with ranks placed on nodes
+in blocks (`mpiexec -ppn`) a shard group is G consecutive ranks, and with round-robin placement
+it is still one node's (consecutive ranks would span every node, and ZeRO-3's collectives with
+them). A group size that would split a node's ranks between groups that span nodes (nodes of
+3 and 1 ranks in groups of 2) is refused, naming the placement flag. Config:
 `"zero_optimization": {"strategy": "hybrid", "shard_group_size": G}`; without
-`shard_group_size`, G is the number of ranks on a node (MPI's shared-memory split), which
-assumes ranks are placed on nodes in blocks, as `mpiexec -ppn` does.
+`shard_group_size`, G is the number of ranks on a node.
 
     hybrid        ZeRO-3 inside the group: params, grads, master and Adam states 1/G per rank
     hybrid_zero2  ZeRO-2 inside the group: params whole, everything else 1/G per rank
@@ -27,6 +32,7 @@ sharding is memory: model states shrink by G, not by N. G = 1 is data parallelis
 G = N is ZeRO-3 (ZeRO-2). A checkpoint holds G shards, written by the first replica group.
 """
 from zmpi.config import ConfigError
+from zmpi.parallel.mesh import node_order
 from zmpi.words import count
 from zmpi.zero.registry import register
 from zmpi.zero.stage2 import Stage2
@@ -48,7 +54,10 @@ class HybridSharding:
         if comm.size % size:
             raise ConfigError(_KEY, f"{size} does not divide the {count(comm.size, 'rank')} "
                                     "into equal shard groups")
-        return comm.split(comm.rank // size), comm.split(comm.rank % size)
+        order = node_order(comm)
+        order.check_groups(size, _KEY)
+        at = order.position
+        return comm.split(at // size, key=at), comm.split(at % size, key=at)
 
     @classmethod
     def suite_configs(cls, world_size):  # every group size: 1 is DDP, world_size is ZeRO-3

@@ -2,7 +2,8 @@
 
 A policy registers itself with `@register("name")` (zmpi.zero.register). `get_strategy` finds
 a strategy by registered name, by module path ("package.module:ClassName", imported on every
-rank) or by an installed entry point in the group "zmpi.strategies" (docs/strategies.md).
+rank) or by an installed entry point in the group "zmpi.strategies" (docs/strategies.md);
+`load_strategy_file` imports a strategy file by its path (the test suite's --strategy-module).
 
 This module imports no strategy. The built-in ones (stage0 ... stage3, hybrid) register when
 `zmpi.zero` is imported, which Python does before any `zmpi.zero.*` module, this one included;
@@ -51,6 +52,38 @@ def get_strategy(name: str) -> type:
         return _checked(entry.load(), f"entry point {name!r} ({entry.value})", name)
     raise ValueError(f"unknown partition strategy {name!r}; available: "
                      f"{', '.join(available_strategies())}, or 'package.module:ClassName'")
+
+
+def load_strategy_file(path) -> list[str]:
+    """Import the Python file at `path` as the module named by its stem (so that "stem:Class"
+    finds it afterwards), running its `@register` decorators, and return the names of the
+    strategies it registered, sorted. A file already imported under that name is not run again
+    (it registered then). ValueError, one line, for a missing file, a file that fails to
+    import, or a stem that is already another module's name."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(path).resolve()
+    if path.suffix != ".py" or not path.is_file():
+        raise ValueError(f"strategy module {str(path)!r} is not a Python file")
+    loaded = sys.modules.get(path.stem)
+    if loaded is not None:
+        if Path(getattr(loaded, "__file__", "") or "").resolve() != path:
+            raise ValueError(f"cannot load strategy module {str(path)!r}: a module named "
+                             f"{path.stem!r} is already imported from {loaded.__file__}")
+        return sorted(n for n, c in _REGISTRY.items() if c.__module__ == path.stem)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    before = set(_REGISTRY)
+    sys.modules[path.stem] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[path.stem]
+        raise ValueError(f"cannot load strategy module {str(path)!r}: "
+                         f"{type(e).__name__}: {e}") from e
+    return sorted(set(_REGISTRY) - before)
 
 
 def available_strategies() -> list[str]:

@@ -17,11 +17,13 @@ of `zero_optimization` that acts with `"stage": 3` (docs/zeropp.md):
                               every group), then, requantized, across the groups.
     zero_hpz_partition_size   hpZ, G: besides its 1/N primary shard, a rank keeps a secondary
                               shard, 1/G of each unit, partitioned over its group of G
-                              consecutive ranks (a node). Each forward allgather over the world
-                              leaves it: the rank copies its group position's slice of the
-                              gathered unit. Backward gathers on the group only; the world
-                              allgather leaves backward. It costs Psi / G storage-dtype
-                              elements per rank, in the ledger as "param".
+                              ranks of one node (cut from the node split as hybrid.py's
+                              groups: consecutive ranks where ranks are placed in blocks).
+                              Each forward allgather over the world leaves it: the rank
+                              copies its group position's slice of the gathered unit.
+                              Backward gathers on the group only; the world allgather
+                              leaves backward. It costs Psi / G storage-dtype elements per
+                              rank, in the ledger as "param".
 
 Traffic per rank and step, unit of P padded elements, s = 2 bytes (fp16), N ranks, b(P/N)
 the wire bytes of one rank's shard quantized (quantize.row_nbytes: values, and a scale per
@@ -45,6 +47,7 @@ import numpy as np
 
 from zmpi import backend
 from zmpi.config import ConfigError
+from zmpi.parallel.mesh import node_order
 from zmpi.zero.quantize import dequantize, quantize, row_nbytes
 from zmpi.zero.registry import register
 from zmpi.zero.stage3 import Stage3
@@ -89,7 +92,7 @@ class ZeroPP(Stage3):
 
     @classmethod
     def process_groups(cls, comm, zero_config):
-        size, offload = zero_config.zero_hpz_partition_size, zero_config.offload_param
+        size, offload = zero_config.zero_hpz_partition_size or 1, zero_config.offload_param
         if comm.size % size:
             raise ConfigError(_HPZ, f"{size} does not divide the {comm.size} data-parallel "
                                     "ranks into equal groups")
@@ -112,9 +115,26 @@ class ZeroPP(Stage3):
                 {"zero_quantized_weights": True, "zero_quantized_gradients": True,
                  "zero_hpz_partition_size": size}]
 
+    @staticmethod
+    def hpz_size(zero_config, order) -> int:
+        """hpZ's group size: `zero_hpz_partition_size`, or where it is not given, the ranks
+        of a node where the data-parallel ranks (`order`: their node_order, None for one
+        rank) span nodes of equal size placed in blocks, the paper's setting (backward's
+        gathers stay inside a node); else 1, no hpZ (on one node the group would be the
+        world, costing memory only; offload_param keeps the device free of its copy; with
+        round-robin placement ask for it by name)."""
+        given = zero_config.zero_hpz_partition_size
+        if given is not None:
+            return given
+        if order is None or zero_config.offload_param.enabled or len(order.sizes) == 1 \
+                or len(set(order.sizes)) > 1 or not order.is_rank_order:
+            return 1
+        return order.sizes[0]
+
     def __init__(self, ctx):
         super().__init__(ctx)
-        cfg, size = self.config, self.config.zero_hpz_partition_size
+        order = node_order(self.comm) if self.world_size > 1 else None
+        cfg, size = self.config, self.hpz_size(self.config, order)
         # one rank sends nothing: quantizing would only round (as 1-bit Adam, which skips it)
         self.qwz, self.qgz = (cfg.zero_quantized_weights and self.world_size > 1,
                               cfg.zero_quantized_gradients and self.world_size > 1)
@@ -123,9 +143,17 @@ class ZeroPP(Stage3):
                           "gathers over the same ranks and bytes, and the secondary shard "
                           "only costs memory (hpZ pays with groups smaller than the world, "
                           "a node's ranks)", stacklevel=2)
-        self.intra = self.comm.split(self.rank // size) if size > 1 else None
         two_hops = self.qgz and 1 < size < self.world_size
-        self.inter = self.comm.split(self.rank % size) if two_hops else None
+        self.intra = self.inter = None
+        if size > 1:  # the groups of one node, whatever the placement (hybrid.py)
+            order.check_groups(size, _HPZ)
+            if two_hops and not order.is_rank_order:  # its all-to-alls are in rank order
+                raise ConfigError(_HPZ, "qgZ's two hops need the ranks placed on the nodes "
+                                        "in blocks (consecutive ranks on one node: mpiexec "
+                                        "-ppn, srun --distribution=block), not round-robin")
+            at = order.position
+            self.intra = self.comm.split(at // size, key=at)
+            self.inter = self.comm.split(at % size, key=at) if two_hops else None
         # qgZ's all-to-alls: (group kind, shards each destination gets)
         self._hops = [("intra", self.world_size // size), ("inter", 1)] if two_hops \
             else [("world", 1)]

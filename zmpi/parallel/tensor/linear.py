@@ -37,6 +37,7 @@ import math
 
 import numpy
 
+from zmpi.backend import array_module
 from zmpi.nn import functional as F
 from zmpi.nn.base import Module
 from zmpi.nn.layers import Linear
@@ -186,3 +187,42 @@ class RowParallelLinear(Module):
         if self.bias is not None:
             accumulate_grad_(self.bias, db)
         return dx
+
+
+class ReplicatedHeadsLinear(Module):
+    """y_r = x @ W[:, cols_r]: the key or value projection of grouped-query attention when the
+    tensor group has more ranks than the layer has key/value heads (n_kv_head < tp, as
+    Megatron-LM and vLLM replicate them). x (..., in_features) replicated -> y (..., |cols_r|),
+    the columns of the one head this rank's query heads read.
+
+    weight: the whole (in_features, out_features) on every tensor rank (`tp_split` None),
+    marked `sequence_parallel` (Megatron's name for a replicated parameter whose gradient is
+    partial per tensor rank: each rank's is nonzero only on its head's columns, computed from
+    its own query heads), so the engine sums it over the tensor ranks once a step
+    (zmpi/engine/tensor.py) and every rank then holds the whole gradient. f (or the sequence
+    gather) sits at the input as ColumnParallelLinear's: backward returns the input gradient
+    summed over tp.
+    """
+
+    def __init__(self, weight, tp, columns, dtype, sequence_parallel=False):
+        self.in_features, self.out_features = weight.shape
+        self.weight = replicated_parameter(weight, dtype)
+        self.weight.sequence_parallel = True  # its gradient is partial per tensor rank
+        self.columns = numpy.asarray(columns)
+        self.f = GatherFromSequenceRegion(tp) if sequence_parallel else \
+            CopyToTensorRegion(tp, inplace=True)
+
+    def forward(self, x):
+        W = compute_data(self.weight)[:, self.columns]
+        y, (x, _) = F.linear_forward(self.f.forward(x).astype(W.dtype, copy=False), W)
+        self._save(x)
+        return y
+
+    def backward(self, dy):
+        x = self._pop()
+        W = compute_data(self.weight)
+        dx, dW, _ = F.linear_backward(dy.astype(W.dtype, copy=False), (x, W[:, self.columns]))
+        full = array_module(dW).zeros(W.shape, dtype=dW.dtype)
+        full[:, self.columns] = dW
+        accumulate_grad_(self.weight, full)
+        return self.f.backward(dx)

@@ -19,7 +19,14 @@ holds one unit's full weights for a moment and never the whole model. The styles
                    this rank's heads of each of q, k and v (so the local qkv is again
                    [q | k | v] for n_head / T heads); the module's `n_head` becomes n_head / T
                    and its `head_offset` the first of them (rank x n_head / T)
-    sequence       a replicated module (a LayerNorm) that runs on the sequence shard under
+    gqa_heads      grouped-query attention's q Linear (planned on q; k and v follow): q ->
+                   ColumnParallelLinear of this rank's n_head / T query heads; k, v ->
+                   ColumnParallelLinear of its n_kv_head / T key/value heads where T divides
+                   n_kv_head, else (n_kv_head < T, T a multiple of it) ReplicatedHeadsLinear,
+                   the whole k, v on every rank computing the one head its query heads read,
+                   gradient summed over tp (Megatron's replicated key/value heads); the
+                   module's `n_head`, `n_kv_head` become the local counts
+    sequence       a replicated module (a LayerNorm or RMSNorm) that runs on the sequence shard under
                    sequence parallelism: its Parameters are marked `sequence_parallel = True`
                    (`mark_sequence_parallel`); without sequence parallelism, nothing
 
@@ -34,8 +41,10 @@ from __future__ import annotations
 import numpy
 
 from zmpi.nn.layers import LayerNorm, Linear
+from zmpi.nn.llama_layers import RMSNorm
 from zmpi.parallel.tensor.linear import (
     ColumnParallelLinear,
+    ReplicatedHeadsLinear,
     RowParallelLinear,
     contiguous,
     split_size,
@@ -93,24 +102,52 @@ def _colwise_heads(module, name, tp, sequence_parallel):
                                           layer.weight.dtype, sequence_parallel=sequence_parallel)
 
 
+def _gqa_heads(module, name, tp, sequence_parallel):
+    heads = split_size(module.n_head, tp, "n_head")
+    nkv = module.n_kv_head
+    if nkv % tp.size and tp.size % nkv:
+        raise ValueError(f"n_kv_head={nkv} and the tensor-parallel size {tp.size}: one must "
+                         "divide the other (key/value heads split over the tensor ranks, or "
+                         "each replicated over tp / n_kv_head of them)")
+    for kv in ("k", "v"):
+        layer = getattr(module, kv)
+        if type(layer) is not Linear:
+            raise TypeError(f"{type(module).__name__}.{kv}: gqa_heads splits a zmpi.nn.Linear, "
+                            f"not {type(layer).__name__}")
+        hd = layer.weight.shape[1] // nkv
+        if nkv >= tp.size:
+            part = ColumnParallelLinear.from_full(
+                _host(layer.weight), None, tp, contiguous(nkv * hd, tp, f"{kv} out_features"),
+                layer.weight.dtype, sequence_parallel=sequence_parallel)
+        else:  # this rank's query heads all read key/value head rank // (tp / n_kv_head)
+            head = tp.rank // (tp.size // nkv)
+            part = ReplicatedHeadsLinear(_host(layer.weight), tp,
+                                         numpy.arange(head * hd, (head + 1) * hd),
+                                         layer.weight.dtype, sequence_parallel)
+        setattr(module, kv, part)
+    module.n_head, module.n_kv_head = heads, max(nkv // tp.size, 1)
+    return _colwise(module, name, tp, sequence_parallel)
+
+
 STYLES = {"colwise": _colwise, "rowwise": _rowwise, "colwise_heads": _colwise_heads,
-          "sequence": _sequence}
+          "gqa_heads": _gqa_heads, "sequence": _sequence}
 
 
 def parallelize(unit, tp, sequence_parallel: bool = False):
     """Apply every plan in `unit` (its own and its submodules') over the Comm `tp`, in place;
     returns `unit`. Each attribute planned to be split must be a zmpi.nn.Linear built on the
-    host, each one planned "sequence" a zmpi.nn.LayerNorm."""
+    host, each one planned "sequence" a zmpi.nn.LayerNorm or RMSNorm."""
     if tp is None or tp.size == 1:
         return unit
     for module in list(unit.modules()):
         for name, style in getattr(type(module), "tp_plan", {}).items():
             layer = getattr(module, name)
-            kind = LayerNorm if style == "sequence" else Linear
-            if type(layer) is not kind:  # (a ColumnParallelLinear is split already)
+            kinds = (LayerNorm, RMSNorm) if style == "sequence" else (Linear,)
+            if type(layer) not in kinds:  # (a ColumnParallelLinear is split already)
                 raise TypeError(f"{type(module).__name__}.{name}: a tensor-parallel plan "
-                                f"{'marks' if kind is LayerNorm else 'splits'} a zmpi.nn."
-                                f"{kind.__name__}, not {type(layer).__name__}")
+                                f"{'marks' if style == 'sequence' else 'splits'} a "
+                                f"{' or '.join('zmpi.nn.' + k.__name__ for k in kinds)}, not "
+                                f"{type(layer).__name__}")
             if style not in STYLES:
                 raise ValueError(f"{type(module).__name__}.tp_plan: unknown style {style!r}; "
                                  f"styles: {', '.join(STYLES)}")

@@ -21,11 +21,11 @@ scaled by 1 / sqrt(hd) as it is read; y and dqkv are in qkv's dtype, lse in the 
 A fused op in zmpi.kernels' sense: its twin (`_forward_twin`, `_backward_twin`) is the same
 blocked algorithm in NumPy, block by block (the CUDA kernels go in tiles of S rows, S a divisor
 of the block: the same sums in another order); the stand-in runs the twin counted as the
-kernels' launches, a GPU runs FLASH_SOURCE (zmpi.cuda_flash_source) through CuPy's RawModule,
-compiled per dtype with zmpi.kernels' options (--fmad=false): SIMT kernels, or for float16 and
-bfloat16 on compute capability 8.0 and later the same kernels with their products on tensor
-cores (FLASH_TC_SOURCE, zmpi.cuda_flash_tc_source; `tensor_cores` says when), which round p
-and ds to the 16-bit type before their products, as FlashAttention does.
+kernels' launches, a GPU runs flash.cu (beside this file) through CuPy's RawModule, compiled
+per dtype with zmpi.kernels.source's options: SIMT kernels, or for float16 and bfloat16 on
+compute capability 8.0 and later the same kernels with their products on tensor cores
+(flash_tc.cu; `tensor_cores` says when), which round p and ds to the 16-bit type before their
+products, as FlashAttention does.
 """
 from __future__ import annotations
 
@@ -37,9 +37,7 @@ from typing import NamedTuple
 import numpy as np
 
 from zmpi import backend, kernels
-from zmpi.cuda_flash_source import FLASH_SOURCE
-from zmpi.cuda_flash_tc_source import FLASH_TC_SOURCE
-from zmpi.cuda_source import SOURCE
+from zmpi.kernels.source import FAMILIES, FLASH, FLASH_TC
 
 KERNELS = ("blocked", "flash")  # the config's attention_kernel
 FLASH_BLOCK = 64  # the block of dense causal attention's layout
@@ -247,30 +245,45 @@ def _backward_twin(dy, qkv, y, lse, layout: Layout, n_head: int):
 
 # -- the CUDA launchers ---------------------------------------------------------------------------
 
-# Each kernel's shared memory at tiles of s rows, heads of hd: SIMT (FLASH_SOURCE) tiles of
-# (s, hd + 1), (s, s) and (s,) in ACC; tensor-core (FLASH_TC_SOURCE) tiles of (s, hd + 8) and
+# Each kernel's shared memory at tiles of s rows, heads of hd: SIMT (flash.cu) tiles of
+# (s, hd + 1), (s, s) and (s,) in ACC; tensor-core (flash_tc.cu) tiles of (s, hd + 8) and
 # (s, s + 8) in the 16-bit T, (s, max(s, hd) + 4), (s, hd + 4) and (s,) in float.
 _SIMT_TILES = {"flash_forward": (4, 1, 3), "flash_backward_dq": (5, 1, 2),
                "flash_backward_dkv": (6, 2, 2)}
-_TC_TILES = {"flash_forward": (3, 1, 1, 1, 3), "flash_backward_dq": (4, 1, 2, 1, 2),
-             "flash_backward_dkv": (4, 2, 2, 2, 2)}
+_TC_TILES = {"flash_forward": (5, 1, 1, 1, 3), "flash_backward_dq": (6, 1, 2, 1, 2),
+             "flash_backward_dkv": (6, 2, 2, 2, 4)}
 
 
 def tensor_cores(dtype, hd: int, block: int) -> bool:
-    """Whether the kernels for `dtype` arrays run on tensor cores (FLASH_TC_SOURCE): 16-bit
+    """Whether the kernels for `dtype` arrays run on tensor cores (flash_tc.cu): 16-bit
     arrays (float16, bfloat16), heads of a multiple of 16 that fit a tile, a layout block of a
     multiple of 16, a GPU of compute capability 8.0 or later, and a CUDA install whose <mma.h>
-    compiles (CuPy's NVRTC needs crt/mma.h beside it; a warning, once, where it does not);
-    else the SIMT kernels."""
+    compiles (it includes crt/mma.h, which zmpi.kernels.source.crt_include_dir finds for NVRTC;
+    a warning, once, where it does not); else the SIMT kernels."""
     return _tensor_cores(np.dtype(dtype), hd, block, backend.xp.cuda.Device().compute_capability)
 
 
 @functools.cache
 def _tensor_cores(dtype: np.dtype, hd: int, block: int, capability: str) -> bool:
     return (dtype.itemsize == 2 and hd % 16 == 0 and block % 16 == 0
-            and all(_tile_rows(k, block, hd, None, True) for k in _TC_TILES)
             and int(capability) >= 80
+            and all(_tile_rows(k, block, hd, None, True, _shared_limit(capability))
+                    for k in _TC_TILES)
             and _tensor_core_module_builds(kernels._C_TYPES[dtype]))
+
+
+def shared_limit() -> int:
+    """The dynamic shared memory a flash block may take on this process's GPU: the device's
+    opt-in limit (CUDA's MaxSharedMemoryPerBlockOptin: 227 KiB on H100 and H200, 163 KiB on
+    A100), to which the launcher opts a kernel in (CuPy's Function.max_dynamic_shared_size_bytes)
+    when its tiles pass SHARED_BYTES. Cached per compute capability."""
+    return _shared_limit(backend.xp.cuda.Device().compute_capability)
+
+
+@functools.cache
+def _shared_limit(capability: str) -> int:
+    attributes = backend.xp.cuda.Device().attributes
+    return max(SHARED_BYTES, int(attributes.get("MaxSharedMemoryPerBlockOptin", SHARED_BYTES)))
 
 
 @functools.cache
@@ -285,21 +298,23 @@ def _tensor_core_module_builds(t: str) -> bool:
     return True
 
 
-def tile_rows(kernel: str, block: int, hd: int, acc, tc: bool = False) -> int:
+def tile_rows(kernel: str, block: int, hd: int, acc, tc: bool = False,
+              limit: int = SHARED_BYTES) -> int:
     """S, the rows of a tile of `kernel` (flash_forward, flash_backward_dq, flash_backward_dkv;
     on tensor cores when `tc`): the largest of 64, 32, ..., 1 (multiples of 16 on tensor cores)
-    that divides block and whose tiles fit SHARED_BYTES."""
-    s = _tile_rows(kernel, block, hd, acc, tc)
+    that divides block and whose tiles fit `limit` bytes of shared memory (the launcher gives
+    the device's `shared_limit`)."""
+    s = _tile_rows(kernel, block, hd, acc, tc, limit)
     if s is None:
         raise ValueError(f"flash attention: heads of size {hd} do not fit a {kernel} tile in "
-                         f"{SHARED_BYTES} bytes of shared memory")
+                         f"{limit} bytes of shared memory")
     return s
 
 
 @functools.cache
-def _tile_rows(kernel: str, block: int, hd: int, acc, tc: bool) -> int | None:
+def _tile_rows(kernel: str, block: int, hd: int, acc, tc: bool, limit: int) -> int | None:
     for s in (64, 32, 16) if tc else (64, 32, 16, 8, 4, 2, 1):
-        if block % s == 0 and _shared_bytes(kernel, s, hd, acc, tc) <= SHARED_BYTES:
+        if block % s == 0 and _shared_bytes(kernel, s, hd, acc, tc) <= limit:
             return s
     return None
 
@@ -317,20 +332,15 @@ def _shared_bytes(kernel: str, s: int, hd: int, acc, tc: bool = False) -> int:
 @functools.cache
 def _function(kernel: str, t: str, acc: str):
     """`kernel` of the module compiled for C types (t, acc), the tensor-core one for the
-    flash_tc_ kernels: one module per pair and kind."""
-    return _module(t, acc, kernel.startswith("flash_tc_")).get_function(kernel)
+    flash_tc_ kernels: one module per pair and kind (zmpi.kernels._modules)."""
+    return kernels._modules(t, acc, families(kernel.startswith("flash_tc_"))).get_function(kernel)
 
 
-@functools.cache
-def _module(t: str, acc: str, tc: bool):
-    return backend.xp.RawModule(code=module_source(tc), options=kernels.compile_options(t, acc))
-
-
-def module_source(tc: bool) -> str:
-    """The CUDA source of a module: SOURCE + FLASH_SOURCE, + FLASH_TC_SOURCE for the
-    tensor-core kernels (16-bit T only), a module of its own so that the SIMT kernels run
-    where <mma.h> does not compile."""
-    return SOURCE + FLASH_SOURCE + (FLASH_TC_SOURCE if tc else "")
+def families(tc: bool) -> tuple[str, ...]:
+    """The .cu files of a flash module after common.cuh: the fused ops', flash.cu, and
+    flash_tc.cu for the tensor-core kernels (16-bit T only), a module of its own so that the SIMT
+    kernels run where <mma.h> does not compile."""
+    return (*FAMILIES, FLASH, *((FLASH_TC,) if tc else ()))
 
 
 def _launch(kernel: str, qkv, layout: Layout, n_head: int, args):
@@ -341,16 +351,19 @@ def _launch(kernel: str, qkv, layout: Layout, n_head: int, args):
     hd = C3 // 3 // n_head
     acc = kernels.acc_dtype(qkv.dtype)
     tc = tensor_cores(qkv.dtype, hd, layout.block)
-    s = tile_rows(kernel, layout.block, hd, acc, tc)
+    s = tile_rows(kernel, layout.block, hd, acc, tc, shared_limit())
     grid = (layout.nb * layout.block // s, B * n_head)
     if 0 in grid or T == 0:
         return
     name = kernel.replace("flash_", "flash_tc_") if tc else kernel
     function = _function(name, kernels._C_TYPES[np.dtype(qkv.dtype)], kernels._C_TYPES[acc])
+    shared = _shared_bytes(kernel, s, hd, acc, tc)
+    if shared > SHARED_BYTES and function.max_dynamic_shared_size_bytes < shared:
+        function.max_dynamic_shared_size_bytes = shared  # the opt-in, once per kernel and size
     function(grid, (2 * s if tc else kernels.THREADS,),  # tensor cores: a warp per 16 rows
              (*args, np.int32(T), np.int32(n_head), np.int32(hd), np.int32(layout.block),
               np.int32(layout.heads), np.int32(s), acc.type(1.0 / math.sqrt(hd))),
-             shared_mem=_shared_bytes(kernel, s, hd, acc, tc))
+             shared_mem=shared)
 
 
 def cuda_flash_forward(qkv, layout: Layout, n_head: int):

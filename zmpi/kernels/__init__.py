@@ -8,8 +8,8 @@
 A fused op is a pair: its *twin*, a function on arrays of either module (zmpi.nn.functional
 writes them; it is also the "composed" implementation: on CuPy each array operation in it is a
 kernel launch of its own), and its CUDA launcher here, which does the same arithmetic in one
-or two hand-written kernels (`SOURCE`, compiled by CuPy's RawModule on first use, per dtype).
-Which runs:
+or two hand-written kernels (this package's .cu files, one per op family, compiled by CuPy's
+RawModule on first use, per dtype: zmpi.kernels.source). `OPS` names every pair. Which runs:
 
     arrays                 mode "fused" (default)                 mode "composed"
     NumPy (a CPU run)      the twin                               the twin
@@ -20,8 +20,9 @@ Which runs:
 So the CPU and the stand-in run every fused op's twin, tests check the twins against the
 composed path and against float64 finite differences, and the GPU-marked tests check each CUDA
 launcher against its twin on a GPU. The kernels accumulate in float32 (float64 for float64
-arrays), read and write float16/bfloat16/float32/float64, and are compiled without FMA
-contraction (--fmad=false) so that their roundings follow the twins' operation by operation.
+arrays), read and write float16/bfloat16/float32/float64, and are compiled as NVRTC compiles
+by default, multiply-adds contracted into FMAs: their results agree with the twins' within
+rounding (a test compiles with --fmad=false where bit-matching them is the point).
 Activations keep their dtype through them: float16 (or bfloat16) in, the same out, float32
 only in registers (and in what a backward reuses at full precision: LayerNorm's x-hat and
 1/std, GELU's tanh, the loss's log-sum-exp).
@@ -31,17 +32,69 @@ float16 and bfloat16 on tensor cores with float32 accumulation, where CuPy's own
 float16 to float32 and the product back, has no batched bfloat16 product at all (CuPy 14.2:
 cupy/cupy#10317), and copies operands that are not contiguous.
 
-This module and zmpi.cuda_source (the kernels' C++) are the only ones with CUDA; zmpi.backend
-is the only one that knows which array module runs.
+The package (zmpi.kernels: this module, .source, .flash_attention, .host and the .cu files) is
+the only place with CUDA or compiled loops; zmpi.backend is the only module that knows which
+array module runs.
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
 from zmpi import backend
-from zmpi.cuda_source import SOURCE
+from zmpi.kernels.source import FAMILIES, compile_options, module_source
+
+
+class Op(NamedTuple):
+    """A fused op: the .cu files (zmpi/kernels/) holding its kernels, those kernels, and its
+    CUDA launcher and NumPy twin as "module:function"."""
+    files: tuple[str, ...]
+    kernels: tuple[str, ...]
+    launcher: str
+    twin: str
+
+
+_NN, _LAUNCH, _FLASH = "zmpi.nn.functional:", "zmpi.kernels:", "zmpi.kernels.flash_attention:"
+# Every fused op with CUDA of its own, in one place (tests/test_kernels_compile.py holds it to
+# the .cu files' kernels and to the kernels.fused pairs the modules make); `matmul` is cuBLAS's.
+OPS = {
+    "layernorm_forward": Op(("layernorm.cu",), ("layernorm_forward",),
+                            _LAUNCH + "cuda_layernorm_forward",
+                            _NN + "_layernorm_forward_twin"),
+    "layernorm_backward": Op(("layernorm.cu",),
+                             ("layernorm_backward", "column_sums", "column_sums_total"),
+                             _LAUNCH + "cuda_layernorm_backward",
+                             _NN + "_layernorm_backward_twin"),
+    "gelu_forward": Op(("gelu.cu",), ("gelu_forward",), _LAUNCH + "cuda_gelu_forward",
+                       _NN + "_gelu_forward_twin"),
+    "gelu_backward": Op(("gelu.cu",), ("gelu_backward",), _LAUNCH + "cuda_gelu_backward",
+                        _NN + "_gelu_backward_twin"),
+    "causal_softmax": Op(("softmax_loss.cu",), ("causal_softmax",),
+                         _LAUNCH + "cuda_causal_softmax",
+                         "zmpi.nn.attention:_causal_softmax_twin"),
+    "softmax_backward": Op(("softmax_loss.cu",), ("softmax_backward",),
+                           _LAUNCH + "cuda_softmax_backward",
+                           "zmpi.nn.attention:_softmax_backward_twin"),
+    "cross_entropy_rows": Op(("softmax_loss.cu",), ("cross_entropy_forward",),
+                             _LAUNCH + "cuda_cross_entropy_rows",
+                             _NN + "_cross_entropy_rows_twin"),
+    "cross_entropy_grad": Op(("softmax_loss.cu",), ("cross_entropy_backward",),
+                             _LAUNCH + "cuda_cross_entropy_grad",
+                             _NN + "_cross_entropy_grad_twin"),
+    "adam": Op(("adam.cu",), ("adam",), _LAUNCH + "cuda_adam", "zmpi.optim.adam:_adam_twin"),
+    "sum_of_squares": Op(("adam.cu",), ("sum_of_squares",), _LAUNCH + "cuda_sum_of_squares",
+                         "zmpi.optim.adam:_sum_of_squares_twin"),
+    "bias_grad": Op(("bias_grad.cu",), ("bias_grad",), _LAUNCH + "cuda_bias_grad",
+                    _NN + "_bias_grad_twin"),
+    "flash_forward": Op(("flash.cu", "flash_tc.cu"), ("flash_forward", "flash_tc_forward"),
+                        _FLASH + "cuda_flash_forward", _FLASH + "_forward_twin"),
+    "flash_backward": Op(("flash.cu", "flash_tc.cu"),
+                         ("flash_backward_dq", "flash_backward_dkv", "flash_tc_backward_dq",
+                          "flash_tc_backward_dkv"),
+                         _FLASH + "cuda_flash_backward", _FLASH + "_backward_twin"),
+}
 
 MODES = ("fused", "composed")
 _mode = ["fused"]
@@ -66,7 +119,7 @@ def fused(twin, cuda, in_place: bool = False, launches: int = 1):
     not: the kernels index rows and columns of contiguous arrays). in_place: the op updates
     its arguments, which must then be C-contiguous already (ValueError: a copy would be
     updated instead). launches: the GPU operations `cuda` runs (what the stand-in counts for
-    the twin)."""
+    the twin). The op keeps its pair as `op.__wrapped__` (the twin) and `op.launcher`."""
 
     @functools.wraps(twin)
     def op(*args):
@@ -83,6 +136,7 @@ def fused(twin, cuda, in_place: bool = False, launches: int = 1):
             return launch_twin(twin, *args, launches=launches)
         return cuda(*args)
 
+    op.launcher = cuda
     return op
 
 
@@ -129,7 +183,7 @@ def _matmul_twin(a, b, out):
     return out
 
 
-# -- compiling and launching SOURCE (zmpi/cuda_source.py) -------------------------------------
+# -- compiling and launching the op families' .cu files (zmpi.kernels.source) ----------------
 
 _C_TYPES = {np.dtype(np.float16): "__half", backend.BFLOAT16: "__nv_bfloat16",
             np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
@@ -153,13 +207,10 @@ def _function(name: str, dtype: np.dtype, acc: np.dtype):
 
 
 @functools.cache
-def _modules(t: str, acc: str):
-    return backend.xp.RawModule(code=SOURCE, options=compile_options(t, acc))
-
-
-def compile_options(t: str, acc: str) -> tuple[str, ...]:
-    """NVRTC options of the module for C types t and acc (tests compile SOURCE with them)."""
-    return ("--std=c++14", "--fmad=false", f"-DZMPI_T={t}", f"-DZMPI_ACC={acc}")
+def _modules(t: str, acc: str, families: tuple[str, ...] = FAMILIES):
+    """The module of `families` (.cu files after common.cuh) for C types (t, acc), compiled by
+    CuPy's RawModule with `compile_options`: one per (t, acc, families), on first use."""
+    return backend.xp.RawModule(code=module_source(families), options=compile_options(t, acc))
 
 
 def _launch(name, dtype, grid, args, acc=None):

@@ -1,32 +1,33 @@
-"""The CUDA C++ of zmpi.flash_attention on tensor cores: `FLASH_TC_SOURCE`, the same three
-kernels as zmpi.cuda_flash_source's (forward, backward of queries, backward of keys, with the
-same arguments, CSR layout walk, tile skips and masks) whose products run as warp matrix
-multiply-accumulates (nvcuda::wmma, m16n16k16: 16-bit inputs, float accumulation) for 16-bit
-T (__half, __nv_bfloat16; sm_80 and later: the kernels compile to nothing before). It is
-compiled after SOURCE and FLASH_SOURCE, in the same module, and uses their helpers.
-
-A block of S query (or key) rows, S a multiple of 16 dividing the layout's block
-(zmpi.flash_attention.tile_rows), runs S / 16 warps, each owning 16 rows. Per tile of S keys
-(or queries) the block loads the tiles it multiplies into shared memory as stored (16-bit, rows
-padded by 8 elements), each warp computes its 16 rows' scores with the MMA into float tiles,
-applies the scale 1 / sqrt(hd), the causal mask and the softmax on them in float (two lanes a
-row), rounds the probabilities (and, backward, ds) to T and multiplies them by the next
-operand with the MMA again. Outputs accumulate in float in shared memory: the forward's o
-rescaled by exp(m_old - m_new) row by row (a fragment's rows are opaque), dq, dk and dv summed.
-What differs from the SIMT kernels' arithmetic: q is not scaled before the product (the
-scores are), and p and ds are rounded to T before their products (FlashAttention's choice):
-results agree with the twin within T's rounding.
-
-Tiles (T elements; float elements), carved in this order, with the leading dimensions of
-TcLeadingDims ld: ld.hd = hd + 8, ld.p = S + 8, ld.s = max(S, hd) + 4, ld.o = hd + 4, every
-tile 32-byte aligned as the MMA's loads and stores require:
-    forward   sQ sK sV (S, ld.hd); sP (S, ld.p); sS (S, ld.s); sO (S, ld.o); m, l, alpha (S)
-    dq        sQ sDY sK sV (S, ld.hd); sP (S, ld.p); sS sT (S, ld.s); sDQ (S, ld.o); lse, delta (S)
-    dkv       sK sV sQ sDY (S, ld.hd); sP sDS (S, ld.p); sS sT (S, ld.s); sDK sDV (S, ld.o);
-              lse, delta (S)
-"""
-
-FLASH_TC_SOURCE = r"""
+// The CUDA C++ of zmpi.kernels.flash_attention on tensor cores: the same three
+// kernels as flash.cu's (forward, backward of queries, backward of keys, with the
+// same arguments, CSR layout walk, tile skips and masks) whose products run as warp matrix
+// multiply-accumulates (nvcuda::wmma, m16n16k16: 16-bit inputs, float accumulation) for 16-bit
+// T (__half, __nv_bfloat16; sm_80 and later: the kernels compile to nothing before). It is
+// compiled after flash.cu and what precedes it, in a module of its own, and uses their helpers.
+//
+// A block of S query (or key) rows, S a multiple of 16 dividing the layout's block
+// (flash_attention.tile_rows), runs S / 16 warps, each owning 16 rows. Per tile of S keys (or
+// queries) the block loads the tiles it multiplies into shared memory as stored (16-bit, rows
+// padded by 8 elements; by cp.async into one of two buffers while it works on the other:
+// tc_pipelined_tiles), each warp computes its 16 rows' scores with the MMA into float tiles,
+// applies the scale 1 / sqrt(hd), the causal mask and the softmax on them in float (two lanes a
+// row), rounds the probabilities (and, backward, ds) to T and multiplies them by the next
+// operand with the MMA again. Outputs accumulate in float in shared memory: the forward's o
+// rescaled by exp(m_old - m_new) row by row (a fragment's rows are opaque), dq, dk and dv summed.
+// What differs from the SIMT kernels' arithmetic: q is not scaled before the product (the
+// scores are), and p and ds are rounded to T before their products (FlashAttention's choice):
+// results agree with the twin within T's rounding.
+//
+// Tiles (T elements; float elements), carved in this order, with the leading dimensions of
+// TcLeadingDims ld: ld.hd = hd + 8, ld.p = S + 8, ld.s = max(S, hd) + 4, ld.o = hd + 4, every
+// tile 32-byte aligned as the MMA's loads and stores require:
+//     forward   sQ, k and v twice (S, ld.hd); sP (S, ld.p); sS (S, ld.s); sO (S, ld.o);
+//               m, l, alpha (S)
+//     dq        sQ sDY, k and v twice (S, ld.hd); sP (S, ld.p); sS sT (S, ld.s); sDQ (S, ld.o);
+//               lse, delta (S)
+//     dkv       sK sV, q and dy twice (S, ld.hd); sP sDS (S, ld.p); sS sT (S, ld.s); sDK sDV
+//               (S, ld.o); lse and delta twice (S)
+#include <cuda_pipeline_primitives.h>
 #include <mma.h>
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 
@@ -79,13 +80,23 @@ __device__ void tc_product(const T* a, const int lda, const T* b, const int ldb,
 // padded past its width (against shared-memory bank conflicts) to a multiple of 16 bytes, as
 // wmma's loads and stores require. hd: T tiles of a head's hd columns (q, k, v, dy); p: T
 // tiles of S columns (p, ds); s: float tiles of products of either width (scores, p v); o:
-// float sums of hd columns (o, dq, dk, dv). zmpi.flash_attention._shared_bytes counts the same.
+// float sums of hd columns (o, dq, dk, dv). flash_attention._shared_bytes counts the same.
 struct TcLeadingDims {
     int hd, p, s, o;
     __device__ TcLeadingDims(const int S, const int head_size)
         : hd(head_size + 8), p(S + 8), s((S > head_size ? S : head_size) + 4),
           o(head_size + 4) {}
 };
+
+// The column a softmax lane takes at its step j (j = its half, half + 2, ...: two lanes a row,
+// lane l on row l / 2 of the warp's 16): column j, two columns on for rows 8-15 (lanes 16-31),
+// wrapping within the S columns (S is 16, 32 or 64). A float row of the scores is ld.s words,
+// 4 or 20 modulo 32 banks, so rows i and i + 8 would read the same bank at every step (2-way
+// conflicts); shifted by two they take the 32 banks once. The 16-bit stores of p and ds (rows
+// of S / 2 + 4 words, two lanes a word) are conflict-free the same way.
+__device__ __forceinline__ int tc_column(const int j, const int lane, const int S) {
+    return (j + ((lane >> 4) << 1)) & (S - 1);
+}
 
 // rows [r0, r0 + S) of one head's q, k, v or dy (`src` at its first column, rows `stride`
 // apart) into tile (S, ld) of T as stored; zeros past seq
@@ -98,8 +109,68 @@ __device__ void tc_load(const T* src, const long long stride, const int r0, cons
     }
 }
 
+// tc_load by asynchronous 16-byte copies (cp.async: in flight until __pipeline_wait_prior; the
+// rows past seq zero-filled). hd is a multiple of 16, so a row's copies stay 16-byte aligned
+// when `src` and the row stride are; where they are not, tc_load copies now.
+__device__ void tc_load_async(const T* src, const long long stride, const int r0, const int seq,
+                              const int S, const int hd, const int ld, T* tile) {
+    if (reinterpret_cast<size_t>(src) % 16 || stride * sizeof(T) % 16) {
+        tc_load(src, stride, r0, seq, S, hd, ld, tile);
+        return;
+    }
+    const int chunks = hd * (int)sizeof(T) / 16;  // of a row
+    const int per = 16 / (int)sizeof(T);  // elements a chunk
+    for (int e = threadIdx.x; e < S * chunks; e += blockDim.x) {
+        const int r = e / chunks, d = e % chunks * per;
+        const bool inside = r0 + r < seq;  // else 16 bytes of zeros, nothing read
+        __pipeline_memcpy_async(tile + r * ld + d, inside ? src + (r0 + r) * stride + d : src,
+                                16, inside ? 0 : 16);
+    }
+}
+
+// Advance (n, r0) to the next tile of S rows that a block visits: the tiles of the layout
+// blocks list[n], n < end, in order, those where keep(r0) holds; false when none is left.
+// r0 = -1 starts at block n's first tile.
+template <typename Keep>
+__device__ bool tc_next_tile(const int* list, const int end, const int block, const int S,
+                             Keep keep, int& n, int& r0) {
+    for (; n < end; ++n, r0 = -1)
+        for (r0 = r0 < 0 ? list[n] * block : r0 + S; r0 < (list[n] + 1) * block; r0 += S)
+            if (keep(r0)) return true;
+    return false;
+}
+
+// body(r0, buf) for every tile r0 that tc_next_tile(list from begin, keep) gives, after
+// load(r0, buf) has put what the tile needs in shared memory buffer buf (0 or 1) by
+// asynchronous copies: the next tile's copies are in flight (into the other buffer) while
+// body works on this one (cp.async, double-buffered). Every thread of the block calls it;
+// body must not use __syncthreads (it runs between two).
+template <typename Keep, typename Load, typename Body>
+__device__ void tc_pipelined_tiles(const int* list, const int begin, const int end,
+                                   const int block, const int S, Keep keep, Load load,
+                                   Body body) {
+    int n = begin, r0 = -1, buf = 0;
+    bool have = tc_next_tile(list, end, block, S, keep, n, r0);
+    if (have) load(r0, 0);
+    __pipeline_commit();
+    while (have) {
+        int n_next = n, r_next = r0;
+        const bool more = tc_next_tile(list, end, block, S, keep, n_next, r_next);
+        if (more) load(r_next, buf ^ 1);  // the buffer the previous tile's readers are done with
+        __pipeline_commit();
+        __pipeline_wait_prior(1);  // this thread's copies of this tile have landed
+        __syncthreads();  // and every thread's
+        body(r0, buf);
+        __syncthreads();  // every reader of this buffer is done before it is loaded again
+        buf ^= 1;
+        n = n_next;
+        r0 = r_next;
+        have = more;
+    }
+}
+
 // y (B, seq, C) and lse (B nh, seq) for query rows q0 .. q0 + S of head h (grid (nb block / S,
-// B nh), S / 16 warps): FLASH_SOURCE's flash_forward, its products on tensor cores
+// B nh), S / 16 warps): flash.cu's flash_forward, its products on tensor cores
 extern "C" __global__ void flash_tc_forward(const T* qkv, const int* row_ptr, const int* cols,
                                             T* y, ACC* lse, const int seq, const int nh,
                                             const int hd, const int block,
@@ -111,8 +182,8 @@ extern "C" __global__ void flash_tc_forward(const T* qkv, const int* row_ptr, co
     const int q0 = head.r0, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     unsigned char* at = flash_smem;
     T* sQ = flash_carve<T>(at, S * ld.hd);
-    T* sK = flash_carve<T>(at, S * ld.hd);
-    T* sV = flash_carve<T>(at, S * ld.hd);
+    T* const kBuf[2] = {flash_carve<T>(at, S * ld.hd), flash_carve<T>(at, S * ld.hd)};
+    T* const vBuf[2] = {flash_carve<T>(at, S * ld.hd), flash_carve<T>(at, S * ld.hd)};
     T* sP = flash_carve<T>(at, S * ld.p);
     float* sS = flash_carve<float>(at, S * ld.s);
     float* sO = flash_carve<float>(at, S * ld.o);
@@ -130,17 +201,22 @@ extern "C" __global__ void flash_tc_forward(const T* qkv, const int* row_ptr, co
     float* s = sS + w0 * ld.s;
     int begin, end;
     flash_list(row_ptr, head.h, layout_heads, head.nb, q0 / block, &begin, &end);
-    for (int n = begin; n < end; ++n) {
-        for (int k0 = cols[n] * block; k0 < (cols[n] + 1) * block; k0 += S) {
-            if (k0 > q0 + S - 1 || k0 >= seq) continue;  // every key after every query
-            __syncthreads();  // the previous tile's readers are done
-            tc_load(head.k, head.stride, k0, seq, S, hd, ld.hd, sK);
-            tc_load(head.v, head.stride, k0, seq, S, hd, ld.hd, sV);
-            __syncthreads();
+    __syncthreads();  // sQ, sO, sM, sL written
+    tc_pipelined_tiles(
+        cols, begin, end, block, S,
+        [&](const int k0) { return k0 <= q0 + S - 1 && k0 < seq; },  // a key before a query
+        [&](const int k0, const int buf) {
+            tc_load_async(head.k, head.stride, k0, seq, S, hd, ld.hd, kBuf[buf]);
+            tc_load_async(head.v, head.stride, k0, seq, S, hd, ld.hd, vBuf[buf]);
+        },
+        [&](const int k0, const int buf) {
+            const T* sK = kBuf[buf];
+            const T* sV = vBuf[buf];
             tc_product<true>(sQ + w0 * ld.hd, ld.hd, sK, ld.hd, hd, S / 16, s, ld.s, false);
             __syncwarp();
             float mx = neg_inf(0.0f);
-            for (int c = half; c < S; c += 2) {
+            for (int j = half; j < S; j += 2) {
+                const int c = tc_column(j, lane, S);
                 const bool kept = k0 + c <= q0 + r && k0 + c < seq;
                 const float v = kept ? s[(r - w0) * ld.s + c] * scale : neg_inf(0.0f);
                 s[(r - w0) * ld.s + c] = v;
@@ -150,7 +226,8 @@ extern "C" __global__ void flash_tc_forward(const T* qkv, const int* row_ptr, co
             mx = other > mx ? other : mx;
             float m_old, m_new, m_use, sum = 0;
             flash_new_max(sM, r, mx, &m_old, &m_new, &m_use);
-            for (int c = half; c < S; c += 2) {
+            for (int j = half; j < S; j += 2) {
+                const int c = tc_column(j, lane, S);
                 const float p = acc_exp(s[(r - w0) * ld.s + c] - m_use);
                 store(sP + r * ld.p + c, p);
                 sum += p;
@@ -165,13 +242,11 @@ extern "C" __global__ void flash_tc_forward(const T* qkv, const int* row_ptr, co
                 const int i = e / hd, d = e % hd;
                 sO[(w0 + i) * ld.o + d] = sO[(w0 + i) * ld.o + d] * sA[w0 + i] + s[i * ld.s + d];
             }
-        }
-    }
-    __syncthreads();
+        });
     flash_store_output(y + head.at_y, lse, sO, ld.o, sM, sL, head.bh, q0, seq, S, hd, head.C);
 }
 
-// FLASH_SOURCE's flash_backward_dq on tensor cores: delta = rowsum(dy y) for rows q0 .. q0 + S
+// flash.cu's flash_backward_dq on tensor cores: delta = rowsum(dy y) for rows q0 .. q0 + S
 // and dq = scale sum ds k, ds = p (dy v^T - delta) rounded to T, p = exp(s - lse)
 extern "C" __global__ void flash_tc_backward_dq(const T* qkv, const T* y, const T* dy,
                                                 const ACC* lse, const int* row_ptr,
@@ -186,8 +261,8 @@ extern "C" __global__ void flash_tc_backward_dq(const T* qkv, const T* y, const 
     unsigned char* at = flash_smem;
     T* sQ = flash_carve<T>(at, S * ld.hd);
     T* sDY = flash_carve<T>(at, S * ld.hd);
-    T* sK = flash_carve<T>(at, S * ld.hd);
-    T* sV = flash_carve<T>(at, S * ld.hd);
+    T* const kBuf[2] = {flash_carve<T>(at, S * ld.hd), flash_carve<T>(at, S * ld.hd)};
+    T* const vBuf[2] = {flash_carve<T>(at, S * ld.hd), flash_carve<T>(at, S * ld.hd)};
     T* sP = flash_carve<T>(at, S * ld.p);  // ds
     float* sS = flash_carve<float>(at, S * ld.s);  // scores
     float* sT = flash_carve<float>(at, S * ld.s);  // dy v^T
@@ -204,17 +279,22 @@ extern "C" __global__ void flash_tc_backward_dq(const T* qkv, const T* y, const 
     float* t = sT + w0 * ld.s;
     int begin, end;
     flash_list(row_ptr, head.h, layout_heads, head.nb, q0 / block, &begin, &end);
-    for (int n = begin; n < end; ++n) {
-        for (int k0 = cols[n] * block; k0 < (cols[n] + 1) * block; k0 += S) {
-            if (k0 > q0 + S - 1 || k0 >= seq) continue;  // every key after every query
-            __syncthreads();
-            tc_load(head.k, head.stride, k0, seq, S, hd, ld.hd, sK);
-            tc_load(head.v, head.stride, k0, seq, S, hd, ld.hd, sV);
-            __syncthreads();
+    __syncthreads();  // sQ, sDY, sDQ, sLse, sD written
+    tc_pipelined_tiles(
+        cols, begin, end, block, S,
+        [&](const int k0) { return k0 <= q0 + S - 1 && k0 < seq; },  // a key before a query
+        [&](const int k0, const int buf) {
+            tc_load_async(head.k, head.stride, k0, seq, S, hd, ld.hd, kBuf[buf]);
+            tc_load_async(head.v, head.stride, k0, seq, S, hd, ld.hd, vBuf[buf]);
+        },
+        [&](const int k0, const int buf) {
+            const T* sK = kBuf[buf];
+            const T* sV = vBuf[buf];
             tc_product<true>(sQ + w0 * ld.hd, ld.hd, sK, ld.hd, hd, S / 16, s, ld.s, false);
             tc_product<true>(sDY + w0 * ld.hd, ld.hd, sV, ld.hd, hd, S / 16, t, ld.s, false);
             __syncwarp();
-            for (int c = half; c < S; c += 2) {
+            for (int j = half; j < S; j += 2) {
+                const int c = tc_column(j, lane, S);
                 const bool kept = k0 + c <= q0 + r && k0 + c < seq && q0 + r < seq;
                 const float p = kept ? acc_exp(s[(r - w0) * ld.s + c] * scale - sLse[r]) : 0.0f;
                 store(sP + r * ld.p + c, p * (t[(r - w0) * ld.s + c] - sD[r]));
@@ -222,13 +302,11 @@ extern "C" __global__ void flash_tc_backward_dq(const T* qkv, const T* y, const 
             __syncwarp();
             tc_product<false>(sP + w0 * ld.p, ld.p, sK, ld.hd, S, hd / 16, sDQ + w0 * ld.o, ld.o,
                               true);
-        }
-    }
-    __syncthreads();
+        });
     flash_store_rows(dqkv + head.at_qkv, head.stride, q0, seq, S, hd, sDQ, ld.o, scale);
 }
 
-// FLASH_SOURCE's flash_backward_dkv on tensor cores: for key rows k0 .. k0 + S, over the query
+// flash.cu's flash_backward_dkv on tensor cores: for key rows k0 .. k0 + S, over the query
 // blocks that keep their block, dv = sum p^T dy and dk = scale sum ds^T q, p and ds rounded
 // to T; each warp's 16 keys against S queries at a time
 extern "C" __global__ void flash_tc_backward_dkv(const T* qkv, const T* dy, const ACC* lse,
@@ -244,16 +322,16 @@ extern "C" __global__ void flash_tc_backward_dkv(const T* qkv, const T* dy, cons
     unsigned char* at = flash_smem;
     T* sK = flash_carve<T>(at, S * ld.hd);
     T* sV = flash_carve<T>(at, S * ld.hd);
-    T* sQ = flash_carve<T>(at, S * ld.hd);
-    T* sDY = flash_carve<T>(at, S * ld.hd);
+    T* const qBuf[2] = {flash_carve<T>(at, S * ld.hd), flash_carve<T>(at, S * ld.hd)};
+    T* const dyBuf[2] = {flash_carve<T>(at, S * ld.hd), flash_carve<T>(at, S * ld.hd)};
     T* sP = flash_carve<T>(at, S * ld.p);  // p^T (keys, queries)
     T* sDS = flash_carve<T>(at, S * ld.p);  // ds^T
     float* sS = flash_carve<float>(at, S * ld.s);  // k q^T
     float* sT = flash_carve<float>(at, S * ld.s);  // v dy^T
     float* sDK = flash_carve<float>(at, S * ld.o);
     float* sDV = flash_carve<float>(at, S * ld.o);
-    float* sLse = flash_carve<float>(at, S);
-    float* sD = flash_carve<float>(at, S);
+    float* const lseBuf[2] = {flash_carve<float>(at, S), flash_carve<float>(at, S)};
+    float* const deltaBuf[2] = {flash_carve<float>(at, S), flash_carve<float>(at, S)};
     tc_load(head.k, head.stride, k0, seq, S, hd, ld.hd, sK);
     tc_load(head.v, head.stride, k0, seq, S, hd, ld.hd, sV);
     for (int e = threadIdx.x; e < S * ld.o; e += blockDim.x) {
@@ -265,21 +343,34 @@ extern "C" __global__ void flash_tc_backward_dkv(const T* qkv, const T* dy, cons
     float* t = sT + w0 * ld.s;
     int begin, end;
     flash_list(col_ptr, head.h, layout_heads, head.nb, k0 / block, &begin, &end);
-    for (int n = begin; n < end; ++n) {
-        for (int q0 = rows[n] * block; q0 < (rows[n] + 1) * block; q0 += S) {
-            if (q0 + S - 1 < k0 || q0 >= seq || k0 >= seq) continue;  // every query first
-            __syncthreads();
-            tc_load(head.q, head.stride, q0, seq, S, hd, ld.hd, sQ);
-            tc_load(dy + head.at_y, head.C, q0, seq, S, hd, ld.hd, sDY);
-            for (int i = threadIdx.x; i < S; i += blockDim.x) {
-                sLse[i] = q0 + i < seq ? lse[(long long)head.bh * seq + q0 + i] : 0.0f;
-                sD[i] = q0 + i < seq ? delta[(long long)head.bh * seq + q0 + i] : 0.0f;
+    __syncthreads();  // sK, sV, sDK, sDV written
+    const ACC* lse_h = lse + (long long)head.bh * seq;
+    const ACC* delta_h = delta + (long long)head.bh * seq;
+    tc_pipelined_tiles(
+        rows, begin, end, block, S,
+        // a query at or after a key
+        [&](const int q0) { return q0 + S - 1 >= k0 && q0 < seq && k0 < seq; },
+        [&](const int q0, const int buf) {
+            tc_load_async(head.q, head.stride, q0, seq, S, hd, ld.hd, qBuf[buf]);
+            tc_load_async(dy + head.at_y, head.C, q0, seq, S, hd, ld.hd, dyBuf[buf]);
+            for (int i = threadIdx.x; i < S; i += blockDim.x) {  // 0 past seq
+                const bool inside = q0 + i < seq;
+                __pipeline_memcpy_async(lseBuf[buf] + i, inside ? lse_h + q0 + i : lse_h, 4,
+                                        inside ? 0 : 4);
+                __pipeline_memcpy_async(deltaBuf[buf] + i, inside ? delta_h + q0 + i : delta_h,
+                                        4, inside ? 0 : 4);
             }
-            __syncthreads();
+        },
+        [&](const int q0, const int buf) {
+            const T* sQ = qBuf[buf];
+            const T* sDY = dyBuf[buf];
+            const float* sLse = lseBuf[buf];
+            const float* sD = deltaBuf[buf];
             tc_product<true>(sK + w0 * ld.hd, ld.hd, sQ, ld.hd, hd, S / 16, s, ld.s, false);
             tc_product<true>(sV + w0 * ld.hd, ld.hd, sDY, ld.hd, hd, S / 16, t, ld.s, false);
             __syncwarp();
-            for (int c = half; c < S; c += 2) {  // c: a query column
+            for (int j = half; j < S; j += 2) {
+                const int c = tc_column(j, lane, S);  // a query column
                 const bool kept = k0 + r <= q0 + c && k0 + r < seq && q0 + c < seq;
                 const float p = kept ? acc_exp(s[(r - w0) * ld.s + c] * scale - sLse[c]) : 0.0f;
                 store(sP + r * ld.p + c, p);
@@ -290,12 +381,9 @@ extern "C" __global__ void flash_tc_backward_dkv(const T* qkv, const T* dy, cons
                               true);
             tc_product<false>(sDS + w0 * ld.p, ld.p, sQ, ld.hd, S, hd / 16, sDK + w0 * ld.o, ld.o,
                               true);
-        }
-    }
-    __syncthreads();
+        });
     T* dhead = dqkv + head.at_qkv;  // the head in dqkv: dk C after, dv 2C after
     flash_store_rows(dhead + head.C, head.stride, k0, seq, S, hd, sDK, ld.o, scale);
     flash_store_rows(dhead + 2 * head.C, head.stride, k0, seq, S, hd, sDV, ld.o, 1.0f);
 }
 #endif
-"""

@@ -1,26 +1,24 @@
-"""The CUDA C++ of zmpi.flash_attention: `FLASH_SOURCE`, fused flash-style causal attention over
-a block layout (dense causal attention is the lower-triangular layout), forward and backward.
-It is compiled after zmpi.cuda_source.SOURCE, in the same module, and uses its helpers (T, ACC,
-to_acc, store, acc_exp, acc_log, neg_inf, warp_reduce); tests/test_kernels_compile.py compiles
-`SOURCE + FLASH_SOURCE` with NVRTC for every dtype.
-
-SIMT kernels (no tensor cores): one block of threads per (tile of S query or key rows, batch x
-head), S a divisor of the layout's block chosen by the launcher so that the tiles fit in 48 KiB
-of dynamic shared memory (zmpi.flash_attention.tile_rows). Tiles are held in ACC, rows padded
-to hd + 1 elements (no bank conflicts between rows). The layout is CSR on the device: for
-layout head l (l = 0 for every head when layout_heads is 1, else the head), row_ptr[l * (nb +
-1) + i] .. row_ptr[l * (nb + 1) + i + 1] index `cols`, the key blocks query block i keeps,
-ascending; the backward of keys reads the transpose (col_ptr, rows) the same way. Inside the
-kept blocks the mask is causal by token (key <= query) and keys at or past `seq` are masked
-(a ragged last block of a dense layout). No T x T matrix exists anywhere: scores live only as
-an S x S tile in shared memory.
-
-Layouts in global memory: qkv (B, seq, 3C) [q | k | v], head h's columns h hd .. (h + 1) hd of
-each third; y, dy (B, seq, C); dqkv (B, seq, 3C); lse, delta (B nh, seq) ACC. q is scaled by
-`scale` (1 / sqrt(hd)) as it is read, in ACC.
-"""
-
-FLASH_SOURCE = r"""
+// The CUDA C++ of zmpi.kernels.flash_attention: fused flash-style causal attention over a block
+// layout (dense causal attention is the lower-triangular layout), forward and backward; the
+// twins zmpi.kernels.flash_attention._forward_twin / _backward_twin (zmpi.kernels.OPS).
+// It is compiled after common.cuh and the other op families, in the same module, and uses
+// common.cuh's helpers (T, ACC, to_acc, store, acc_exp, acc_log, neg_inf, warp_reduce);
+// tests/test_kernels_compile.py compiles the module with NVRTC for every dtype.
+//
+// SIMT kernels (no tensor cores): one block of threads per (tile of S query or key rows, batch x
+// head), S a divisor of the layout's block chosen by the launcher so that the tiles fit in 48 KiB
+// of dynamic shared memory (flash_attention.tile_rows). Tiles are held in ACC, rows padded
+// to hd + 1 elements (no bank conflicts between rows). The layout is CSR on the device: for
+// layout head l (l = 0 for every head when layout_heads is 1, else the head), row_ptr[l * (nb +
+// 1) + i] .. row_ptr[l * (nb + 1) + i + 1] index `cols`, the key blocks query block i keeps,
+// ascending; the backward of keys reads the transpose (col_ptr, rows) the same way. Inside the
+// kept blocks the mask is causal by token (key <= query) and keys at or past `seq` are masked
+// (a ragged last block of a dense layout). No T x T matrix exists anywhere: scores live only as
+// an S x S tile in shared memory.
+//
+// Layouts in global memory: qkv (B, seq, 3C) [q | k | v], head h's columns h hd .. (h + 1) hd of
+// each third; y, dy (B, seq, C); dqkv (B, seq, 3C); lse, delta (B nh, seq) ACC. q is scaled by
+// `scale` (1 / sqrt(hd)) as it is read, in ACC.
 // The geometry of a flash kernel's block (SIMT and tensor-core alike), from its launch: grid x
 // walks the tiles of S rows, grid y the (batch, head) pairs b nh + h. Which head it is, the
 // first row of its tile (queries, or keys in the backward of keys), the layout's block count,
@@ -45,7 +43,7 @@ struct FlashHead {
 
 // A bump allocator over a kernel's dynamic shared memory: the tile of the next n elements of
 // E at `at`, which moves past it, so that a kernel's tiles lie one after another in the order
-// it carves them, as zmpi.flash_attention._shared_bytes counts them (no padding between).
+// it carves them, as flash_attention._shared_bytes counts them (no padding between).
 // `at` must be aligned for E (and 32 bytes for a wmma tile): the tile sizes before keep it so.
 template <typename E> __device__ __forceinline__ E* flash_carve(unsigned char*& at, const int n) {
     E* tile = reinterpret_cast<E*>(at);
@@ -335,4 +333,3 @@ extern "C" __global__ void flash_backward_dkv(const T* qkv, const T* dy, const A
     flash_store_rows(dhead + head.C, head.stride, k0, seq, S, hd, sDK, ld, (ACC)1);
     flash_store_rows(dhead + 2 * head.C, head.stride, k0, seq, S, hd, sDV, ld, (ACC)1);
 }
-"""

@@ -1,6 +1,6 @@
 """Compiled loops for host arrays (Numba, the optional `fast` extra), with NumPy fallbacks.
 
-    from zmpi import host_kernels
+    from zmpi.kernels import host as host_kernels
     y = host_kernels.astype(x, np.float32)     # x.astype(...), float16 <-> float32 compiled
     host_kernels.cast_(out, x)                 # out[...] = x, the same
     host_kernels.add_(dst, x)                  # dst += x, float16 compiled

@@ -1,0 +1,233 @@
+"""A GPT with mixture-of-experts blocks, trained by the engine at expert-parallel degree 1
+(docs/moe.md): the model's MoE blocks, the `moe` config section and its refusals, what the
+engine tells each layer, the parameter counts, the `zmpi train` flags and a checkpoint saved
+at dp 2 (stage 3) resumed at dp 1. Parity with one process under ZeRO 0-3 at every world size
+is in the shared suite (tests/test_zero.py, test_moe_gpt_trains_as_one_process)."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mpi_util import CLI, REPO_ROOT, launch_mpi
+
+from zmpi.config import Config, ConfigError, MoEConfig
+from zmpi.data import SyntheticSource
+from zmpi.engine import Engine
+from zmpi.models.gpt import GPT, GPTConfig, gpt_num_params, gpt_unit_numels
+from zmpi.nn.layers import MLP
+from zmpi.nn.moe import MoE
+
+SMALL = GPTConfig(vocab_size=16, seq_len=8, n_layer=3, n_head=2, d_model=16)
+SECTIONS = [  # the counting covers each kind of MoE block
+    {"num_experts": 4},
+    {"num_experts": 4, "k": 2, "moe_layer_interval": 2},
+    {"num_experts": [2, 8], "layers": [2, 0], "use_residual": True},  # block 2: 2, block 0: 8
+    {"num_experts": 3, "layers": [1], "num_shared_experts": 2},
+]
+
+
+def _engine_config(section=None, **extra):
+    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW",
+                                                               "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 0}, **extra}
+    if section is not None:
+        cfg["moe"] = section
+    return cfg
+
+
+@pytest.mark.parametrize("section", SECTIONS, ids=range(len(SECTIONS)))
+def test_moe_blocks_where_the_section_says_with_their_counts(section):
+    """MoE blocks replace the MLP of the blocks named (every interval-th, or the list), each
+    with its own expert count and random stream; the parameter count of gpt_num_params (and
+    per unit) is what the model holds, and what the engine's layout and ledger hold."""
+    model = GPT(SMALL, moe=section)
+    layers = MoEConfig.from_dict(section).layer_experts(SMALL.n_layer)
+    for i, block in enumerate(model.units[1:-1]):
+        if i in layers:
+            assert isinstance(block.mlp, MoE) and block.mlp.router.num_experts == layers[i]
+        else:
+            assert isinstance(block.mlp, MLP)
+    assert [layer.router.seed for layer in model.moe_layers()] == sorted(layers)
+    if "layers" in section and isinstance(section["num_experts"], list):
+        assert layers == dict(zip(section["layers"], section["num_experts"], strict=True))
+    held = [sum(p.data.size for _, p in unit.named_parameters()) for unit in model.units]
+    assert held == gpt_unit_numels(3, 16, 16, 8, moe=section)
+    engine = Engine(model, _engine_config(section))
+    assert engine.num_params == sum(held) == gpt_num_params(3, 16, 16, 8, moe=section)
+    assert engine.memory.current("param", "device") == 4 * sum(held)  # fp32, stage 0
+
+
+def test_a_dense_gpt_is_unchanged():
+    """moe None or an empty section builds the dense GPT, parameter for parameter."""
+    dense = dict(GPT(SMALL).named_parameters())
+    for moe in (None, {}):
+        built = dict(GPT(SMALL, moe=moe).named_parameters())
+        assert sorted(built) == sorted(dense)
+        assert all(np.array_equal(built[k].data, dense[k].data) for k in dense)
+        assert GPT(SMALL, moe=moe).moe_layers() == []
+
+
+BAD = [  # (moe section, other config keys, the one line)
+    ({"k": 2}, {}, "moe.k: acts on MoE layers: give moe.num_experts too"),
+    ({"num_experts": 0}, {}, "moe.num_experts: must be an integer >= 1"),
+    ({"num_experts": [4, 0]}, {}, "moe.num_experts: must be an integer >= 1"),
+    ({"num_experts": 4, "ep_size": 2}, {}, "moe.ep_size: 2: expert parallelism is not built "
+     "into the engine yet"),
+    ({"num_experts": 4, "k": 5}, {}, "moe.k: 5 experts per token, but a layer has only 4"),
+    ({"num_experts": 4, "noisy_gate_policy": "Gumbel"}, {}, "moe.noisy_gate_policy: 'Gumbel'"),
+    ({"num_experts": 4, "capacity_factor": 0}, {}, "moe.capacity_factor: must be > 0"),
+    ({"num_experts": 4, "min_capacity": -1}, {}, "moe.min_capacity: must be >= 0"),
+    ({"num_experts": 4, "aux_loss_coef": -0.1}, {}, "moe.aux_loss_coef: must be >= 0"),
+    ({"num_experts": 4, "layers": [0, 0]}, {}, "moe.layers: lists a block twice"),
+    ({"num_experts": 4, "layers": [1], "moe_layer_interval": 2}, {},
+     "moe.moe_layer_interval: give moe_layer_interval or layers, not both"),
+    ({"num_experts": 4, "top2_2nd_expert_sampling": True}, {},
+     "moe.top2_2nd_expert_sampling: samples the choices after the first: it needs k >= 2"),
+    ({"num_experts": 4, "drop_tokens": "yes"}, {}, "moe.drop_tokens: expected bool"),
+    ({"num_experts": 4, "use_tutel": True}, {}, "moe.use_tutel: unknown key"),
+    ({"num_experts": 4}, {"tensor_parallel": {"autotp_size": 2}},
+     "tensor_parallel.autotp_size: 2: MoE layers are not split by tensor parallelism yet"),
+    ({"num_experts": 4}, {"pipeline": {"stages": 2}},
+     "pipeline.stages: 2: MoE layers are not run by the pipeline schedules yet"),
+]
+
+
+@pytest.mark.parametrize("section,other,message", BAD, ids=range(len(BAD)))
+def test_every_bad_moe_key_is_one_line_naming_it(section, other, message):
+    from zmpi.config import moe as moe_config
+    from zmpi.nn.moe import NOISY_GATE_POLICIES
+
+    assert moe_config.NOISY_GATE_POLICIES == NOISY_GATE_POLICIES  # the layer's, as it takes them
+    with pytest.raises(ConfigError) as e:
+        Config.from_dict({"moe": section, **other})
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"num_experts": 4, "layers": [3]}, "moe.layers: block 3 is not in a model of 3 blocks"),
+    ({"num_experts": 4, "moe_layer_interval": 4},
+     "moe.moe_layer_interval: 4 puts no MoE layer in a model of 3 blocks"),
+    ({"num_experts": [4, 4]}, "moe.num_experts: 2 counts for 3 MoE blocks"),
+])
+def test_a_section_that_does_not_fit_the_model_is_one_line(section, message):
+    Config.from_dict({"moe": section})  # valid on its own
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(")):
+        GPT(SMALL, moe=section)
+
+
+def test_the_engine_refuses_a_model_the_moe_section_did_not_build():
+    section = {"num_experts": 4}
+    with pytest.raises(ConfigError, match="^moe: the config gives .* but the model was built "
+                       "with no MoE; build it as GPT"):
+        Engine(GPT(SMALL), _engine_config(section))
+    with pytest.raises(ConfigError, match="^moe: the config has none but the model was built "
+                       "with"):
+        Engine(GPT(SMALL, moe=section), _engine_config())
+    with pytest.raises(ConfigError, match="^moe: the config gives"):
+        Engine(GPT(SMALL, moe={"num_experts": 2}), _engine_config(section))
+
+
+def test_the_engine_routes_scales_and_reports_the_moe_losses():
+    """Before each micro-batch the engine sets training, the key (step,), the global index of
+    the micro-batch's first sequence and aux_loss_scale = the loss scale (fp16's 2^8 here);
+    the reported loss is the cross-entropy plus every layer's auxiliary and z losses; eval
+    routes without random draws (the same loss twice) and training resumes after it."""
+    section = {"num_experts": 4, "k": 2, "noisy_gate_policy": "RSample", "z_loss_coef": 0.01}
+    model = GPT(SMALL, moe=section)
+    engine = Engine(model, _engine_config(section, gradient_accumulation_steps=2,
+                                          fp16={"enabled": True, "initial_scale_power": 8}))
+    seen, losses = [], engine.moe.losses
+
+    def recording():
+        seen.append([(layer.router.routing_key, layer.router.group_offset,
+                      layer.aux_loss_scale, layer.training,
+                      float(layer.aux_loss + layer.z_loss)) for layer in model.moe_layers()])
+        return losses()
+
+    engine.moe.losses = recording
+    x, y = SyntheticSource(16, 8, 8, seed=1).sample(0)
+    reported = engine.train_step(x, y)
+    assert [[s[:4] for s in micro] for micro in seen] == [
+        [((0,), 0, 256.0, True)] * 3, [((0,), 4, 256.0, True)] * 3]
+    aux = sum(s[4] for micro in seen for s in micro) / 2
+    alone = GPT(SMALL, moe=section)  # the same initial weights, fp32, routed as the engine did
+    cross_entropy = []
+    for rows, offset in ((slice(0, 4), 0), (slice(4, 8), 4)):
+        for layer in alone.moe_layers():
+            layer.set_routing((0,), offset)
+        cross_entropy.append(alone.loss(x[rows], y[rows]))
+    assert aux > 0
+    assert reported == pytest.approx(np.mean(cross_entropy) + aux, rel=1e-2)
+    assert abs(reported - np.mean(cross_entropy)) > 0.1 * aux  # the aux losses are in it
+    first = engine.eval_loss(x, y)
+    assert engine.eval_loss(x, y) == first
+    assert all(layer.training for layer in model.moe_layers())
+
+
+def test_moe_flags_build_the_moe_section(tmp_path):
+    from test_cli import _args
+
+    from zmpi.cli.config_from_flags import build_config
+
+    args = _args(moe_experts=8, moe_k=2, moe_interval=2, moe_capacity_factor=1.25)
+    assert build_config(args, 2)["moe"] == {"num_experts": 8, "k": 2, "moe_layer_interval": 2,
+                                            "capacity_factor": 1.25}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"moe": {"num_experts": 4, "use_residual": True}}))
+    notes = []
+    cfg = build_config(_args(config=str(path), moe_experts=2), 1, notes)
+    assert cfg["moe"] == {"num_experts": 2, "use_residual": True}
+    assert notes == ["--moe-experts overrides the config's moe.num_experts = 4 with 2"]
+
+
+def test_zmpi_estimate_counts_the_experts():
+    def psi(*flags):
+        out = subprocess.run([sys.executable, "-m", "zmpi.cli", "estimate", "--n-layer", "4",
+                              "--d-model", "64", "--vocab-size", "100", "--seq-len", "32",
+                              "--world-size", "2", "--json", *flags], capture_output=True,
+                             text=True, cwd=REPO_ROOT, timeout=60)
+        return out.returncode, (json.loads(out.stdout)["params"] if out.returncode == 0
+                                else out.stderr.strip())
+
+    section = {"num_experts": 4, "moe_layer_interval": 2, "use_residual": True}
+    assert psi() == (0, gpt_num_params(4, 64, 100, 32))
+    assert psi("--moe", json.dumps(section)) == (0, gpt_num_params(4, 64, 100, 32, moe=section))
+    assert psi("--moe", "8") == (0, gpt_num_params(4, 64, 100, 32, moe={"num_experts": 8}))
+    code, said = psi("--moe", "8", "--tp", "2")
+    assert code == 2 and said == ("zmpi estimate: --moe 8: MoE blocks are not split by tensor "
+                                  "parallelism yet: --tp 1")
+    code, said = psi("--moe", '{"num_experts": 4, "layers": [9]}')
+    assert code == 2 and "moe.layers: block 9 is not in a model of 4 blocks" in said
+
+
+def _losses(run_dir):
+    lines = (run_dir / "metrics.csv").read_text().splitlines()[1:]
+    return {int(line.split(",")[0]): float(line.split(",")[1]) for line in lines}
+
+
+@pytest.mark.mpi
+def test_train_with_moe_flags_and_resume_a_stage3_checkpoint_at_dp_1(tmp_path):
+    """`zmpi train --moe-experts 4 --moe-k 2` on 2 ranks at stage 3 in fp64 saves the expert
+    shards with the rest; 1 rank resumes its step-2 checkpoint and continues the loss as the
+    2-rank run went on (every layout routes the same tokens); the first line counts the
+    experts."""
+    flags = ["--moe-experts", "4", "--moe-k", "2", "--moe-interval", "2", "--stage", "3",
+             "--precision", "fp64", "--n-layer", "2", "--d-model", "16", "--n-head", "2",
+             "--seq-len", "16", "--batch", "4", "--steps", "4", "--sample-tokens", "5"]
+    result = launch_mpi(CLI, 2, timeout=180, args=[
+        "train", *flags, "--save-every", "2", "--out", tmp_path / "two"])
+    assert result.returncode == 0, result.describe()
+    vocab = 65  # Tiny Shakespeare's characters
+    count = gpt_num_params(2, 16, vocab, 16, moe={"num_experts": 4, "k": 2,
+                                                 "moe_layer_interval": 2})
+    assert f"zmpi train: GPT {count:,} params, 2 ranks" in result.stdout, result.stdout
+    resumed = launch_mpi(CLI, 1, timeout=180, args=[
+        "train", *flags, "--resume", tmp_path / "two" / "checkpoints", "--resume-tag", "step2",
+        "--out", tmp_path / "one"])
+    assert resumed.returncode == 0, resumed.describe()
+    assert "resumed from" in resumed.stdout and "saved by 2 ranks" in resumed.stdout
+    two, one = _losses(tmp_path / "two"), _losses(tmp_path / "one")
+    assert sorted(one) == [2, 3]
+    for step in (2, 3):
+        assert one[step] == pytest.approx(two[step], rel=1e-12, abs=0)
