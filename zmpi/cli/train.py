@@ -58,7 +58,7 @@ def train(args) -> None:
         args.seed = config["seed"]  # the config's, unless --seed overrides it
         # the mesh first: a tensor-parallel GPT is split over its tp group as it is built
         mesh = Mesh(comm, tp=_get(config, "tensor_parallel.autotp_size") or 1,
-                    pp=_get(config, "pipeline.stages") or 1)
+                    pp=_get(config, "pipeline.stages") or 1, ep=_get(config, "moe.ep_size") or 1)
         model = GPT(model_cfg, seed=args.seed, tp=mesh.tp_comm,
                     dtype=np.float64 if args.precision == "fp64" else np.float32,
                     sequence_parallel=_get(config, "tensor_parallel.sequence_parallel") is True,
