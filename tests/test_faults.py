@@ -479,12 +479,13 @@ def test_every_abort_removes_the_swap_files_before_it_waits(monkeypatch, path, r
     Every path to an abort now runs them before any wait."""
     from types import SimpleNamespace
 
-    from zmpi.comm import faults
+    from zmpi.comm import faults, watchdog
 
     events = []
-    monkeypatch.setattr(faults, "MPI", SimpleNamespace(
-        COMM_WORLD=_World(rank, 4, events), Is_finalized=lambda: False,
-        Is_initialized=lambda: True))
+    world = SimpleNamespace(COMM_WORLD=_World(rank, 4, events), Is_finalized=lambda: False,
+                            Is_initialized=lambda: True)
+    monkeypatch.setattr(faults, "MPI", world)
+    monkeypatch.setattr(watchdog, "MPI", world)
     monkeypatch.setattr(faults, "_AT_ABORT", [lambda: events.append("removed")])
     monkeypatch.setattr(faults.time, "sleep", lambda s: events.append(("sleep", s)))
     monkeypatch.setattr(faults, "_end_local_peers", lambda: None)
@@ -496,7 +497,7 @@ def test_every_abort_removes_the_swap_files_before_it_waits(monkeypatch, path, r
             finally:
                 faults._INTERRUPT.release()
         elif path == "watchdog":
-            faults._Watchdog._expire("an allreduce", sys._getframe(), 5.0)
+            watchdog._Watchdog._expire("an allreduce", sys._getframe(), 5.0)
         elif path == "fail_alone":
             faults.fail_alone("a swap file failed its checksum", 1)
         else:  # the hook an uncaught exception runs

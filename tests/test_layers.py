@@ -5,6 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from gradcheck import check, check_module
+from layer_contract import check_grads_accumulate, rebind_to_flat
 
 from zmpi.nn import (
     GELU,
@@ -72,15 +73,7 @@ def test_embedding_grads_and_repeated_indices(rng):
 def test_two_backwards_double_the_grads(kind, rng):
     layer, shape = LAYERS[kind]()
     x = rng.standard_normal(shape)
-    dy = rng.standard_normal(layer.forward(x).shape)
-    layer.backward(dy)
-    once = [p.grad.copy() for p in layer.parameters()]
-    layer.forward(x)
-    layer.backward(dy)
-    for g1, p in zip(once, layer.parameters(), strict=True):
-        np.testing.assert_allclose(p.grad, 2 * g1, rtol=1e-12)
-    layer.zero_grad()
-    assert all(not p.grad.any() for p in layer.parameters())
+    check_grads_accumulate(layer, x, rng.standard_normal(layer.forward(x).shape))
 
 
 @pytest.mark.parametrize("kind", LAYERS)
@@ -101,14 +94,7 @@ def test_parameters_are_read_at_call_time_like_the_engine_rebinds_them(rng):
     y_ref = layer.forward(x)
     layer.backward(np.ones_like(y_ref))
     g_ref = [p.grad.copy() for p in layer.parameters()]
-    n = layer.num_parameters()
-    flat_data, flat_grad = np.zeros(n + 3, np.float32), np.zeros(n + 3, np.float32)  # + padding
-    off = 0
-    for p in layer.parameters():
-        flat_data[off:off + p.size] = p.data.ravel()
-        p.data = flat_data[off:off + p.size].reshape(p.shape)
-        p.grad = flat_grad[off:off + p.size].reshape(p.shape)
-        off += p.size
+    flat_data, flat_grad, n = rebind_to_flat(layer, padding=3)
     np.testing.assert_array_equal(layer.forward(x), y_ref)
     layer.backward(np.ones_like(y_ref))
     np.testing.assert_allclose(flat_grad[:n], np.concatenate([g.ravel() for g in g_ref]))

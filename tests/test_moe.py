@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 from gradcheck import check
+from layer_contract import check_grads_accumulate, rebind_to_flat
 
 from zmpi.nn.moe import MoE, TokenDispatcher, expert_capacity
 
@@ -246,16 +247,7 @@ def test_finite_differences_through_the_gates_and_the_losses(variant):
 @pytest.mark.parametrize("variant", ["top2", "residual", "everything"])
 def test_two_backwards_double_the_grads(variant):
     moe = make(**GRAD_VARIANTS[variant])
-    x, dy = tokens(), tokens(seed=1)
-    moe.forward(x)
-    moe.backward(dy)
-    once = [p.grad.copy() for p in moe.parameters()]
-    moe.forward(x)
-    moe.backward(dy)
-    for g, p in zip(once, moe.parameters(), strict=True):
-        np.testing.assert_allclose(p.grad, 2 * g, rtol=1e-12)
-    moe.zero_grad()
-    assert not any(p.grad.any() for p in moe.parameters())
+    check_grads_accumulate(moe, tokens(), tokens(seed=1))
 
 
 def test_backward_without_forward_raises():
@@ -454,14 +446,7 @@ def test_parameters_are_read_at_call_time_like_the_engine_rebinds_them():
     y_ref = moe.forward(x)
     moe.backward(np.ones_like(y_ref))
     g_ref = np.concatenate([p.grad.ravel() for p in moe.parameters()])
-    n = moe.num_parameters()
-    flat_data, flat_grad = np.zeros(n, np.float32), np.zeros(n, np.float32)
-    off = 0
-    for p in moe.parameters():
-        flat_data[off:off + p.size] = p.data.ravel()
-        p.data = flat_data[off:off + p.size].reshape(p.shape)
-        p.grad = flat_grad[off:off + p.size].reshape(p.shape)
-        off += p.size
+    _, flat_grad, _ = rebind_to_flat(moe)
     np.testing.assert_array_equal(moe.forward(x), y_ref)
     moe.backward(np.ones_like(y_ref))
     np.testing.assert_array_equal(flat_grad, g_ref)

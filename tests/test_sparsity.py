@@ -28,13 +28,13 @@ from zmpi.nn.sparsity import (
     BigBirdSparsityConfig,
     FixedSparsityConfig,
     VariableSparsityConfig,
-    _random_blocks,
     causal_layout,
     check_layout,
     kept_blocks,
     mode_keys,
     sparsity_from_dict,
 )
+from zmpi.nn.sparsity_pieces import random_blocks
 
 RANDOM_MODES = ("variable", "bigbird")
 GLOBALS = [([0], None), ([1, 5], None), ([2, 9], None), ([0, 4], [2, 6]), ([3], [20]), ([], None)]
@@ -207,8 +207,8 @@ def test_random_blocks_are_k_distinct_blocks_per_row_in_the_allowed_columns():
     n, k = 9, 3
     seen = np.zeros((n, n), int)
     for seed in range(60):
-        full = _random_blocks(random.Random(seed), n, k, causal=False)
-        causal = _random_blocks(random.Random(seed), n, 1, causal=True)
+        full = random_blocks(random.Random(seed), n, k, causal=False)
+        causal = random_blocks(random.Random(seed), n, 1, causal=True)
         assert (full.sum(axis=1) == k).all() and (causal.sum(axis=1) == 1).all()
         assert not np.triu(causal, 1).any()
         seen += full

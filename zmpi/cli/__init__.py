@@ -35,6 +35,7 @@ from zmpi.cli.config_from_flags import (
 )
 from zmpi.cli.inputs import _rank
 from zmpi.config import RECOMPUTE
+from zmpi.config.sections import ModelConfig
 from zmpi.data import DataChanged
 from zmpi.offload.files import NVMeError
 from zmpi.runinfo import RecordError
@@ -118,9 +119,15 @@ def main(argv=None) -> None:
                    "default; decay/cosine end at --steps); default: the config's, else constant")
     t.add_argument("--warmup-steps", type=int, metavar="W", default=None,
                    help="warm-up steps of the schedule (alone: WarmupLR)")
+    t.add_argument("--model", choices=("gpt", "llama"), default=None,
+                   help="the model family (model.model_type; default: the config's, else "
+                   "gpt): llama is RMSNorm, grouped-query attention with RoPE, SwiGLU and an "
+                   "untied head, its model section in transformers' LlamaConfig names "
+                   "(docs/models.md)")
     for name in MODEL_FLAGS:
         t.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=None,
-                       help=f"the GPT's {name} (model.{name}; default: the config's, else "
+                       help=f"the model's {name} (model.{name}, a Llama's model."
+                       f"{ModelConfig.LLAMA_NAMES.get(name, name)}; default: the config's, else "
                        f"{DEFAULTS[name]})")
     t.add_argument("--offload-optimizer", action="store_true",
                    help="ZeRO-Offload: master weights, Adam state and update on the host "
@@ -177,6 +184,16 @@ def main(argv=None) -> None:
         e.add_argument(flag, type=int, default=None,
                        help=f"GPT shape instead of --params: {text}"
                        + ("" if default is None else f" (default {default})"))
+    e.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                   help="the shape's family (default gpt); llama: RMSNorm, grouped-query "
+                   "attention, SwiGLU, untied head, needs --n-head (docs/models.md)")
+    e.add_argument("--n-kv-head", type=int, default=None, metavar="KV",
+                   help="with --model llama: key/value heads (default --n-head)")
+    e.add_argument("--intermediate-size", type=int, default=None, metavar="F",
+                   help="with --model llama: SwiGLU's hidden units (default 8/3 d_model, up to "
+                   "a multiple of 8)")
+    e.add_argument("--tie-word-embeddings", action="store_true",
+                   help="with --model llama: the output head tied to the token embedding")
     e.add_argument("--vocab-multiple", type=int, default=1, metavar="M",
                    help="with a GPT shape: the vocabulary padded to a multiple of M x --tp, as "
                    "allocated (zmpi pads to 128 on a GPU: docs/gpu.md; default 1, unpadded)")

@@ -171,7 +171,7 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
     step over all data-parallel ranks (world_size / (tp x pp)) and accumulation steps; it must
     split evenly over both.
     """
-    from zmpi.config import AUTO, Config
+    from zmpi.config import AUTO, Config, ModelConfig
     from zmpi.words import count
 
     notes = [] if notes is None else notes
@@ -252,8 +252,12 @@ def build_config(args, world_size: int, notes: list | None = None) -> dict:
         value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is not None:
             _set(cfg, f"moe.{key}", value, flag, notes)
+    if getattr(args, "model", None) is not None:
+        _set(cfg, "model.model_type", args.model, "--model", notes)
+    llama = _get(cfg, "model.model_type") == "llama"  # the flags set its names of the shape
     for name in MODEL_FLAGS:
-        _set(cfg, f"model.{name}", getattr(args, name), f"--{name.replace('_', '-')}", notes)
+        key = ModelConfig.LLAMA_NAMES.get(name, name) if llama else name
+        _set(cfg, f"model.{key}", getattr(args, name), f"--{name.replace('_', '-')}", notes)
     cfg.setdefault("seed", 0)
     return cfg
 

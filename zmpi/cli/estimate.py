@@ -4,7 +4,8 @@ data-parallel ranks of each tensor rank's share, plus Megatron's tensor-parallel
 --sequence-parallel, Korthikanti et al.'s reduce-scatters and allgathers); with --micro-batch,
 the activation memory per rank (zmpi.models.gpt.gpt_activation_bytes) beside Korthikanti et
 al.'s count (docs/activation-memory.md); with --moe, a GPT shape's MoE blocks' experts counted in
-Psi (every rank holds every expert: expert parallelism is not built into the engine yet)."""
+Psi (every rank holds every expert: a section with ep_size above 1 is refused, its expert
+states per rank are not in the formulas yet)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ import math
 
 from zmpi.memory import estimate_rows
 from zmpi.models.gpt import gpt_activation_bytes, gpt_num_params, korthikanti_activation_bytes
+from zmpi.models.llama import llama_num_params
 from zmpi.nn.attention import attention_block
 
 # The activations' itemsize by --precision on a GPU: fp16 and bf16 compute in their 16-bit
@@ -73,7 +75,8 @@ def moe_section(args):
     """--moe as a MoEConfig for the GPT shape (None without it): an expert count E, or a `moe`
     config section as JSON (docs/moe.md). Refused with --params, --tp above 1 (MoE blocks are
     not split by tensor parallelism yet) and --micro-batch (the MoE layers' activations are
-    not counted yet), or where the section does not fit the shape."""
+    not counted yet), with ep_size above 1 (the formulas count every rank holding every
+    expert), or where the section does not fit the shape."""
     from zmpi.config import ConfigError, MoEConfig, parse_json
 
     flag = getattr(args, "moe", None)
@@ -96,7 +99,45 @@ def moe_section(args):
         raise Refused(f"--moe {flag}: {e}") from None
     if not moe.enabled:
         raise Refused(f"--moe {flag}: give num_experts")
+    if moe.ep_size > 1:
+        raise Refused(f"--moe {flag}: ep_size {moe.ep_size}: the estimate counts every rank "
+                      "holding every expert; expert-parallel states are not in it yet "
+                      "(docs/moe.md gives them per stage): give ep_size 1")
     return moe
+
+
+def llama_shape(args):
+    """The LlamaConfig of --model llama's shape (None for a GPT's): --n-layer, --d-model,
+    --n-head (required), --n-kv-head, --intermediate-size, --tie-word-embeddings,
+    --vocab-size. Refused with --params, --micro-batch and --moe (a Llama's activations and
+    tensor traffic are not counted yet; it has no MoE blocks), or a shape the model refuses;
+    the Llama-only flags are refused for a GPT."""
+    from zmpi.models.llama import LlamaConfig
+
+    llama_only = [flag for flag, given in (
+        ("--n-kv-head", args.n_kv_head is not None),
+        ("--intermediate-size", args.intermediate_size is not None),
+        ("--tie-word-embeddings", args.tie_word_embeddings)) if given]
+    if args.model != "llama":
+        if llama_only:
+            raise Refused(f"{', '.join(llama_only)}: a Llama's; add --model llama")
+        return None
+    for given, why in ((args.params is not None, "needs a shape (--n-layer), not --params"),
+                       (args.n_head is None, "needs --n-head (its key/value width)"),
+                       (args.micro_batch is not None, "a Llama's activations and tensor "
+                        "traffic are not counted yet: leave out --micro-batch"),
+                       (getattr(args, "moe", None) is not None, "a Llama has no MoE blocks")):
+        if given:
+            raise Refused(f"--model llama: {why}")
+    try:
+        return LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.d_model,
+                           intermediate_size=args.intermediate_size,
+                           num_hidden_layers=args.n_layer, num_attention_heads=args.n_head,
+                           num_key_value_heads=args.n_kv_head,
+                           max_position_embeddings=args.seq_len,
+                           tie_word_embeddings=args.tie_word_embeddings)
+    except ValueError as e:
+        raise Refused(f"--model llama: {e}") from None
 
 
 def estimate(args) -> None:
@@ -111,9 +152,18 @@ def estimate(args) -> None:
                       f"{args.world_size} into data-parallel replicas")
     if args.micro_batch is not None and (args.n_layer is None or args.micro_batch < 1):
         raise Refused("--micro-batch needs a GPT shape and is >= 1")
+    llama = llama_shape(args)
     moe = moe_section(args)
-    psi = args.params / tp if args.params is not None else gpt_num_params(
-        args.n_layer, args.d_model, args.vocab_size, args.seq_len, tp, args.vocab_multiple, moe)
+    if llama is not None:  # what one rank allocates (key/value heads whole where kv < tp)
+        if args.n_head % tp or (llama.num_key_value_heads % tp and
+                                tp % llama.num_key_value_heads):
+            raise Refused(f"--tp {tp} must divide --n-head {args.n_head}, and divide or be a "
+                          f"multiple of the key/value heads {llama.num_key_value_heads}")
+        psi = llama_num_params(llama, tp, args.vocab_multiple)
+    else:
+        psi = args.params / tp if args.params is not None else gpt_num_params(
+            args.n_layer, args.d_model, args.vocab_size, args.seq_len, tp, args.vocab_multiple,
+            moe)
     dp = args.world_size // tp
     pb = args.param_bytes if args.param_bytes is not None else \
         (4 if args.precision == "fp32" else 2)
@@ -192,7 +242,8 @@ def activation_memory(args) -> dict | None:
     ("korthikanti"), with the heads, recompute policy and activation itemsize they are for;
     None without --micro-batch. A flag that cannot act is a SystemExit naming it."""
     given = [flag for flag, value in (
-        ("--n-head", args.n_head is not None), ("--recompute", args.recompute is not None),
+        ("--n-head", args.n_head is not None and getattr(args, "model", "gpt") != "llama"),
+        ("--recompute", args.recompute is not None),
         ("--sparse-attention", args.sparse_attention is not None),
         ("--partition-activations", args.partition_activations),
         ("--cpu-checkpointing", args.cpu_checkpointing)) if value]

@@ -42,20 +42,25 @@ def _exit_bad_input(message: str):
 
 def resolve_model_args(args) -> None:
     """--seq-len, --n-layer, --n-head and --d-model not given: the --config's `model` section
-    (what `zmpi plan` writes), else DEFAULTS; a ConfigError naming the key if the section is
+    (what `zmpi plan` writes; a Llama's num_hidden_layers, hidden_size and
+    num_attention_heads), else DEFAULTS; a ConfigError naming the key if the section is
     not a valid one (a flag that overrides a key is noted by `build_config`)."""
     from zmpi.config import ConfigError, ModelConfig
 
-    given = {}
+    section = ModelConfig()
     if args.config:
         cfg = _read_config(args.config)
+        given = cfg.get("model", {})
+        if getattr(args, "model", None) is not None and isinstance(given, dict):
+            given = {**given, "model_type": args.model}  # --model's family, as build_config
         try:
-            given = ModelConfig.from_dict(cfg["model"]).given() if "model" in cfg else {}
+            section = ModelConfig.from_dict(given)
         except ConfigError as e:
             raise e.prefixed("model") from None
-    for name in MODEL_FLAGS:
+    for name in MODEL_FLAGS:  # a Llama's section names n_layer, d_model, n_head its own way
         if getattr(args, name) is None:
-            setattr(args, name, given.get(name, DEFAULTS[name]))
+            value = section.shape_value(name)
+            setattr(args, name, DEFAULTS[name] if value is None else value)
 
 
 def check_args(args) -> None:

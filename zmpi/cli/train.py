@@ -20,7 +20,9 @@ from zmpi.cli.inputs import (
     stage_origin,
 )
 from zmpi.cli.report import memory_table, traffic_line
+from zmpi.config.sections import ModelConfig
 from zmpi.models.gpt import GPT, GPTConfig, gpt_num_params
+from zmpi.models.llama import Llama, LlamaConfig, llama_num_params
 from zmpi.nn.sparsity import MODES, model_layout
 from zmpi.offload.files import NVMeError
 from zmpi.parallel.mesh import Mesh
@@ -52,18 +54,21 @@ def train(args) -> None:
     # --data is read in place (memory-mapped): checked unchanged before each read of it
     read_data = FileWatch(args.data).check if args.data else lambda: None
     model_vocab = _get(config, "model.vocab_size") or vocab_size  # checked: >= vocab_size
-    model_cfg = GPTConfig(model_vocab, args.seq_len, args.n_layer, args.n_head, args.d_model,
-                          _get(config, "model.vocab_multiple") or None)
+    llama = _get(config, "model.model_type") == "llama"
     try:
         args.seed = config["seed"]  # the config's, unless --seed overrides it
-        # the mesh first: a tensor-parallel GPT is split over its tp group as it is built
+        model_cfg = _llama_config(args, config["model"], model_vocab) if llama else GPTConfig(
+            model_vocab, args.seq_len, args.n_layer, args.n_head, args.d_model,
+            _get(config, "model.vocab_multiple") or None)
+        # the mesh first: a tensor-parallel model is split over its tp group as it is built
         mesh = Mesh(comm, tp=_get(config, "tensor_parallel.autotp_size") or 1,
                     pp=_get(config, "pipeline.stages") or 1, ep=_get(config, "moe.ep_size") or 1)
-        model = GPT(model_cfg, seed=args.seed, tp=mesh.tp_comm,
-                    dtype=np.float64 if args.precision == "fp64" else np.float32,
-                    sequence_parallel=_get(config, "tensor_parallel.sequence_parallel") is True,
-                    sparse_attention=config.get("sparse_attention") or None,
-                    moe=config.get("moe") or None)
+        common = {"seed": args.seed, "tp": mesh.tp_comm,
+                  "dtype": np.float64 if args.precision == "fp64" else np.float32,
+                  "sequence_parallel": _get(config, "tensor_parallel.sequence_parallel") is True}
+        model = Llama(model_cfg, **common) if llama else GPT(
+            model_cfg, sparse_attention=config.get("sparse_attention") or None,
+            moe=config.get("moe") or None, **common)
         engine = Engine(model, config, comm, mesh=mesh)
     except (ValueError, MemoryError, NVMeError, OSError) as e:  # alike on every rank
         _exit_build_failure(e, where, comm.rank)
@@ -77,10 +82,12 @@ def train(args) -> None:
                               seed=args.seed)
     val_data = BatchSampler(val_tokens, args.seq_len, global_batch, mesh.dp_rank, mesh.dp,
                             seed=args.seed + 1)
-    total = gpt_num_params(args.n_layer, args.d_model, model_vocab, args.seq_len,
-                           moe=config.get("moe") or None)
-    log.info(f"zmpi train: GPT {total:,} params, {count(comm.size, 'rank')} (dp {mesh.dp} x "
-             f"pp {mesh.pp} x tp {mesh.tp}), {engine.strategy.name} "
+    total = llama_num_params(model_cfg) if llama else gpt_num_params(
+        args.n_layer, args.d_model, model_vocab, args.seq_len, moe=config.get("moe") or None)
+    log.info(f"zmpi train: {'Llama' if llama else 'GPT'} {total:,} params, "
+             f"{count(comm.size, 'rank')} (dp {mesh.dp} x "
+             f"pp {mesh.pp} x tp {mesh.tp}{f', ep {mesh.ep}' if mesh.ep > 1 else ''}), "
+             f"{engine.strategy.name} "
              f"({stage_origin(args, config)}), {engine.dtype.name}, global batch "
              f"{global_batch} x {args.seq_len} tokens, {count(args.steps, 'step')}"
              + _attention_words(model, args.seq_len))
@@ -89,6 +96,11 @@ def train(args) -> None:
     # with --save-every, a resumed run saves where it resumed from (unless --ckpt-dir)
     ckpt_dir = Path(args.ckpt_dir or (args.resume if args.save_every else None)
                     or out / "checkpoints")
+    uses = [flag for flag, given in (("--save-every", args.save_every), ("--resume",
+             args.resume is not None), ("--init-from", args.init_from is not None)) if given]
+    if uses and engine.experts is not None:  # before the run claims any directory
+        _exit_bad_input(f"{uses[0]}: checkpoints of expert-parallel runs (moe.ep_size "
+                        f"{mesh.ep}) are not built yet (docs/moe.md)")
     if args.init_from is not None:
         init_from(args, engine, log)
     first = _resume(args, engine, comm, log) if args.resume is not None else 0
@@ -173,6 +185,18 @@ def train(args) -> None:
                      profile=profile, **summary.as_dict(), memory=memory,
                      optimizer_timing=timing)
         log.info(f"wrote {out}/run.json, metrics.csv, sample.txt")
+
+
+def _llama_config(args, section: dict, vocab_size: int) -> LlamaConfig:
+    """The LlamaConfig of --model llama: the shape flags (resolved from the model section's
+    num_hidden_layers, hidden_size and num_attention_heads where not given), the vocabulary,
+    and the section's Llama keys (max_position_embeddings: seq_len where not given)."""
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=args.d_model, num_hidden_layers=args.n_layer,
+        num_attention_heads=args.n_head, seq_len=args.seq_len,
+        vocab_multiple=section.get("vocab_multiple"),
+        **{"max_position_embeddings": args.seq_len,
+           **{k: section[k] for k in ModelConfig.LLAMA_ONLY if k in section}})
 
 
 def _exit_build_failure(error, where: str, rank: int):

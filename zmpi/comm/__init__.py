@@ -16,15 +16,16 @@ The modules, one concept each (communicator imports the others; none imports it)
     wire.py           MPI datatypes and reduction ops (16-bit floats without an MPI type
                       reduced as float32), the buffer checks, the message header, OPS and
                       OpCounter
-    faults.py         abort on an exception (and the peer kill), Ctrl-C, the watchdog,
-                      CollectiveMismatch and the collective check, waited_seconds
+    faults.py         abort on an exception (and the peer kill), Ctrl-C, fail_alone
+    watchdog.py       the watchdog over blocking MPI waits (_watched), waited_seconds
+    checks.py         CollectiveMismatch and the collective check, the settings check
     mpi_info.py       the loaded MPI library, cuda_support, mpi_flavour
     agree.py          agreed_call: a call whose failure on any rank every rank learns
 
 Everything `zmpi.comm` held before it became a package is importable from it still, except
-the module flags a function rebinds (faults._PEERS_ASKED, _abort_installed, _WATCHDOG): read
-those on `zmpi.comm.faults`; and except the user-defined MPI.Op for bfloat16 (`_user_op`,
-`_USER_OPS`, `_NUMPY_OPS`), gone: no reduction runs a Python-level op
+the module flags a function rebinds (faults._PEERS_ASKED, _abort_installed,
+watchdog._WATCHDOG): read those on their modules; and except the user-defined MPI.Op for
+bfloat16 (`_user_op`, `_USER_OPS`, `_NUMPY_OPS`), gone: no reduction runs a Python-level op
 (`wire.reduction_dtype`). Patching a name here changes what callers that import it from here
 get, not what the modules inside use.
 """
@@ -36,27 +37,23 @@ from zmpi import backend  # before mpi4py.MPI (MPI_Init): it picks this rank's G
 # isort: split
 from mpi4py import MPI
 
+from zmpi.comm.checks import CollectiveMismatch
 from zmpi.comm.communicator import Comm
 from zmpi.comm.faults import (
     _FORWARD_S,
     _PEERS,
-    CollectiveMismatch,
     SettingsDiffer,
     _abort,
-    _call_site,
     _end_local_peers,
     _identity,
     _proc_stat,
     _set_peers,
-    _Watchdog,
-    _watchdog,
-    _watched,
     install_abort_on_exception,
-    waited_seconds,
 )
 from zmpi.comm.mpi_info import _libmpi, cuda_support, mpi_flavour
 from zmpi.comm.requests import _PROGRESS, _QUEUES, Request, _Progress, make_progress, wait_all
 from zmpi.comm.staging import _POOL, _StagingPool, account_staging_in, staging_nbytes
+from zmpi.comm.watchdog import _call_site, _Watchdog, _watchdog, _watched, waited_seconds
 from zmpi.comm.wire import (
     _NATIVE_OPS,
     _WIRES,

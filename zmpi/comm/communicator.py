@@ -6,7 +6,7 @@ uses only mpi4py's buffer (upper-case) methods; pickling (lower-case) methods ar
 `bcast_object`/`allgather_object`, for small Python objects. Every buffer operation takes one
 path, `Comm._launch`: device buffers staged (`staging`) or handed to a CUDA-aware MPI, the
 request queued in call order and started when its inputs are in place (`requests`), every
-blocking wait watched by the watchdog (`faults._watched`).
+blocking wait watched by the watchdog (`watchdog._watched`).
 
 Point-to-point. `send`/`recv`/`isend`/`irecv` move one buffer between two ranks, on the same
 path: counted, queued in call order with the collectives, watched, device buffers staged or
@@ -31,11 +31,12 @@ from dataclasses import asdict
 import numpy as np
 
 from zmpi import backend  # before mpi4py.MPI (MPI_Init): it picks this rank's GPU
-from zmpi.comm import faults
-from zmpi.comm.faults import _watched, check_at_exit, check_call, install_abort_on_exception
+from zmpi.comm.checks import check_at_exit, check_call, check_settings_alike
+from zmpi.comm.faults import gather_peers, install_abort_on_exception
 from zmpi.comm.mpi_info import cuda_support, mpi_flavour
 from zmpi.comm.requests import _PROGRESS, _QUEUES, Request, message_calls, start_queued, wait_all
 from zmpi.comm.staging import stage
+from zmpi.comm.watchdog import _watchdog, _watched
 from zmpi.comm.wire import (
     OPS,
     OpCounter,
@@ -70,7 +71,7 @@ class Comm:
         local = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
         if self.mpi == MPI.COMM_WORLD and self.local_size > 1:
-            faults.gather_peers(local)  # once: whom an abort ends on this host
+            gather_peers(local)  # once: whom an abort ends on this host
         local.Free()
         _PROGRESS.ranks_on_node = max(_PROGRESS.ranks_on_node, self.local_size)
         self.is_cuda_aware, self.cuda_aware_source = cuda_support()
@@ -85,14 +86,14 @@ class Comm:
         if MPI.COMM_WORLD.Get_size() > 1:  # before the settings check: its error said once
             install_abort_on_exception()
         if self.size > 1:  # which MPI calls a rank makes: alike on every rank, or an error
-            faults.check_settings_alike(self.mpi, {
+            check_settings_alike(self.mpi, {
                 "the backend (ZMPI_BACKEND: CuPy or NumPy)": backend.is_gpu,
                 "whether MPI is CUDA-aware (ZMPI_CUDA_AWARE), on the GPU backend":
                     backend.is_gpu and self.is_cuda_aware,
                 "the collective check (ZMPI_DEBUG)": debug})
         if debug:
             self.enable_collective_checks()
-        faults._watchdog()
+        _watchdog()
 
     # ---- the debug check
 

@@ -1,8 +1,8 @@
 """What happens when a run goes wrong under MPI: abort on an uncaught exception (ending the
-job's other ranks on this host too), Ctrl-C, the watchdog over every blocking MPI wait
-(`_watched`, and `waited_seconds`), the debug collective check (`CollectiveMismatch`,
-`check_call`, `check_at_exit`), and the check that the ranks' settings are alike
-(`check_settings_alike`, at each Comm's construction).
+job's other ranks on this host too), Ctrl-C, and `fail_alone` (one rank's error, said once).
+The watchdog over every blocking MPI wait is zmpi.comm.watchdog's; the debug collective check
+and the check that the ranks' settings are alike are zmpi.comm.checks'; both end the job
+through `_abort` here.
 
 With more than one rank, `Comm()` installs `install_abort_on_exception()`: an uncaught
 exception on any rank prints its traceback (tagged with the rank) and aborts the whole job,
@@ -17,7 +17,7 @@ launcher. Only processes that the first `Comm()` on COMM_WORLD found to be ranks
 on this host (same boot, pid namespace, pid and start time; a pidfd held on each) are ever
 signalled.
 
-Nothing here imports the communicator: the check helpers take the Comm as an argument.
+Nothing here imports the communicator.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import threading
 import time
 import traceback
 
-import numpy as np
 from mpi4py import MPI  # zmpi.comm imported zmpi.backend before this (MPI_Init)
 
 _abort_installed = False
@@ -199,6 +198,16 @@ def fail_alone(message: str, code: int) -> None:
     _abort(code)
 
 
+class SettingsDiffer(RuntimeError):
+    """The ranks' settings differ (zmpi.comm.checks.check_settings_alike): raised on every
+    rank of the communicator alike, so an uncaught one is said once, by its rank 0
+    (`said_here`), not as a traceback per rank."""
+
+    def __init__(self, message: str, said_here: bool = True):
+        super().__init__(message)
+        self.said_here = said_here
+
+
 def install_abort_on_exception():
     """Make an uncaught exception on any rank print its traceback and abort the MPI job.
 
@@ -288,191 +297,3 @@ def _watch_interrupts():
                 _interrupted()
 
     threading.Thread(target=watch, name="zmpi-interrupts", daemon=True).start()
-
-
-class CollectiveMismatch(RuntimeError):
-    """The ranks of a communicator called different collectives (debug check)."""
-
-
-_COMM_PACKAGE = os.path.dirname(os.path.abspath(__file__))  # zmpi/comm
-_PACKAGE = os.path.dirname(_COMM_PACKAGE)  # zmpi
-
-
-def _call_site(frame=None) -> str:
-    """Where a collective was called from `frame`'s stack (default: this call's): the
-    innermost frame outside this package (zmpi.comm), and the innermost outside the zmpi
-    package (the user's line), as 'file:line in function (from file:line in function)'."""
-    def describe(f):
-        path = os.path.relpath(f.f_code.co_filename)
-        path = f.f_code.co_filename if path.startswith("..") else path
-        return f"{path}:{f.f_lineno} in {f.f_code.co_name}"
-
-    frame = frame or sys._getframe(1)
-    inner = user = None
-    while frame is not None and user is None:
-        name = frame.f_code.co_filename
-        if inner is None and not os.path.abspath(name).startswith(_COMM_PACKAGE + os.sep) \
-                and not name.endswith("contextlib.py"):
-            inner = frame
-        if not os.path.abspath(name).startswith(_PACKAGE + os.sep):
-            user = frame
-        frame = frame.f_back
-    if inner is None:
-        return "?"
-    return describe(inner) + (f" (from {describe(user)})" if user not in (None, inner) else "")
-
-
-def check_call(comm, op: str, dtype=None, counts=(), site=None) -> None:
-    """The debug check (`Comm.enable_collective_checks`): every rank's (index, op, dtype,
-    counts) on `comm`, compared; CollectiveMismatch on every rank if they differ."""
-    comm._calls += 1
-    mine = (comm._calls, op, None if dtype is None else str(np.dtype(dtype)),
-            tuple(int(c) for c in counts))
-    with _watched(f"the collective check of {op} ({comm.size} ranks)"):
-        everyone = comm.mpi.allgather((mine, site or _call_site()))
-    if any(call != everyone[0][0] for call, _ in everyone):
-        lines = [f"rank {r}: call #{c[0]} {c[1]}"
-                 + (f" {c[2]} x {'/'.join(map(str, c[3]))}" if c[2] else "") + f" at {site}"
-                 for r, (c, site) in enumerate(everyone)]
-        raise CollectiveMismatch("the ranks called different collectives on a "
-                                 f"{comm.size}-rank communicator:\n  " + "\n  ".join(lines))
-
-
-def check_at_exit(comm) -> None:
-    """At exit (atexit, world communicator): a rank that ends the program while another
-    waits in a collective is reported as a mismatch, and the job aborted."""
-    if MPI.Is_finalized():
-        return
-    try:
-        comm._start_queued()  # the check is a collective: after what is queued
-        check_call(comm, "end of program", site="exit")
-    except CollectiveMismatch as e:
-        _run_at_abort()
-        sys.stderr.write(f"[rank {comm.rank}] {e}\n")
-        sys.stderr.flush()
-        time.sleep(_FORWARD_S)
-        _abort(4)
-
-
-
-class _Watchdog:
-    """Aborts the job when this process waits in one collective longer than `timeout` seconds.
-
-    A daemon thread sleeps and checks the waits in progress (no spinning); on expiry it prints,
-    tagged with the rank, which collective is waited for and where it was called, gives the
-    other waiting ranks two seconds to say the same, and calls MPI_Abort (the `at_abort`
-    hooks run before those two seconds).
-    """
-
-    def __init__(self, timeout: float):
-        self.timeout = timeout
-        self._waits = {}  # token -> (what, frame, start)
-        self._thread = threading.Thread(target=self._run, name="zmpi-watchdog", daemon=True)
-        self._thread.start()
-
-    def begin(self, what, frame) -> object:
-        token = object()
-        self._waits[token] = (what, frame, time.monotonic())
-        return token
-
-    def end(self, token) -> None:
-        del self._waits[token]
-
-    def _run(self):
-        while True:
-            time.sleep(min(1.0, self.timeout / 4))
-            now = time.monotonic()
-            # no loop variable may hold a frame between checks: a frame keeps its locals,
-            # and so the buffers of a finished collective, alive
-            for what, frame, waited in [(w, f, now - s) for w, f, s in list(self._waits.values())
-                                        if now - s > self.timeout]:
-                self._expire(what, frame, waited)
-
-    @staticmethod
-    def _expire(what, frame, waited):
-        site = _call_site(frame)
-        what = what() if callable(what) else what
-        world = MPI.COMM_WORLD
-        _run_at_abort()  # before the wait for the other ranks' lines (`_run_at_abort`)
-        sys.stderr.write(f"[rank {world.Get_rank()}] zmpi watchdog: waited {waited:.0f} s "
-                         f"(ZMPI_COLLECTIVE_TIMEOUT) in {what}, called at {site}; a rank "
-                         "that does not call it (or hangs before it) stops the job; "
-                         "aborting\n")
-        sys.stderr.flush()
-        time.sleep(2.0)
-        _abort(3)
-
-
-_WATCHDOG = None
-
-
-def _watchdog():
-    """The process's watchdog (ZMPI_COLLECTIVE_TIMEOUT seconds, default 1800; 0: none)."""
-    global _WATCHDOG
-    if _WATCHDOG is None:
-        text = os.environ.get("ZMPI_COLLECTIVE_TIMEOUT", "1800").strip()
-        try:
-            timeout = float(text)
-        except ValueError:
-            raise ValueError(f"ZMPI_COLLECTIVE_TIMEOUT={text!r}: expected seconds") from None
-        _WATCHDOG = _Watchdog(timeout) if timeout > 0 else False
-    return _WATCHDOG
-
-
-_WAITED = [0.0]  # seconds this process spent blocked in MPI (every communicator)
-
-
-def waited_seconds() -> float:
-    """Seconds this process has spent blocked in MPI so far: blocking collectives and
-    point-to-point messages, and waits for non-blocking ones (exposed communication, for
-    profiles)."""
-    return _WAITED[0]
-
-
-class SettingsDiffer(RuntimeError):
-    """The ranks' settings differ (`check_settings_alike`): raised on every rank of the
-    communicator alike, so an uncaught one is said once, by its rank 0 (`said_here`), not as
-    a traceback per rank."""
-
-    def __init__(self, message: str, said_here: bool = True):
-        super().__init__(message)
-        self.said_here = said_here
-
-
-def check_settings_alike(mpi_comm, settings: dict[str, bool]) -> None:
-    """Collective (one small allreduce): every rank of `mpi_comm` has the same `settings`
-    ({name: value}), those that decide which MPI calls a rank makes. A rank that differed
-    would make calls its peers do not (a blocking collective against a non-blocking one, an
-    extra allgather per collective) and hang them; instead a SettingsDiffer (a RuntimeError)
-    on every rank names what differs."""
-    mine = np.array(list(settings.values()), np.int32)
-    both = np.concatenate([mine, -mine])  # one MAX gives the max and (negated) the min
-    with _watched(f"the settings check ({mpi_comm.Get_size()} ranks)"):
-        mpi_comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
-    differ = [name for name, high, low in zip(settings, both[:len(mine)], -both[len(mine):],
-                                              strict=True) if high != low]
-    if differ:
-        raise SettingsDiffer(f"zmpi: the ranks disagree on {' and '.join(differ)}; set it "
-                             "alike on every rank (each node's environment and GPUs)",
-                             mpi_comm.Get_rank() == 0)
-
-
-class _watched:  # noqa: N801 (used as a function-like context manager)
-    """`with _watched(what):` around a blocking MPI wait (`what`: its name, or a callable
-    that makes it, called only if the watchdog shows it): the watchdog's view of it (the frame
-    of the function holding the `with` is kept for the call site; it is alive meanwhile), and
-    the time it takes, added to `waited_seconds()`."""
-
-    def __init__(self, what: str):
-        self.what, self.dog, self.token = what, _watchdog(), None
-
-    def __enter__(self):
-        if self.dog:
-            self.token = self.dog.begin(self.what, sys._getframe(1))
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc):
-        _WAITED[0] += time.perf_counter() - self.start
-        if self.token is not None:
-            self.dog.end(self.token)
-

@@ -12,8 +12,8 @@ import threading
 import time
 
 from zmpi import backend
-from zmpi.comm.faults import _watched
 from zmpi.comm.staging import _POOL
+from zmpi.comm.watchdog import _watched
 from zmpi.comm.wire import _spec, header_mismatch, header_payload, message_header, message_tags
 from zmpi.kernels import host as host_kernels
 

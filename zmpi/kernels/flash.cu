@@ -76,6 +76,53 @@ __device__ __forceinline__ void flash_list(const int* ptr, const int h, const in
     *end = p[i + 1];
 }
 
+// Whether query q and key k of kept blocks score in the backward: causal (k <= q) and the
+// query before seq (so is the key, then); the forward masks keys only (k <= q, k < seq).
+__device__ __forceinline__ bool flash_kept(const int q, const int k, const int seq) {
+    return k <= q && q < seq;
+}
+
+// Whether the tile of S keys at k0 holds a key that one of the queries q0 .. q0 + S - 1
+// attends to (a key before seq, at or before the last query), and the same question from
+// the keys' side: whether the tile of S queries at q0 holds one that attends to a key of
+// k0 .. k0 + S - 1. The kernels visit only such tiles.
+__device__ __forceinline__ bool flash_keys_seen(const int k0, const int q0, const int S,
+                                                const int seq) {
+    return k0 <= q0 + S - 1 && k0 < seq;
+}
+__device__ __forceinline__ bool flash_queries_seen(const int q0, const int k0, const int S,
+                                                   const int seq) {
+    return q0 + S - 1 >= k0 && q0 < seq && k0 < seq;
+}
+
+// Advance (n, r0) to the next tile of S rows that a block visits: the tiles of the layout
+// blocks list[n], n < end, in order, those where keep(r0) holds; false when none is left.
+// r0 = -1 starts at block n's first tile.
+template <typename Keep>
+__device__ bool flash_next_tile(const int* list, const int end, const int block, const int S,
+                                Keep keep, int& n, int& r0) {
+    for (; n < end; ++n, r0 = -1)
+        for (r0 = r0 < 0 ? list[n] * block : r0 + S; r0 < (list[n] + 1) * block; r0 += S)
+            if (keep(r0)) return true;
+    return false;
+}
+
+// body(r0) for every tile r0 that flash_next_tile(list from begin, keep) gives, after
+// load(r0) has put what the tile needs in shared memory: the SIMT kernels' walk of a layout
+// row (or column). Every thread of the block calls it; load and body run between barriers
+// (the previous tile's readers are done before load, the loads before body).
+template <typename Keep, typename Load, typename Body>
+__device__ void flash_tiles(const int* list, const int begin, const int end, const int block,
+                            const int S, Keep keep, Load load, Body body) {
+    int n = begin, r0 = -1;
+    while (flash_next_tile(list, end, block, S, keep, n, r0)) {
+        __syncthreads();
+        load(r0);
+        __syncthreads();
+        body(r0);
+    }
+}
+
 // The online softmax's step for row r after a tile of keys whose largest score is mx: the
 // running max m_new, and what the tile's scores are shifted by (m_use: 0 while every score so
 // far is masked, so that exp never sees inf - inf)
@@ -142,6 +189,26 @@ __device__ void flash_row_stats(const T* y, const T* dy, const ACC* lse, ACC* de
     }
 }
 
+// body(k0) for every tile of S keys k0 of the layout row of the block's query tile (head.r0)
+// that its queries see, after sK and sV (S, ld) hold the tile's keys and values: the walk of
+// flash_forward and flash_backward_dq
+template <typename Body>
+__device__ void flash_key_tiles(const FlashHead& head, const int* row_ptr, const int* cols,
+                                const int seq, const int hd, const int block,
+                                const int layout_heads, const int S, const int ld, ACC* sK,
+                                ACC* sV, Body body) {
+    int begin, end;
+    flash_list(row_ptr, head.h, layout_heads, head.nb, head.r0 / block, &begin, &end);
+    flash_tiles(
+        cols, begin, end, block, S,
+        [&](const int k0) { return flash_keys_seen(k0, head.r0, S, seq); },
+        [&](const int k0) {
+            flash_load(head.k, head.stride, k0, seq, S, hd, ld, sK, (ACC)1);
+            flash_load(head.v, head.stride, k0, seq, S, hd, ld, sV, (ACC)1);
+        },
+        body);
+}
+
 // y (B, seq, C) and lse (B nh, seq): for query rows q0 .. q0 + S of head h (grid (nb block / S,
 // B nh)), the online softmax (running max m, sum l) over the key blocks the layout keeps, S
 // keys at a time: o = o alpha + p v with p = exp(s - m_new), alpha = exp(m_old - m_new).
@@ -168,44 +235,36 @@ extern "C" __global__ void flash_forward(const T* qkv, const int* row_ptr, const
         sM[r] = neg_inf((ACC)0);
         sL[r] = 0;
     }
-    int begin, end;
-    flash_list(row_ptr, head.h, layout_heads, head.nb, q0 / block, &begin, &end);
-    for (int n = begin; n < end; ++n) {
-        for (int k0 = cols[n] * block; k0 < (cols[n] + 1) * block; k0 += S) {
-            if (k0 > q0 + S - 1 || k0 >= seq) continue;  // every key after every query
-            __syncthreads();  // the previous tile's readers are done
-            flash_load(head.k, head.stride, k0, seq, S, hd, ld, sK, (ACC)1);
-            flash_load(head.v, head.stride, k0, seq, S, hd, ld, sV, (ACC)1);
-            __syncthreads();
-            for (int e = threadIdx.x; e < S * S; e += blockDim.x) {
-                const int r = e / S, c = e % S;
-                const ACC s = flash_dot(sQ + r * ld, sK + c * ld, hd);
-                sP[e] = k0 + c <= q0 + r && k0 + c < seq ? s : neg_inf(s);
-            }
-            __syncthreads();
-            for (int r = warp; r < S; r += warps) {  // a warp a row
-                ACC mx = neg_inf((ACC)0);
-                for (int c = lane; c < S; c += 32) mx = sP[r * S + c] > mx ? sP[r * S + c] : mx;
-                mx = warp_reduce(mx, true);
-                ACC m_old, m_new, m_use, sum = 0;
-                flash_new_max(sM, r, mx, &m_old, &m_new, &m_use);
-                for (int c = lane; c < S; c += 32) {
-                    const ACC p = acc_exp(sP[r * S + c] - m_use);
-                    sP[r * S + c] = p;
-                    sum += p;
-                }
-                sum = warp_reduce(sum, false);
-                if (lane == 0) flash_rescale(sM, sL, sA, r, m_old, m_new, m_use, sum);
-            }
-            __syncthreads();
-            for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
-                const int r = e / hd, d = e % hd;
-                ACC o = 0;
-                for (int c = 0; c < S; ++c) o += sP[r * S + c] * sV[c * ld + d];
-                sO[r * ld + d] = sO[r * ld + d] * sA[r] + o;
-            }
+    flash_key_tiles(head, row_ptr, cols, seq, hd, block, layout_heads, S, ld, sK, sV,
+                    [&](const int k0) {
+        for (int e = threadIdx.x; e < S * S; e += blockDim.x) {
+            const int r = e / S, c = e % S;
+            const ACC s = flash_dot(sQ + r * ld, sK + c * ld, hd);
+            sP[e] = k0 + c <= q0 + r && k0 + c < seq ? s : neg_inf(s);
         }
-    }
+        __syncthreads();
+        for (int r = warp; r < S; r += warps) {  // a warp a row
+            ACC mx = neg_inf((ACC)0);
+            for (int c = lane; c < S; c += 32) mx = sP[r * S + c] > mx ? sP[r * S + c] : mx;
+            mx = warp_reduce(mx, true);
+            ACC m_old, m_new, m_use, sum = 0;
+            flash_new_max(sM, r, mx, &m_old, &m_new, &m_use);
+            for (int c = lane; c < S; c += 32) {
+                const ACC p = acc_exp(sP[r * S + c] - m_use);
+                sP[r * S + c] = p;
+                sum += p;
+            }
+            sum = warp_reduce(sum, false);
+            if (lane == 0) flash_rescale(sM, sL, sA, r, m_old, m_new, m_use, sum);
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
+            const int r = e / hd, d = e % hd;
+            ACC o = 0;
+            for (int c = 0; c < S; ++c) o += sP[r * S + c] * sV[c * ld + d];
+            sO[r * ld + d] = sO[r * ld + d] * sA[r] + o;
+        }
+    });
     __syncthreads();
     flash_store_output(y + head.at_y, lse, sO, ld, sM, sL, head.bh, q0, seq, S, hd, head.C);
 }
@@ -236,31 +295,23 @@ extern "C" __global__ void flash_backward_dq(const T* qkv, const T* y, const T* 
     for (int e = threadIdx.x; e < S * ld; e += blockDim.x) sDQ[e] = 0;
     flash_row_stats(y + head.at_y, dy + head.at_y, lse, delta, sD, sLse, head.bh, q0, seq, S, hd,
                     head.C);
-    int begin, end;
-    flash_list(row_ptr, head.h, layout_heads, head.nb, q0 / block, &begin, &end);
-    for (int n = begin; n < end; ++n) {
-        for (int k0 = cols[n] * block; k0 < (cols[n] + 1) * block; k0 += S) {
-            if (k0 > q0 + S - 1 || k0 >= seq) continue;  // every key after every query
-            __syncthreads();
-            flash_load(head.k, head.stride, k0, seq, S, hd, ld, sK, (ACC)1);
-            flash_load(head.v, head.stride, k0, seq, S, hd, ld, sV, (ACC)1);
-            __syncthreads();
-            for (int e = threadIdx.x; e < S * S; e += blockDim.x) {
-                const int r = e / S, c = e % S;
-                const bool kept = k0 + c <= q0 + r && k0 + c < seq && q0 + r < seq;
-                const ACC p = kept ? acc_exp(flash_dot(sQ + r * ld, sK + c * ld, hd) - sLse[r])
-                                   : (ACC)0;
-                sP[e] = p * (flash_dot(sDY + r * ld, sV + c * ld, hd) - sD[r]);
-            }
-            __syncthreads();
-            for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
-                const int r = e / hd, d = e % hd;
-                ACC g = 0;
-                for (int c = 0; c < S; ++c) g += sP[r * S + c] * sK[c * ld + d];
-                sDQ[r * ld + d] += g;
-            }
+    flash_key_tiles(head, row_ptr, cols, seq, hd, block, layout_heads, S, ld, sK, sV,
+                    [&](const int k0) {
+        for (int e = threadIdx.x; e < S * S; e += blockDim.x) {
+            const int r = e / S, c = e % S;
+            const ACC p = flash_kept(q0 + r, k0 + c, seq)
+                              ? acc_exp(flash_dot(sQ + r * ld, sK + c * ld, hd) - sLse[r])
+                              : (ACC)0;
+            sP[e] = p * (flash_dot(sDY + r * ld, sV + c * ld, hd) - sD[r]);
         }
-    }
+        __syncthreads();
+        for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
+            const int r = e / hd, d = e % hd;
+            ACC g = 0;
+            for (int c = 0; c < S; ++c) g += sP[r * S + c] * sK[c * ld + d];
+            sDQ[r * ld + d] += g;
+        }
+    });
     __syncthreads();
     flash_store_rows(dqkv + head.at_qkv, head.stride, q0, seq, S, hd, sDQ, ld, scale);
 }
@@ -296,22 +347,23 @@ extern "C" __global__ void flash_backward_dkv(const T* qkv, const T* dy, const A
     }
     int begin, end;
     flash_list(col_ptr, head.h, layout_heads, head.nb, k0 / block, &begin, &end);
-    for (int n = begin; n < end; ++n) {
-        for (int q0 = rows[n] * block; q0 < (rows[n] + 1) * block; q0 += S) {
-            if (q0 + S - 1 < k0 || q0 >= seq || k0 >= seq) continue;  // every query first
-            __syncthreads();
+    flash_tiles(
+        rows, begin, end, block, S,
+        [&](const int q0) { return flash_queries_seen(q0, k0, S, seq); },
+        [&](const int q0) {
             flash_load(head.q, head.stride, q0, seq, S, hd, ld, sQ, scale);
             flash_load(dy + head.at_y, head.C, q0, seq, S, hd, ld, sDY, (ACC)1);
             for (int r = threadIdx.x; r < S; r += blockDim.x) {
                 sLse[r] = q0 + r < seq ? lse[(long long)head.bh * seq + q0 + r] : (ACC)0;
                 sD[r] = q0 + r < seq ? delta[(long long)head.bh * seq + q0 + r] : (ACC)0;
             }
-            __syncthreads();
+        },
+        [&](const int q0) {
             for (int e = threadIdx.x; e < S * S; e += blockDim.x) {
                 const int r = e / S, c = e % S;
-                const bool kept = k0 + c <= q0 + r && k0 + c < seq && q0 + r < seq;
-                const ACC p = kept ? acc_exp(flash_dot(sQ + r * ld, sK + c * ld, hd) - sLse[r])
-                                   : (ACC)0;
+                const ACC p = flash_kept(q0 + r, k0 + c, seq)
+                                  ? acc_exp(flash_dot(sQ + r * ld, sK + c * ld, hd) - sLse[r])
+                                  : (ACC)0;
                 sP[e] = p;
                 sS[e] = p * (flash_dot(sDY + r * ld, sV + c * ld, hd) - sD[r]);
             }
@@ -326,8 +378,7 @@ extern "C" __global__ void flash_backward_dkv(const T* qkv, const T* dy, const A
                 sDV[c * ld + d] += gv;
                 sDK[c * ld + d] += gk;
             }
-        }
-    }
+        });
     __syncthreads();
     T* dhead = dqkv + head.at_qkv;  // the head in dqkv: dk C after, dv 2C after
     flash_store_rows(dhead + head.C, head.stride, k0, seq, S, hd, sDK, ld, (ACC)1);

@@ -128,20 +128,8 @@ __device__ void tc_load_async(const T* src, const long long stride, const int r0
     }
 }
 
-// Advance (n, r0) to the next tile of S rows that a block visits: the tiles of the layout
-// blocks list[n], n < end, in order, those where keep(r0) holds; false when none is left.
-// r0 = -1 starts at block n's first tile.
-template <typename Keep>
-__device__ bool tc_next_tile(const int* list, const int end, const int block, const int S,
-                             Keep keep, int& n, int& r0) {
-    for (; n < end; ++n, r0 = -1)
-        for (r0 = r0 < 0 ? list[n] * block : r0 + S; r0 < (list[n] + 1) * block; r0 += S)
-            if (keep(r0)) return true;
-    return false;
-}
-
-// body(r0, buf) for every tile r0 that tc_next_tile(list from begin, keep) gives, after
-// load(r0, buf) has put what the tile needs in shared memory buffer buf (0 or 1) by
+// body(r0, buf) for every tile r0 that flash_next_tile (flash.cu) gives from list, begin and keep,, after
+// after load(r0, buf) has put what the tile needs in shared memory buffer buf (0 or 1) by
 // asynchronous copies: the next tile's copies are in flight (into the other buffer) while
 // body works on this one (cp.async, double-buffered). Every thread of the block calls it;
 // body must not use __syncthreads (it runs between two).
@@ -150,12 +138,12 @@ __device__ void tc_pipelined_tiles(const int* list, const int begin, const int e
                                    const int block, const int S, Keep keep, Load load,
                                    Body body) {
     int n = begin, r0 = -1, buf = 0;
-    bool have = tc_next_tile(list, end, block, S, keep, n, r0);
+    bool have = flash_next_tile(list, end, block, S, keep, n, r0);
     if (have) load(r0, 0);
     __pipeline_commit();
     while (have) {
         int n_next = n, r_next = r0;
-        const bool more = tc_next_tile(list, end, block, S, keep, n_next, r_next);
+        const bool more = flash_next_tile(list, end, block, S, keep, n_next, r_next);
         if (more) load(r_next, buf ^ 1);  // the buffer the previous tile's readers are done with
         __pipeline_commit();
         __pipeline_wait_prior(1);  // this thread's copies of this tile have landed
@@ -167,6 +155,27 @@ __device__ void tc_pipelined_tiles(const int* list, const int begin, const int e
         r0 = r_next;
         have = more;
     }
+}
+
+// body(k0, sK, sV) for every tile of S keys k0 of the layout row of the block's query tile
+// (head.r0) that its queries see, sK and sV (S, ld_hd) holding its keys and values (buffers
+// kBuf and vBuf, loaded as tc_pipelined_tiles loads): the walk of flash_tc_forward and
+// flash_tc_backward_dq
+template <typename Body>
+__device__ void tc_key_tiles(const FlashHead& head, const int* row_ptr, const int* cols,
+                             const int seq, const int hd, const int block,
+                             const int layout_heads, const int S, const int ld_hd,
+                             T* const kBuf[2], T* const vBuf[2], Body body) {
+    int begin, end;
+    flash_list(row_ptr, head.h, layout_heads, head.nb, head.r0 / block, &begin, &end);
+    tc_pipelined_tiles(
+        cols, begin, end, block, S,
+        [&](const int k0) { return flash_keys_seen(k0, head.r0, S, seq); },
+        [&](const int k0, const int buf) {
+            tc_load_async(head.k, head.stride, k0, seq, S, hd, ld_hd, kBuf[buf]);
+            tc_load_async(head.v, head.stride, k0, seq, S, hd, ld_hd, vBuf[buf]);
+        },
+        [&](const int k0, const int buf) { body(k0, kBuf[buf], vBuf[buf]); });
 }
 
 // y (B, seq, C) and lse (B nh, seq) for query rows q0 .. q0 + S of head h (grid (nb block / S,
@@ -199,19 +208,10 @@ extern "C" __global__ void flash_tc_forward(const T* qkv, const int* row_ptr, co
     // the warp's 16 rows; two lanes a row in the softmax, each every other column
     const int w0 = warp * 16, r = w0 + (lane >> 1), half = lane & 1;
     float* s = sS + w0 * ld.s;
-    int begin, end;
-    flash_list(row_ptr, head.h, layout_heads, head.nb, q0 / block, &begin, &end);
     __syncthreads();  // sQ, sO, sM, sL written
-    tc_pipelined_tiles(
-        cols, begin, end, block, S,
-        [&](const int k0) { return k0 <= q0 + S - 1 && k0 < seq; },  // a key before a query
-        [&](const int k0, const int buf) {
-            tc_load_async(head.k, head.stride, k0, seq, S, hd, ld.hd, kBuf[buf]);
-            tc_load_async(head.v, head.stride, k0, seq, S, hd, ld.hd, vBuf[buf]);
-        },
-        [&](const int k0, const int buf) {
-            const T* sK = kBuf[buf];
-            const T* sV = vBuf[buf];
+    tc_key_tiles(
+        head, row_ptr, cols, seq, hd, block, layout_heads, S, ld.hd, kBuf, vBuf,
+        [&](const int k0, const T* sK, const T* sV) {
             tc_product<true>(sQ + w0 * ld.hd, ld.hd, sK, ld.hd, hd, S / 16, s, ld.s, false);
             __syncwarp();
             float mx = neg_inf(0.0f);
@@ -277,26 +277,18 @@ extern "C" __global__ void flash_tc_backward_dq(const T* qkv, const T* y, const 
     const int w0 = warp * 16, r = w0 + (lane >> 1), half = lane & 1;
     float* s = sS + w0 * ld.s;
     float* t = sT + w0 * ld.s;
-    int begin, end;
-    flash_list(row_ptr, head.h, layout_heads, head.nb, q0 / block, &begin, &end);
     __syncthreads();  // sQ, sDY, sDQ, sLse, sD written
-    tc_pipelined_tiles(
-        cols, begin, end, block, S,
-        [&](const int k0) { return k0 <= q0 + S - 1 && k0 < seq; },  // a key before a query
-        [&](const int k0, const int buf) {
-            tc_load_async(head.k, head.stride, k0, seq, S, hd, ld.hd, kBuf[buf]);
-            tc_load_async(head.v, head.stride, k0, seq, S, hd, ld.hd, vBuf[buf]);
-        },
-        [&](const int k0, const int buf) {
-            const T* sK = kBuf[buf];
-            const T* sV = vBuf[buf];
+    tc_key_tiles(
+        head, row_ptr, cols, seq, hd, block, layout_heads, S, ld.hd, kBuf, vBuf,
+        [&](const int k0, const T* sK, const T* sV) {
             tc_product<true>(sQ + w0 * ld.hd, ld.hd, sK, ld.hd, hd, S / 16, s, ld.s, false);
             tc_product<true>(sDY + w0 * ld.hd, ld.hd, sV, ld.hd, hd, S / 16, t, ld.s, false);
             __syncwarp();
             for (int j = half; j < S; j += 2) {
                 const int c = tc_column(j, lane, S);
-                const bool kept = k0 + c <= q0 + r && k0 + c < seq && q0 + r < seq;
-                const float p = kept ? acc_exp(s[(r - w0) * ld.s + c] * scale - sLse[r]) : 0.0f;
+                const float p = flash_kept(q0 + r, k0 + c, seq)
+                                    ? acc_exp(s[(r - w0) * ld.s + c] * scale - sLse[r])
+                                    : 0.0f;
                 store(sP + r * ld.p + c, p * (t[(r - w0) * ld.s + c] - sD[r]));
             }
             __syncwarp();
@@ -348,8 +340,7 @@ extern "C" __global__ void flash_tc_backward_dkv(const T* qkv, const T* dy, cons
     const ACC* delta_h = delta + (long long)head.bh * seq;
     tc_pipelined_tiles(
         rows, begin, end, block, S,
-        // a query at or after a key
-        [&](const int q0) { return q0 + S - 1 >= k0 && q0 < seq && k0 < seq; },
+        [&](const int q0) { return flash_queries_seen(q0, k0, S, seq); },
         [&](const int q0, const int buf) {
             tc_load_async(head.q, head.stride, q0, seq, S, hd, ld.hd, qBuf[buf]);
             tc_load_async(dy + head.at_y, head.C, q0, seq, S, hd, ld.hd, dyBuf[buf]);
@@ -371,8 +362,9 @@ extern "C" __global__ void flash_tc_backward_dkv(const T* qkv, const T* dy, cons
             __syncwarp();
             for (int j = half; j < S; j += 2) {
                 const int c = tc_column(j, lane, S);  // a query column
-                const bool kept = k0 + r <= q0 + c && k0 + r < seq && q0 + c < seq;
-                const float p = kept ? acc_exp(s[(r - w0) * ld.s + c] * scale - sLse[c]) : 0.0f;
+                const float p = flash_kept(q0 + c, k0 + r, seq)
+                                    ? acc_exp(s[(r - w0) * ld.s + c] * scale - sLse[c])
+                                    : 0.0f;
                 store(sP + r * ld.p + c, p);
                 store(sDS + r * ld.p + c, p * (t[(r - w0) * ld.s + c] - sD[c]));
             }

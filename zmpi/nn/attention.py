@@ -162,6 +162,33 @@ _causal_softmax = kernels.fused(_causal_softmax_twin, kernels.cuda_causal_softma
 _softmax_backward = kernels.fused(_softmax_backward_twin, kernels.cuda_softmax_backward)
 
 
+def backward_blocks(probs, T, block, recomputed):
+    """(start, stop, probabilities) of each block of `block` query rows of T, as a backward
+    walks them: the forward's kept `probs` (one array a block), or, when it kept none (probs
+    None), the generator `recomputed` (which computes nothing until it is iterated)."""
+    if probs is None:
+        return recomputed
+    return ((start, start + att.shape[-2], att)
+            for start, att in zip(range(0, T, block), probs, strict=True))
+
+
+def add_key_grads(sums, parts, stop, T):
+    """The running sums over a backward's blocks of the key-side gradients (dk^T, dv^T), each
+    (..., hd, T), after adding one block's `parts` (..., hd, stop) over keys [0, stop): `sums`
+    None before the first block; a block that covers every key first is the sum itself
+    (nothing is added or allocated), else the sums start at zeros. Each add is one kernel
+    (`total[..., :stop] += part` would add, then copy the slice onto itself)."""
+    if sums is None:
+        if stop == T:
+            return parts
+        sums = array_module(parts[0]).zeros((len(parts), *parts[0].shape[:-1], T),
+                                            dtype=parts[0].dtype)
+    xp = array_module(sums[0])
+    for total, part in zip(sums, parts, strict=True):
+        xp.add(total[..., :stop], part, out=total[..., :stop])
+    return sums
+
+
 def attention_backward(dy, cache):
     """dy (B, T, C) -> dqkv (B, T, 3C), block by block as attention_forward (recomputing each
     block's probabilities when the forward kept none). With q' = q / sqrt(hd) and s = q' k^T:
@@ -173,25 +200,17 @@ def attention_backward(dy, cache):
     B, nh, T, hd = q.shape
     dyh = xp.ascontiguousarray(dy.reshape(B, T, nh, hd).transpose(0, 2, 1, 3))  # (B, nh, T, hd)
     dqkv = xp.empty((B, T, 3, nh, hd), dtype=q.dtype)
-    blocks = _attention_blocks(q, k, block) if probs is None else (
-        (start, start + att.shape[-2], att)
-        for start, att in zip(range(0, T, block), probs, strict=True))
-    dkT = dvT = None  # (B, nh, hd, T), summed over the blocks
-    for start, stop, att in blocks:  # (B, nh, r, s): rows [start, stop) against keys [0, s)
+    sums = None  # (dkT, dvT) (B, nh, hd, T), summed over the blocks
+    # att (B, nh, r, s): rows [start, stop) against keys [0, s)
+    for start, stop, att in backward_blocks(probs, T, block, _attention_blocks(q, k, block)):
         dy_b = dyh[:, :, start:stop]  # (B, nh, r, hd)
         dvT_b = kernels.matmul(dy_b.swapaxes(-1, -2), att)
         ds = softmax_backward(kernels.matmul(dy_b, v[:, :, :stop].swapaxes(-1, -2)), att)
         dq = kernels.matmul(ds, k[:, :, :stop]).transpose(0, 2, 1, 3)  # (B, r, nh, hd)
         xp.multiply(dq, 1.0 / math.sqrt(hd), out=dqkv[:, start:stop, 0])
         dkT_b = kernels.matmul(q[:, :, start:stop].swapaxes(-1, -2), ds)  # (B, nh, hd, s)
-        if stop == T and dkT is None:  # one block: nothing to sum
-            dkT, dvT = dkT_b, dvT_b
-            continue
-        if dkT is None:
-            dkT, dvT = xp.zeros((2, B, nh, hd, T), dtype=q.dtype)
-        # one kernel each (`dkT[..., :stop] += dkT_b` adds, then copies the slice onto itself)
-        for total, part in ((dkT, dkT_b), (dvT, dvT_b)):
-            xp.add(total[..., :stop], part, out=total[..., :stop])
+        sums = add_key_grads(sums, (dkT_b, dvT_b), stop, T)
+    dkT, dvT = sums
     dqkv[:, :, 1] = dkT.transpose(0, 3, 1, 2)
     dqkv[:, :, 2] = dvT.transpose(0, 3, 1, 2)
     return dqkv.reshape(B, T, 3 * nh * hd)

@@ -24,8 +24,15 @@ import numpy
 
 from zmpi import kernels
 from zmpi.backend import array_module
-from zmpi.nn.attention import attention_block, causal_softmax, softmax_backward
-from zmpi.nn.llama_functional import check_int, rope_backward, rope_forward
+from zmpi.nn.attention import (
+    add_key_grads,
+    attention_block,
+    backward_blocks,
+    causal_softmax,
+    softmax_backward,
+)
+from zmpi.nn.checks import check_int
+from zmpi.nn.llama_functional import rope_backward, rope_forward
 
 
 def _heads(x, n, rope, scale=None):
@@ -131,11 +138,8 @@ def gqa_attention_backward(dy, cache, rope=None):
     g = nh // nkv
     dyh = xp.ascontiguousarray(dy.reshape(B, T, nh, hd).transpose(0, 2, 1, 3))
     dq = xp.empty((B, nkv, g, T, hd), dtype=qh.dtype)
-    blocks = _blocks(qh, kh, block) if probs is None else (
-        (start, start + att.shape[-2], att)
-        for start, att in zip(range(0, T, block), probs, strict=True))
-    dkT = dvT = None  # (B, nkv, hd, T), summed over the blocks
-    for start, stop, att in blocks:
+    sums = None  # (dkT, dvT) (B, nkv, hd, T), summed over the blocks
+    for start, stop, att in backward_blocks(probs, T, block, _blocks(qh, kh, block)):
         r = stop - start
         p = att.reshape(B, nkv, g * r, stop)
         dy_b = _group_rows(dyh, nkv, start, stop)  # (B, nkv, g r, hd)
@@ -145,12 +149,7 @@ def gqa_attention_backward(dy, cache, rope=None):
         xp.multiply(dq_b.reshape(B, nkv, g, r, hd), 1.0 / math.sqrt(hd),
                     out=dq[:, :, :, start:stop])
         dkT_b = kernels.matmul(_group_rows(qh, nkv, start, stop).swapaxes(-1, -2), ds)
-        if stop == T and dkT is None:  # one block: nothing to sum
-            dkT, dvT = dkT_b, dvT_b
-            continue
-        if dkT is None:
-            dkT, dvT = xp.zeros((2, B, nkv, hd, T), dtype=qh.dtype)
-        for total, part in ((dkT, dkT_b), (dvT, dvT_b)):
-            xp.add(total[..., :stop], part, out=total[..., :stop])
+        sums = add_key_grads(sums, (dkT_b, dvT_b), stop, T)
+    dkT, dvT = sums
     return (_merged(dq.reshape(B, nh, T, hd), rope), _merged(dkT.swapaxes(-1, -2), rope),
             _merged(dvT.swapaxes(-1, -2)))

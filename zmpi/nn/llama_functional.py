@@ -28,6 +28,7 @@ import math
 import numpy
 
 from zmpi.backend import array_module
+from zmpi.nn.checks import check_int, check_number
 from zmpi.nn.functional import _f32, _written
 
 # -- rmsnorm ----------------------------------------------------------------------------------
@@ -130,25 +131,6 @@ ROPE_SCALING_KEYS = {
 
 def _refuse(what: str, value, expected: str):
     raise ValueError(f"{what} must be {expected}, got {value!r}")
-
-
-def check_int(what: str, value, least: int) -> int:
-    """value as an int, ValueError naming `what` unless it is an integer (not a bool) >=
-    least."""
-    if isinstance(value, bool) or not isinstance(value, (int, numpy.integer)) or value < least:
-        _refuse(what, value, f"an integer >= {least}")
-    return int(value)
-
-
-def check_number(what: str, value, least: float, strict: bool) -> float:
-    """value as a float, ValueError naming `what` unless it is a finite real number > least
-    (>= if not strict)."""
-    ok = isinstance(value, (int, float, numpy.integer, numpy.floating)) \
-        and not isinstance(value, bool) and math.isfinite(value) \
-        and (value > least if strict else value >= least)
-    if not ok:
-        _refuse(what, value, f"a finite number {'>' if strict else '>='} {least:g}")
-    return float(value)
 
 
 def rope_scaling_type(scaling) -> str:

@@ -20,7 +20,7 @@ normal(0, std = 0.02) (`proj_std` for the two that write the residual stream, o 
 the GPT's layers take it), RMSNorm weights 1.
 
 Not built here (docs/layers.md): fused CUDA kernels for these ops, grouped-query attention in
-the flash and block-sparse attention paths, tensor-parallel plans, and the model.
+the flash and block-sparse attention paths. The model is models/llama.py.
 """
 
 import numpy
@@ -68,7 +68,11 @@ class RMSNorm(Module):
 class SwiGLU(Module):
     """The SwiGLU feed-forward (Shazeer 2020), as Llama's MLP: down(silu(gate x) * up x).
     x (..., C) -> (..., C). gate, up: Linear (C, hidden); down: Linear (hidden, C); no biases.
-    hidden is transformers' intermediate_size (about 8/3 C in Llama, rounded up)."""
+    hidden is transformers' intermediate_size (about 8/3 C in Llama, rounded up).
+    Tensor parallelism (zmpi.parallel.tensor.plan): gate and up column-parallel, down
+    row-parallel, as Megatron-LM's MLP."""
+
+    tp_plan = {"gate": "colwise", "up": "colwise", "down": "rowwise"}
 
     def __init__(self, d_model, hidden, rng=None, dtype=numpy.float32, std=0.02,
                  proj_std=None):
@@ -141,10 +145,15 @@ class GroupedQueryAttention(Module):
     The attention core is zmpi.nn.gqa's blocked path; selective recompute (`recompute_core`,
     set by UnitModel.set_recompute) drops the attention probabilities as CausalSelfAttention
     does.
+
+    Tensor parallelism (zmpi.parallel.tensor.plan's gqa_heads): q, k, v column-parallel by
+    heads, o row-parallel; key/value heads split over the tensor ranks where the tensor size
+    divides n_kv_head, else replicated (each rank computes the one its query heads read).
     """
 
     # selective recompute: keep q, k, v but not the attention probabilities (bit for bit)
     recompute_core = False
+    tp_plan = {"q": "gqa_heads", "o": "rowwise"}
 
     def __init__(self, d_model, n_head, n_kv_head=None, rope=None, rng=None,
                  dtype=numpy.float32, std=0.02, proj_std=None):
@@ -172,7 +181,7 @@ class GroupedQueryAttention(Module):
         L.check_int("position offset", offset, 0)
         q, k, v = self.q.forward(x), self.k.forward(x), self.v.forward(x)
         y, cache = G.gqa_attention_forward(q, k, v, self.n_head, self.n_kv_head,
-                                           self._tables(x.shape[1], offset, q),
+                                           self._tables(q.shape[1], offset, q),
                                            keep_probs=not self.recompute_core)
         self._save(cache, offset)
         return self.o.forward(y)

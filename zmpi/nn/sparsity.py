@@ -9,19 +9,28 @@
 A layout is a (num_heads, T // block, T // block) bool array: layout[h, i, j] says whether
 query block i of head h attends to key block j (the block x block scores are computed) or not
 (they are -inf). Each mode's `make_layout` sets the same blocks as DeepSpeed's for the same
-parameters; the rules are in each class's `_head_layout`. Random blocks (bigbird, variable) are
+parameters; the rules are in each class's `_head_layout`, of the pieces in
+zmpi.nn.sparsity_pieces. Random blocks (bigbird, variable) are
 drawn, as DeepSpeed draws them, with Python's `random.sample`, row by row and head by head, but
 from `random.Random(seed)` (a field, default 0) instead of the global stream: the same layout on
 every rank and every run, and DeepSpeed's own after `random.seed(seed)`. No MPI, no torch here.
 """
 import dataclasses
 import functools
-import numbers
 import random
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy
+
+from zmpi.nn.checks import is_int
+from zmpi.nn.sparsity_pieces import (
+    global_groups,
+    local_windows,
+    random_blocks,
+    set_global_,
+    sliding_window,
+)
 
 ATTENTION = ("unidirectional", "bidirectional")
 
@@ -36,7 +45,7 @@ def _key(name: str) -> str:
 
 
 def _integer(name, value, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+    if not is_int(value, least):
         _refuse(_key(name), f"expected an integer >= {least}, got {value!r}")
     return int(value)
 
@@ -72,8 +81,7 @@ def _param(default, check, *, at_most_rows=False, init=True, **kw):
 
 def num_blocks(seq_len: int, block: int) -> int:
     """seq_len // block; ValueError unless seq_len is a positive multiple of block."""
-    if (isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 1
-            or seq_len % block):
+    if not is_int(seq_len, 1) or seq_len % block:
         raise ValueError(f"sequence length {seq_len!r} is not a positive multiple of "
                          f"sparse_attention.block {block}")
     return int(seq_len) // block
@@ -131,57 +139,6 @@ class SparsityConfig:
         raise NotImplementedError
 
 
-# -- the pieces layouts are made of (each an (n, n) bool array, or set in place) ----------------
-
-
-def _grid(n: int):
-    """(rows (n, 1), cols (1, n)): block indices to compare."""
-    return numpy.arange(n)[:, None], numpy.arange(n)[None, :]
-
-
-def _local_windows(n: int, sizes, causal: bool) -> numpy.ndarray:
-    """Blocks in the same local window: consecutive windows of sizes[0], sizes[1], ... blocks,
-    the last size repeated to the end; with causal, only keys at or before the query."""
-    bounds = list(numpy.cumsum(sizes))
-    while bounds[-1] < n:
-        bounds.append(bounds[-1] + sizes[-1])
-    window = numpy.searchsorted(bounds, numpy.arange(n), side="right")  # (n,) window of a block
-    rows, cols = _grid(n)
-    return (window[:, None] == window[None, :]) & (cols <= rows if causal else True)
-
-
-def _sliding_window(n: int, half: int, causal: bool) -> numpy.ndarray:
-    """Keys within `half` blocks of the query (2 half + 1 blocks); with causal, only before.
-    (numpy.tri(n, k=d) keeps col <= row + d, made as bool with no (n, n) integer temporary.)"""
-    after = numpy.tri(n, k=0 if causal else half, dtype=bool)   # col <= row (+ half)
-    return after & ~numpy.tri(n, k=-half - 1, dtype=bool)      # col >= row - half
-
-
-def _set_global_(layout, start: int, stop: int, first_row: int, horizontal: bool):
-    """Key blocks start:stop global: every query row from first_row attends to them; with
-    horizontal, their own rows attend to every key too."""
-    layout[first_row:, start:stop] = True
-    if horizontal:
-        layout[start:stop, :] = True
-
-
-def _global_groups(starts, stops, n: int):
-    """(start, stop) of each global group of blocks that begins inside n blocks: single blocks
-    `starts` when stops is None, else starts[i]:stops[i] cut at n."""
-    stops = [s + 1 for s in starts] if stops is None else stops
-    return [(start, min(stop, n)) for start, stop in zip(starts, stops, strict=True)
-            if start < n]
-
-
-def _random_blocks(rng: random.Random, n: int, k: int, causal: bool) -> numpy.ndarray:
-    """k distinct key blocks drawn for each query row in turn, from all n blocks or, with
-    causal, from those at or before the row; DeepSpeed's draws, from rng."""
-    layout = numpy.zeros((n, n), bool)
-    for row in range(n):
-        layout[row, rng.sample(range(row + 1 if causal else n), k)] = True
-    return layout
-
-
 # -- the modes ----------------------------------------------------------------------------------
 
 
@@ -230,14 +187,14 @@ class FixedSparsityConfig(SparsityConfig):
     def _head_layout(self, h, n, rng):
         local, size = self.num_local_blocks, self.num_global_blocks
         causal = self.attention == "unidirectional"
-        layout = _local_windows(n, [local], causal)
+        layout = local_windows(n, [local], causal)
         first = local - (1 + h % self.num_different_global_patterns) * size  # in each window
         whole = n - n % local                                 # blocks in whole windows
         starts = list(range(first, whole, local))
         if whole < n:                                         # a short last window
             starts.append(min(whole + first, n - size))
         for start in starts:
-            _set_global_(layout, start, start + size, start if causal else 0,
+            set_global_(layout, start, start + size, start if causal else 0,
                          self.horizontal_global_attention)
         return layout
 
@@ -279,11 +236,11 @@ class VariableSparsityConfig(_RandomBlocks, SparsityConfig):
 
     def _head_layout(self, h, n, rng):
         causal = self.attention == "unidirectional"
-        layout = _random_blocks(rng, n, self.num_random_blocks, causal=False)
-        layout |= _local_windows(n, self.local_window_blocks, causal)
-        for start, stop in _global_groups(self.global_block_indices,
+        layout = random_blocks(rng, n, self.num_random_blocks, causal=False)
+        layout |= local_windows(n, self.local_window_blocks, causal)
+        for start, stop in global_groups(self.global_block_indices,
                                           self.global_block_end_indices, n):
-            _set_global_(layout, start, stop, start if causal else 0,
+            set_global_(layout, start, stop, start if causal else 0,
                          self.horizontal_global_attention)
         return layout
 
@@ -311,9 +268,9 @@ class BigBirdSparsityConfig(_RandomBlocks, SparsityConfig):
 
     def _head_layout(self, h, n, rng):
         causal = self.attention == "unidirectional"
-        layout = _random_blocks(rng, n, self.num_random_blocks, causal)
-        layout |= _sliding_window(n, self.num_sliding_window_blocks // 2, causal=False)
-        _set_global_(layout, 0, self.num_global_blocks, 0, horizontal=True)
+        layout = random_blocks(rng, n, self.num_random_blocks, causal)
+        layout |= sliding_window(n, self.num_sliding_window_blocks // 2, causal=False)
+        set_global_(layout, 0, self.num_global_blocks, 0, horizontal=True)
         return numpy.tril(layout) if causal else layout
 
 
@@ -334,10 +291,10 @@ class BSLongformerSparsityConfig(SparsityConfig):
         _check_global_ranges(self)
 
     def _head_layout(self, h, n, rng):
-        layout = _sliding_window(n, self.num_sliding_window_blocks // 2, causal=False)
-        for start, stop in _global_groups(self.global_block_indices,
+        layout = sliding_window(n, self.num_sliding_window_blocks // 2, causal=False)
+        for start, stop in global_groups(self.global_block_indices,
                                           self.global_block_end_indices, n):
-            _set_global_(layout, start, stop, 0, horizontal=True)
+            set_global_(layout, start, stop, 0, horizontal=True)
         return numpy.tril(layout) if self.attention == "unidirectional" else layout
 
 
@@ -352,7 +309,7 @@ class LocalSlidingWindowSparsityConfig(SparsityConfig):
     attention: str = _param("unidirectional", _attention)
 
     def _head_layout(self, h, n, rng):
-        return _sliding_window(n, self.num_sliding_window_blocks // 2,
+        return sliding_window(n, self.num_sliding_window_blocks // 2,
                                causal=self.attention == "unidirectional")
 
 

@@ -13,10 +13,11 @@ import numpy
 
 from zmpi.backend import array_module
 from zmpi.nn.base import Module
+from zmpi.nn.checks import check_int
 from zmpi.nn.layers import Linear
 from zmpi.nn.moe.dispatcher import TokenDispatcher
 from zmpi.nn.moe.experts import Experts
-from zmpi.nn.moe.router import Router, check_int
+from zmpi.nn.moe.router import Router
 
 
 class MoE(Module):

@@ -39,6 +39,7 @@ import numpy
 
 from zmpi.backend import array_module
 from zmpi.nn.base import Module
+from zmpi.nn.checks import check_int, check_number
 from zmpi.nn.layers import normal_parameter
 from zmpi.nn.parameter import accumulate_grad_, compute_data
 
@@ -91,23 +92,6 @@ class Routing:
         return self.experts.shape[0] // self.group_size
 
 
-def check_int(name: str, value, least: int) -> None:
-    """ValueError naming `name` unless `value` is an int (not a bool) >= `least`."""
-    if isinstance(value, bool) or not isinstance(value, (int, numpy.integer)) or value < least:
-        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-
-
-def check_number(name: str, value, positive: bool = False) -> None:
-    """ValueError naming `name` unless `value` is a finite real number >= 0 (> 0 if
-    `positive`)."""
-    ok = isinstance(value, (int, float, numpy.integer, numpy.floating)) \
-        and not isinstance(value, bool) and math.isfinite(value) \
-        and (value > 0 if positive else value >= 0)
-    if not ok:
-        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, "
-                         f"got {value!r}")
-
-
 def _f32(dtype):
     return numpy.promote_types(dtype, numpy.float32)
 
@@ -134,8 +118,8 @@ class Router(Module):
         check_int("k", k, 1)
         if k > num_experts:
             raise ValueError(f"k={k} experts per token, but only num_experts={num_experts}")
-        check_number("capacity_factor", capacity_factor, positive=True)
-        check_number("eval_capacity_factor", eval_capacity_factor, positive=True)
+        check_number("capacity_factor", capacity_factor, strict=True)
+        check_number("eval_capacity_factor", eval_capacity_factor, strict=True)
         check_int("min_capacity", min_capacity, 0)
         for name, value in (("drop_tokens", drop_tokens), ("use_rts", use_rts)):
             if not isinstance(value, bool):

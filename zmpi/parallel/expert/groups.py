@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zmpi.nn.moe.router import check_int
+from zmpi.nn.checks import check_int
 from zmpi.words import count
 
 

@@ -26,9 +26,10 @@ holds one unit's full weights for a moment and never the whole model. The styles
                    the whole k, v on every rank computing the one head its query heads read,
                    gradient summed over tp (Megatron's replicated key/value heads); the
                    module's `n_head`, `n_kv_head` become the local counts
-    sequence       a replicated module (a LayerNorm or RMSNorm) that runs on the sequence shard under
-                   sequence parallelism: its Parameters are marked `sequence_parallel = True`
-                   (`mark_sequence_parallel`); without sequence parallelism, nothing
+    sequence       a replicated module (a LayerNorm or RMSNorm) that runs on the sequence
+                   shard under sequence parallelism: its Parameters are marked
+                   `sequence_parallel = True` (`mark_sequence_parallel`); without sequence
+                   parallelism, nothing
 
 With sequence_parallel=True the column layers gather the sequence at their input and the row
 layers reduce-scatter it at their output (linear.py, regions.py), so the activations between
