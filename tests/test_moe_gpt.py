@@ -1,8 +1,9 @@
 """A GPT with mixture-of-experts blocks, trained by the engine at expert-parallel degree 1
-(docs/moe.md): the model's MoE blocks, the `moe` config section and its refusals, what the
-engine tells each layer, the parameter counts, the `zmpi train` flags and a checkpoint saved
-at dp 2 (stage 3) resumed at dp 1. Parity with one process under ZeRO 0-3 at every world size
-is in the shared suite (tests/test_zero.py, test_moe_gpt_trains_as_one_process)."""
+(docs/moe.md): the model's MoE blocks, the `moe` config section and its refusals (those of
+ep_size above 1 included), what the engine tells each layer, the parameter counts, the `zmpi
+train` flags and a checkpoint saved at dp 2 (stage 3) resumed at dp 1. Parity with one process
+under ZeRO 0-3 at every world size, expert parallel where the experts allow, is in the shared
+suite (tests/test_zero.py, test_moe_gpt_trains_as_one_process)."""
 import json
 import subprocess
 import sys
@@ -72,8 +73,20 @@ BAD = [  # (moe section, other config keys, the one line)
     ({"k": 2}, {}, "moe.k: acts on MoE layers: give moe.num_experts too"),
     ({"num_experts": 0}, {}, "moe.num_experts: must be an integer >= 1"),
     ({"num_experts": [4, 0]}, {}, "moe.num_experts: must be an integer >= 1"),
-    ({"num_experts": 4, "ep_size": 2}, {}, "moe.ep_size: 2: expert parallelism is not built "
-     "into the engine yet"),
+    ({"num_experts": [4, 6], "ep_size": 4}, {}, "moe.ep_size: 4 does not divide num_experts 6"),
+    ({"num_experts": 4, "ep_size": 2}, {"zero_optimization": {"stage": 3, "strategy": "hybrid"}},
+     "zero_optimization.strategy: 'hybrid' is not built with moe.ep_size 2"),
+    ({"num_experts": 4, "ep_size": 2}, {"zero_optimization": {"stage": 3,
+                                                              "zero_quantized_weights": True}},
+     "zero_optimization.strategy: 'zeropp' is not built with moe.ep_size 2"),
+    ({"num_experts": 4, "ep_size": 2}, {"zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}}},
+     "zero_optimization.offload_optimizer.device: 'cpu': offload is not built with moe.ep_size"),
+    ({"num_experts": 4, "ep_size": 2}, {"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "cpu"}}},
+     "zero_optimization.offload_param.device: 'cpu': offload is not built with moe.ep_size"),
+    ({"num_experts": 4, "ep_size": 2}, {"optimizer": {"type": "OneBitAdam"}},
+     "optimizer.type: OneBitAdam is not built with moe.ep_size 2"),
     ({"num_experts": 4, "k": 5}, {}, "moe.k: 5 experts per token, but a layer has only 4"),
     ({"num_experts": 4, "noisy_gate_policy": "Gumbel"}, {}, "moe.noisy_gate_policy: 'Gumbel'"),
     ({"num_experts": 4, "capacity_factor": 0}, {}, "moe.capacity_factor: must be > 0"),
@@ -102,6 +115,16 @@ def test_every_bad_moe_key_is_one_line_naming_it(section, other, message):
     with pytest.raises(ConfigError) as e:
         Config.from_dict({"moe": section, **other})
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_an_expert_split_of_more_ranks_than_data_ranks_is_one_line():
+    """ep must divide the data-parallel size: refused as the mesh is built, before any
+    collective (one process: dp 1)."""
+    section = {"num_experts": 4, "ep_size": 2}
+    with pytest.raises(ValueError) as e:
+        Engine(GPT(SMALL, moe=section), _engine_config(section))
+    assert str(e.value).startswith("ep=2 does not divide the data-parallel size (1 rank)")
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("section,message", [
@@ -199,6 +222,10 @@ def test_zmpi_estimate_counts_the_experts():
                                   "parallelism yet: --tp 1")
     code, said = psi("--moe", '{"num_experts": 4, "layers": [9]}')
     assert code == 2 and "moe.layers: block 9 is not in a model of 4 blocks" in said
+    code, said = psi("--moe", '{"num_experts": 4, "ep_size": 2}')  # not a silent ep-1 count
+    assert code == 2 and said.startswith('zmpi estimate: --moe {"num_experts": 4, "ep_size": '
+                                         '2}: ep_size 2: the estimate counts every rank holding '
+                                         'every expert')
 
 
 def _losses(run_dir):
@@ -231,3 +258,26 @@ def test_train_with_moe_flags_and_resume_a_stage3_checkpoint_at_dp_1(tmp_path):
     assert sorted(one) == [2, 3]
     for step in (2, 3):
         assert one[step] == pytest.approx(two[step], rel=1e-12, abs=0)
+
+
+@pytest.mark.mpi
+def test_train_at_ep_2_and_its_checkpoints_refused_before_the_run(tmp_path):
+    """`zmpi train` with a config's moe.ep_size 2 on 2 ranks trains (the banner counts every
+    expert once); with --save-every it is refused, one line, before the run claims anything
+    (checkpoints of expert-parallel runs are not built yet)."""
+    config = tmp_path / "moe.json"
+    config.write_text(json.dumps({"moe": {"num_experts": 4, "k": 2, "ep_size": 2}}))
+    flags = ["--config", config, "--n-layer", "2", "--d-model", "16", "--n-head", "2",
+             "--seq-len", "16", "--batch", "4", "--steps", "2", "--sample-tokens", "0"]
+    result = launch_mpi(CLI, 2, timeout=180, args=["train", *flags, "--out", tmp_path / "run"])
+    assert result.returncode == 0, result.describe()
+    count = gpt_num_params(2, 16, 65, 16, moe={"num_experts": 4, "k": 2})
+    assert f"zmpi train: GPT {count:,} params, 2 ranks (dp 2 x pp 1 x tp 1, ep 2)" in \
+        result.stdout, result.stdout
+    refused = launch_mpi(CLI, 2, timeout=180, args=["train", *flags, "--save-every", "1",
+                                                    "--out", tmp_path / "saved"])
+    assert refused.returncode == 2, refused.describe()
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "zmpi train: --save-every: checkpoints of expert-parallel runs (moe.ep_size 2) are not "
+        "built yet (docs/moe.md)"), refused.stderr
+    assert not (tmp_path / "saved" / "checkpoints").exists()

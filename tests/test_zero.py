@@ -391,9 +391,16 @@ def test_moe_gpt_trains_as_one_process(run, moe_references, whole_suite):
     """A GPT with MoE blocks (zero_checks.MOE_CASES: top-1 and top-2, a pyramid of 4 and 2
     experts, every other block, PR-MoE with a shared expert, Jitter and RSample, random token
     selection, drops, accumulation, clipping, full recompute) under ZeRO 0-3 at every world
-    size (3: uneven shards) in fp64: the parameters and losses of one process, and every
-    step's choices and dropped tokens exactly one process's."""
+    size (3: uneven shards) in fp64, expert parallel at the largest ep the experts allow
+    ((dp, ep) = (2, 2), (3, 1), (3, 3), (4, 2), (4, 4)): the parameters and losses of one
+    process, and every step's choices and dropped tokens exactly one process's. At ep > 1
+    the ledger holds what the engine's and the experts' strategies declare, stage 3 holds
+    (2 + 2 + K) Psi_experts / ep / (dp / ep) of expert states (fp64: 8 + 8 + 3 x 8 bytes an
+    element), and the all-to-alls count in the "ep" dimension."""
     n, out, reports = run
+    eps = {name: reports[0]["moe"][name]["ep"] for name in moe_references}
+    assert eps == {name: zero_checks.moe_ep(section, n) for name, (*_, section)
+                   in zero_checks.MOE_CASES.items()}
     for name, (ref, ref_losses, ref_routing) in moe_references.items():
         with np.load(out / f"moe_{name}.npz") as f:
             got = dict(f)
@@ -406,5 +413,62 @@ def test_moe_gpt_trains_as_one_process(run, moe_references, whole_suite):
         assert sorted(got) == sorted(ref), where
         rel = max(np.abs(got[k] - ref[k]).max() / np.abs(ref[k]).max() for k in ref)
         assert rel <= FP64_RTOL, f"{where}: relative error {rel:.2e}"
-        np.testing.assert_allclose(reports[0]["moe"][name], ref_losses, rtol=LOSS_RTOL["fp64"],
-                                   err_msg=where)
+        for r in reports:
+            got = r["moe"][name]
+            np.testing.assert_allclose(got["losses"], ref_losses, rtol=LOSS_RTOL["fp64"],
+                                       err_msg=where)
+            if got["ep"] == 1:
+                continue
+            declared = sum(b for strategy in got["declared"] for held in strategy.values()
+                           for b in held.values())
+            assert got["held"] == declared, f"{where} ep={got['ep']}"
+            experts, stage = got["experts"], zero_checks.MOE_CASES[name][0]
+            assert experts["edp"] == n // got["ep"], where
+            if stage == 3:  # Psi_experts / ep, padded to edp shards, / edp per rank
+                assert sum(got["declared"][1]["device"].values()) == \
+                    (8 + 8 + 3 * 8) * experts["full_numel"] // experts["edp"], where
+                assert experts["full_numel"] - experts["num_params"] < experts["edp"] * 2
+            assert "alltoall" in got["dims"]["ep"] and "alltoall" not in got["dims"]["dp"]
+            assert "the first in backward order is in the expert parameters" in got["nan"]
+            assert [m.split(":")[0] for m in got["refused"]] == [
+                "moe.ep_size", "the model's MoE layers are expert parallel already"], where
+
+
+@pytest.fixture(scope="module")
+def llama_references():
+    """{case: (parameters, losses)} of one process for each of zero_checks.LLAMA_CASES (the
+    whole global batch of each micro-step in one forward)."""
+    from zmpi.comm import MPI, Comm
+    from zmpi.engine import Engine
+    from zmpi.models.llama import Llama
+
+    refs = {}
+    for name, (stage, accumulation, clip, offload) in zero_checks.LLAMA_CASES.items():
+        cfg = zero_checks.config(stage, "fp64", accumulation, clip, n=1)
+        if offload:
+            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        engine = Engine(Llama(zero_checks.LLAMA_CONFIG, seed=0, dtype=np.float64), cfg,
+                        Comm(MPI.COMM_SELF))
+        data = zero_checks.gpt_data(Comm(MPI.COMM_SELF), accumulation)
+        losses = [engine.train_step(*data.sample(step)) for step in range(zero_checks.STEPS)]
+        refs[name] = engine.gather_parameters(), losses
+        engine.close()
+    return refs
+
+
+@pytest.mark.mpi
+def test_llama_trains_as_one_process(run, llama_references, whole_suite):
+    """A Llama (grouped-query attention, SwiGLU, untied head: zero_checks.LLAMA_CONFIG) under
+    ZeRO 0-3 and stage 2 with optimizer offload, with accumulation and clipping, at every
+    world size (3: uneven shards) in fp64: the parameters and losses of one process."""
+    n, out, reports = run
+    for name, (ref, ref_losses) in llama_references.items():
+        with np.load(out / f"llama_{name}.npz") as f:
+            got = dict(f)
+        where = f"Llama {name} n={n}"
+        assert sorted(got) == sorted(ref), where
+        rel = max(np.abs(got[k] - ref[k]).max() / np.abs(ref[k]).max() for k in ref)
+        assert rel <= FP64_RTOL, f"{where}: relative error {rel:.2e}"
+        for r in reports:
+            np.testing.assert_allclose(r["llama"][name], ref_losses, rtol=LOSS_RTOL["fp64"],
+                                       err_msg=where)

@@ -13,16 +13,20 @@ everything else goes into the rank's one JSON report.
 """
 import argparse
 import hashlib
+import math
 
 import numpy as np
 from _report import report
 
 from zmpi import backend
 from zmpi.comm import _PROGRESS, Comm
+from zmpi.config import ConfigError
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
+from zmpi.engine.moe import make_expert_parallel
 from zmpi.memory import MODEL_STATE
 from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.models.llama import Llama, LlamaConfig
 from zmpi.models.mlp import MLPModel
 from zmpi.zero import available_strategies, get_strategy, load_strategy_file
 
@@ -228,20 +232,30 @@ def moe_routing_record(engine):
     return seen
 
 
+def moe_ep(section, n: int) -> int:
+    """The expert-parallel degree a MoE case runs at on n ranks: the largest that divides n
+    and every layer's expert count ((dp, ep) = (2, 2), (3, 3), (4, 2), (4, 4), (3, 1) ...)."""
+    experts = section["num_experts"]
+    return math.gcd(n, *(experts if isinstance(experts, list) else [experts]))
+
+
 def moe(comm, out_dir):
-    """A GPT with MoE blocks (MOE_CASES) trained in fp64 under ZeRO 0-3: rank 0 saves the
-    parameters and every step's routing of every global row, gathered in global order
-    (OUT_DIR/moe_<case>.npz: the parameters, route<step>_<layer>_{experts,kept}); the test
-    compares them with one process. Returns the losses."""
+    """A GPT with MoE blocks (MOE_CASES) trained in fp64 under ZeRO 0-3, with expert
+    parallelism at `moe_ep`: rank 0 saves the parameters and every step's routing of every
+    global row, gathered in global order (OUT_DIR/moe_<case>.npz: the parameters,
+    route<step>_<layer>_{experts,kept}); the test compares them with one process. Returns
+    {case: {"losses", "ep", and at ep > 1 what the ledger holds against what the two
+    strategies declare, the expert strategy's layout and the all-to-all counters}}."""
     results = {}
     for name, (stage, accumulation, clip, recompute, section) in MOE_CASES.items():
         cfg = config(stage, "fp64", accumulation, clip, n=comm.size)
+        section = {**section, "ep_size": moe_ep(section, comm.size)}
         cfg.update(moe=section, activation_checkpointing={"recompute": recompute})
         engine = Engine(GPT(GPT_CONFIG, seed=0, dtype=np.float64, moe=section), cfg, comm)
         seen, data, saved = moe_routing_record(engine), gpt_data(comm, accumulation), {}
-        results[name] = []
+        results[name] = {"losses": [], "ep": section["ep_size"]}
         for step in range(STEPS):
-            results[name].append(engine.train_step(*data.sample(step)))
+            results[name]["losses"].append(engine.train_step(*data.sample(step)))
             mine = [[np.concatenate(a) for a in zip(*(micro[layer] for micro in seen),
                                                     strict=True)]
                     for layer in range(len(engine.moe.layers))]  # this rank's rows in order
@@ -253,7 +267,67 @@ def moe(comm, out_dir):
         params = engine.gather_parameters()
         if comm.rank == 0:
             np.savez(f"{out_dir}/moe_{name}.npz", **params, **saved)
+        if engine.experts is not None:
+            results[name].update(expert_checks(engine, comm, data.sample(STEPS), out_dir))
+        engine.close()
     return results
+
+
+LLAMA_CONFIG = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=24,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=8)  # GQA, untied head; GPT_CONFIG's data
+LLAMA_CASES = {  # name: (ZeRO stage, accumulation, clipping, offload_optimizer)
+    "stage0": (0, 2, 0.05, False), "stage1": (1, 1, 0.0, False),
+    "stage2_offload": (2, 2, 0.05, True), "stage3": (3, 1, 0.05, False)}
+
+
+def llama(comm, out_dir):
+    """A Llama (LLAMA_CONFIG) trained in fp64 under each of LLAMA_CASES on this world: rank 0
+    saves the parameters (OUT_DIR/llama_<case>.npz); returns {case: the losses}; the test
+    compares both with one process."""
+    results = {}
+    for name, (stage, accumulation, clip, offload) in LLAMA_CASES.items():
+        cfg = config(stage, "fp64", accumulation, clip, n=comm.size)
+        if offload:
+            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        engine = Engine(Llama(LLAMA_CONFIG, seed=0, dtype=np.float64), cfg, comm)
+        data = gpt_data(comm, accumulation)
+        results[name] = [engine.train_step(*data.sample(step)) for step in range(STEPS)]
+        params = engine.gather_parameters()
+        if comm.rank == 0:
+            np.savez(f"{out_dir}/llama_{name}.npz", **params)
+        engine.close()
+    return results
+
+
+def expert_checks(engine, comm, batch, out_dir) -> dict:
+    """At ep > 1, after training: what the ledger holds against what the engine's and the
+    experts' strategies declare, the expert strategy's layout, the ops counted per mesh
+    dimension; what is refused (a checkpoint, a model made expert parallel twice); and the
+    error of a step (`batch`) whose expert gradients hold a NaN on the last rank only."""
+    experts = engine.experts.strategy
+    out = {"held": engine.memory.model_state_bytes(),
+           "declared": [s.expected_model_state() for s in engine.strategies],
+           "experts": {"shard_numel": experts.layout.shard_numel, "edp": experts.world_size,
+                       "full_numel": experts.layout.full_numel,
+                       "num_params": experts.layout.num_params},
+           "dims": {dim: sorted(op for op, c in ops.items() if c["calls"])
+                    for dim, ops in engine.traffic_by_dimension().items()},
+           "refused": []}
+    for attempt in (lambda: engine.save_checkpoint(f"{out_dir}/moe_checkpoint"),
+                    lambda: make_expert_parallel(engine.moe, engine.mesh.experts)):
+        try:
+            attempt()
+        except (ConfigError, ValueError) as e:  # one line each, alike on every rank
+            out["refused"].append(str(e))
+    reduce = experts.before_step
+    experts.before_step = lambda: (reduce(), comm.rank == comm.size - 1 and
+                                   experts.optimizer_grads().__setitem__(0, np.nan))
+    try:
+        engine.train_step(*batch)
+    except FloatingPointError as e:
+        out["nan"] = str(e)
+    return out
 
 
 def loss_scaler(comm):
@@ -295,5 +369,5 @@ if __name__ == "__main__":
                "memory_traffic": memory_and_traffic(comm, cases)}
     if not args.only:
         results.update(losses=losses(comm, args.out_dir), loss_scaler=loss_scaler(comm),
-                       moe=moe(comm, args.out_dir))
+                       moe=moe(comm, args.out_dir), llama=llama(comm, args.out_dir))
     report(results)

@@ -179,26 +179,84 @@ class ModelConfig(_Section):
     note); an Engine given another model raises ConfigError naming the key. Empty: any.
     `vocab_multiple`: the token table padded to a multiple of it (times tp) for aligned LM-head
     GEMMs; None: 128 on a GPU, 1 on a CPU (docs/gpu.md). Not a shape: a checkpoint loads
-    across paddings."""
+    across paddings.
 
+    `model_type` "llama" (`zmpi train --model llama`; docs/models.md) makes it a Llama's
+    shape, in transformers' LlamaConfig names: hidden_size, num_hidden_layers and
+    num_attention_heads in place of d_model, n_layer and n_head (those GPT names are then
+    refused, naming the Llama's), and intermediate_size, num_key_value_heads,
+    max_position_embeddings, rms_norm_eps, rope_theta, rope_scaling, tie_word_embeddings (all
+    refused for a GPT). seq_len, vocab_size and vocab_multiple serve both. rope_scaling's
+    keys are checked where the model is built (zmpi.nn.llama_functional.rope_inv_freq: this
+    package imports no layer code)."""
+
+    model_type: str | None = None  # None: "gpt"
     n_layer: int | None = None
     d_model: int | None = None
     n_head: int | None = None
     seq_len: int | None = None
     vocab_size: int | None = None
     vocab_multiple: int | None = None
+    hidden_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    intermediate_size: int | None = None
+    num_key_value_heads: int | None = None
+    max_position_embeddings: int | None = None
+    rms_norm_eps: float | None = None
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool | None = None
 
     SHAPE = ("n_layer", "d_model", "n_head", "seq_len", "vocab_size")
+    TYPES = ("gpt", "llama")
+    # zmpi's GPT names -> a Llama's (transformers' LlamaConfig names) for the same setting
+    LLAMA_NAMES = {"n_layer": "num_hidden_layers", "d_model": "hidden_size",
+                   "n_head": "num_attention_heads"}
+    LLAMA_ONLY = ("intermediate_size", "num_key_value_heads", "max_position_embeddings",
+                  "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings")
 
     def _validate(self):
-        self._at_least(1, *self.SHAPE, "vocab_multiple")
-        if self.d_model is not None and self.n_head is not None:
-            _check(self.d_model % self.n_head == 0, "n_head",
-                   f"{self.n_head} does not divide d_model {self.d_model}")
+        _check(self.model_type in (None, *self.TYPES), "model_type",
+               f"{self.model_type!r}: use {' or '.join(map(repr, self.TYPES))}")
+        llama = self.model_type == "llama"
+        for gpt_name, llama_name in self.LLAMA_NAMES.items():
+            wrong, right = (gpt_name, llama_name) if llama else (llama_name, gpt_name)
+            _check(getattr(self, wrong) is None, wrong,
+                   f"a {'GPT' if llama else 'Llama'} key; model_type "
+                   f"{self.model_type or 'gpt'!r} names it {right}")
+        for key in () if llama else self.LLAMA_ONLY:
+            _check(getattr(self, key) is None, key, "a Llama key: set model_type \"llama\" "
+                   "(zmpi train --model llama)")
+        self._at_least(1, *self.SHAPE, "vocab_multiple", *self.LLAMA_NAMES.values(),
+                       "intermediate_size", "num_key_value_heads", "max_position_embeddings")
+        self._at_least(0, "rms_norm_eps", "rope_theta", strict=True)
+        d, heads = self.shape_value("d_model"), self.shape_value("n_head")
+        if d is not None and heads is not None:
+            _check(d % heads == 0, self.shape_key("n_head"),
+                   f"{heads} does not divide {self.shape_key('d_model')} {d}")
+        kv = self.num_key_value_heads
+        if kv is not None and heads is not None:
+            _check(heads % kv == 0, "num_key_value_heads",
+                   f"{kv} does not divide num_attention_heads {heads}")
+        if self.max_position_embeddings is not None and self.seq_len is not None:
+            _check(self.seq_len <= self.max_position_embeddings, "seq_len",
+                   f"{self.seq_len} > max_position_embeddings {self.max_position_embeddings}")
+
+    def shape_key(self, name: str) -> str:
+        """This section's key for the GPT shape name `name` (a Llama's own name for n_layer,
+        d_model and n_head)."""
+        return self.LLAMA_NAMES.get(name, name) if self.model_type == "llama" else name
+
+    def shape_value(self, name: str):
+        """The value of the GPT shape name `name` under this section's key for it."""
+        return getattr(self, self.shape_key(name))
 
     def given(self) -> dict:
-        """{key: value} of the keys set."""
-        return {k: getattr(self, k) for k in self.SHAPE if getattr(self, k) is not None}
+        """{key: value} of the keys set (model_type where it is "llama")."""
+        keys = [self.shape_key(k) for k in self.SHAPE] + list(self.LLAMA_ONLY)
+        out = {"model_type": "llama"} if self.model_type == "llama" else {}
+        return {**out, **{k: getattr(self, k) for k in keys if getattr(self, k) is not None}}
 
 
 @dataclass(frozen=True)

@@ -283,6 +283,8 @@ def first_nonfinite_unit(engine, grads) -> str:
             local = u
             break
     u = int(engine.comm.allreduce_scalar(local, op="max"))
+    if u < 0:  # the dense gradients are finite: the expert strategy's are not (ep > 1)
+        return "the expert parameters of the MoE layers (moe.ep_size > 1)"
     names = [s.name for s in layout.units[u].slots]
     return (f"unit {u} ({type(engine.model.units[u]).__name__}: "
             f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")

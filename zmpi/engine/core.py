@@ -14,7 +14,9 @@ across shards, and Adam on the rank's master shard (step.py). The strategy decid
 kept and which collectives run (zero/strategy.py), over the mesh's data-parallel group.
 With pipeline stages (pipeline.stages > 1) the engine keeps this rank's stage of the model and
 runs the configured schedule over the micro-batches (pipeline.py); with tensor parallelism
-the model is split as it is built (tensor.py).
+the model is split as it is built (tensor.py); with expert parallelism (moe.ep_size > 1) each
+rank keeps its share of the MoE layers' experts, whose states a second instance of the
+strategy holds over the expert-data-parallel group (moe.py).
 
 ZeRO-Offload puts the master shard, Adam's moments and the reduced gradient shard on the host,
 where `HostAdam` updates them; with `delay_update` (DPU, delayed.py) that update runs while
@@ -51,7 +53,7 @@ from zmpi.engine.checks import (
 )
 from zmpi.engine.delayed import DelayedUpdate
 from zmpi.engine.hooks import EngineHooks, as_config
-from zmpi.engine.moe import MoERouting, check_moe
+from zmpi.engine.moe import ExpertStates, MoERouting, check_moe, make_expert_parallel, split_experts
 from zmpi.engine.optimizer import build_optimizer
 from zmpi.engine.pipeline import PipelineRun
 from zmpi.engine.profile import PhaseProfile
@@ -69,7 +71,7 @@ from zmpi.optim.loss_scaler import LossScaler
 from zmpi.parallel.mesh import Mesh
 from zmpi.parallel.pipeline.stage import PipelineStage
 from zmpi.zero import StrategyContext, get_strategy
-from zmpi.zero.flat import ModelLayout, UnitLayout
+from zmpi.zero.flat import ModelLayout
 
 
 class Engine(EngineTraffic):
@@ -92,12 +94,15 @@ class Engine(EngineTraffic):
         config = as_config(config)
         # data x pipeline x tensor; the ZeRO strategies see only the data-parallel group
         self.mesh = mesh if mesh is not None else Mesh(
-            comm, tp=config.tensor_parallel.autotp_size, pp=config.pipeline.stages)
+            comm, tp=config.tensor_parallel.autotp_size, pp=config.pipeline.stages,
+            ep=config.moe.ep_size)
         check_mesh(self.mesh, config, model)
         check_model_shape(config, model)
         check_sparse_attention(config, model)
         self.moe = MoERouting(model)  # the MoE layers' routing and losses (engine/moe.py)
         check_moe(config, self.mesh, model, self.moe)
+        if self.mesh.experts is not None:  # each rank keeps its E / ep experts of each layer
+            make_expert_parallel(self.moe, self.mesh.experts)
         self.config = config.resolve_batch(self.mesh.dp)
         self.micro_batch = self.config.train_micro_batch_size_per_gpu
         self.accumulation = self.config.gradient_accumulation_steps
@@ -130,6 +135,8 @@ class Engine(EngineTraffic):
         names = {id(p): name for name, p in model.named_parameters()}  # model-wide names
         unit_params = [{names[id(p)]: p for _, p in unit.named_parameters()} for unit in units]
         check_units(units, unit_params)
+        # at ep > 1 the expert parameters have a strategy of their own (engine/moe.py)
+        unit_params, expert_params = split_experts(unit_params)
         self.dtype = storage_dtype(self.config, unit_params)
         # fp32 master weights and Adam state; fp64 when the model itself is fp64 (exactness tests).
         self.master_dtype = np.dtype(np.float64 if self.dtype == np.float64 else np.float32)
@@ -138,21 +145,21 @@ class Engine(EngineTraffic):
         # world size) and the ranks that replicate them (hybrid sharding).
         shard_group, replica_group = cls.process_groups(self.mesh.dp_comm,
                                                         self.config.zero_optimization)
-        self.layout = ModelLayout([UnitLayout.build({n: p.data.shape for n, p in ps.items()},
-                                                    shard_group.size) for ps in unit_params])
-        initial = np.zeros(self.layout.full_numel, self.master_dtype)
-        for u, params in enumerate(unit_params):
-            views = self.layout.units[u].views(initial[self.layout.full_slice(u)])
-            for name, p in params.items():
-                views[name][...] = backend.to_host(p.data)
+        self.layout = ModelLayout.of(unit_params, shard_group.size)
+        initial = self.layout.values_of(unit_params, self.master_dtype)
         check_same_on_replicas(initial, self.mesh.dp_comm)
 
+        context = dict(ledger=self.memory, dtype=self.dtype, master_dtype=self.master_dtype,
+                       xp=self.xp, config=self.config.zero_optimization, mesh=self.mesh,
+                       aio=self.config.aio)
         self.strategy = agreed_across_stages(self.mesh, lambda: cls(StrategyContext(
             units=units, unit_params=unit_params, layout=self.layout, shard_group=shard_group,
-            replica_group=replica_group, ledger=self.memory, dtype=self.dtype,
-            master_dtype=self.master_dtype, xp=self.xp, config=self.config.zero_optimization,
-            mesh=self.mesh, aio=self.config.aio)))
+            replica_group=replica_group, **context)))
         self.strategy.initialize(initial)
+        self.experts = ExpertStates(cls, units, expert_params, self.mesh.experts,
+                                    **context) if expert_params else None
+        # the strategies every step runs: the engine's, and the experts' at ep > 1
+        self.strategies = (self.strategy,) + ((self.experts.strategy,) if self.experts else ())
         self.tensor_splits = TensorSplits.of_model(unit_params, self.mesh.tp_comm)  # checkpoints
         # the schedule, and the weights tied across stages (engine/pipeline.py)
         self.pipeline = PipelineRun(self, model, unit_params) if self.mesh.pp > 1 else None
@@ -184,7 +191,8 @@ class Engine(EngineTraffic):
         self.scaler = LossScaler.from_config(fp16) if fp16.enabled else LossScaler.disabled()
         self.global_steps = 0
         if self.config.debug.check_collectives:
-            for c in (self.comm, *self.strategy.comms().values()):
+            experts = self.mesh.experts.comms().values() if self.mesh.experts else ()
+            for c in (self.comm, *self.strategy.comms().values(), *experts):
                 c.enable_collective_checks()
         self.reset_counters()
         notes = self.config.notes()
@@ -196,28 +204,39 @@ class Engine(EngineTraffic):
         make_progress()  # messages in flight move between units (zmpi.comm.make_progress)
         self.phases.unit_begins()
         self.strategy.before_forward(self._unit_index[id(unit)])
+        self._expert_hook("before_forward", unit)
 
     def after_forward(self, unit):
         u = self._unit_index[id(unit)]
         self.strategy.after_forward(u)
+        self._expert_hook("after_forward", unit)
         self.phases.unit_ends(u, "forward")
 
     def before_backward(self, unit):
         make_progress()
         self.phases.unit_begins()
         self.strategy.before_backward(self._unit_index[id(unit)])
+        self._expert_hook("before_backward", unit)
 
     def after_backward(self, unit):
         u = self._unit_index[id(unit)]
         self.strategy.after_backward(u)
+        self._expert_hook("after_backward", unit)
         self.phases.unit_ends(u, "backward")
 
     def before_recompute(self, unit):
         make_progress()
         self.strategy.before_recompute(self._unit_index[id(unit)])
+        self._expert_hook("before_recompute", unit)
 
     def after_recompute(self, unit):
         self.strategy.after_recompute(self._unit_index[id(unit)])
+        self._expert_hook("after_recompute", unit)
+
+    def _expert_hook(self, name, unit):
+        """At ep > 1, the expert strategy's hook `name` on `unit` (after the engine's)."""
+        if self.experts is not None:
+            self.experts.hook(name, unit)
 
     # ---- training -------------------------------------------------------------------------
     def train_step(self, inputs, targets) -> float:
@@ -244,7 +263,8 @@ class Engine(EngineTraffic):
             with activations_counted_in(self.memory), _ids_checked(checked):
                 return self._train_step(inputs, targets)
         except BaseException:
-            self.strategy.abandon_in_flight()  # no freed buffer may still be MPI's
+            for strategy in self.strategies:
+                strategy.abandon_in_flight()  # no freed buffer may still be MPI's
             raise
 
     def _train_step(self, inputs, targets) -> float:
@@ -256,8 +276,9 @@ class Engine(EngineTraffic):
             first = self.mesh.dp_rank * len(inputs)  # this rank's rows of the global batch
             for i in range(self.accumulation):
                 rows_i = slice(i * self.micro_batch, (i + 1) * self.micro_batch)
-                self.strategy.sync_gradients = (i == self.accumulation - 1
-                                                and self.optimizer.reduces_gradients)
+                for strategy in self.strategies:
+                    strategy.sync_gradients = (i == self.accumulation - 1
+                                               and self.optimizer.reduces_gradients)
                 self.moe.before(self.global_steps, first + rows_i.start, self.scaler.scale,
                                 inputs[rows_i])
                 total = total + self.model.forward_loss(self.xp.asarray(inputs[rows_i]),
@@ -333,7 +354,8 @@ class Engine(EngineTraffic):
         self.checkpoints.finish()
         self.flush()
         self.optimizer.close()
-        self.strategy.close_storage()  # the NVMe tier's files
+        for strategy in self.strategies:
+            strategy.close_storage()  # the NVMe tier's files
         self.checkpoints.release()
         for group in self.strategy.comms().values():  # the policy's own groups (hybrid)
             if group not in self.mesh.comms().values():
@@ -390,7 +412,8 @@ class Engine(EngineTraffic):
         try:
             return reduce_and_update(self, loss)
         finally:
-            self.strategy.zero_grads()  # also after an error, so the next step starts clean
+            for strategy in self.strategies:
+                strategy.zero_grads()  # also after an error, so the next step starts clean
 
     def check_replicas(self) -> None:
         """Compare, by CRC-32, every copy of the state that ranks should hold identically: the
@@ -418,7 +441,7 @@ class Engine(EngineTraffic):
         full = backend.to_host(self.strategy.full_master())
         params = dict(self.model.named_parameters())
         held = self.pipeline.held_params if self.pipeline else frozenset()
-        out = {}
+        out = self.experts.gather() if self.experts else {}  # whole (E, ...) at ep > 1
         for u, unit_layout in enumerate(self.layout.units):
             for name, view in unit_layout.views(full[self.layout.full_slice(u)]).items():
                 value = gather_tensor_slices(view, params[name], self.mesh.tp_comm)
@@ -428,7 +451,7 @@ class Engine(EngineTraffic):
 
     @property
     def num_params(self) -> int:
-        return self.layout.num_params
+        return self.layout.num_params + (self.experts.num_params if self.experts else 0)
 
     def describe(self) -> dict:
         """What this run is: config, world size, mesh, strategy, layout sizes (run outputs)."""

@@ -1,5 +1,6 @@
-"""The engine's side of mixture-of-experts layers (zmpi.nn.moe.MoE) at expert-parallel degree 1:
-what each layer must be told before a micro-batch's forward, and the losses it adds.
+"""The engine's side of mixture-of-experts layers (zmpi.nn.moe.MoE): what each layer must be
+told before a micro-batch's forward, the losses it adds, and at expert-parallel degree > 1 the
+expert parameters' own partition.
 
     routing = MoERouting(model)   the model's MoE layers (none: every call is a no-op)
     check_moe(config, mesh, model, routing)
@@ -10,6 +11,13 @@ what each layer must be told before a micro-batch's forward, and the losses it a
                         aux_loss_scale = scale (the loss scale the main loss's gradient gets)
     routing.losses()    the auxiliary and z losses of the last forward, summed over the
                         layers (coefficients included): added to the reported loss
+    make_expert_parallel(routing, mesh.experts)
+                        at ep > 1: each layer keeps its E / ep experts (expert_parallel)
+    dense, experts = split_experts(unit_params)
+                        the expert parameters (those marked `ep_split`) apart from the rest
+    ExpertStates(cls, units, experts, mesh.experts, **context)
+                        a second instance of the engine's ZeRO stage, over the
+                        expert-data-parallel group, holding the expert parameters
 
 Why this routes as one process: a routing group is one sequence, so the group of global row r
 of the step's batch is r, whatever the data-parallel size and the micro-batches (rank d holds
@@ -20,13 +28,33 @@ forward that full recompute repeats reads the same key and offset. The auxiliary
 are means over a micro-batch's groups and tokens, and the engine divides every gradient by
 (loss scale x ranks x micro-batches): the mean over the step's groups, one process's.
 
-The expert parameters are ordinary parameters of their block's unit: the strategy shards,
-reduces, clips and loss-scales them with the rest (at ep 1 every rank holds every expert).
+At ep 1 the expert parameters are ordinary parameters of their block's unit: the strategy
+shards, reduces, clips and loss-scales them with the rest (every rank holds every expert).
+
+At ep > 1 (DeepSpeed-MoE's layout, zmpi.parallel.mesh): rank j of an expert-parallel group
+holds experts j E/ep .. (j+1) E/ep - 1 of every MoE layer, and the ranks holding the same
+experts are the expert-data-parallel group (edp = dp / ep ranks). The dense parameters stay
+in the engine's strategy over all of dp; the expert parameters go to flat buffers of their
+own, run by a second instance of the same strategy class whose Comm is the
+expert-data-parallel group: the mechanism is shared, the Comm varies. Each MoE block's unit is
+then a unit of both (the engine runs both strategies' hooks around it, the dense one first),
+so ZeRO 0-3 reduce, shard, gather and release the expert states over edp exactly as they do
+the dense states over dp. Both are divided by the same (loss scale x dp x micro-batches): an
+expert's gradient summed over edp is the sum over every token of the step routed to it,
+since the all-to-alls brought each token's rows to the rank holding its expert. One
+optimizer updates both (the expert states without advancing its step count again); the
+gradients' norm for clipping and the overflow check add the experts' squares summed over edp
+(when sharded) and then over ep, so each expert is counted once.
 """
 
 from __future__ import annotations
 
+from zmpi import backend
+from zmpi.engine.checks import check_same_on_replicas
 from zmpi.nn.moe import MoE
+from zmpi.parallel.expert import expert_parallel
+from zmpi.zero import StrategyContext
+from zmpi.zero.flat import ModelLayout
 
 
 class MoERouting:
@@ -59,11 +87,89 @@ class MoERouting:
         return total
 
 
+def make_expert_parallel(routing: MoERouting, groups) -> None:
+    """Each MoE layer of `routing` keeps the experts this rank holds over `groups` (an
+    ExpertGroups: zmpi.parallel.expert.expert_parallel). ValueError, before any collective,
+    for a layer made expert parallel already: the engine takes a model built whole."""
+    for layer in routing.layers:
+        if any(hasattr(p, "ep_split") for _, p in layer.experts.named_parameters()):
+            raise ValueError("the model's MoE layers are expert parallel already: give the "
+                             "Engine the model built whole (it keeps each rank's experts)")
+        expert_parallel(layer, groups)
+
+
+def split_experts(unit_params):
+    """(dense, experts): `unit_params` (name -> Parameter per unit) without the expert
+    parameters (those marked `ep_split` by expert_parallel), and {unit: its expert
+    parameters} for the units that have any ({} for a dense or ep-1 model)."""
+    dense, experts = [], {}
+    for u, params in enumerate(unit_params):
+        dense.append({n: p for n, p in params.items() if not hasattr(p, "ep_split")})
+        if len(dense[-1]) < len(params):
+            experts[u] = {n: p for n, p in params.items() if hasattr(p, "ep_split")}
+    return dense, experts
+
+
+class ExpertStates:
+    """The expert parameters of an engine at ep > 1 (see the module's doc): `strategy`, an
+    instance of the engine's strategy class over `groups.edp_comm` whose units are the MoE
+    blocks' units, with only their expert parameters; `layout` its flat layout (this rank's
+    E / ep experts of each layer)."""
+
+    def __init__(self, cls, units, experts: dict, groups, **context):
+        """cls: the engine's strategy class; units: the model's units; experts: {unit index:
+        its expert parameters} (split_experts); groups: the mesh's ExpertGroups; context: the
+        other StrategyContext fields (ledger, dtype, master_dtype, xp, config, mesh, aio)."""
+        self.groups, self.units = groups, [units[u] for u in experts]
+        params = list(experts.values())
+        shard, replica = cls.process_groups(groups.edp_comm, context["config"])
+        self.layout = ModelLayout.of(params, shard.size)
+        initial = self.layout.values_of(params, context["master_dtype"])
+        check_same_on_replicas(initial, groups.edp_comm)  # the same experts, the same values
+        self.strategy = cls(StrategyContext(units=self.units, unit_params=params,
+                                            layout=self.layout, shard_group=shard,
+                                            replica_group=replica, **context))
+        self.strategy.initialize(initial)
+        self._index = {id(unit): i for i, unit in enumerate(self.units)}
+
+    def hook(self, name: str, unit) -> None:
+        """The strategy's hook `name` ("before_forward", ...) on `unit`, if it holds experts."""
+        i = self._index.get(id(unit))
+        if i is not None:
+            getattr(self.strategy, name)(i)
+
+    @property
+    def num_params(self) -> int:
+        """The experts' parameters over all ranks (every layer's E experts)."""
+        return self.layout.num_params * self.groups.ep
+
+    def global_sumsq(self, sumsq):
+        """The sum of the squared expert gradients over every expert, from this rank's
+        `sumsq` over its optimizer gradients (its shard when sharded): summed over edp where
+        the shards differ, then over ep, whose ranks hold different experts."""
+        if self.strategy.shard_optimizer:
+            sumsq = self.groups.edp_comm.allreduce_scalar(sumsq)
+        return self.groups.ep_comm.allreduce_scalar(sumsq)
+
+    def gather(self) -> dict:
+        """{name: the whole (E, ...) master value} of every expert parameter, on every rank
+        (a collective: allgathers over edp, then over ep)."""
+        import numpy as np
+
+        full = backend.to_host(self.strategy.full_master())
+        out = {}
+        for u, unit in enumerate(self.layout.units):
+            for name, view in unit.views(full[self.layout.full_slice(u)]).items():
+                parts = self.groups.ep_comm.allgather_object(np.ascontiguousarray(view))
+                out[name] = np.concatenate(parts)  # ep rank j holds the j-th block of experts
+        return out
+
+
 def check_moe(config, mesh, model, routing: MoERouting) -> None:
     """ConfigError unless the model's MoE blocks are the config's `moe` section (a model with
     a `moe` attribute, the GPT, built from an equal section; any other model only with an
-    empty one), and the mesh has neither tensor nor pipeline parallelism where the model has
-    MoE layers (not built yet)."""
+    empty one), the mesh's expert split is the section's ep_size, and the mesh has neither
+    tensor nor pipeline parallelism where the model has MoE layers (not built yet)."""
     from zmpi.config import ConfigError
 
     want = config.moe if config.moe.enabled else None
@@ -74,6 +180,10 @@ def check_moe(config, mesh, model, routing: MoERouting) -> None:
             f"{'no MoE' if built is None else built.to_dict()}" if want is not None else
             f"the config has none but the model was built with {built.to_dict()}")
             + "; build it as GPT(..., moe=config['moe']) from the same section")
+    if mesh.ep != config.moe.ep_size:
+        raise ConfigError("moe.ep_size", f"{config.moe.ep_size}, but the mesh given splits "
+                          f"the data-parallel ranks into expert groups of {mesh.ep}: build it "
+                          "as Mesh(comm, ..., ep=config's moe.ep_size)")
     if routing.layers and mesh.tp > 1:
         raise ConfigError("tensor_parallel.autotp_size", f"{mesh.tp}: MoE layers are not split "
                           "by tensor parallelism yet (docs/moe.md)")

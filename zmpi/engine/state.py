@@ -15,9 +15,17 @@ from zmpi.runinfo import git_revision
 
 class TrainState:
     """An engine's training state, for one save or load (made per call: it holds the engine
-    only while that call runs)."""
+    only while that call runs). ConfigError naming moe.ep_size, alike on every rank and
+    before any file is touched, for an engine at ep > 1: checkpoints do not hold the expert
+    strategy's shards yet (docs/moe.md)."""
 
     def __init__(self, engine):
+        if engine.experts is not None:
+            from zmpi.config import ConfigError
+
+            raise ConfigError("moe.ep_size", f"{engine.mesh.ep}: checkpoints of "
+                              "expert-parallel runs are not built yet (docs/moe.md); train "
+                              "with ep_size 1 to save or load")
         self._engine = engine
         self.comm, self.mesh, self.layout = engine.comm, engine.mesh, engine.layout
         self.strategy, self.memory = engine.strategy, engine.memory

@@ -30,9 +30,10 @@ def reduce_and_update(engine, loss) -> float:
     the step's micro-batches, a 0-d array on the device or a number; returned as a float,
     read back together with the gradients' sum of squares (on a GPU: the step's one
     device -> host transfer)."""
-    strategy = engine.strategy
-    strategy.wait_pending()
-    strategy.before_step()
+    strategy, experts = engine.strategy, engine.experts
+    for each in engine.strategies:  # the engine's, and at ep > 1 the experts' (engine/moe.py)
+        each.wait_pending()
+        each.before_step()
     # Reduced gradients (this rank's shard, storage dtype): the optimizer reads them as
     # grads * grad_scale (the global-batch mean) * clip_coef, converted chunk by chunk.
     grads = strategy.optimizer_grads()
@@ -44,9 +45,13 @@ def reduce_and_update(engine, loss) -> float:
     ranks = engine.mesh.dp if engine.optimizer.reduces_gradients else 1
     grad_scale = 1.0 / (engine.scaler.scale * ranks * engine.accumulation)
     sumsq = engine.optimizer.sum_of_squares(grads, grad_scale, engine.master_dtype)
-    loss, sumsq = backend.read_scalars(loss, sumsq)
+    expert_grads = experts.strategy.optimizer_grads() if experts else None
+    expert_sumsq = engine.optimizer.sum_of_squares(expert_grads, grad_scale,
+                                                   engine.master_dtype) if experts else 0.0
+    loss, sumsq, expert_sumsq = backend.read_scalars(loss, sumsq, expert_sumsq)
     # a sum that is not finite holds a NaN or inf, or overflowed from finite gradients
-    finite = math.isfinite(sumsq) or engine.optimizer.all_finite(grads)
+    finite = all(math.isfinite(s) or engine.optimizer.all_finite(g)
+                 for s, g in ((sumsq, grads), (expert_sumsq, expert_grads)) if g is not None)
     engine.flush()  # the previous step's delayed update lands (its compute overlapped ours)
     apply_schedule(engine)  # a skipped step keeps the rate it would have run at
     scaler = engine.scaler
@@ -66,22 +71,27 @@ def reduce_and_update(engine, loss) -> float:
         scaler.update(overflow=True)  # skip the step on every rank
         return loss
     if engine.config.fp16.enabled and not scaler.dynamic and scaler.scale < 1 and \
-            not any_rank(engine.comm, sumsq > 0):  # only a scale below 1 flushes more
+            not any_rank(engine.comm, sumsq + expert_sumsq > 0):  # only a scale below 1
         raise FloatingPointError(
             f"every gradient is zero at optimizer step {engine.global_steps}: the static "
             f"fp16.loss_scale {scaler.scale:g} flushes the scaled gradients to zero in "
             f"{engine.dtype.name} (its least magnitude is 6e-08), and nothing trains; raise "
             "it, or give 0 for dynamic scaling")
     # Adam on the master shard and moments (host, device or NVMe: the strategy's)
-    update = (engine.optimizer, grads, grad_scale, clip_coef(engine, sumsq, grads, grad_scale))
+    coef = clip_coef(engine, sumsq, grads, grad_scale, expert_sumsq)
+    update = (engine.optimizer, grads, grad_scale, coef)
     if engine.delay_update and engine.global_steps >= engine.delay_update_warmup:
         strategy.swap_grad_buffers()  # backward of the next step fills the other buffer
         engine.delayed.start(lambda: strategy.optimizer_step(*update), engine.global_steps)
     else:
         start = time.perf_counter()  # host params: written as Adam goes (publish_targets)
         strategy.optimizer_step(*update, publish=strategy.publish_targets())
+        if experts:  # the same step of the same optimizer: its step count is advanced
+            experts.strategy.optimizer_step(engine.optimizer, expert_grads, grad_scale, coef,
+                                            experts.strategy.publish_targets(), advance=False)
         engine.update_timing["optimizer_s"] += time.perf_counter() - start
-        strategy.publish_params()
+        for each in engine.strategies:
+            each.publish_params()
     engine.scaler.update(overflow=False)
     engine.global_steps += 1
     return loss
@@ -99,10 +109,11 @@ def apply_schedule(engine) -> None:
         engine.optimizer.betas = betas
 
 
-def clip_coef(engine, sumsq: float, grads, grad_scale: float) -> float:
+def clip_coef(engine, sumsq: float, grads, grad_scale: float, expert_sumsq: float = 0.0) -> float:
     """Factor that brings the global L2 norm over all ranks' shards (all stages, all tensor
-    slices) to gradient_clipping (1.0 when it is below, or clipping is off). `sumsq`: this
-    rank's sum of squared scaled gradients (`grads` * `grad_scale`)."""
+    slices, every expert) to gradient_clipping (1.0 when it is below, or clipping is off).
+    `sumsq`: this rank's sum of squared scaled gradients (`grads` * `grad_scale`);
+    `expert_sumsq`: the same of its expert strategy's gradients (ep > 1, engine/moe.py)."""
     max_norm = engine.config.gradient_clipping
     if max_norm <= 0:
         return 1.0
@@ -114,6 +125,8 @@ def clip_coef(engine, sumsq: float, grads, grad_scale: float) -> float:
         sumsq = engine.strategy.comm.allreduce_scalar(sumsq)
     if engine.pipeline is not None:  # every stage's share
         sumsq = engine.mesh.pp_comm.allreduce_scalar(sumsq)
+    if engine.experts is not None:  # each expert once: over edp's shards, then over ep
+        sumsq += engine.experts.global_sumsq(expert_sumsq)
     coef = max_norm / (math.sqrt(sumsq) + 1e-6)  # as torch.nn.utils.clip_grad_norm_
     return min(coef, 1.0)
 

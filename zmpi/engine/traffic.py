@@ -6,9 +6,13 @@ sent_bytes, traffic_by_dimension), over these functions:
                                 hybrid strategies' "shard" and "replica"
     sent_by_group(strategy)     {group kind: bytes sent in array collectives (ring model)}:
                                 what the strategy's expected_traffic() declares
-    by_dimension(mesh, strategy, pipeline)   {"dp"|"pp"|"tp": {op: counts}}: each mesh
-                                dimension's collectives (the strategy's groups live inside
-                                dp, the tied-weight groups inside pp)
+    by_dimension(mesh, strategy, pipeline)   {"dp"|"pp"|"tp" (and "ep", "edp" at moe.ep_size
+                                > 1): {op: counts}}: each mesh dimension's collectives (the
+                                strategy's groups live inside dp, the tied-weight groups
+                                inside pp; the all-to-alls in ep, the expert strategy's in edp)
+
+At ep > 1 the engine's traffic, sent bytes and expected traffic also have the kind "experts":
+the expert strategy's (its "world", the expert-data-parallel group: engine/moe.py).
 """
 from __future__ import annotations
 
@@ -27,22 +31,28 @@ class EngineTraffic:
     def traffic(self) -> dict[str, dict]:
         """{group kind: {op: {calls, bytes, sent}}} counted since the last reset, for every
         communicator the strategy sends on ("world"; "shard" and "replica" for hybrid)."""
-        return by_group(self.strategy)
+        return {**by_group(self.strategy), **self._experts(by_group)}
 
     def expected_traffic(self) -> dict[str, int]:
         """{group kind: bytes this rank should send} in the next step without accumulation:
         the strategy's declaration, or 1-bit Adam's compressed allreduce (optimizer.py)."""
-        return declared_traffic(self)
+        return {**declared_traffic(self),
+                **self._experts(lambda strategy: strategy.expected_traffic())}
 
     def sent_bytes(self) -> dict[str, int]:
         """{group kind: bytes this rank sent in array collectives} since the last reset (ring
         model): what the strategy's `expected_traffic` declares per step."""
-        return sent_by_group(self.strategy)
+        return {**sent_by_group(self.strategy), **self._experts(sent_by_group)}
+
+    def _experts(self, of) -> dict:
+        """{"experts": of(the expert strategy)["world"]} at ep > 1, else {}."""
+        return {} if self.experts is None else {"experts": of(self.experts.strategy)["world"]}
 
     def traffic_by_dimension(self) -> dict[str, dict]:
         """{"dp"|"pp"|"tp": {op: {calls, bytes, sent}}} since the last reset: each mesh
         dimension's collectives (the strategy's groups count in "dp", where they live), so
-        each dimension's formula is checked against its own counters."""
+        each dimension's formula is checked against its own counters. At moe.ep_size > 1 also
+        "ep" (the MoE layers' all-to-alls) and "edp" (the expert strategy's collectives)."""
         return by_dimension(self.mesh, self.strategy, self.pipeline)
 
 
@@ -65,9 +75,9 @@ def sent_by_group(strategy) -> dict[str, int]:
 
 def by_dimension(mesh, strategy, pipeline=None) -> dict[str, dict]:
     dims = mesh.comms()
-    members = {"dp": [dims["dp"], *(c for c in strategy.comms().values()
-                                    if c not in dims.values())],
-               "pp": [dims["pp"], *(pipeline.comms() if pipeline else ())], "tp": [dims["tp"]]}
+    members = {dim: [comm] for dim, comm in dims.items()}
+    members["dp"] += [c for c in strategy.comms().values() if c not in dims.values()]
+    members["pp"] += list(pipeline.comms() if pipeline else ())
     out = {}
     for dim, comms in members.items():
         out[dim] = {}

@@ -172,5 +172,6 @@ class Mesh:
         return sizes if self.ep == 1 else {**sizes, "ep": self.ep}
 
     def __repr__(self) -> str:
-        return (f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}, ep={self.ep}; rank "
-                f"{self.comm.rank} at dp {self.dp_rank}, pp {self.pp_rank}, tp {self.tp_rank})")
+        ep = "" if self.ep == 1 else f", ep={self.ep}"
+        return (f"Mesh(dp={self.dp}, pp={self.pp}, tp={self.tp}{ep}; rank {self.comm.rank} at "
+                f"dp {self.dp_rank}, pp {self.pp_rank}, tp {self.tp_rank})")

@@ -82,6 +82,26 @@ class ModelLayout:
             self.shard_offsets.append(self.shard_offsets[-1] + u.shard_numel)
         self.world_size = units[0].world_size if units else 1
 
+    @classmethod
+    def of(cls, unit_params, world_size: int) -> ModelLayout:
+        """The layout of `unit_params` (name -> Parameter, one dict per unit) split into
+        `world_size` shards."""
+        return cls([UnitLayout.build({n: p.data.shape for n, p in params.items()}, world_size)
+                    for params in unit_params])
+
+    def values_of(self, unit_params, dtype):
+        """The parameters' values in the full layout (P, `dtype`, host NumPy; padding 0)."""
+        import numpy as np
+
+        from zmpi.backend import to_host
+
+        full = np.zeros(self.full_numel, dtype)
+        for u, params in enumerate(unit_params):
+            views = self.units[u].views(full[self.full_slice(u)])
+            for name, p in params.items():
+                views[name][...] = to_host(p.data)
+        return full
+
     @property
     def full_numel(self) -> int:
         return self.full_offsets[-1]

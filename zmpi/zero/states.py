@@ -43,15 +43,22 @@ class StateShards:
         else:
             self.allgather_shard_into(buf, shard)
 
-    def optimizer_step(self, optimizer, grads, grad_scale, clip_coef, publish=None) -> None:
+    def optimizer_step(self, optimizer, grads, grad_scale, clip_coef, publish=None,
+                       advance=True) -> None:
         """One step of `optimizer` (zmpi.optim.Adam) on this rank's master weights and
         moments from `grads` (optimizer_grads()), as Adam.step_ takes them; on NVMe, streamed
-        through the swap buffers (it then writes every publish target, host or device)."""
+        through the swap buffers (it then writes every publish target, host or device).
+        advance=False: the optimizer's step count was advanced already this step (a second
+        set of states of the same step: the expert strategy, zmpi.engine.moe), not on NVMe."""
         if self.nvme is not None:
+            if not advance:
+                raise ValueError("an optimizer step without advancing the step count is not "
+                                 "built for states on NVMe")
             self.nvme.step(optimizer, grads, grad_scale, clip_coef, publish)
         else:
-            optimizer.step_(self.master, grads, self.adam_m, self.adam_v, grad_scale,
-                            clip_coef, publish=publish)
+            (optimizer.step_ if advance else optimizer.update_)(
+                self.master, grads, self.adam_m, self.adam_v, grad_scale, clip_coef,
+                publish=publish)
 
     def close_storage(self) -> None:
         """Remove the files of the NVMe tier, if any (engine.close()); the states are gone."""
