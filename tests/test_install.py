@@ -1,6 +1,7 @@
 """How zmpi is installed and launched: MPI is an extra (the mpich wheel on a workstation, the
 site's MPI on a cluster, `make test MPI=system`), the Makefile's targets pass their options on,
 and the SLURM job script keeps its log and starts every MPI program inside a job step."""
+import os
 import re
 import shutil
 import subprocess
@@ -14,9 +15,12 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make he
 
 
 def _make(*args) -> subprocess.CompletedProcess:
-    """What `make ARGS` would run, as if nothing were installed yet (-B: every target)."""
-    return subprocess.run(["make", "-n", "-B", *args], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=60)
+    """What `make ARGS` would run, as if nothing were installed yet (-B: every target).
+    Without the calling make's MAKELEVEL and MAKEFLAGS (`make test` runs this suite), so
+    that the output is the same as from a shell: no "Entering directory" lines."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    return subprocess.run(["make", "-n", "-B", "--no-print-directory", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60, env=env)
 
 
 def test_mpi_is_an_extra_not_a_dependency():

@@ -92,6 +92,8 @@ class Engine(EngineTraffic):
             warnings.warn(f"{comm.local_size} ranks share {backend.device_count()} GPUs on this "
                           "node: run one rank per GPU", stacklevel=2)
         config = as_config(config)
+        if not isinstance(model, UnitModel):  # a plain Module: one unit
+            model = as_one_unit(model, comm)
         # data x pipeline x tensor; the ZeRO strategies see only the data-parallel group
         self.mesh = mesh if mesh is not None else Mesh(
             comm, tp=config.tensor_parallel.autotp_size, pp=config.pipeline.stages,
@@ -114,8 +116,6 @@ class Engine(EngineTraffic):
 
         account_staging_in(self.memory)  # pinned staging buffers in the ledger's host column
 
-        if not isinstance(model, UnitModel):
-            model = as_one_unit(model, comm)
         whole_units = len(model.units)
         if self.mesh.pp > 1:  # this rank keeps and trains its stage's units
             model = PipelineStage(model, self.mesh.pp_rank, self.mesh.pp,
