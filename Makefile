@@ -51,8 +51,11 @@ CUDA13_STAMP := $(CUDA13_WHEELS)/.installed-$(CUDA13_VERSION)
 # tests/test_hf_interop.py, which holds zmpi's GPT-2 to transformers'. Without PyPI: a
 # warning, and those tests skip.
 HF_TEST_STAMP := $(VENV)/.installed-hf-test
+# tokenizers (the data extra) for zmpi data prepare and tests/test_data_prepare.py. Without
+# PyPI: a warning, and those tests skip.
+DATA_STAMP := $(VENV)/.installed-data
 
-install: $(STAMP) $(REAL_CUPY_STAMP) $(CUDA13_STAMP) $(HF_TEST_STAMP)
+install: $(STAMP) $(REAL_CUPY_STAMP) $(CUDA13_STAMP) $(HF_TEST_STAMP) $(DATA_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -81,7 +84,11 @@ $(HF_TEST_STAMP): pyproject.toml | $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[hf-test]' && touch $@ || \
 	  echo "warning: transformers and torch not installed: tests/test_hf_interop.py skips"
 
-test: $(STAMP) $(REAL_CUPY_STAMP) $(CUDA13_STAMP) $(HF_TEST_STAMP)
+$(DATA_STAMP): pyproject.toml | $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[data]' && touch $@ || \
+	  echo "warning: tokenizers not installed: tests/test_data_prepare.py skips"
+
+test: $(STAMP) $(REAL_CUPY_STAMP) $(CUDA13_STAMP) $(HF_TEST_STAMP) $(DATA_STAMP)
 	$(PY) -m pytest -q --durations=15
 
 # The shared strategy suite (tests/test_zero.py at 1-4 ranks) on one strategy: STRATEGY=name;

@@ -1,11 +1,14 @@
-"""Hugging Face interop (zmpi.checkpoint.hf): transformers' GPT2LMHeadModel, built from random
-weights (CPU, float32, tiny) and saved with save_pretrained, imported by zmpi gives the same
-logits, loss and gradients; a checkpoint exported back (from an in-process run, and from one
-saved by 2 ranks under stage 3, or tensor parallel, after --init-from) loads in transformers
-with the same logits; a bad directory is one line. transformers and torch are test
+"""Hugging Face interop (zmpi.checkpoint.hf): transformers' GPT2LMHeadModel and
+LlamaForCausalLM (grouped-query; tied with llama3 rope_scaling), built from random weights
+(CPU, float32, tiny) and saved with save_pretrained, imported by zmpi give the same logits,
+loss and gradients; a checkpoint exported back (from an in-process run, and from one saved by
+2 ranks under stage 3, or tensor parallel, after --init-from; a Llama's with fewer key/value
+heads than tensor ranks) loads in transformers with the same logits; a bad directory is one
+line. transformers and torch are test
 dependencies only (the hf-test extra): these tests skip without them."""
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import subprocess
@@ -19,6 +22,7 @@ from zmpi.checkpoint import CheckpointError, hf
 from zmpi.checkpoint.hf import HFError, export_hf, import_hf
 from zmpi.engine import Engine
 from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.models.llama import Llama, LlamaConfig
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -83,7 +87,7 @@ def test_the_table_is_zmpis_gpt():
     model = GPT(GPTConfig(V, T, L, H, D, vocab_multiple=1))
     assert hf.GPT2.shapes(SHAPE) == {n: p.shape for n, p in model.named_parameters()}
     assert hf.GPT2.tied(SHAPE) == model.tied_parameters()
-    assert {t.zmpi for u in hf.GPT2.units(L) for t in u} == set(hf.GPT2.shapes(SHAPE))
+    assert {t.zmpi for u in hf.GPT2.units(SHAPE) for t in u} == set(hf.GPT2.shapes(SHAPE))
 
 
 def test_import_gives_the_same_logits_loss_and_gradients(saved, tmp_path):
@@ -101,7 +105,7 @@ def test_import_gives_the_same_logits_loss_and_gradients(saved, tmp_path):
     assert abs(zmodel.loss(x, y) - loss) / loss < 1e-5
     zmodel.backward_loss()
     named = dict(zmodel.named_parameters())
-    for t in (t for unit in hf.GPT2.units(L) for t in unit):
+    for t in (t for unit in hf.GPT2.units(SHAPE) for t in unit):
         g = grads["transformer." + t.hf]
         assert relative(named[t.zmpi].grad, g) < 1e-4, t  # wte: both ends, as HF's tied one
 
@@ -227,7 +231,7 @@ def _bad(tmp_path, saved, case):
         (bad / hf.CONFIG).unlink()
     elif case == "config not JSON":
         (bad / hf.CONFIG).write_text("{not json")
-    elif case == "llama":
+    elif case == "llama keys missing":
         config["model_type"] = "llama"
     elif case == "bert":
         config["model_type"] = "bert"
@@ -258,7 +262,7 @@ def _bad(tmp_path, saved, case):
 BAD = {"not a directory": "missing: no such Hugging Face model directory",
        "no config.json": "missing: no config.json",
        "config not JSON": "corrupt: not JSON",
-       "llama": "model_type 'llama': zmpi's Llama model is not built yet",
+       "llama keys missing": "corrupt: hidden_size is None, not an integer >= 1",
        "bert": "model_type 'bert': zmpi has no such model",
        "exact GELU": "activation_function 'gelu'",
        "shape": "transformer.wpe.weight is (16, 16), config.json gives (32, 16)",
@@ -280,7 +284,8 @@ def test_a_bad_directory_is_one_line(saved, tmp_path, case):
 
 
 def test_the_commands_say_one_line_and_exit_codes(saved, tmp_path):
-    """import-hf into a non-empty directory: exit 2; a Llama directory: exit 1; export-hf of
+    """import-hf into a non-empty directory: exit 2; a Llama directory without a Llama's keys:
+    exit 1; export-hf of
     a checkpoint saved without a model section asks for --n-head: exit 2."""
     _, path = saved
 
@@ -293,9 +298,10 @@ def test_the_commands_say_one_line_and_exit_codes(saved, tmp_path):
     done = zmpi("import-hf", path, tmp_path / "full")
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert "not empty" in done.stderr
-    llama = _bad(tmp_path, saved, "llama")
+    llama = _bad(tmp_path, saved, "llama keys missing")
     done = zmpi("import-hf", llama, tmp_path / "ck")
-    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "not built yet" in done.stderr
+    assert done.returncode == 1 and done.stderr.count("\n") == 1
+    assert "hidden_size is None" in done.stderr
     engine = Engine(GPT(GPTConfig(V, T, L, H, D, vocab_multiple=1)),
                     {"train_micro_batch_size_per_gpu": 1})
     engine.save_checkpoint(tmp_path / "script")
@@ -323,3 +329,209 @@ def test_train_init_from_refusals_are_one_line(saved, tmp_path):
         "train", "--init-from", str(path), "--resume", str(tmp_path), "--n-layer", str(L), *tiny])
     assert done.returncode == 2 and "--init-from and --resume: give one" in done.stderr
     assert done.stderr.count("\n") == 1
+
+
+# ---- Llama ---------------------------------------------------------------------------------
+# two tiny Llamas: grouped-query (4 heads, 2 key/value heads) with an untied head; tied, with
+# llama3 rope_scaling, rope_theta 5e5 and one key/value head (fewer than tp 2, for the launch)
+LLAMAS = {
+    "gqa": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "tied-llama3": dict(num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                        rope_theta=5e5, rope_scaling={
+                            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8}),
+}
+LLAMA_SHAPE = dict(vocab_size=V, hidden_size=D, intermediate_size=24, num_hidden_layers=L,
+                   max_position_embeddings=T, rms_norm_eps=1e-5)
+
+
+def llama_section(kind):
+    """zmpi's model section of LLAMAS[kind] (LlamaConfig's names)."""
+    return {"model_type": "llama", **LLAMA_SHAPE, **LLAMAS[kind]}
+
+
+def save_llama(kind, path):
+    """The LlamaForCausalLM LLAMAS[kind] of random weights (std 0.2), eval, float32, saved
+    with save_pretrained in `path`."""
+    torch.manual_seed(2)
+    config = transformers.LlamaConfig(**LLAMA_SHAPE, **copy.deepcopy(LLAMAS[kind]),
+                                      attention_dropout=0.0)  # (it adds rope_theta to scaling)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(LLAMAS))
+def llama_saved(request, tmp_path_factory):
+    """(kind, its model, its save_pretrained directory) for each of LLAMAS."""
+    path = tmp_path_factory.mktemp("hf") / request.param
+    return request.param, save_llama(request.param, path), path
+
+
+@pytest.fixture(scope="module")
+def gqa_dir(tmp_path_factory):
+    """The save_pretrained directory of LLAMAS["gqa"]."""
+    path = tmp_path_factory.mktemp("hf") / "gqa"
+    save_llama("gqa", path)
+    return path
+
+
+def llama_engine(kind, ckpt=None, stage=0):
+    """A one-rank engine of the matching zmpi Llama, checkpoint `ckpt` loaded where given."""
+    section = llama_section(kind)
+    model = Llama(LlamaConfig(**{k: v for k, v in section.items() if k != "model_type"},
+                              vocab_multiple=1), seed=5)
+    engine = Engine(model, {"train_micro_batch_size_per_gpu": 3, "model": section,
+                            "zero_optimization": {"stage": stage}})
+    if ckpt is not None:
+        engine.load_checkpoint(ckpt)
+    return engine
+
+
+def test_the_llama_table_is_zmpis_llama():
+    """Llama.shapes, .tied and .model_of agree with what models/llama.py builds."""
+    for kind in LLAMAS:
+        section = llama_section(kind)
+        m = {k: v for k, v in section.items() if k != "model_type"}
+        model = Llama(LlamaConfig(**m, vocab_multiple=1))
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        assert hf.Llama.shapes(m) == shapes
+        assert hf.Llama.tied(m) == model.tied_parameters()
+        assert {t.zmpi for u in hf.Llama.units(m) for t in u} == set(shapes)
+        assert hf.Llama.model_of(shapes).items() <= m.items()
+    assert hf.Llama.COMPUTE == {k: getattr(LlamaConfig, k) for k in hf.Llama.COMPUTE}
+
+
+def test_a_llama_checkpoint_without_its_model_section_does_not_export(tmp_path):
+    """Saved by a script (no model section): no shape shows the heads or RoPE, so export-hf
+    refuses it in one line rather than guess."""
+    m = {k: v for k, v in llama_section("gqa").items() if k != "model_type"}
+    engine = Engine(Llama(LlamaConfig(**m, vocab_multiple=1)),
+                    {"train_micro_batch_size_per_gpu": 1})
+    engine.save_checkpoint(tmp_path / "script")
+    engine.close()
+    with pytest.raises(CheckpointError) as e:
+        export_hf(tmp_path / "script", tmp_path / "out")
+    assert "its config has no Llama model section" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_llama_import_gives_the_same_logits_loss_and_gradients(llama_saved, tmp_path):
+    """Every projection transposed, q and k not permuted (RoPE's halves are transformers'
+    rotate_half), the key/value heads grouped as transformers' repeat_kv groups them."""
+    kind, model, path = llama_saved
+    import_hf(path, tmp_path / "ck")
+    engine = llama_engine(kind, tmp_path / "ck")
+    x, y = batch()
+    logits, loss, grads = hf_outputs(model, x, y)
+    zmodel = engine.model
+    ours = zmodel.forward(x)
+    zmodel.clear_cache()
+    assert relative(ours, logits) < 1e-5
+    assert abs(zmodel.loss(x, y) - loss) / loss < 1e-5
+    zmodel.backward_loss()
+    named = dict(zmodel.named_parameters())
+    m = {k: v for k, v in llama_section(kind).items() if k != "model_type"}
+    for t in (t for unit in hf.Llama.units(m) for t in unit):
+        g = grads[t.stored("model.")]
+        assert relative(named[t.zmpi].grad, g.T if t.transpose else g) < 1e-4, t
+    engine.close()
+
+
+def test_llama_export_after_training_loads_in_transformers(llama_saved, tmp_path):
+    """Import, train 2 steps (stage 2), save, export: config.json carries the key/value heads,
+    rope_theta and rope_scaling, and transformers gives the trained zmpi model's logits."""
+    kind, _, path = llama_saved
+    import_hf(path, tmp_path / "ck")
+    engine = llama_engine(kind, tmp_path / "ck", stage=2)
+    x, y = batch(seed=2)
+    for _ in range(2):
+        engine.train_step(x, y)
+    engine.save_checkpoint(tmp_path / "trained")
+    ours = engine.model.forward(x)
+    engine.model.clear_cache()
+    engine.close()
+    out = export_hf(tmp_path / "trained", tmp_path / "out")
+    config = json.loads((out / hf.CONFIG).read_text())
+    want = LLAMAS[kind]
+    assert config["num_key_value_heads"] == want["num_key_value_heads"]
+    assert config["tie_word_embeddings"] == want["tie_word_embeddings"]
+    assert config["rope_scaling"] == want.get("rope_scaling")
+    assert relative(hf_logits(out, x), ours) < 1e-5
+
+
+@pytest.mark.mpi
+def test_llama_init_from_at_tp_2_with_one_kv_head_then_export(tmp_path):
+    """zmpi train --model llama --init-from at tp 2 with one key/value head (replicated on
+    both tensor ranks; tied, llama3 rope_scaling), lr 1e-20: the checkpoint it saves exports
+    to the very tensors transformers saved, and transformers gives the same logits."""
+    kind, path = "tied-llama3", tmp_path / "hf"
+    model = save_llama(kind, path)
+    section = {k: v for k, v in llama_section(kind).items()
+               if k not in ("vocab_size", "hidden_size", "num_hidden_layers",
+                            "num_attention_heads")}
+    (tmp_path / "c.json").write_text(json.dumps({"model": section}))
+    result = launch_mpi(CLI, 2, timeout=240, args=[
+        "train", "--config", str(tmp_path / "c.json"), "--init-from", str(path), "--tp", "2",
+        "--steps", "2", "--lr", "1e-20", "--n-layer", str(L), "--n-head", "2", "--d-model",
+        str(D), "--seq-len", str(T), "--batch", "4", "--sample-tokens", "2",
+        "--save-every", "2", "--ckpt-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "run")])
+    assert result.returncode == 0, result.describe()
+    assert f"initialised from {path} (llama" in result.stdout + result.stderr
+    out = export_hf(tmp_path / "ck", tmp_path / "out")
+    from safetensors import safe_open
+
+    with safe_open(str(out / hf.WEIGHTS), "np") as f:
+        assert set(f.keys()) == {n for n, _ in model.named_parameters()} - {"lm_head.weight"}
+        for name, p in model.named_parameters():
+            if name != "lm_head.weight":
+                assert np.array_equal(f.get_tensor(name), p.detach().numpy()), name
+    x, _ = batch(seed=3)
+    with torch.no_grad():
+        assert relative(hf_logits(out, x), model(torch.as_tensor(x)).logits.numpy()) < 1e-5
+
+
+LLAMA_BAD = {  # config.json spoilt -> what the one line names
+    "attention_bias": ({"attention_bias": True}, "attention_bias True: zmpi's Llama computes "
+                       "False"),
+    "mlp_bias": ({"mlp_bias": True}, "mlp_bias True"),
+    "gelu": ({"hidden_act": "gelu"}, "hidden_act 'gelu': zmpi's Llama computes 'silu'"),
+    "yarn": ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+             "rope_scaling.rope_type must be one of 'default', 'linear', 'llama3', got 'yarn'"),
+    "yarn, transformers 4": ({"rope_parameters": None, "rope_scaling": {
+        "type": "yarn", "factor": 4.0}}, "got 'yarn'"),
+    "head_dim": ({"head_dim": 8}, "head_dim 8: zmpi's Llama computes hidden_size / "
+                 "num_attention_heads (4)"),
+    "eps": ({"rms_norm_eps": "tiny"}, "corrupt: rms_norm_eps is 'tiny', not a number > 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LLAMA_BAD))
+def test_a_llama_zmpi_lacks_is_one_line(gqa_dir, tmp_path, case):
+    bad = tmp_path / "bad"
+    shutil.copytree(gqa_dir, bad)
+    config = json.loads((bad / hf.CONFIG).read_text())
+    change, message = LLAMA_BAD[case]
+    config.update(change)
+    (bad / hf.CONFIG).write_text(json.dumps(config))
+    with pytest.raises(HFError) as e:
+        import_hf(bad, tmp_path / "ck")
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_init_from_a_llama_of_other_heads_is_one_line(gqa_dir):
+    """A run whose key/value heads or RoPE differ from the directory's is refused, naming them
+    (no shape shows the heads)."""
+    path = gqa_dir
+    section = {**llama_section("gqa"), "num_key_value_heads": 4, "rope_theta": 5e5}
+    model = Llama(LlamaConfig(**{k: v for k, v in section.items() if k != "model_type"},
+                              vocab_multiple=1))
+    engine = Engine(model, {"train_micro_batch_size_per_gpu": 1, "model": section})
+    with pytest.raises(CheckpointError) as e:
+        hf.init_from(engine, path)
+    assert str(e.value).endswith("the model differs from this run's: num_key_value_heads 2 "
+                                 "(this run 4); rope_theta 10000.0 (this run 500000.0)")
+    engine.close()

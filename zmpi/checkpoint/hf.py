@@ -10,9 +10,10 @@ A model directory is transformers' `save_pretrained` output: `config.json` and t
 `model.safetensors`, or in the shards a `model.safetensors.index.json` maps. Its `model_type`
 picks an architecture (zmpi.checkpoint.hf_models: `ARCHITECTURES`, a class such as `GPT2`): a
 table of (zmpi parameter, Hugging Face tensor, transposed?), the config keys that give zmpi's
-model shape and the values zmpi computes. A Llama directory is refused in one line until
-zmpi's Llama is an architecture there. Reading a directory and writing safetensors files are
-zmpi.checkpoint.hf_files'; this module holds the three commands.
+model section and the values zmpi computes: GPT-2 (GPT2LMHeadModel) and Llama
+(LlamaForCausalLM, its nn.Linear weights transposed; GQA and rope_scaling carried). Reading
+a directory and writing safetensors files are zmpi.checkpoint.hf_files'; this module holds
+the three commands.
 
 Nothing here holds the whole model: the import writes a one-rank checkpoint tensor by tensor
 (store.write_shard over `_LazyShard`), `init_from` reads only the tensors of a rank's owned
@@ -42,7 +43,7 @@ from zmpi.checkpoint.hf_files import (
     np_dtype,
     write_safetensors,
 )
-from zmpi.checkpoint.hf_models import GPT2, HFError
+from zmpi.checkpoint.hf_models import GPT2, HFError, Llama
 from zmpi.checkpoint.manifest import read_manifest, state_crc, write_manifest
 from zmpi.checkpoint.store import (
     LATEST,
@@ -60,8 +61,8 @@ from zmpi.files import check_output_dir, fsync_dir, replacing
 from zmpi.words import count
 from zmpi.zero.flat import ModelLayout, UnitLayout
 
-__all__ = ["CONFIG", "GENERATION", "GPT2", "INDEX", "WEIGHTS", "HFError", "HFSource", "TAG",
-           "export_hf", "import_hf", "init_from"]
+__all__ = ["CONFIG", "GENERATION", "GPT2", "INDEX", "WEIGHTS", "HFError", "HFSource", "Llama",
+           "TAG", "export_hf", "import_hf", "init_from"]
 
 TAG = "step0"  # the tag of an imported checkpoint: the start of training
 
@@ -129,7 +130,7 @@ def import_hf(directory, out, dtype=None) -> Path:
         source = HFSource(hf, master)
         layout = ModelLayout([UnitLayout.build(shapes, 1) for shapes in (
             {t.zmpi: hf.arch.shapes(hf.model)[t.zmpi] for t in unit}
-            for unit in hf.arch.units(hf.model["n_layer"]))])
+            for unit in hf.arch.units(hf.model))])
         body = _manifest_body(hf, layout, dtype, master)
         ckpt = out / TAG
         ckpt.mkdir(parents=True)
@@ -158,8 +159,7 @@ def _manifest_body(hf: HFDirectory, layout: ModelLayout, dtype: str, master: str
     from zmpi.config import Config
     from zmpi.runinfo import git_revision
 
-    model = {"n_layer", "d_model", "n_head", "seq_len", "vocab_size"}
-    config = Config.from_dict({"model": {k: hf.model[k] for k in sorted(model)}})
+    config = Config.from_dict({"model": hf.arch.model_section(hf.model)})
     opt = config.optimizer
     return {
         "world_size": 1, "strategy": "stage0", "mesh": {"dp": 1, "pp": 1, "tp": 1},
@@ -194,22 +194,24 @@ def init_from(engine, directory) -> str:
             source = HFSource(hf, state.master_dtype)
             master = read_owned(source, "master", state.layout, state.strategy.rank,
                                 state.master_dtype, state.splits, state.tp_rank)
-            return master, hf.model
+            return master, (hf.arch, hf.model)
 
-    master, model = agree(engine.comm, f"--init-from {directory}", read)
+    master, (arch, model) = agree(engine.comm, f"--init-from {directory}", read)
     state.restore_weights(master)
-    return (f"initialised from {directory} ({count(model['n_layer'], 'layer')}, d_model "
-            f"{model['d_model']}, {model['n_head']} heads, vocab {model['vocab_size']}): its "
-            "weights, fresh optimizer state, step 0")
+    n_layer, d, heads = (model[arch.KEYS[k]] for k in ("n_layer", "d_model", "n_head"))
+    return (f"initialised from {directory} ({arch.model_type}, {count(n_layer, 'layer')}, "
+            f"d_model {d}, {heads} heads, vocab {model['vocab_size']}): its weights, fresh "
+            "optimizer state, step 0")
 
 
 def _check_run_model(hf: HFDirectory, state, given: dict) -> None:
-    """HFError unless the directory's model is the run's: every shape key (n_head where the
-    run's config gives it, as zmpi train's does), and the same parameter names."""
+    """HFError unless the directory's model is the run's: every key of the architecture's
+    run_model (n_head where the run's config gives it, as zmpi train's does; a Llama's heads
+    and RoPE), and the same parameter names."""
     where = hf.path / CONFIG
     ours = state.saved_splits.whole_shapes(state.saved_layout)
     try:
-        run = {**hf.arch.model_of(ours), **{k: v for k, v in given.items() if k == "n_head"}}
+        run = hf.arch.run_model(ours, given)
     except ValueError as e:
         raise HFError(f"{where}: mismatch: this run's model is not {hf.arch.model_type}'s: "
                       f"{e}") from None
@@ -231,49 +233,50 @@ def export_hf(directory, out, tag=None, dtype=None, n_head=None) -> Path:
     transformers model directory `out`: config.json, generation_config.json and
     model.safetensors, the parameters in `dtype` (default: the checkpoint's storage dtype),
     read from the shards one tensor at a time (the master weights, cast) and streamed into
-    the file. n_head: for a checkpoint whose config has no model section (saved outside zmpi
-    train); it must agree with the config's otherwise. Returns `out`.
+    the file. The architecture is the model section's model_type (a Llama's parameter names
+    otherwise). n_head: for a GPT-2 checkpoint whose config has no model section (saved
+    outside zmpi train); it must agree with the config's otherwise (a Llama's heads and RoPE
+    come from its model section, which it must have). Returns `out`.
 
     A ValueError for an `out` that is a file or inside the checkpoint directory; a
     CheckpointError for a checkpoint that is not of a model transformers has (parameters of
-    another model, sparse attention), or that does not read."""
+    another model, sparse attention, a Llama without its model section), or that does not
+    read."""
     ckpt = resolve_tag(directory, tag)
     manifest = read_manifest(ckpt)
     out = Path(out)
     check_outside(directory, out, "the model directory")
     check_output_dir(out, "output")
-    arch, where = GPT2, ckpt / MANIFEST
+    where = ckpt / MANIFEST
     config = manifest["config"]
+    section = config.get("model") or {}
     shapes = manifest["splits_obj"].whole_shapes(manifest["layout_obj"])
-    try:
-        model = arch.model_of(shapes)
-    except ValueError as e:
-        raise CheckpointError(f"{where}: mismatch: not a GPT-2 checkpoint: {e}") from None
-    saved_heads = (config.get("model") or {}).get("n_head")
+    llama = section.get("model_type") == "llama" or "units.1.attn.q.weight" in shapes
+    arch = Llama if llama else GPT2
     if n_head is not None and (type(n_head) is not int or n_head < 1):
         raise ValueError(f"--n-head {n_head}: give an integer >= 1")
-    if n_head is not None and saved_heads not in (None, n_head):
-        raise ValueError(f"--n-head {n_head}: the checkpoint's model has n_head {saved_heads}")
-    model["n_head"] = n_head or saved_heads
-    if model["n_head"] is None:
-        raise ValueError(f"{where}: its config has no model.n_head (saved outside zmpi train, "
-                         "and no parameter's shape shows it): give --n-head")
-    if model["d_model"] % model["n_head"]:
-        raise ValueError(f"n_head {model['n_head']} does not divide d_model {model['d_model']}")
+    try:
+        arch.model_of(shapes)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: mismatch: not a {arch.model_type} checkpoint: "
+                              f"{e}") from None
+    model = arch.export_model(shapes, section, n_head, where)
     want = arch.shapes(model)
     if shapes != want:
         odd = sorted(n for n in set(shapes) | set(want) if shapes.get(n) != want.get(n))
-        raise CheckpointError(f"{where}: mismatch: not a checkpoint of zmpi's GPT-2 "
-                              f"({count(len(odd), 'parameter')} differ: {', '.join(odd[:3])})")
+        raise CheckpointError(f"{where}: mismatch: not a checkpoint of zmpi's "
+                              f"{arch.model_type} ({count(len(odd), 'parameter')} differ: "
+                              f"{', '.join(odd[:3])})")
     if config.get("sparse_attention"):
         raise CheckpointError(f"{where}: mismatch: its run used sparse attention, which "
-                              "transformers' GPT-2 does not compute (it attends densely)")
+                              f"transformers' {arch.model_type} does not compute (it attends "
+                              "densely)")
     dtype = dtype or manifest["dtype"]
-    table = {t.zmpi: t for unit in arch.units(model["n_layer"]) for t in unit}
+    table = {t.zmpi: t for unit in arch.units(model) for t in unit}
     hf_config = arch.hf_config(model, dtype)
     out.mkdir(parents=True, exist_ok=True)
     with ShardReader(ckpt, manifest) as reader:
-        entries = [(arch.prefix + table[name].hf,
+        entries = [(table[name].stored(arch.prefix),
                     shape[::-1] if table[name].transpose else shape)
                    for name, shape in shapes.items()]
         values = ((np.ascontiguousarray(v.T) if table[n].transpose else v)

@@ -38,10 +38,10 @@ class HFDirectory:
     """A transformers model directory, checked: config.json names an architecture zmpi has
     and every value it cannot compute is refused; the weights (one safetensors file or the
     shards of an index) hold exactly the architecture's tensors, of the shapes config.json
-    gives, in a dtype zmpi stores. `model` is zmpi's model section (n_layer, d_model, n_head,
-    seq_len, vocab_size), `dtype` the weights' dtype name (that of the token embedding),
-    `tensor(t)` a Tensor's value in zmpi's layout (transposed where the table says). Use as a
-    context manager (closes the files)."""
+    gives, in a dtype zmpi stores. `model` is the model zmpi reads from config.json (GPT-2's
+    n_layer, d_model, n_head, seq_len, vocab_size; a Llama's LlamaConfig keys), `dtype` the
+    weights' dtype name (that of the token embedding), `tensor(t)` a Tensor's value in zmpi's
+    layout (transposed where the table says). Use as a context manager (closes the files)."""
 
     def __init__(self, path):
         self.path = path = Path(path)
@@ -55,15 +55,19 @@ class HFDirectory:
         model = {}
         for hf, z in arch.SHAPE.items():
             value = self.config.get(hf)
+            if value is None and hf in arch.DEFAULTS:
+                value = model[arch.DEFAULTS[hf]]
             if type(value) is not int or value < 1:
                 raise HFError(f"{where}: corrupt: {hf} is {value!r}, not an integer >= 1")
             model[z] = value
-        if model["d_model"] % model["n_head"]:
-            raise HFError(f"{where}: corrupt: n_head {model['n_head']} does not divide n_embd "
-                          f"{model['d_model']}")
+        d, heads = (model[arch.KEYS[k]] for k in ("d_model", "n_head"))
+        if d % heads:
+            raise HFError(f"{where}: corrupt: {arch.KEYS['n_head']} {heads} does not divide "
+                          f"{arch.KEYS['d_model']} {d}")
         arch.check(self.config, where)
+        arch.read(self.config, model, where)
         self.model, self._handles = model, {}
-        self.table = [t for unit in arch.units(model["n_layer"]) for t in unit]
+        self.table = [t for unit in arch.units(model) for t in unit]
         try:
             self.files = self._weight_files()  # stored tensor name -> file
             self._check_tensors()
@@ -128,7 +132,7 @@ class HFDirectory:
         stored = set(self.files)
         prefix = self.arch.prefix
         self.prefix = prefix if any(n.startswith(prefix) for n in stored) else ""
-        want = {self.prefix + t.hf: t for t in self.table}
+        want = {t.stored(self.prefix): t for t in self.table}
         extra = sorted(n for n in stored - set(want) if not self._ignored(n))
         missing = sorted(set(want) - stored)
         where = self.path
@@ -177,7 +181,7 @@ class HFDirectory:
         return _read_bf16(file, name)
 
     def tensor(self, t: Tensor) -> np.ndarray:
-        value = self._raw(self.prefix + t.hf)
+        value = self._raw(t.stored(self.prefix))
         return np.ascontiguousarray(value.T) if t.transpose else value
 
 

@@ -10,6 +10,7 @@
     mpiexec -n 4 python -m zmpi.cli train --resume ckpt --steps 600   # any world size
     python -m zmpi.cli ckpt inspect ckpt        # also: verify, consolidate ckpt out.h5
     python -m zmpi.cli ckpt import-hf gpt2-dir ckpt   # and export-hf ckpt dir: transformers'
+    python -m zmpi.cli data prepare --tokenizer tokenizer.json corpus.txt data/train.bin
 
 `train` trains a character-level GPT on the shipped Tiny Shakespeare corpus with any ZeRO
 stage, shows a progress bar on rank 0 (loss, tokens/s), prints every rank's measured
@@ -25,7 +26,7 @@ import argparse
 import sys
 
 from zmpi.checkpoint import CheckpointError
-from zmpi.cli import ckpt, estimate, hf, plan, train
+from zmpi.cli import ckpt, data, estimate, hf, plan, train
 from zmpi.cli.config_from_flags import (
     DEFAULT_STAGE,
     DEFAULTS,
@@ -141,7 +142,8 @@ def main(argv=None) -> None:
                    help="model init and data order (default: the config's seed, else 0)")
     t.add_argument("--sample-tokens", type=int, default=200)
     t.add_argument("--data", metavar="FILE.bin", help="train on a flat uint16 token file "
-                   "(nanoGPT's format; memory-mapped; the last 10%% is validation) instead of "
+                   "(nanoGPT's format; uint32 where its meta.json says so, as zmpi data "
+                   "prepare writes; memory-mapped; the last 10%% is validation) instead of "
                    "Tiny Shakespeare")
     t.add_argument("--vocab-size", type=int, default=None,
                    help="the vocabulary of --data (default: meta.json or meta.pkl beside it)")
@@ -260,6 +262,7 @@ def main(argv=None) -> None:
             p.add_argument("--npz", action="store_true", help="write a NumPy .npz")
         p.add_argument("--tag", help="which checkpoint (default: the one `latest` names)")
     hf.add_parsers(csub)
+    data.add_parser(sub)
     args = parser.parse_args(argv)
     for flag in _repeated_flags(sys.argv[1:] if argv is None else argv):
         if _rank() == 0:  # a wrapper's appended flag overrides, but never unnoticed
@@ -269,6 +272,8 @@ def main(argv=None) -> None:
         (hf.run if args.ckpt_command in hf.COMMANDS else ckpt.ckpt)(args)
     elif args.command == "plan":
         plan.run(args)
+    elif args.command == "data":
+        data.run(args)
     elif args.command == "train":
         try:
             train.train(args)

@@ -29,8 +29,8 @@ def add_parsers(csub) -> None:
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="the weights' dtype (default: the checkpoint's parameter dtype)")
     p.add_argument("--n-head", type=int, default=None,
-                   help="attention heads, for a checkpoint whose config has no model section "
-                   "(saved by a script, not zmpi train)")
+                   help="attention heads, for a GPT-2 checkpoint whose config has no model "
+                   "section (saved by a script, not zmpi train; a Llama's must have one)")
 
 
 def run(args) -> None:

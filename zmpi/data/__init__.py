@@ -13,7 +13,9 @@ multi-rank tests compare against. No global random state is used.
 
 Modules: `text` (load_text, CharTokenizer), `tokens` (load_tokens, read_meta,
 check_vocab_size, FileWatch), `sampler` (train_val_split, BatchSampler, SyntheticSource).
-Import from `zmpi.data`; the split is an implementation detail.
+Import from `zmpi.data`; the split is an implementation detail. `zmpi.data.prepare` (token
+files from a tokenizer.json, `zmpi data prepare`) is imported on its own: it needs the
+optional tokenizers package.
 """
 
 from .sampler import BatchSampler, SyntheticSource, train_val_split

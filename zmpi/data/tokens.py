@@ -1,7 +1,8 @@
-"""Binary token files for zmpi.data: `load_tokens` (nanoGPT's flat uint16 .bin files,
-memory-mapped), `FileWatch` (the map's file checked unchanged before each read),
-`check_vocab_size`, and `read_meta`, which reads meta.json or nanoGPT's meta.pkl
-with a restricted unpickler that refuses every global, so a crafted file cannot run code."""
+"""Binary token files for zmpi.data: `load_tokens` (nanoGPT's flat uint16 .bin files, or
+uint32 ones where their meta.json says so, memory-mapped), `FileWatch` (the map's file
+checked unchanged before each read), `check_vocab_size`, and `read_meta`, which reads
+meta.json or nanoGPT's meta.pkl with a restricted unpickler that refuses every global, so a
+crafted file cannot run code."""
 
 from __future__ import annotations
 
@@ -11,35 +12,44 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["load_tokens", "check_vocab_size", "read_meta", "MAX_VOCAB", "FileWatch",
-           "DataChanged"]
+__all__ = ["load_tokens", "check_vocab_size", "read_meta", "MAX_VOCAB", "DTYPES",
+           "FileWatch", "DataChanged"]
 
 
 def load_tokens(path, vocab_size: int | None = None) -> tuple[np.ndarray, int]:
     """(tokens, vocab size) of a flat binary token file: uint16 ids, the format nanoGPT's
-    prepare.py writes (e.g. OpenWebText's train.bin), memory-mapped, never read whole. The
-    vocabulary size comes from `vocab_size`, else from meta.json ({"vocab_size": V}) or
-    nanoGPT's meta.pkl beside the file (read by `read_meta`, which never runs code); ValueError
-    otherwise, if `path` is no regular file (a FIFO, a device: zmpi.files.check_input), if the
-    vocabulary size is not an int in 1..65536, or if the first million ids
-    do not fit it."""
+    prepare.py writes (e.g. OpenWebText's train.bin), or uint32 ids where a meta.json beside
+    it says {"dtype": "uint32"} (`zmpi data prepare` for a vocabulary over 65536),
+    memory-mapped, never read whole. The vocabulary size comes from `vocab_size`, else from
+    meta.json ({"vocab_size": V}) or nanoGPT's meta.pkl beside the file (read by `read_meta`,
+    which never runs code); ValueError otherwise, if `path` is no regular file (a FIFO, a
+    device: zmpi.files.check_input), if the dtype is not one of DTYPES or the file's size not
+    a multiple of it, if the vocabulary size is not an int in 1..65536 (1..2**32 for uint32),
+    or if the first million ids do not fit it."""
 
     from zmpi.files import check_input
 
     path = check_input(path, "")  # a FIFO or a device would hang the memory map
+    meta = next((path.parent / name for name in ("meta.json", "meta.pkl")
+                 if (path.parent / name).exists()), None)
+    d = read_meta(meta) if meta is not None else {}
+    dtype = d.get("dtype", "uint16")
+    if dtype not in DTYPES:
+        raise ValueError(f"{meta}: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    limit = int(np.iinfo(dtype).max) + 1
     if vocab_size is not None:
-        check_vocab_size(vocab_size, "vocab_size")
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
-    if vocab_size is None:
-        meta = next((path.parent / name for name in ("meta.json", "meta.pkl")
-                     if (path.parent / name).exists()), None)
-        if meta is None:
-            raise ValueError(f"{path}: give the vocabulary size (--vocab-size), or put a "
-                             "meta.json {\"vocab_size\": V} beside the file")
-        d = read_meta(meta)
-        if "vocab_size" not in d:
-            raise ValueError(f"{meta}: has no \"vocab_size\" key")
-        vocab_size = check_vocab_size(d["vocab_size"], f"{meta}: vocab_size")
+        check_vocab_size(vocab_size, "vocab_size", limit)
+    elif meta is None:
+        raise ValueError(f"{path}: give the vocabulary size (--vocab-size), or put a "
+                         "meta.json {\"vocab_size\": V} beside the file")
+    elif "vocab_size" not in d:
+        raise ValueError(f"{meta}: has no \"vocab_size\" key")
+    else:
+        vocab_size = check_vocab_size(d["vocab_size"], f"{meta}: vocab_size", limit)
+    if path.stat().st_size % np.dtype(dtype).itemsize:
+        raise ValueError(f"{path}: {path.stat().st_size:,} bytes, not a whole number of "
+                         f"{dtype} ids")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
     head = tokens[: 1 << 20]
     if len(head) and int(head.max()) >= vocab_size:
         raise ValueError(f"{path}: token id {int(head.max())} >= vocab size {vocab_size}")
@@ -81,14 +91,16 @@ class FileWatch:
                           "restore it (or give the new file) and --resume")
 
 
-MAX_VOCAB = 1 << 16  # token files hold uint16 ids
+MAX_VOCAB = 1 << 16  # token files hold uint16 ids (uint32 where their meta.json says so)
+DTYPES = ("uint16", "uint32")  # a token file's dtypes, smallest first
 
 
-def check_vocab_size(value, what: str = "vocab_size") -> int:
-    """`value` if it is an int in 1..65536 (bool is not an int); ValueError naming `what`."""
+def check_vocab_size(value, what: str = "vocab_size", limit: int = MAX_VOCAB) -> int:
+    """`value` if it is an int in 1..limit (bool is not an int); ValueError naming `what`."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
-            or not 1 <= value <= MAX_VOCAB:
-        raise ValueError(f"{what} must be an int in 1..{MAX_VOCAB} (the ids are uint16), "
+            or not 1 <= value <= limit:
+        ids = "uint16" if limit == MAX_VOCAB else "uint32"
+        raise ValueError(f"{what} must be an int in 1..{limit} (the ids are {ids}), "
                          f"got {value!r}")
     return int(value)
 
