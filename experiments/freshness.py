@@ -28,6 +28,8 @@ FAST = {
     **{f"zero_tables_n{n}": (n, ["--out", f"results/zero_tables_n{n}"],
                              "experiments/zero_tables.py") for n in (1, 2, 3, 4)},
     "plan_published": (1, ["--out", "results/plan_published"], "experiments/plan_published.py"),
+    "memory_published": (1, ["--out", "results/memory_published"],
+                         "experiments/memory_published.py"),
 }
 # the folders whose run.json names no command: the script that made them
 SCRIPTS = {"gpu_counts": "experiments/bench_gpu.py", "gpu_h100_n1": "experiments/bench_gpu.py"}

@@ -31,7 +31,8 @@ def main():
     report = Report(Path(args.results), Path(args.out))
     for section in (report.memory, report.lab, report.communication, report.largest,
                     report.throughput, report.tensor, report.pipeline, report.recompute,
-                    report.plan, report.nvme, report.onebit, report.zeropp, report.sparse):
+                    report.plan, report.nvme, report.onebit, report.zeropp, report.sparse,
+                    report.published_memory):
         section()
     report.write()
     print(f"wrote {args.out} and {report.figures}/")

@@ -1,5 +1,6 @@
-"""RESULTS.md's sections on ZeRO-Infinity's NVMe tier, 1-bit Adam, ZeRO++ and block-sparse
-attention (a mixin of report.Report)."""
+"""RESULTS.md's sections on ZeRO-Infinity's NVMe tier, 1-bit Adam, ZeRO++, block-sparse
+attention and the model-state memory of published MoE and Llama models (a mixin of
+report.Report)."""
 import os
 
 
@@ -74,3 +75,27 @@ class ExtensionSections:
                  "Made by `make bench-sparse` (`python experiments/bench_sparse_gpt.py --out "
                  "results/sparse_gpt`); the layouts and what is counted: "
                  "[docs/sparse-attention.md](../docs/sparse-attention.md#measured).", "")
+
+    # ---- 14. Model-state memory of published MoE and Llama models
+    def published_memory(self) -> None:
+        self.add("## 14. Model-state memory of published models: DeepSpeed-MoE and Llama", "",
+                 "DeepSpeed-MoE (Rajbhandari et al. 2022): a 1.3B dense GPT with 128 experts in "
+                 "every other layer (MoE-128) or a pyramid of 64 and 128 experts beside a "
+                 "dense MLP (PR-MoE), its experts split over ep ranks. Here: their parameters "
+                 "and model-state bytes per rank by ZeRO stage from `zmpi estimate --moe` at "
+                 "the example script's 64 ranks and ep 64, dense states over dp and each "
+                 "rank's experts over dp / ep, beside every rank holding every expert (ep 1); "
+                 "and Llama-2 7B / Llama-3 8B at 64 ranks from `zmpi estimate --model llama` "
+                 "against the ZeRO formula at the published parameter counts. Arithmetic, "
+                 "no training run:", "")
+        folder = self.results / "memory_published"
+        if self.rows(folder, "moe") is None:
+            return self.missing("the published models' memory",
+                                "python experiments/memory_published.py")
+        self.add((folder / "moe.md").read_text().strip(), "",
+                 (folder / "llama.md").read_text().strip(), "",
+                 "Made by `python experiments/memory_published.py --out "
+                 "results/memory_published` (regenerated and compared by `make test`); the "
+                 "shapes' sources and the per-stage expert formula: "
+                 "[docs/moe.md](../docs/moe.md#expert-state-memory-of-published-models), "
+                 "[docs/models.md](../docs/models.md#model-state-memory-at-64-ranks).", "")

@@ -103,9 +103,23 @@ def moe_block_numel(d_model: int, num_experts: int, use_residual: bool = False,
     (2 d + 2) with use_residual, and the shared experts' one MLP of 4 d s hidden units
     (8 s d^2 + 4 s d + d)."""
     d, E, s = d_model, num_experts, num_shared_experts
-    mlp = 8 * d * d + 5 * d
+    mlp = _expert_numel(d)
     return (4 * d * d + 8 * d + d * E + E * mlp + (mlp + 2 * d + 2 if use_residual else 0)
             + (8 * s * d * d + 4 * s * d + d if s else 0))
+
+
+def gpt_expert_numel(n_layer: int, d_model: int, moe) -> int:
+    """The expert parameters among `gpt_num_params`' (E experts of 8 d^2 + 5 d in each MoE
+    block of the `moe` section; the gate, PR-MoE's residual MLP and shared experts are dense):
+    what the engine's expert strategy holds, split over moe.ep_size ranks (docs/moe.md)."""
+    section = _moe_config(moe)
+    return sum(experts * _expert_numel(d_model)
+               for experts in section.layer_experts(n_layer).values())
+
+
+def _expert_numel(d: int) -> int:
+    """One expert's (or the GPT MLP's) parameters: Linear(d, 4 d), GELU, Linear(4 d, d)."""
+    return 8 * d * d + 5 * d
 
 
 def gpt_num_params(n_layer: int, d_model: int, vocab_size: int, seq_len: int,

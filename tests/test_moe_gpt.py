@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 from mpi_util import CLI, REPO_ROOT, launch_mpi
 
+from zmpi.checkpoint import CheckpointError, tools
+from zmpi.checkpoint.manifest import _body_crc, read_manifest
 from zmpi.config import Config, ConfigError, MoEConfig
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
-from zmpi.models.gpt import GPT, GPTConfig, gpt_num_params, gpt_unit_numels
+from zmpi.models.gpt import GPT, GPTConfig, gpt_expert_numel, gpt_num_params, gpt_unit_numels
 from zmpi.nn.layers import MLP
 from zmpi.nn.moe import MoE
 
@@ -222,10 +224,42 @@ def test_zmpi_estimate_counts_the_experts():
                                   "parallelism yet: --tp 1")
     code, said = psi("--moe", '{"num_experts": 4, "layers": [9]}')
     assert code == 2 and "moe.layers: block 9 is not in a model of 4 blocks" in said
-    code, said = psi("--moe", '{"num_experts": 4, "ep_size": 2}')  # not a silent ep-1 count
-    assert code == 2 and said.startswith('zmpi estimate: --moe {"num_experts": 4, "ep_size": '
-                                         '2}: ep_size 2: the estimate counts every rank holding '
-                                         'every expert')
+    code, said = psi("--moe", '{"num_experts": 4, "ep_size": 4}')
+    assert code == 2 and said == ('zmpi estimate: --moe {"num_experts": 4, "ep_size": 4}: '
+                                  'ep_size 4 does not divide the data-parallel size 2 '
+                                  '(--world-size)')
+    code, said = psi("--moe", '{"num_experts": 4, "ep_size": 2}', "--offload-optimizer")
+    assert code == 2 and said.endswith("offload is not built with ep_size 2 (docs/moe.md): "
+                                       "leave out the offload flags, or give ep_size 1")
+
+
+def test_zmpi_estimate_at_ep_counts_expert_states_over_ep_and_dp_over_ep():
+    """--moe with ep_size E on N ranks: the dense parameters' states per rank by ZeRO over
+    N, each rank's Psi_experts / E expert parameters' over the N / E ranks holding the same
+    experts (docs/moe.md's table), e.g. stage 3 (2 + 2 + K) (Psi_dense + Psi_experts / E) / N;
+    at E = 1 the dense count of the whole model. The engine's ledger against the same formula
+    is in tests/test_zero.py (test_moe_estimate_is_the_ledger_at_ep)."""
+    from zmpi.memory import model_state_bytes
+
+    section = {"num_experts": 8, "moe_layer_interval": 2, "use_residual": True}
+    psi = gpt_num_params(4, 64, 100, 32, moe=section)
+    experts = 2 * 8 * (8 * 64 * 64 + 5 * 64)  # two MoE blocks of 8 experts
+    assert gpt_expert_numel(4, 64, section) == experts
+    for ep, n in ((1, 8), (2, 8), (4, 8), (8, 8), (2, 2)):
+        out = subprocess.run([sys.executable, "-m", "zmpi.cli", "estimate", "--n-layer", "4",
+                              "--d-model", "64", "--vocab-size", "100", "--seq-len", "32",
+                              "--world-size", str(n), "--json", "--moe",
+                              json.dumps({**section, "ep_size": ep})],
+                             capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
+        got = json.loads(out.stdout)
+        assert (got["params"], got["ep"]) == (psi, ep)
+        assert got["expert_params"] == (experts if ep > 1 else 0)
+        for row in got["stages"]:
+            stage = row["stage"]
+            want = model_state_bytes(psi, n, stage) if ep == 1 else \
+                model_state_bytes(psi - experts, n, stage) + \
+                model_state_bytes(experts / ep, n // ep, stage)
+            assert row["device_gb"] == pytest.approx(want / 1e9, rel=1e-12), (ep, n, stage)
 
 
 def _losses(run_dir):
@@ -261,23 +295,69 @@ def test_train_with_moe_flags_and_resume_a_stage3_checkpoint_at_dp_1(tmp_path):
 
 
 @pytest.mark.mpi
-def test_train_at_ep_2_and_its_checkpoints_refused_before_the_run(tmp_path):
+def test_train_at_ep_2_saves_and_one_rank_resumes_at_ep_1(tmp_path):
     """`zmpi train` with a config's moe.ep_size 2 on 2 ranks trains (the banner counts every
-    expert once); with --save-every it is refused, one line, before the run claims anything
-    (checkpoints of expert-parallel runs are not built yet)."""
-    config = tmp_path / "moe.json"
+    expert once) and saves the expert shards at ep 2 (--save-every); 1 rank at ep 1 resumes
+    its step-1 checkpoint and continues the loss as the 2-rank run went on (fp64). Hugging
+    Face weights into a run at ep 2 (--init-from) are refused, one line, before the run."""
+    config, one = tmp_path / "moe.json", tmp_path / "moe1.json"
     config.write_text(json.dumps({"moe": {"num_experts": 4, "k": 2, "ep_size": 2}}))
-    flags = ["--config", config, "--n-layer", "2", "--d-model", "16", "--n-head", "2",
-             "--seq-len", "16", "--batch", "4", "--steps", "2", "--sample-tokens", "0"]
-    result = launch_mpi(CLI, 2, timeout=180, args=["train", *flags, "--out", tmp_path / "run"])
+    one.write_text(json.dumps({"moe": {"num_experts": 4, "k": 2, "ep_size": 1}}))
+    flags = ["--n-layer", "2", "--d-model", "16", "--n-head", "2", "--seq-len", "16",
+             "--batch", "4", "--steps", "2", "--sample-tokens", "0", "--precision", "fp64"]
+    result = launch_mpi(CLI, 2, timeout=180, args=["train", "--config", config, *flags,
+                                                   "--save-every", "1", "--out", tmp_path / "run"])
     assert result.returncode == 0, result.describe()
     count = gpt_num_params(2, 16, 65, 16, moe={"num_experts": 4, "k": 2})
     assert f"zmpi train: GPT {count:,} params, 2 ranks (dp 2 x pp 1 x tp 1, ep 2)" in \
         result.stdout, result.stdout
-    refused = launch_mpi(CLI, 2, timeout=180, args=["train", *flags, "--save-every", "1",
-                                                    "--out", tmp_path / "saved"])
+    saved, again = tmp_path / "run" / "checkpoints", tmp_path / "one_checkpoints"
+    resumed = launch_mpi(CLI, 1, timeout=180, args=[
+        "train", "--config", one, *flags, "--resume", saved, "--resume-tag", "step1",
+        "--save-every", "1", "--ckpt-dir", again, "--out", tmp_path / "one"])
+    assert resumed.returncode == 0, resumed.describe()
+    assert "resumed from" in resumed.stdout and "saved by 2 ranks" in resumed.stdout
+    assert _losses(tmp_path / "one")[1] == pytest.approx(_losses(tmp_path / "run")[1],
+                                                         rel=1e-12, abs=0)
+    # the offline tools know the expert shards: the step-2 checkpoints of both runs (ep 2 on
+    # 2 ranks, ep 1 on 1) consolidate to the same whole (E, ...) experts
+    assert "experts over expert-parallel 2 x expert-data-parallel 1 (8 expert tensors)" in \
+        tools.inspect(saved, "step2")
+    assert tools.verify(saved, "step2") == [] and tools.verify(again, "step2") == []
+    for directory, out in ((saved, "ep2.npz"), (again, "ep1.npz")):
+        tools.consolidate(directory, tmp_path / out, "step2", npz=True)
+    with np.load(tmp_path / "ep2.npz") as ep2, np.load(tmp_path / "ep1.npz") as ep1:
+        assert sorted(ep2) == sorted(ep1) and ep2["units.1.mlp.experts.fc_weight"].shape[0] == 4
+        for name in ep1:
+            if name != "__tied__":
+                np.testing.assert_allclose(ep2[name], ep1[name], rtol=1e-10, atol=1e-12,
+                                           err_msg=name)
+    shard = saved / "step2" / "ep001-rank00000-of-00001.h5"
+    shard.write_bytes(shard.read_bytes()[:-1] + b"?")
+    assert [p.split(":")[1].strip() for p in tools.verify(saved, "step2")] == ["corrupt"]
+    # the expert section's entries are checked as the rest (checksum recomputed after each edit)
+    path = saved / "step1" / "manifest.json"
+    body = json.loads(path.read_text())
+    for edit, said in ((lambda m: m["expert_files"][0].update(file="../x.h5"),
+                        "expert_files[0] names '../x.h5', not 'ep000-rank00000-of-00001.h5'"),
+                       (lambda m: m["expert_files"].pop(), "expert_files lists 1 shard for 1 "
+                        "expert-data-parallel shards x ep 2"),
+                       (lambda m: m["mesh"].update(ep=4), "mesh has ep 4, the experts are split "
+                        "over 2"),
+                       (lambda m: m.pop("experts"), "experts and expert_files come together")):
+        tampered = json.loads(json.dumps(body))
+        edit(tampered)
+        del tampered["checksum"]
+        tampered["checksum"] = _body_crc(tampered)
+        path.write_text(json.dumps(tampered))
+        with pytest.raises(CheckpointError, match="corrupt") as e:
+            read_manifest(saved / "step1")
+        assert said in str(e.value)
+    refused = launch_mpi(CLI, 2, timeout=180, args=["train", "--config", config, *flags,
+                                                    "--init-from", tmp_path / "hf",
+                                                    "--out", tmp_path / "hf_run"])
     assert refused.returncode == 2, refused.describe()
     assert refused.stderr.strip().splitlines()[-1] == (
-        "zmpi train: --save-every: checkpoints of expert-parallel runs (moe.ep_size 2) are not "
-        "built yet (docs/moe.md)"), refused.stderr
-    assert not (tmp_path / "saved" / "checkpoints").exists()
+        "zmpi train: --init-from: Hugging Face weights into an expert-parallel run "
+        "(moe.ep_size 2) are not built yet (docs/moe.md)"), refused.stderr
+    assert not (tmp_path / "hf_run" / "checkpoints").exists()

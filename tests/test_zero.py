@@ -12,6 +12,7 @@ compare what the ranks report with the reference (tests/reference.py), with the 
 `expected_model_state` / `expected_traffic`, and, for stages 0-3, with the ZeRO paper's
 formulas (zmpi.memory).
 """
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -396,7 +397,13 @@ def test_moe_gpt_trains_as_one_process(run, moe_references, whole_suite):
     process, and every step's choices and dropped tokens exactly one process's. At ep > 1
     the ledger holds what the engine's and the experts' strategies declare, stage 3 holds
     (2 + 2 + K) Psi_experts / ep / (dp / ep) of expert states (fp64: 8 + 8 + 3 x 8 bytes an
-    element), and the all-to-alls count in the "ep" dimension."""
+    element), and the all-to-alls count in the "ep" dimension. A checkpoint saved at ep > 1
+    after step 2 resumes at every other ep the experts allow (and from there back at the
+    saving ep: (2 -> 1 -> 2), (4 -> 1 -> 4), (4 -> 2 -> 4), (3 -> 1 -> 3)) and on half the ranks
+    (dp 1 or 2, ep 1 or 2), and each continues the loss as the uninterrupted run did; in fp32
+    at the saving ep (the parameters, the experts' too, the master weights cast) its next loss
+    is the fp64 run's within 1e-6 (one fp32 step: ~3e-8; stale expert parameters: 7e-6 and
+    more)."""
     n, out, reports = run
     eps = {name: reports[0]["moe"][name]["ep"] for name in moe_references}
     assert eps == {name: zero_checks.moe_ep(section, n) for name, (*_, section)
@@ -431,7 +438,66 @@ def test_moe_gpt_trains_as_one_process(run, moe_references, whole_suite):
             assert "alltoall" in got["dims"]["ep"] and "alltoall" not in got["dims"]["dp"]
             assert "the first in backward order is in the expert parameters" in got["nan"]
             assert [m.split(":")[0] for m in got["refused"]] == [
-                "moe.ep_size", "the model's MoE layers are expert parallel already"], where
+                "the model's MoE layers are expert parallel already"], where
+            resumed = _moe_resumes_expected(name, n, got["ep"])
+            assert sorted(got["resumed"]) == resumed, where
+            for layout, losses in got["resumed"].items():  # None: a rank outside the half
+                if losses is not None:
+                    at = zero_checks.RESUME_AT
+                    np.testing.assert_allclose(
+                        losses, ref_losses[at : at + len(losses)],
+                        rtol=1e-6 if layout.startswith("fp32") else LOSS_RTOL["fp64"],
+                        err_msg=f"{where} resumed at {layout}")
+
+
+@pytest.mark.mpi
+def test_moe_estimate_is_the_ledger_at_ep(run, whole_suite):
+    """`zmpi estimate --moe` at the layouts the MoE cases ran at ep > 1 ((dp, ep) = (2, 2),
+    (3, 3), (4, 2), (4, 4); fp64: --param-bytes 8 --optimizer-bytes 24) against each rank's
+    ledger after training: the expert states are the formula of Psi_experts / ep over the
+    dp / ep ranks holding the same experts exactly, at the padded count the expert strategy
+    holds (zmpi.memory.expert_groups), and the whole estimate is what the ledger holds up to
+    the flat buffers' padding (40 bytes an element: under dp elements per unit)."""
+    from zmpi.config import MoEConfig
+    from zmpi.memory import expert_groups
+
+    n, _, reports = run
+    config = zero_checks.GPT_CONFIG
+    for name, (stage, *_, section) in zero_checks.MOE_CASES.items():
+        ep = reports[0]["moe"][name]["ep"]
+        if ep == 1:
+            continue
+        out = subprocess.run(
+            [sys.executable, "-m", "zmpi.cli", "estimate", "--n-layer", str(config.n_layer),
+             "--d-model", str(config.d_model), "--vocab-size", str(config.vocab_size),
+             "--seq-len", str(config.seq_len), "--world-size", str(n), "--stage", str(stage),
+             "--param-bytes", "8", "--optimizer-bytes", "24", "--json",
+             "--moe", json.dumps({**section, "ep_size": ep})],
+            capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
+        assert out.returncode == 0, out.stderr
+        estimate = json.loads(out.stdout)
+        estimated = estimate["stages"][0]["device_gb"] * 1e9
+        units = config.n_layer + 2 + len(MoEConfig.from_dict(section).layer_experts(
+            config.n_layer))  # the dense units and the expert strategy's
+        for r in reports:
+            got, where = r["moe"][name], f"MoE {name} n={n} ep={ep}"
+            experts = got["experts"]
+            [(per_rank, edp)] = expert_groups(experts["full_numel"] * ep, n, ep)
+            assert sum(got["declared"][1]["device"].values()) == \
+                model_state_bytes(per_rank, edp, stage, 8, 8, 24), where
+            assert estimate["expert_params"] == experts["num_params"] * ep, where
+            assert 0 <= got["held"] - estimated < 40 * n * units, (where, got["held"], estimated)
+
+
+def _moe_resumes_expected(name, n, ep):
+    """The layouts zero_checks.moe_resumes resumes a MoE case's checkpoint saved at ep on n
+    ranks at: every other ep that divides n and the experts (there and back), and half the
+    ranks at n even."""
+    section = zero_checks.MOE_CASES[name][-1]
+    others = [f"ep {e}>{ep}" for e in range(1, n + 1)
+              if zero_checks.moe_ep(section, e) == e != ep and n % e == 0]
+    half = [f"dp {n // 2} ep {zero_checks.moe_ep(section, n // 2)}"] if n % 2 == 0 else []
+    return sorted(others + half + [f"fp32 ep {ep}"])
 
 
 @pytest.fixture(scope="module")

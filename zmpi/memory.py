@@ -25,7 +25,8 @@ import numpy
 __all__ = ["CATEGORIES", "MODEL_STATE", "ACTIVATION", "GROUPS", "DEVICES", "MemoryLedger",
            "OutOfMemory", "model_state_breakdown", "model_state_bytes", "model_state_placement",
            "held_model_state",
-           "comm_volume_elements", "estimate_rows", "ring_bytes", "ARRAY_OPS"]
+           "comm_volume_elements", "expert_groups", "estimate_rows", "ring_bytes",
+           "ARRAY_OPS"]
 
 CATEGORIES = ("param", "grad", "master", "adam_m", "adam_v", "layer_cache", "saved_input",
               "recompute", "comm_buffer", "checkpoint")
@@ -347,22 +348,38 @@ def comm_volume_elements(num_params, world_size, stage) -> float:
     return _PASSES[stage] * num_params * (world_size - 1) / world_size
 
 
+def expert_groups(psi_experts, n, ep) -> list[tuple[float, int]]:
+    """The (parameters per rank before ZeRO, ranks ZeRO shards them over) of the expert
+    parameters at expert-parallel degree ep on n data-parallel ranks (docs/moe.md, "Expert
+    parallelism in the engine"): each rank holds Psi_experts / ep of them, data parallel over
+    the n / ep ranks that hold the same experts; [] without experts. ValueError, one line,
+    where ep does not divide n."""
+    if isinstance(ep, bool) or int(ep) != ep or ep < 1 or n % ep:
+        raise ValueError(f"ep={ep} does not divide the data-parallel size {n}")
+    return [(psi_experts / ep, n // ep)] if psi_experts else []
+
+
 def estimate_rows(psi, n, stages, param_bytes, optimizer_bytes, offload_optimizer=False,
-                  offload_param=False) -> list[dict]:
+                  offload_param=False, psi_experts=0, ep=1) -> list[dict]:
     """Per stage: model-state GB per rank on the device and the host (ZeRO Fig. 1, with
     ZeRO-Offload's placement) and elements each rank sends per step; a stage the offload
-    settings exclude carries its reason instead (what `zmpi estimate` prints)."""
+    settings exclude carries its reason instead (what `zmpi estimate` prints). psi_experts
+    of the psi parameters are experts split over ep ranks (`expert_groups`): their states
+    and traffic counted over the n / ep ranks holding the same experts, the rest over n."""
     rows = []
+    groups = [(psi - psi_experts, n), *expert_groups(psi_experts, n, ep)]
     for stage in stages:
-        row = {"stage": stage, "traffic_elements": comm_volume_elements(psi, n, stage)}
+        row = {"stage": stage, "traffic_elements": sum(comm_volume_elements(p, r, stage)
+                                                       for p, r in groups)}
         try:
-            place = model_state_placement(psi, n, stage, param_bytes, param_bytes,
-                                          optimizer_bytes / 3, optimizer_bytes / 3,
-                                          offload_optimizer, offload_param)
+            places = [model_state_placement(p, r, stage, param_bytes, param_bytes,
+                                            optimizer_bytes / 3, optimizer_bytes / 3,
+                                            offload_optimizer, offload_param)
+                      for p, r in groups]
         except ValueError as e:
             rows.append({**row, "error": str(e)})
             continue
-        row.update(device_gb=sum(place["device"].values()) / 1e9,
-                   host_gb=sum(place["host"].values()) / 1e9)
+        row.update({f"{where}_gb": sum(sum(place[where].values()) for place in places) / 1e9
+                    for where in ("device", "host")})
         rows.append(row)
     return rows

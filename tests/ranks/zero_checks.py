@@ -20,7 +20,6 @@ from _report import report
 
 from zmpi import backend
 from zmpi.comm import _PROGRESS, Comm
-from zmpi.config import ConfigError
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
 from zmpi.engine.moe import make_expert_parallel
@@ -245,17 +244,28 @@ def moe(comm, out_dir):
     global row, gathered in global order (OUT_DIR/moe_<case>.npz: the parameters,
     route<step>_<layer>_{experts,kept}); the test compares them with one process. Returns
     {case: {"losses", "ep", and at ep > 1 what the ledger holds against what the two
-    strategies declare, the expert strategy's layout and the all-to-all counters}}."""
+    strategies declare, the expert strategy's layout, the all-to-all counters and the
+    losses of the runs resumed from its checkpoint (`moe_resumes`)}}."""
     results = {}
     for name, (stage, accumulation, clip, recompute, section) in MOE_CASES.items():
-        cfg = config(stage, "fp64", accumulation, clip, n=comm.size)
-        section = {**section, "ep_size": moe_ep(section, comm.size)}
-        cfg.update(moe=section, activation_checkpointing={"recompute": recompute})
-        engine = Engine(GPT(GPT_CONFIG, seed=0, dtype=np.float64, moe=section), cfg, comm)
-        seen, data, saved = moe_routing_record(engine), gpt_data(comm, accumulation), {}
-        results[name] = {"losses": [], "ep": section["ep_size"]}
+        ep = moe_ep(section, comm.size)
+
+        def build(ep, group=comm, dtype="fp64", stage=stage, accumulation=accumulation,
+                  clip=clip, recompute=recompute, section=section):
+            cfg = config(stage, dtype, accumulation, clip, n=group.size)
+            moe = {**section, "ep_size": ep}
+            cfg.update(moe=moe, activation_checkpointing={"recompute": recompute})
+            model = GPT(GPT_CONFIG, seed=0, dtype=np.dtype(dtype.replace("fp", "float")),
+                        moe=moe)
+            return Engine(model, cfg, group), gpt_data(group, accumulation)
+
+        engine, data = build(ep)
+        seen, saved = moe_routing_record(engine), {}
+        results[name] = {"losses": [], "ep": ep}
         for step in range(STEPS):
             results[name]["losses"].append(engine.train_step(*data.sample(step)))
+            if step + 1 == RESUME_AT and ep > 1:
+                engine.save_checkpoint(f"{out_dir}/moe_{name}", tag="saved")
             mine = [[np.concatenate(a) for a in zip(*(micro[layer] for micro in seen),
                                                     strict=True)]
                     for layer in range(len(engine.moe.layers))]  # this rank's rows in order
@@ -268,9 +278,54 @@ def moe(comm, out_dir):
         if comm.rank == 0:
             np.savez(f"{out_dir}/moe_{name}.npz", **params, **saved)
         if engine.experts is not None:
-            results[name].update(expert_checks(engine, comm, data.sample(STEPS), out_dir))
+            results[name].update(expert_checks(engine, comm, data.sample(STEPS)))
         engine.close()
+        if ep > 1:
+            results[name]["resumed"] = moe_resumes(comm, build, section, ep,
+                                                   f"{out_dir}/moe_{name}")
     return results
+
+
+RESUME_AT = 2  # the step after which a MoE case at ep > 1 saves a checkpoint
+
+
+def moe_resumes(comm, build, section, ep: int, directory) -> dict:
+    """The losses of steps RESUME_AT.. of runs resumed from the checkpoint saved at ep in
+    `directory` (tag "saved"), keyed by the layouts they went through: "ep E>ep" for each
+    other ep E the experts and world allow (resumed at ep E for one step, saved again and
+    resumed at the saving ep for the rest: each direction of the reshape), and "dp D ep E"
+    on the first half of the ranks (D = half the world, E = moe_ep there; None on the other
+    ranks), and "fp32 ep E": the loss of step RESUME_AT at the saving ep in fp32 (the
+    parameters then are the master weights cast, the experts' too). `build(ep, group,
+    dtype)` -> (engine, data) of the case."""
+    engine, data = build(ep, dtype="fp32")
+    engine.load_checkpoint(directory, tag="saved")
+    out = {f"fp32 ep {ep}": [engine.train_step(*data.sample(RESUME_AT))]}
+    engine.close()
+    for other in (e for e in range(1, comm.size + 1) if moe_ep(section, e) == e != ep
+                  and comm.size % e == 0):
+        losses = []
+        for at, tag in ((other, "saved"), (ep, f"ep{other}")):
+            engine, data = build(at)
+            engine.load_checkpoint(directory, tag=tag)
+            last = STEPS if at == ep else RESUME_AT + 1
+            losses += [engine.train_step(*data.sample(step))
+                       for step in range(engine.global_steps, last)]
+            if at == other:
+                engine.save_checkpoint(directory, tag=f"ep{other}")
+            engine.close()
+        out[f"ep {other}>{ep}"] = losses
+    if comm.size % 2 == 0:
+        half = comm.split(int(comm.rank >= comm.size // 2))
+        losses = None
+        if comm.rank < comm.size // 2:
+            engine, data = build(moe_ep(section, half.size), half)
+            engine.load_checkpoint(directory, tag="saved")
+            losses = [engine.train_step(*data.sample(step)) for step in range(RESUME_AT, STEPS)]
+            engine.close()
+        half.free()
+        out[f"dp {comm.size // 2} ep {moe_ep(section, comm.size // 2)}"] = losses
+    return out
 
 
 LLAMA_CONFIG = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=24,
@@ -300,11 +355,11 @@ def llama(comm, out_dir):
     return results
 
 
-def expert_checks(engine, comm, batch, out_dir) -> dict:
+def expert_checks(engine, comm, batch) -> dict:
     """At ep > 1, after training: what the ledger holds against what the engine's and the
     experts' strategies declare, the expert strategy's layout, the ops counted per mesh
-    dimension; what is refused (a checkpoint, a model made expert parallel twice); and the
-    error of a step (`batch`) whose expert gradients hold a NaN on the last rank only."""
+    dimension; what is refused (a model made expert parallel twice); and the error of a step
+    (`batch`) whose expert gradients hold a NaN on the last rank only."""
     experts = engine.experts.strategy
     out = {"held": engine.memory.model_state_bytes(),
            "declared": [s.expected_model_state() for s in engine.strategies],
@@ -314,12 +369,10 @@ def expert_checks(engine, comm, batch, out_dir) -> dict:
            "dims": {dim: sorted(op for op, c in ops.items() if c["calls"])
                     for dim, ops in engine.traffic_by_dimension().items()},
            "refused": []}
-    for attempt in (lambda: engine.save_checkpoint(f"{out_dir}/moe_checkpoint"),
-                    lambda: make_expert_parallel(engine.moe, engine.mesh.experts)):
-        try:
-            attempt()
-        except (ConfigError, ValueError) as e:  # one line each, alike on every rank
-            out["refused"].append(str(e))
+    try:
+        make_expert_parallel(engine.moe, engine.mesh.experts)
+    except ValueError as e:  # one line, alike on every rank
+        out["refused"].append(str(e))
     reduce = experts.before_step
     experts.before_step = lambda: (reduce(), comm.rank == comm.size - 1 and
                                    experts.optimizer_grads().__setitem__(0, np.nan))

@@ -5,7 +5,9 @@
 
 The manifest is JSON: the format version, the flat layout (`ModelLayout.to_dict`; of the
 whole model), the mesh and, under tensor parallelism, how the parameters are split
-(`tensor`), under pipeline parallelism which units each stage saved (`pipeline`), the engine state
+(`tensor`), under pipeline parallelism which units each stage saved (`pipeline`), at
+expert-parallel degree > 1 the experts' own layout and split over the ep ranks (`experts`,
+their shard files `expert_files`: store.expert_section), the engine state
 (steps, optimizer, loss scaler, config, the caller's client state), the run that wrote it
 (`run_id`, ownership.py) and, per shard file, its size and CRC-32, with a CRC-32 of its own
 body. That checksum catches accidents only: it can be recomputed after an edit. So
@@ -25,6 +27,7 @@ from zmpi.checkpoint.store import (
     MANIFEST,
     VERSION,
     CheckpointError,
+    expert_shard_name,
     shard_name,
     write_atomic,
 )
@@ -32,7 +35,8 @@ from zmpi.checkpoint.tensor import TensorSplits
 from zmpi.words import count
 from zmpi.zero.flat import ModelLayout
 
-_ENVELOPE = ("files", "format", "version", "checksum", "state_crc")  # unknown to the shards
+# unknown to the shards
+_ENVELOPE = ("files", "expert_files", "format", "version", "checksum", "state_crc")
 
 
 def _body_crc(body: dict) -> int:
@@ -85,6 +89,11 @@ def read_manifest(ckpt: Path) -> dict:
     manifest["splits_obj"] = TensorSplits.from_dict(manifest.get("tensor"))
     try:
         manifest["splits_obj"].check_slices(manifest["layout_obj"])
+        if "experts" in manifest:
+            experts = manifest["experts"]  # (store.expert_section)
+            manifest["expert_layout_obj"] = ModelLayout.from_dict(experts["layout"])
+            manifest["expert_splits_obj"] = TensorSplits.from_dict(experts["tensor"])
+            manifest["expert_splits_obj"].check_slices(manifest["expert_layout_obj"])
     except ValueError as e:
         raise CheckpointError(f"{path}: corrupt: {e}") from None
     manifest.setdefault("run_id", LEGACY_RUN)
@@ -123,12 +132,14 @@ FIELDS = {  # manifest key -> (test, what it must be)
     "last_lr": _num(0), "config": _of(dict), "scheduler": _of(dict), "client_state": _of(dict),
     "tied": _of(dict), "optimizer": _of(dict), "loss_scaler": _of(dict, _NONE),
     "layout": _of(dict), "files": _of(list), "tensor": _of(dict), "pipeline": _of(dict),
-    "mesh": (lambda m: type(m) is dict and set(m) == {"dp", "pp", "tp"}
-             and all(type(v) is int and v >= 1 for v in m.values()), "{dp, pp, tp} sizes"),
+    "mesh": (lambda m: type(m) is dict and set(m) - {"ep"} == {"dp", "pp", "tp"}
+             and all(type(v) is int and v >= 1 for v in m.values()), "{dp, pp, tp[, ep]} sizes"),
+    "experts": _of(dict), "expert_files": _of(list),
 }
 # run_id and mesh are absent from checkpoints written before zmpi recorded them, tensor from
 # every checkpoint saved without tensor parallelism (zmpi.checkpoint.tensor);
-OPTIONAL = {"run_id", "mesh", "tensor", "pipeline"}
+# experts and expert_files from every checkpoint saved at ep 1 (zmpi.engine.moe)
+OPTIONAL = {"run_id", "mesh", "tensor", "pipeline", "experts", "expert_files"}
 LEGACY_RUN = "legacy"  # such checkpoints are read as one run of this id
 OPTIMIZER = {"step_count": _int(0), "lr": _num(0), "eps": _num(0, open_lo=True),
              "weight_decay": _num(0), "decoupled": _of(bool),
@@ -170,18 +181,57 @@ def check_fields(m: dict) -> None:
     if len(m["files"]) != n * tp * pp:
         raise ValueError(f"files lists {count(len(m['files']), 'shard')} for world_size {n}"
                          + (f" x tp {tp}" if tp > 1 else "") + (f" x pp {pp}" if pp > 1 else ""))
-    for i, entry in enumerate(m["files"]):
-        if type(entry) is not dict:
-            raise ValueError(f"files[{i}] is not an object")
-        _check(entry, FILE, f"files[{i}].")
-        want = shard_name(i % n, n, i // n % tp, tp, i // (n * tp), pp)
-        if entry["file"] != want:
-            raise ValueError(f"files[{i}] names {entry['file'][:80]!r}, not {want!r}"
-                             " (shard files are the checkpoint directory's own)")
+    _check_files(m["files"], "files", lambda i: shard_name(i % n, n, i // n % tp, tp,
+                                                            i // (n * tp), pp))
+    if ("experts" in m) != ("expert_files" in m):
+        raise ValueError("experts and expert_files come together (a checkpoint saved at ep > 1)")
+    if "experts" in m:
+        names |= _check_experts(m)
     for alias, owner in m["tied"].items():
         if owner not in names or alias in names:
             raise ValueError(f"tied maps {alias[:60]!r} to {str(owner)[:60]!r}, not an alias to "
                              "a parameter of the layout")
+
+
+def _check_files(files: list, key: str, want) -> None:
+    """ValueError unless each entry of `files` (the manifest's `key`) is a file entry
+    ({file, bytes, crc32}) naming want(i), the file its i-th shard is written to."""
+    for i, entry in enumerate(files):
+        if type(entry) is not dict:
+            raise ValueError(f"{key}[{i}] is not an object")
+        _check(entry, FILE, f"{key}[{i}].")
+        if entry["file"] != want(i):
+            raise ValueError(f"{key}[{i}] names {entry['file'][:80]!r}, not {want(i)!r}"
+                             " (shard files are the checkpoint directory's own)")
+
+
+def _check_experts(m: dict) -> set:
+    """The expert section's parameter names (`experts`: {layout over the expert-data-parallel
+    shards, tensor: its split over the ep ranks}; `expert_files`, ep-rank-major), after
+    checking it; ValueError otherwise."""
+    experts = m["experts"]
+    layout, tensor = experts.get("layout"), experts.get("tensor")
+    if type(layout) is not dict or type(tensor) is not dict:
+        raise ValueError("experts is not {layout, tensor}")
+    n = layout.get("world_size")
+    if type(n) is not int or n < 1:
+        raise ValueError(f"experts.layout has world_size {n!r}, not a size")
+    names = _check_layout(layout, n)
+    ep = TensorSplits.from_dict(tensor).size
+    if m.get("mesh", {}).get("ep", 1) != ep:
+        raise ValueError(f"mesh has ep {m.get('mesh', {}).get('ep', 1)}, the experts are split "
+                         f"over {ep}")
+    if len(m["expert_files"]) != n * ep:
+        raise ValueError(f"expert_files lists {count(len(m['expert_files']), 'shard')} for "
+                         f"{n} expert-data-parallel shards x ep {ep}")
+    _check_files(m["expert_files"], "expert_files", lambda i: expert_shard_name(i % n, n, i // n))
+    if names & _names(m["layout"]):
+        raise ValueError("experts.layout names parameters of the layout")
+    return names
+
+
+def _names(layout: dict) -> set:
+    return {p["name"] for u in layout["units"] for p in u["params"]}
 
 
 def _check_pipeline(pipeline, units: int) -> int:
@@ -199,8 +249,9 @@ def _check_pipeline(pipeline, units: int) -> int:
     return stages
 
 
-def _check_layout(layout: dict, world_size: int, num_params: int) -> set:
-    """The layout's parameter names, after checking its structure; ValueError otherwise."""
+def _check_layout(layout: dict, world_size: int, num_params: int | None = None) -> set:
+    """The layout's parameter names, after checking its structure (and that it holds
+    `num_params` elements, where given); ValueError otherwise."""
     if layout.get("world_size") != world_size or type(layout.get("units")) is not list:
         raise ValueError(f"layout has world_size {layout.get('world_size')!r} (the manifest "
                          f"says {world_size}) or no list of units")
@@ -226,7 +277,7 @@ def _check_layout(layout: dict, world_size: int, num_params: int) -> set:
             raise ValueError(f"{where} holds {count(offset, 'element')} in padded_numel "
                              f"{padded}")
         total += offset
-    if total != num_params:
+    if num_params is not None and total != num_params:
         raise ValueError(f"layout holds {count(total, 'parameter')}, num_params says "
                          f"{num_params}")
     return names

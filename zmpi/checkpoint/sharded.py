@@ -7,7 +7,9 @@ the engine hands each call (zmpi.engine.state), never on the engine.
 Save (every rank): each rank writes its owned shard of the four model states to its own file
 in a staging directory (with hybrid sharding one replica of each shard writes: a checkpoint
 has as many shards as a shard group has ranks; under tensor parallelism, as many per tensor
-rank, each of its local slices); the ranks agree that every write succeeded;
+rank, each of its local slices; at expert-parallel degree ep > 1, the expert strategy's shard
+too, to a file per ep rank and expert-data-parallel shard: store.expert_section); the ranks
+agree that every write succeeded;
 rank 0 writes the manifest, renames the staging directory to the tag, replaces `latest` and
 prunes (`keep_last`, the run's own checkpoints only).
 With `async_` the shard is copied to host buffers and written by a background thread while
@@ -17,8 +19,8 @@ a save is in flight), the next save or load, or `close`.
 
 Load (every rank): each rank reads the manifest, checks that it describes the engine's model,
 and reads the elements of its own owned shard in the engine's layout, by parameter name, from
-whichever saved shards hold them, so any saved world size, strategy and tensor-parallel size
-loads into any other.
+whichever saved shards hold them, so any saved world size, strategy, tensor-parallel size
+and expert-parallel size loads into any other.
 The ranks agree that every read succeeded before any engine state is touched: a failed load
 raises the same CheckpointError on every rank and leaves the engine as it was. Then each state
 is written into the strategy's buffers (an allgather where the strategy replicates it).
@@ -53,9 +55,11 @@ from zmpi.checkpoint.store import (
     CheckpointError,
     ShardReader,
     check_tag,
+    expert_shard_name,
     fsync_dir,
     moved_dir,
     resolve_tag,
+    sections,
     shard_name,
     staging_dir,
     write_atomic,
@@ -92,7 +96,7 @@ class PendingSave:
     tag: str
     body: dict  # the manifest, less its file list
     keep_last: int | None
-    write: object  # () -> file entry
+    write: object  # () -> [(the manifest's file list, file entry)] of this rank's files
     buffers: list  # (ledger, host snapshot buffer) pairs, released when it finishes
     thread: threading.Thread | None = None
     outcome: dict = field(default_factory=dict)
@@ -132,14 +136,19 @@ class Loaded:
     client_state: dict
     notes: list[str]
     run_id: str  # the run that saved it, which the loading engine continues
-    mesh: dict  # {"dp", "pp", "tp"} of the run that saved it
+    mesh: dict  # {"dp", "pp", "tp"} of the run that saved it (and "ep" above 1)
 
 
-def check_same_model(manifest: dict, layout, splits, where) -> None:
+def check_same_model(manifest: dict, layout, splits, where, experts=None) -> None:
     """CheckpointError ("mismatch") unless the checkpoint has the same parameters and whole
-    shapes (`layout` split over the tensor ranks as `splits` says: a TensorSplits)."""
-    saved = manifest["splits_obj"].whole_shapes(manifest["layout_obj"])
+    shapes (`layout` split over the tensor ranks as `splits` says: a TensorSplits; with the
+    expert section `experts`, an ExpertStates, at ep > 1), in whichever sections."""
+    saved = {name: shape for section in sections(manifest)
+             for name, shape in section["splits_obj"].whole_shapes(
+                 section["layout_obj"]).items()}
     ours = splits.whole_shapes(layout)
+    if experts is not None:
+        ours.update(experts.splits.whole_shapes(experts.layout))
     if saved == ours:
         return
     diffs = [f"{n}: checkpoint {saved.get(n, 'absent')}, model {ours.get(n, 'absent')}"
@@ -149,17 +158,41 @@ def check_same_model(manifest: dict, layout, splits, where) -> None:
                           f"{'; '.join(diffs[:3])})")
 
 
-def read_owned(reader: ShardReader, state: str, layout, rank: int, dtype, splits,
+def _snapshot(strategy, memory, async_: bool, buffers: list) -> dict:
+    """{state: `strategy`'s shard of it} to write: a host copy the writer owns (its ledger
+    entry appended to `buffers`, released when the save finishes) when asynchronous or on a
+    device."""
+    states = {}
+    for name in STATES:
+        shard = strategy.state_shard(name)
+        if async_ or backend.is_device_array(shard):
+            host = memory.allocate(shard.shape, shard.dtype, "checkpoint", "host",
+                                   f"checkpoint {name}")
+            backend.copy_(host, shard)
+            buffers.append((memory, host))
+            shard = host
+        states[name] = shard
+    return states
+
+
+def read_owned(reader, state: str, layout, rank: int, dtype, splits,
                tp_rank: int) -> np.ndarray:
     """`state` in `layout`'s owned shard of `rank` (S,), padding zero, read by ranges: the
     local slices of tensor rank `tp_rank` (split as `splits` says) from however the
-    checkpoint's were split (zmpi.checkpoint.tensor)."""
+    checkpoint's were split (zmpi.checkpoint.tensor). `reader`: a ShardReader (or one with
+    its `read` and `manifest`), or a list of them, one per section of the checkpoint
+    (store.sections: the expert parameters of a run at ep > 1 are a section of their own,
+    split over the ep ranks as tensor parallelism splits its slices); each parameter is read
+    from the section that holds it, whichever section holds it in `layout`."""
+    readers = reader if isinstance(reader, list) else [reader]
+    holder = {name: (r, r.manifest["splits_obj"], shape) for r in readers
+              for name, shape in r.manifest["layout_obj"].shapes().items()}
     out = np.zeros(layout.shard_numel, dtype)
-    saved, saved_shapes = reader.manifest["splits_obj"], reader.manifest["layout_obj"].shapes()
     shapes = layout.shapes()
     for name, start, at, n in layout.owned_pieces(rank):
-        read_resliced(reader, state, name, start, out[at : at + n], splits, tp_rank,
-                      shapes[name], saved, saved_shapes[name])
+        source, saved, saved_shape = holder[name]
+        read_resliced(source, state, name, start, out[at : at + n], splits, tp_rank,
+                      shapes[name], saved, saved_shape)
     return out
 
 
@@ -248,26 +281,32 @@ class Checkpointer:
         body.update(checkpoint_id=comm.bcast_object(uuid.uuid4().hex), tag=tag,
                     run_id=self.run_id)
         strategy, layout = state.strategy, state.layout
-        states, buffers = {}, []
-        for name in STATES if strategy.writes_checkpoint else ():  # one replica per shard
-            shard = strategy.state_shard(name)
-            if async_ or backend.is_device_array(shard):  # a host copy the writer owns
-                host = state.memory.allocate(shard.shape, shard.dtype, "checkpoint", "host",
-                                             f"checkpoint {name}")
-                backend.copy_(host, shard)
-                buffers.append((state.memory, host))
-                shard = host
-            states[name] = shard
-        attrs = {"checkpoint_id": body["checkpoint_id"], "rank": strategy.rank,
-                 "world_size": layout.world_size, "tp_rank": state.tp_rank,
-                 "pp_stage": state.stage, "tag": tag,
+        buffers = []
+        attrs = {"checkpoint_id": body["checkpoint_id"], "tag": tag,
                  "state_crc": comm.bcast_object(state_crc(body))}  # of rank 0's: the manifest
-        path = staging / shard_name(strategy.rank, layout.world_size, state.tp_rank,
-                                    state.splits.size, state.stage, state.stages)
-        self.pending = PendingSave(held, tag, body, keep_last, buffers=buffers,
-                                   write=lambda: write_shard(path, layout, strategy.rank, states,
-                                                             attrs, state.held)
-                                   if states else None)
+        # (the manifest's file list, the strategy, its layout, this rank's file and its
+        # attributes, the names it skips): this rank's shard of each section
+        parts = [("files", strategy, layout, staging / shard_name(
+            strategy.rank, layout.world_size, state.tp_rank, state.splits.size, state.stage,
+            state.stages), dict(attrs, tp_rank=state.tp_rank, pp_stage=state.stage),
+            state.held)]
+        if state.experts is not None:  # the ep rank in the tensor rank's place
+            ex = state.experts
+            parts.append(("expert_files", ex.strategy, ex.layout, staging / expert_shard_name(
+                ex.strategy.rank, ex.layout.world_size, ex.ep_rank),
+                dict(attrs, tp_rank=ex.ep_rank, pp_stage=0), frozenset()))
+        writes = [(key, path, section_layout, dict(attrs_, rank=owner.rank,
+                                                   world_size=section_layout.world_size),
+                   _snapshot(owner, state.memory, async_, buffers), skip)
+                  for key, owner, section_layout, path, attrs_, skip in parts
+                  if owner.writes_checkpoint]  # one replica per shard
+
+        def write():
+            return [(key, write_shard(path, section_layout, attrs_["rank"], states, attrs_,
+                                      skip))
+                    for key, path, section_layout, attrs_, states, skip in writes]
+
+        self.pending = PendingSave(held, tag, body, keep_last, buffers=buffers, write=write)
         if async_:
             self.pending.start()
         else:
@@ -291,9 +330,9 @@ class Checkpointer:
         comm, directory = self.comm, pending.claim.directory
         staging = staging_dir(directory, pending.tag)
 
-        def publish(entries):
+        def publish(files):
             if comm.rank == 0:
-                write_manifest(staging / MANIFEST, dict(pending.body, files=entries))
+                write_manifest(staging / MANIFEST, dict(pending.body, **files))
                 fsync_dir(staging)
                 final = directory / pending.tag
                 if final.exists():  # re-saving a tag: the old copy is removed once replaced
@@ -315,8 +354,10 @@ class Checkpointer:
             finally:
                 for ledger, buf in pending.buffers:
                     ledger.release(buf)
-            entries = sorted((e for e in entries if e is not None), key=lambda e: e["file"])
-            agree(comm, f"writing the manifest of {directory / pending.tag}", publish, entries)
+            files = {key: sorted((e for rank in entries for k, e in rank if k == key),
+                                 key=lambda e: e["file"])
+                     for key in ("files", "expert_files")[:1 + ("experts" in pending.body)]}
+            agree(comm, f"writing the manifest of {directory / pending.tag}", publish, files)
         except CheckpointError:  # raised on every rank
             if comm.rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -335,14 +376,22 @@ class Checkpointer:
             ckpt = resolve_tag(directory, tag)
             manifest = read_manifest(ckpt)
             check_same_model(manifest, state.saved_layout, state.saved_splits,
-                             ckpt / MANIFEST)
+                             ckpt / MANIFEST, state.experts)
             state.check_model(manifest, ckpt / MANIFEST)
             same_dtype = manifest["dtype"] == state.dtype.name
-            with ShardReader(ckpt, manifest, verify) as reader:
-                states = {s: read_owned(reader, s, layout, strategy.rank,
-                                        state.dtype if s == "params" else state.master_dtype,
-                                        state.splits, state.tp_rank)
-                          for s in STATES if s != "params" or same_dtype}
+            ex = state.experts
+            ours = [(layout, strategy.rank, state.splits, state.tp_rank)] + (
+                [] if ex is None else [(ex.layout, ex.strategy.rank, ex.splits, ex.ep_rank)])
+            readers = [ShardReader(ckpt, section, verify) for section in sections(manifest)]
+            try:
+                states = [{s: read_owned(readers, s, section_layout, rank,
+                                         state.dtype if s == "params" else state.master_dtype,
+                                         splits, split_rank)
+                           for s in STATES if s != "params" or same_dtype}
+                          for section_layout, rank, splits, split_rank in ours]
+            finally:
+                for reader in readers:
+                    reader.close()
             return ckpt, manifest, states
 
         where = f"load_checkpoint {directory}" + (f" tag {tag}" if tag else "")
@@ -353,7 +402,8 @@ class Checkpointer:
             if not fallback or tag is not None or isinstance(error, RanksReadDifferently):
                 raise  # disagreeing file systems are not a damaged checkpoint: no fallback
             ckpt, manifest, states, skipped = _load_fallback(comm, directory, read, error)
-        notes = skipped + state.restore(manifest, states) + \
+        dense, experts = states[0], (states[1] if len(states) > 1 else {})
+        notes = skipped + state.restore(manifest, dense, experts) + \
             comm.bcast_object(other_runs(ckpt.parent, manifest) if comm.rank == 0 else None)
         if manifest["run_id"] != self.run_id:
             self.release()  # claimed for the run this engine no longer is

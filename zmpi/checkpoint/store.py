@@ -73,6 +73,31 @@ def shard_name(rank: int, world_size: int, tp_rank: int = 0, tp: int = 1, stage:
     return name if stages == 1 else f"pp{stage:03d}-{name}"
 
 
+def expert_shard_name(rank: int, world_size: int, ep_rank: int) -> str:
+    """The shard file of the expert section (zmpi.engine.moe.ExpertStates, at ep > 1) of
+    expert-data-parallel shard `rank` of `world_size`, on expert-parallel rank `ep_rank`."""
+    return f"ep{ep_rank:03d}-{shard_name(rank, world_size)}"
+
+
+def expert_section(manifest: dict) -> dict | None:
+    """The expert section of a checkpoint saved at ep > 1 (None otherwise) as a manifest of
+    its own, for ShardReader, open_shard and file_pieces: its layout (over the
+    expert-data-parallel shards), its split over the ep ranks in the place of tensor
+    ranks, its files (`expert_files`), no pipeline."""
+    if "experts" not in manifest:
+        return None
+    section = {k: v for k, v in manifest.items() if k not in ("pipeline", "tensor")}
+    section.update(files=manifest["expert_files"], layout_obj=manifest["expert_layout_obj"],
+                   splits_obj=manifest["expert_splits_obj"])
+    return section
+
+
+def sections(manifest: dict) -> list[dict]:
+    """The manifest and, saved at ep > 1, its expert section (`expert_section`)."""
+    experts = expert_section(manifest)
+    return [manifest] if experts is None else [manifest, experts]
+
+
 def saving_stage(manifest: dict) -> dict[str, int]:
     """{parameter name: the pipeline stage that saved it} (all 0 without pipelining): stage s
     saved the layout's units bounds[s]:bounds[s + 1] of the manifest's "pipeline" entry."""

@@ -71,19 +71,20 @@ class TensorSplits:
         self._located = {}  # name -> (owner, position) arrays over the whole axis
 
     @classmethod
-    def of_model(cls, unit_params, tp) -> TensorSplits:
+    def of_model(cls, unit_params, tp, mark: str = "tp") -> TensorSplits:
         """The splits of a built model's parameters (`unit_params`: name -> Parameter per
         unit) over the Comm `tp` (a collective over it when tp.size > 1). At tp.size 1 only
         the padded ones (a vocabulary padded to aligned GEMMs, `tp_full` real rows of more):
         a split over one rank whose "full" drops the padding, so a padded checkpoint loads
-        into an unpadded model, or any other split, and back."""
+        into an unpadded model, or any other split, and back. `mark` names the attributes
+        read (`{mark}_split`, `{mark}_index`, `{mark}_full`): "ep" for the experts an
+        expert-parallel rank holds (zmpi.parallel.expert), split over the Comm `tp` = ep's."""
         mine = {}
         for params in unit_params:
             for name, p in params.items():
-                axis = getattr(p, "tp_split", None)
-                if axis is not None and (tp.size > 1 or getattr(p, "tp_full", None)
-                                         not in (None, p.shape[axis])):
-                    mine[name] = (axis, getattr(p, "tp_full", None), runs_of(p.tp_index))
+                axis, full = getattr(p, f"{mark}_split", None), getattr(p, f"{mark}_full", None)
+                if axis is not None and (tp.size > 1 or full not in (None, p.shape[axis])):
+                    mine[name] = (axis, full, runs_of(getattr(p, f"{mark}_index")))
         if not mine:
             return cls()
         every = [mine] if tp.size == 1 else tp.allgather_object(mine)

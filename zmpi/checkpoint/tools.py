@@ -29,6 +29,7 @@ from zmpi.checkpoint.store import (
     file_pieces,
     open_shard,
     resolve_tag,
+    sections,
     writing_hdf5,
 )
 from zmpi.checkpoint.tensor import TensorSplits, read_resliced
@@ -43,9 +44,12 @@ def inspect(directory, tag=None) -> str:
     ckpt = resolve_tag(directory, tag)
     m = read_manifest(ckpt)
     opt = m["optimizer"]
-    total = sum(f["bytes"] for f in m["files"])
+    files = [f for section in sections(m) for f in section["files"]]
+    total = sum(f["bytes"] for f in files)
     splits, layout = m["splits_obj"], m["layout_obj"]
-    whole = sum(math.prod(shape) for shape in splits.whole_shapes(layout).values())
+    shapes = {name: shape for section in sections(m) for name, shape in
+              section["splits_obj"].whole_shapes(section["layout_obj"]).items()}
+    whole = sum(math.prod(shape) for shape in shapes.values())
     lines = [
         f"checkpoint {ckpt} (tag {m['tag']}, format {m['format']} v{m['version']})",
         f"  saved {m['saved_at']} by git {m['git_revision']}",
@@ -53,21 +57,25 @@ def inspect(directory, tag=None) -> str:
         f" betas {opt['betas']}, eps {opt['eps']}, weight decay {opt['weight_decay']}"
         f"{', decoupled' if opt['decoupled'] else ''})",
         f"  {count(whole, 'parameter')} in {count(len(layout.units), 'unit')}, "
-        f"{count(len(layout.shapes()), 'tensor')}; tied: {m['tied'] or 'none'}",
+        f"{count(len(shapes), 'tensor')}; tied: {m['tied'] or 'none'}",
         f"  world size {m['world_size']}"
         + (f" x tensor-parallel {splits.size} ({count(len(splits.splits), 'split tensor')})"
            if splits.size > 1 else "")
         + (f" x pipeline {m['pipeline']['stages']} (stages split the units at "
            f"{m['pipeline']['bounds']})" if "pipeline" in m else "")
+        + (f"; experts over expert-parallel {m['expert_splits_obj'].size} x "
+           f"expert-data-parallel {m['expert_layout_obj'].world_size} "
+           f"({count(len(m['expert_splits_obj'].splits), 'expert tensor')})"
+           if "experts" in m else "")
         + f", strategy {m['strategy']}, params {m['dtype']}, master and Adam "
         f"{m['master_dtype']}",
         f"  loss scaler: {m['loss_scaler'] or 'off'}; delayed update pending: "
         f"{m['unpublished_update']}",
         f"  client state: {json.dumps(m['client_state'])}",
-        f"  {count(len(m['files']), 'shard file')}, {total / 2**20:.2f} MiB:",
+        f"  {count(len(files), 'shard file')}, {total / 2**20:.2f} MiB:",
     ]
     lines += [f"    {f['file']}  {f['bytes']:>12,} bytes  crc32 {f['crc32']:08x}"
-              for f in m["files"]]
+              for f in files]
     return "\n".join(lines)
 
 
@@ -94,15 +102,15 @@ def verify(directory, tag=None) -> list[str]:
     except CheckpointError as e:
         return [str(e)]
     problems = []
-    for index in range(len(manifest["files"])):
+    for section, index in ((s, i) for s in sections(manifest) for i in range(len(s["files"]))):
         try:
-            f = open_shard(ckpt, manifest, index)
+            f = open_shard(ckpt, section, index)
         except CheckpointError as e:
             problems.append(str(e))
             continue
         with f:
             for state in STATES:
-                for name, start, _, n in file_pieces(manifest, index):
+                for name, start, _, n in file_pieces(section, index):
                     try:
                         ds = f[state][name]
                         ok = ds.shape == (n,) and ds.attrs["start"] == start
@@ -130,14 +138,18 @@ def check_outside(directory, out: Path, what: str) -> None:
 def whole_masters(reader: ShardReader, manifest: dict):
     """(name, full master value) of every parameter of the checkpoint `reader` reads, one at
     a time, in layout order: a tensor-parallel checkpoint's slices put together, the
-    vocabulary's padding dropped (fp32; fp64 for an fp64 model)."""
+    vocabulary's padding dropped (fp32; fp64 for an fp64 model). `reader` may be a list, one
+    ShardReader per section (store.sections: saved at ep > 1, the experts follow the rest,
+    each expert parameter whole, (E, ...), its ep ranks' experts put together)."""
     dtype = np.dtype(manifest["master_dtype"])
-    saved, local = manifest["splits_obj"], manifest["layout_obj"].shapes()
     whole = TensorSplits()  # one rank holding every parameter whole
-    for name, shape in saved.whole_shapes(manifest["layout_obj"]).items():
-        flat = np.empty(math.prod(shape), dtype)
-        read_resliced(reader, "master", name, 0, flat, whole, 0, shape, saved, local[name])
-        yield name, flat.reshape(shape)
+    for source in reader if isinstance(reader, list) else [reader]:
+        saved, layout = source.manifest["splits_obj"], source.manifest["layout_obj"]
+        local = layout.shapes()
+        for name, shape in saved.whole_shapes(layout).items():
+            flat = np.empty(math.prod(shape), dtype)
+            read_resliced(source, "master", name, 0, flat, whole, 0, shape, saved, local[name])
+            yield name, flat.reshape(shape)
 
 
 def consolidate(directory, out, tag=None, npz=False) -> Path:
@@ -155,15 +167,18 @@ def consolidate(directory, out, tag=None, npz=False) -> Path:
     check_outside(directory, out, "the consolidated file")
     check_output(out, "output")
     tied = manifest["tied"]
-    with ShardReader(ckpt, manifest) as reader:
-        try:
-            with replacing(out) as tmp:
-                if npz:
-                    _write_npz(tmp, whole_masters(reader, manifest), tied)
-                else:
-                    _write_h5(tmp, whole_masters(reader, manifest), tied, manifest, ckpt)
-        except OSError as e:
-            raise CheckpointError(f"{out}: not written: {e.strerror or e}") from None
+    readers = [ShardReader(ckpt, section) for section in sections(manifest)]
+    try:
+        with replacing(out) as tmp:
+            if npz:
+                _write_npz(tmp, whole_masters(readers, manifest), tied)
+            else:
+                _write_h5(tmp, whole_masters(readers, manifest), tied, manifest, ckpt)
+    except OSError as e:
+        raise CheckpointError(f"{out}: not written: {e.strerror or e}") from None
+    finally:
+        for reader in readers:
+            reader.close()
     return out
 
 

@@ -232,7 +232,8 @@ def main(argv=None) -> None:
     e.add_argument("--moe", metavar="E|JSON", default=None,
                    help="with a GPT shape: mixture-of-experts blocks of E experts each in every "
                    "block, or a moe config section as JSON (docs/moe.md); their experts count "
-                   "in Psi")
+                   "in Psi, and at its ep_size above 1 their states per rank over the "
+                   "world size / ep ranks holding the same experts")
     e.add_argument("--stage", type=int, choices=range(4), default=None,
                    help="one ZeRO stage (default: all four)")
     e.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16",

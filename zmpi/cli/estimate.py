@@ -4,15 +4,20 @@ data-parallel ranks of each tensor rank's share, plus Megatron's tensor-parallel
 --sequence-parallel, Korthikanti et al.'s reduce-scatters and allgathers); with --micro-batch,
 the activation memory per rank (zmpi.models.gpt.gpt_activation_bytes) beside Korthikanti et
 al.'s count (docs/activation-memory.md); with --moe, a GPT shape's MoE blocks' experts counted in
-Psi (every rank holds every expert: a section with ep_size above 1 is refused, its expert
-states per rank are not in the formulas yet)."""
+Psi, and at the section's ep_size above 1 their states per rank over the ranks holding the same
+experts (zmpi.memory.expert_groups; docs/moe.md)."""
 from __future__ import annotations
 
 import json
 import math
 
 from zmpi.memory import estimate_rows
-from zmpi.models.gpt import gpt_activation_bytes, gpt_num_params, korthikanti_activation_bytes
+from zmpi.models.gpt import (
+    gpt_activation_bytes,
+    gpt_expert_numel,
+    gpt_num_params,
+    korthikanti_activation_bytes,
+)
 from zmpi.models.llama import llama_num_params
 from zmpi.nn.attention import attention_block
 
@@ -75,8 +80,8 @@ def moe_section(args):
     """--moe as a MoEConfig for the GPT shape (None without it): an expert count E, or a `moe`
     config section as JSON (docs/moe.md). Refused with --params, --tp above 1 (MoE blocks are
     not split by tensor parallelism yet) and --micro-batch (the MoE layers' activations are
-    not counted yet), with ep_size above 1 (the formulas count every rank holding every
-    expert), or where the section does not fit the shape."""
+    not counted yet), at ep_size above 1 where it does not divide --world-size or with an
+    offload flag (the engine builds neither), or where the section does not fit the shape."""
     from zmpi.config import ConfigError, MoEConfig, parse_json
 
     flag = getattr(args, "moe", None)
@@ -99,10 +104,12 @@ def moe_section(args):
         raise Refused(f"--moe {flag}: {e}") from None
     if not moe.enabled:
         raise Refused(f"--moe {flag}: give num_experts")
-    if moe.ep_size > 1:
-        raise Refused(f"--moe {flag}: ep_size {moe.ep_size}: the estimate counts every rank "
-                      "holding every expert; expert-parallel states are not in it yet "
-                      "(docs/moe.md gives them per stage): give ep_size 1")
+    if moe.ep_size > 1 and args.world_size % moe.ep_size:
+        raise Refused(f"--moe {flag}: ep_size {moe.ep_size} does not divide the data-parallel "
+                      f"size {args.world_size} (--world-size)")
+    if moe.ep_size > 1 and (args.offload_optimizer or args.offload_param):
+        raise Refused(f"--moe {flag}: offload is not built with ep_size {moe.ep_size} "
+                      "(docs/moe.md): leave out the offload flags, or give ep_size 1")
     return moe
 
 
@@ -164,12 +171,15 @@ def estimate(args) -> None:
         psi = args.params / tp if args.params is not None else gpt_num_params(
             args.n_layer, args.d_model, args.vocab_size, args.seq_len, tp, args.vocab_multiple,
             moe)
+    ep = moe.ep_size if moe is not None else 1
+    experts = gpt_expert_numel(args.n_layer, args.d_model, moe) if ep > 1 else 0
     dp = args.world_size // tp
     pb = args.param_bytes if args.param_bytes is not None else \
         (4 if args.precision == "fp32" else 2)
     k = args.optimizer_bytes if args.optimizer_bytes is not None else 12
     stages = range(4) if args.stage is None else [args.stage]
-    rows = estimate_rows(psi, dp, stages, pb, k, args.offload_optimizer, args.offload_param)
+    rows = estimate_rows(psi, dp, stages, pb, k, args.offload_optimizer, args.offload_param,
+                         experts, ep)
     if args.sequence_parallel and (tp == 1 or args.micro_batch is None):
         raise Refused("--sequence-parallel needs --tp above 1 and "
                       "--micro-batch")
@@ -177,7 +187,8 @@ def estimate(args) -> None:
     ops = tensor_ops(args) if tensor is not None else None
     activation = activation_memory(args)
     if args.json:
-        print(json.dumps({"params": psi, "world_size": args.world_size, "tp": tp, "dp": dp,
+        print(json.dumps({"params": psi, "expert_params": experts, "ep": ep,
+                          "world_size": args.world_size, "tp": tp, "dp": dp,
                           "param_bytes": pb, "optimizer_bytes": k,
                           "offload_optimizer": args.offload_optimizer,
                           "offload_param": args.offload_param, "stages": rows,
@@ -189,7 +200,9 @@ def estimate(args) -> None:
           + f", N = {dp} {'data-parallel ' if tp > 1 else ''}ranks, {pb}-byte params and "
           f"grads, K = {k}" + (f"; offload: optimizer {'on' if args.offload_optimizer else 'off'}"
                                f", params {'on' if args.offload_param else 'off'}"
-                               if offload else ""))
+                               if offload else "")
+          + (f"; experts {experts:.4g} of them, over ep = {ep} ranks and ZeRO over the "
+             f"{dp // ep} holding the same" if ep > 1 else ""))
     if tensor is not None and not args.sequence_parallel:
         print(f"tensor-parallel traffic per step and micro-batch: {tensor:.4g} elements "
               f"allreduced ((4 L + 2) B T C + 3 B T), each rank sending 2 (T-1)/T of them")

@@ -96,11 +96,9 @@ def train(args) -> None:
     # with --save-every, a resumed run saves where it resumed from (unless --ckpt-dir)
     ckpt_dir = Path(args.ckpt_dir or (args.resume if args.save_every else None)
                     or out / "checkpoints")
-    uses = [flag for flag, given in (("--save-every", args.save_every), ("--resume",
-             args.resume is not None), ("--init-from", args.init_from is not None)) if given]
-    if uses and engine.experts is not None:  # before the run claims any directory
-        _exit_bad_input(f"{uses[0]}: checkpoints of expert-parallel runs (moe.ep_size "
-                        f"{mesh.ep}) are not built yet (docs/moe.md)")
+    if args.init_from is not None and engine.experts is not None:
+        _exit_bad_input(f"--init-from: Hugging Face weights into an expert-parallel run "
+                        f"(moe.ep_size {mesh.ep}) are not built yet (docs/moe.md)")
     if args.init_from is not None:
         init_from(args, engine, log)
     first = _resume(args, engine, comm, log) if args.resume is not None else 0

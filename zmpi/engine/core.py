@@ -339,7 +339,8 @@ class Engine(EngineTraffic):
         self.wait_update()
         if self.delayed.unpublished:
             self.delayed.unpublished = False
-            self.strategy.publish_params()
+            for strategy in self.strategies:  # the experts' too at ep > 1
+                strategy.publish_params()
 
     def wait_update(self) -> None:
         """Wait for the delayed update in flight, if any, and raise its error; the parameters

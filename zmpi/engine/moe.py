@@ -50,6 +50,7 @@ gradients' norm for clipping and the overflow check add the experts' squares sum
 from __future__ import annotations
 
 from zmpi import backend
+from zmpi.checkpoint.tensor import TensorSplits
 from zmpi.engine.checks import check_same_on_replicas
 from zmpi.nn.moe import MoE
 from zmpi.parallel.expert import expert_parallel
@@ -114,7 +115,9 @@ class ExpertStates:
     """The expert parameters of an engine at ep > 1 (see the module's doc): `strategy`, an
     instance of the engine's strategy class over `groups.edp_comm` whose units are the MoE
     blocks' units, with only their expert parameters; `layout` its flat layout (this rank's
-    E / ep experts of each layer)."""
+    E / ep experts of each layer); `splits` how those are split over the ep ranks (a
+    zmpi.checkpoint.tensor.TensorSplits: axis 0, E whole, ep rank j's experts), and `ep_rank`
+    this rank's place among them: what a checkpoint records of them."""
 
     def __init__(self, cls, units, experts: dict, groups, **context):
         """cls: the engine's strategy class; units: the model's units; experts: {unit index:
@@ -130,6 +133,8 @@ class ExpertStates:
                                             layout=self.layout, shard_group=shard,
                                             replica_group=replica, **context))
         self.strategy.initialize(initial)
+        self.splits = TensorSplits.of_model(params, groups.ep_comm, "ep")  # a collective
+        self.ep_rank = groups.ep_comm.rank
         self._index = {id(unit): i for i, unit in enumerate(self.units)}
 
     def hook(self, name: str, unit) -> None:

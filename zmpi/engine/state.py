@@ -15,17 +15,12 @@ from zmpi.runinfo import git_revision
 
 class TrainState:
     """An engine's training state, for one save or load (made per call: it holds the engine
-    only while that call runs). ConfigError naming moe.ep_size, alike on every rank and
-    before any file is touched, for an engine at ep > 1: checkpoints do not hold the expert
-    strategy's shards yet (docs/moe.md)."""
+    only while that call runs). At ep > 1 the expert parameters are a second section
+    (`experts`: zmpi.engine.moe.ExpertStates; None otherwise), with a layout, a strategy
+    over the expert-data-parallel group and a split over the expert-parallel ranks of its
+    own (docs/checkpoints.md)."""
 
     def __init__(self, engine):
-        if engine.experts is not None:
-            from zmpi.config import ConfigError
-
-            raise ConfigError("moe.ep_size", f"{engine.mesh.ep}: checkpoints of "
-                              "expert-parallel runs are not built yet (docs/moe.md); train "
-                              "with ep_size 1 to save or load")
         self._engine = engine
         self.comm, self.mesh, self.layout = engine.comm, engine.mesh, engine.layout
         self.strategy, self.memory = engine.strategy, engine.memory
@@ -40,6 +35,7 @@ class TrainState:
         self.saved_splits = pipe.whole_splits if pipe else engine.tensor_splits
         self.stage, self.stages = engine.mesh.pp_rank, engine.mesh.pp
         self.held = pipe.held_names if pipe else frozenset()
+        self.experts = engine.experts
 
     def settle(self) -> None:
         """Before a snapshot: a delayed update in flight finishes (its publication stays
@@ -69,6 +65,9 @@ class TrainState:
             body["tensor"] = self.saved_splits.to_dict()
         if self.stages > 1:
             body["pipeline"] = {"stages": self.stages, "bounds": engine.model.bounds}
+        if self.experts is not None:  # their own layout (over edp), split over the ep ranks
+            body["experts"] = {"layout": self.experts.layout.to_dict(),
+                               "tensor": self.experts.splits.to_dict()}
         json.dumps(body["client_state"])  # TypeError now, not when the manifest is written
         return body
 
@@ -96,11 +95,12 @@ class TrainState:
         engine.delayed.unpublished = True
         engine.flush()
 
-    def restore(self, manifest: dict, states: dict) -> list[str]:
+    def restore(self, manifest: dict, states: dict, expert_states: dict) -> list[str]:
         """Install a checkpoint read by zmpi.checkpoint (a collective). `states`: this rank's
-        owned shard of each model state, in this engine's layout; without "params" (the
-        storage dtype changed) the parameters are the master weights cast. Returns notes on
-        what the checkpoint had that this engine's config overrides."""
+        owned shard of each model state, in this engine's layout; `expert_states` the same
+        of the expert section at ep > 1 ({} otherwise); without "params" (the storage dtype
+        changed) the parameters are the master weights cast. Returns notes on what the
+        checkpoint had that this engine's config overrides."""
         engine = self._engine
         notes = []
         try:
@@ -109,6 +109,8 @@ class TrainState:
             notes.append(f"discarded a failed delayed update: {e}")
         for state, shard in states.items():
             engine.strategy.set_state_shard(state, shard)
+        for state, shard in expert_states.items():
+            self.experts.strategy.set_state_shard(state, shard)
         engine.global_steps = manifest["global_steps"]
         saved = manifest["optimizer"]
         engine.optimizer.load_state_dict(saved)
