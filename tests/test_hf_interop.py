@@ -78,6 +78,22 @@ def engine_from(ckpt, stage=0):
     return engine
 
 
+def equals_transformers(zmodel, model, tensors, hf_grad) -> None:
+    """zmpi's `zmodel` and transformers' `model` on one batch: the same logits and loss to 1e-5
+    relative, and each of `tensors`' gradients to 1e-4 (`hf_grad(t, grads)`: tensor t's
+    gradient from transformers' {name: grad}, in zmpi's layout)."""
+    x, y = batch()
+    logits, loss, grads = hf_outputs(model, x, y)
+    ours = zmodel.forward(x)
+    zmodel.clear_cache()
+    assert relative(ours, logits) < 1e-5
+    assert abs(zmodel.loss(x, y) - loss) / loss < 1e-5
+    zmodel.backward_loss()
+    named = dict(zmodel.named_parameters())
+    for t in tensors:
+        assert relative(named[t.zmpi].grad, hf_grad(t, grads)) < 1e-4, t
+
+
 def relative(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
@@ -96,18 +112,9 @@ def test_import_gives_the_same_logits_loss_and_gradients(saved, tmp_path):
     assert ckpt == tmp_path / "ck" / "step0"
     engine = engine_from(tmp_path / "ck")
     assert engine.global_steps == 0 and engine.optimizer.step_count == 0
-    x, y = batch()
-    logits, loss, grads = hf_outputs(model, x, y)
-    zmodel = engine.model
-    ours = zmodel.forward(x)
-    zmodel.clear_cache()
-    assert relative(ours, logits) < 1e-5
-    assert abs(zmodel.loss(x, y) - loss) / loss < 1e-5
-    zmodel.backward_loss()
-    named = dict(zmodel.named_parameters())
-    for t in (t for unit in hf.GPT2.units(SHAPE) for t in unit):
-        g = grads["transformer." + t.hf]
-        assert relative(named[t.zmpi].grad, g) < 1e-4, t  # wte: both ends, as HF's tied one
+    # wte's gradient: from both ends, as HF's tied one
+    equals_transformers(engine.model, model, (t for u in hf.GPT2.units(SHAPE) for t in u),
+                        lambda t, grads: grads["transformer." + t.hf])
 
 
 def test_a_sharded_directory_and_bfloat16_import_alike(saved, tmp_path):
@@ -425,19 +432,13 @@ def test_llama_import_gives_the_same_logits_loss_and_gradients(llama_saved, tmp_
     kind, model, path = llama_saved
     import_hf(path, tmp_path / "ck")
     engine = llama_engine(kind, tmp_path / "ck")
-    x, y = batch()
-    logits, loss, grads = hf_outputs(model, x, y)
-    zmodel = engine.model
-    ours = zmodel.forward(x)
-    zmodel.clear_cache()
-    assert relative(ours, logits) < 1e-5
-    assert abs(zmodel.loss(x, y) - loss) / loss < 1e-5
-    zmodel.backward_loss()
-    named = dict(zmodel.named_parameters())
     m = {k: v for k, v in llama_section(kind).items() if k != "model_type"}
-    for t in (t for unit in hf.Llama.units(m) for t in unit):
+
+    def grad(t, grads):
         g = grads[t.stored("model.")]
-        assert relative(named[t.zmpi].grad, g.T if t.transpose else g) < 1e-4, t
+        return g.T if t.transpose else g
+
+    equals_transformers(engine.model, model, (t for u in hf.Llama.units(m) for t in u), grad)
     engine.close()
 
 
