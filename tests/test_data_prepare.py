@@ -91,7 +91,9 @@ def test_a_vocabulary_over_65536_writes_uint32_that_zmpi_train_trains_on(tmp_pat
     tokens, vocab_size = load_tokens(data / "train.bin")
     assert tokens.dtype == np.uint32 and vocab_size == 70000
     assert tokens.tolist() == words.tolist()
-    run = _zmpi("train", "--data", data / "train.bin", "--n-layer", "1", "--d-model", "16",
+    # --vocab-size as well: a uint32 file's vocabulary may pass 65,536 when given as a flag
+    run = _zmpi("train", "--data", data / "train.bin", "--vocab-size", "70000",
+                "--n-layer", "1", "--d-model", "16",
                 "--n-head", "2", "--seq-len", "16", "--batch", "2", "--steps", "3",
                 "--sample-tokens", "4", "--out", tmp_path / "run", timeout=300)
     assert run.returncode == 0, run.stderr

@@ -92,6 +92,7 @@ INT_FLAGS = {  # dest: the least value the flag accepts
     "steps": 1, "batch": 1, "seq_len": 1, "n_layer": 1, "n_head": 1, "d_model": 1,
     "sample_tokens": 0, "warmup_steps": 1, "save_every": 0, "keep_last": 1,
     "shard_group_size": 1, "delay_update": 0,
+    "vocab_size": 1,  # its largest: the --data file's ids' (uint16 or uint32), in load_tokens
 }
 
 
@@ -99,17 +100,10 @@ def check_train_args(args) -> None:
     """The checks of `zmpi train`'s flags that need no file and no MPI; InputError (one line)
     on the first problem. The --data file, the config and their agreement with the flags are
     checked in `train` (`_checked_inputs`)."""
-    from zmpi.data import check_vocab_size
-
     for name, least in INT_FLAGS.items():
         value = getattr(args, name, None)
         if value is not None and value < least:
             raise InputError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
-    if args.vocab_size is not None:
-        try:
-            check_vocab_size(args.vocab_size, "--vocab-size")
-        except ValueError as e:
-            raise InputError(str(e)) from None
     if args.d_model % args.n_head:
         raise InputError(f"--n-head {args.n_head} does not divide --d-model {args.d_model}")
     if not args.save_every and (args.keep_last is not None or args.async_save):
