@@ -418,3 +418,19 @@ def test_ranks_that_read_different_checkpoints_fail_alike(tmp_path):
     assert "the ranks read different checkpoints (rank 0: " in said[0], said
     assert f"{tmp_path / 'ckpt' / 'b'}" in said[0] and f"rank 1: {tmp_path / 'ckpt' / 'a'}" \
         in said[0], said
+
+
+def test_a_manifest_that_cannot_be_read_while_listed_is_left_out(tmp_path, monkeypatch):
+    """complete_checkpoints (the other-runs note after a load, claim and prune run it on rank 0
+    alone) leaves out a checkpoint whose manifest another run prunes while it is listed: an
+    OSError there, on rank 0 only, left the other ranks waiting for rank 0's answer."""
+    from zmpi.checkpoint import ownership
+
+    (tmp_path / "step1").mkdir()
+    (tmp_path / "step1" / "manifest.json").write_text("{}")
+
+    def pruned_meanwhile(path):
+        raise FileNotFoundError(2, "No such file or directory", str(path))
+
+    monkeypatch.setattr(ownership, "read_manifest", pruned_meanwhile)
+    assert list(ownership.complete_checkpoints(tmp_path)) == []

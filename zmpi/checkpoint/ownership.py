@@ -38,14 +38,16 @@ LOCK = ".zmpi-lock"
 
 def complete_checkpoints(directory: Path):
     """(path, manifest) of every complete checkpoint in `directory` whose manifest reads; a
-    damaged one is not ours to judge and is left out (and left alone)."""
+    damaged one is not ours to judge and is left out (and left alone), and so is one whose
+    manifest cannot be read (another run pruning it now, its permissions): never an OSError,
+    which on rank 0 alone would leave the other ranks waiting for its answer."""
     if not Path(directory).is_dir():
         return
     for path in sorted(Path(directory).iterdir()):
         if path.is_dir() and not path.name.startswith(".") and (path / MANIFEST).is_file():
             try:
                 yield path, read_manifest(path)
-            except CheckpointError:
+            except (CheckpointError, OSError):
                 continue
 
 
