@@ -94,6 +94,19 @@ def equals_transformers(zmodel, model, tensors, hf_grad) -> None:
         assert relative(named[t.zmpi].grad, hf_grad(t, grads)) < 1e-4, t
 
 
+def train_two_steps_and_save(engine, ckpt):
+    """Train `engine` 2 steps on one batch, save it to `ckpt` and close it: (that batch's
+    inputs, the trained model's logits on them), for an export to be compared with."""
+    x, y = batch(seed=2)
+    for _ in range(2):
+        engine.train_step(x, y)
+    engine.save_checkpoint(ckpt)
+    ours = engine.model.forward(x)
+    engine.model.clear_cache()
+    engine.close()
+    return x, ours
+
+
 def relative(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
@@ -154,13 +167,7 @@ def test_export_after_training_loads_in_transformers(saved, tmp_path):
     _, path = saved
     import_hf(path, tmp_path / "ck")
     engine = engine_from(tmp_path / "ck", stage=2)
-    x, y = batch(seed=2)
-    for _ in range(2):
-        engine.train_step(x, y)
-    engine.save_checkpoint(tmp_path / "trained")
-    ours = engine.model.forward(x)
-    engine.model.clear_cache()
-    engine.close()
+    x, ours = train_two_steps_and_save(engine, tmp_path / "trained")
     out = export_hf(tmp_path / "trained", tmp_path / "out")
     assert sorted(p.name for p in out.iterdir()) == [hf.CONFIG, hf.GENERATION, hf.WEIGHTS]
     assert relative(hf_logits(out, x), ours) < 1e-5
@@ -448,13 +455,7 @@ def test_llama_export_after_training_loads_in_transformers(llama_saved, tmp_path
     kind, _, path = llama_saved
     import_hf(path, tmp_path / "ck")
     engine = llama_engine(kind, tmp_path / "ck", stage=2)
-    x, y = batch(seed=2)
-    for _ in range(2):
-        engine.train_step(x, y)
-    engine.save_checkpoint(tmp_path / "trained")
-    ours = engine.model.forward(x)
-    engine.model.clear_cache()
-    engine.close()
+    x, ours = train_two_steps_and_save(engine, tmp_path / "trained")
     out = export_hf(tmp_path / "trained", tmp_path / "out")
     config = json.loads((out / hf.CONFIG).read_text())
     want = LLAMAS[kind]
