@@ -18,6 +18,17 @@ def test_estimate_reproduces_design_table():
     assert gb == ["120.0", "31.4", "16.6", "1.9"], out
 
 
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    """`zmpi estimate ... | head -0`: status 1 and no BrokenPipeError traceback (the pipe's
+    read end is closed before the command, still importing, writes a line)."""
+    proc = subprocess.Popen([sys.executable, "-m", "zmpi.cli", "estimate", "--params", "7.5e9",
+                             "--world-size", "64"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 1 and "Error" not in err, err
+
+
 def test_train_two_ranks_end_to_end(tmp_path):
     result = launch_mpi(CLI, 2, timeout=180, args=[
         "train", "--stage", "3", "--precision", "fp16", "--steps", "30", "--n-layer", "1",

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from zmpi.files import write_atomic
+
 
 def git_revision(path: str | Path | None = None) -> str:
     """The checkout's commit (with '+dirty' if it has uncommitted changes), or 'unknown'."""
@@ -126,8 +128,6 @@ def _drop_rows_from(path: Path, first: int) -> int:
             pass
     dropped = len(lines) - len(keep) - (0 if keep else 1)  # rows, not the header
     if len(keep) < len(lines):
-        from zmpi.checkpoint.store import write_atomic
-
         write_atomic(path, "".join(keep).encode())
     return dropped
 
@@ -257,13 +257,9 @@ class RunRecord:
         """(Re)write run.json with the metadata and `fields` (atomically)."""
         if self.active:
             self.meta.update(fields)
-            tmp = self.out / "run.json.tmp"
             with self._writing("run.json"):
-                try:
-                    tmp.write_text(json.dumps(self.meta, indent=2, default=str))
-                    tmp.replace(self.out / "run.json")
-                finally:
-                    tmp.unlink(missing_ok=True)
+                write_atomic(self.out / "run.json",
+                             json.dumps(self.meta, indent=2, default=str).encode())
 
     def append(self, row) -> None:
         if self.active:

@@ -23,6 +23,8 @@ consolidates checkpoints without MPI.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 
 from zmpi.checkpoint import CheckpointError
@@ -269,13 +271,7 @@ def main(argv=None) -> None:
         if _rank() == 0:  # a wrapper's appended flag overrides, but never unnoticed
             print(f"zmpi: {flag} given more than once: the last one counts", file=sys.stderr,
                   flush=True)
-    if args.command == "ckpt":
-        (hf.run if args.ckpt_command in hf.COMMANDS else ckpt.ckpt)(args)
-    elif args.command == "plan":
-        plan.run(args)
-    elif args.command == "data":
-        data.run(args)
-    elif args.command == "train":
+    if args.command == "train":
         try:
             train.train(args)
         except CheckpointError as e:  # raised alike on every rank: the ranks agree first
@@ -288,8 +284,29 @@ def main(argv=None) -> None:
 
             fail_alone(f"zmpi train: {e}", 1)
     else:
-        try:
-            estimate.estimate(args)
-        except estimate.Refused as e:
-            print(e, file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+        with _reader_may_close():
+            if args.command == "ckpt":
+                (hf.run if args.ckpt_command in hf.COMMANDS else ckpt.ckpt)(args)
+            elif args.command == "plan":
+                plan.run(args)
+            elif args.command == "data":
+                data.run(args)
+            else:
+                try:
+                    estimate.estimate(args)
+                except estimate.Refused as e:
+                    print(e, file=sys.stderr, flush=True)
+                    raise SystemExit(2) from None
+
+
+@contextlib.contextmanager
+def _reader_may_close():
+    """A command whose reader stops early (`zmpi ckpt inspect DIR | head`): exit quietly with
+    status 1, as the Python documentation's recipe does, instead of a BrokenPipeError
+    traceback (stdout flushed here, then sent to /dev/null so the exit's flush cannot raise)."""
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
