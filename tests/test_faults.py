@@ -508,6 +508,7 @@ def test_every_abort_removes_the_swap_files_before_it_waits(monkeypatch, path, r
             sys.excepthook(ValueError, ValueError("boom"), None)
     waits = [e for e in events if e[0] == "sleep"]
     assert waits and events[0] == "removed" and events[-1][0] == "abort", events
+    assert events.count("removed") == 1, events  # once per abort, however many paths call it
 
 
 def test_run_json_names_the_hosts_and_their_ranks(tmp_path):

@@ -142,8 +142,10 @@ def _run_at_abort() -> None:
     (a rank's output to be forwarded, rank 0's line after Ctrl-C, the other ranks' watchdog
     lines): the first rank's abort reaches mpiexec, whose proxies kill the ranks of every
     host, a waiting one with its files, so a wait before the removal left another host's
-    swap files behind."""
-    for fn in list(_AT_ABORT):
+    swap files behind. Each hook runs once: an abort path that calls this before its wait
+    and again in `_abort` finds none left the second time."""
+    hooks, _AT_ABORT[:] = list(_AT_ABORT), []
+    for fn in hooks:
         try:
             fn()
         except Exception:  # the job is being aborted: nothing may stop that
