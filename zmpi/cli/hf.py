@@ -52,11 +52,7 @@ def run(args) -> None:
 
 def init_from(args, engine, log) -> None:
     """zmpi train --init-from DIR: the weights of a transformers directory, after the engine
-    is built (a collective). Not with --resume, which restores a whole training state."""
+    is built (a collective; not with --resume: zmpi.cli.inputs.check_args)."""
     from zmpi.checkpoint import hf
-    from zmpi.cli.inputs import _exit_bad_input
 
-    if args.resume is not None:
-        _exit_bad_input("--init-from and --resume: give one (--init-from starts a run from "
-                        "weights, --resume goes on with one)")
     log.info(hf.init_from(engine, args.init_from))  # a CheckpointError on every rank

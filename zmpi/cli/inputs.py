@@ -72,6 +72,9 @@ def check_args(args) -> None:
     check_train_args(args)
     if (args.resume_tag or args.resume_fallback) and args.resume is None:
         raise InputError("--resume-tag and --resume-fallback act only with --resume")
+    if args.init_from is not None and args.resume is not None:
+        raise InputError("--init-from and --resume: give one (--init-from starts a run from "
+                         "weights, --resume goes on with one)")
     if args.overwrite_ckpt_dir and not args.save_every:
         raise InputError("--overwrite-ckpt-dir acts only with --save-every K")
     if args.vocab_size is not None and not args.data:
