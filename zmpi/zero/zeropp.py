@@ -133,7 +133,8 @@ class ZeroPP(Stage3):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        order = node_order(self.comm) if self.world_size > 1 else None
+        order = node_order(self.comm) \
+            if self.world_size > 1 and self.config.zero_hpz_partition_size != 1 else None
         cfg, size = self.config, self.hpz_size(self.config, order)
         # one rank sends nothing: quantizing would only round (as 1-bit Adam, which skips it)
         self.qwz, self.qgz = (cfg.zero_quantized_weights and self.world_size > 1,
