@@ -1,7 +1,8 @@
 """The Llama model (models/llama.py): float64 finite differences through the whole model, its
 parameter count against the formula (llama_unit_numels, what zmpi estimate and plan count),
 what it refuses; and, in one 4-rank launch (tests/ranks/llama_checks.py), trained by the
-engine in float64 against one process: ZeRO stages 0-3 and optimizer offload at dp 4; tensor
+engine in float64 against one process: ZeRO stages 0-3, optimizer offload to the host and
+stage 3 with optimizer states and parameters on NVMe at dp 4; tensor
 parallelism at (dp, tp) = (2, 2) with key/value heads replicated (n_kv_head 1 < tp) and split
 (n_kv_head 2 = tp), at tp 4 with each key/value head on two ranks; pipelines at (dp, pp) =
 (2, 2) and (pp, tp) = (2, 2) with a tied head; sequence parallelism at (dp, tp) = (2, 2)
@@ -92,7 +93,7 @@ def reports():
 @pytest.mark.mpi
 def test_llama_trains_like_one_process_at_every_layout(reports):
     runs = reports[0]["runs"]
-    assert len(runs) == 5 + 2 * (len(LAUNCH) - 1)  # 0-3 and offload at dp 4; stages 1, 3 else
+    assert len(runs) == 6 + 2 * (len(LAUNCH) - 1)  # 0-3, offload, NVMe at dp 4; stages 1, 3 else
     for name, run in runs.items():  # float64: what is left is rounding
         assert run["names_match"], name
         assert run["model_move"] <= 1e-12 and run["loss_diff"] <= 1e-13, (name, run)

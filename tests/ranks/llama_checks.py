@@ -1,7 +1,8 @@
 """Rank side of tests/test_llama.py: a Llama (models/llama.py) trained by the engine at each
-(dp, pp, tp) layout given, in float64, against the same model trained in one process on the
-whole batch; then a checkpoint saved at the first tensor-parallel layout and loaded at
-(world, 1, 1).
+(dp, pp, tp) layout given (at dp = world: ZeRO 0-3, optimizer offload to the host, and
+optimizer states and parameters on NVMe), in float64, against the same model trained in
+one process on the whole batch; then a checkpoint saved at the first tensor-parallel layout
+and loaded at (world, 1, 1).
 
     mpiexec -n 4 python tests/ranks/llama_checks.py 4,1,1,2 2,1,2,1,sp  # dp,pp,tp,kv[,tied][,sp]
 
@@ -33,9 +34,15 @@ def llama_config(n_kv_head, tied=False):
                        max_position_embeddings=8, rope_theta=500.0, tie_word_embeddings=tied)
 
 
+NVME = tempfile.mkdtemp(prefix="zmpi-llama-nvme-")  # this process's drive; removed at the end
 STRATEGIES = {  # name: zero_optimization
     **{f"stage{k}": {"stage": k} for k in range(4)},
     "stage2_offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    "stage3_nvme": {"stage": 3,  # ZeRO-Infinity: optimizer states and parameter shards on NVMe
+                    "offload_optimizer": {"device": "nvme", "nvme_path": NVME,
+                                          "buffer_size": 1024},
+                    "offload_param": {"device": "nvme", "nvme_path": NVME, "buffer_size": 4096,
+                                      "buffer_count": 2, "max_in_cpu": 0}},
 }
 
 
@@ -111,6 +118,7 @@ def main():
         out["checkpoint"] = {"saved_at": arg, "names_match": sorted(after) == sorted(before),
                              "max_diff": max(float(np.abs(after[n] - before[n]).max())
                                              for n in before)}
+    shutil.rmtree(NVME)
     report(out)
 
 
