@@ -30,6 +30,7 @@ export ZMPI_BACKEND ?= numpy
 .PHONY: install test test-strategy test-docs test-gpu demo lint clean tables bench bench-install bench-adam bench-host-kernels \
 	bench-offload bench-nvme bench-onebit bench-zeropp bench-checkpoint bench-debug bench-tensor \
 	bench-pipeline bench-recompute bench-plan bench-gpu count-gpu reproduce report bench-sparse \
+	bench-moe bench-llama \
 	gpu-wheels gpu-check
 
 # CuPy itself for tests/test_standin_api.py, which holds the CuPy stand-in's names and
@@ -185,6 +186,8 @@ reproduce: bench-install
 	$(MAKE) bench-onebit
 	$(MAKE) bench-zeropp
 	$(MAKE) bench-sparse
+	$(MAKE) bench-moe
+	$(MAKE) bench-llama
 	$(MAKE) report
 	$(PY) experiments/freshness.py  # which results are still older than their code (GPU ones)
 
@@ -253,6 +256,20 @@ bench-recompute: $(STAMP)
 # cores): docs/sparse-attention.md
 bench-sparse: $(STAMP)
 	$(PY) experiments/bench_sparse_gpt.py --out results/sparse_gpt
+
+# Mixture of experts on Tiny Shakespeare: an MoE GPT against a dense GPT of equal active
+# parameters, the experts' load and drops with and without the aux loss, then step time and
+# traffic against ep at 2, 4 and 8 ranks (about 3 minutes on 2 cores): docs/moe.md
+bench-moe: $(STAMP)
+	for n in 2 4 8; do \
+	  $(MPIEXEC) -n $$n $(PY) experiments/moe_train.py --scaling --out results/moe_train || exit 1; \
+	done
+	$(PY) experiments/moe_train.py --out results/moe_train
+
+# A small Llama against a GPT-2 of equal parameters on Tiny Shakespeare (about 1.5 minutes on
+# 2 cores): docs/models.md
+bench-llama: $(STAMP)
+	$(PY) experiments/llama_vs_gpt.py --out results/llama_vs_gpt
 
 bench-checkpoint: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(PY) experiments/bench_checkpoint.py --out results/checkpoint_n$(NP)

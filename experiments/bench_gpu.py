@@ -197,7 +197,7 @@ def time_gpu(args, comm, shape=GPT2_SMALL, measured=lambda rows: None) -> list[d
 def timed_row(peer, precision, stage, batch, step, cfg, peak_tflops) -> dict:
     """A timing's row: s/step, tokens/s (per rank) and MFU, the FLOPs of the model's own
     parameters (not the vocabulary's padding): 6 N + 12 L T d per token."""
-    from zmpi.models.gpt import gpt_num_params
+    from zmpi.models.gpt_counts import gpt_num_params
 
     flops = 6 * gpt_num_params(cfg.n_layer, cfg.d_model, cfg.vocab_size, cfg.seq_len) \
         + 12 * cfg.n_layer * cfg.seq_len * cfg.d_model

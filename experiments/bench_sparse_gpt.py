@@ -30,10 +30,11 @@ import time
 
 import numpy as np
 from bench_recompute import largest, one_step_fits
+from interleaved import shakespeare
 
 from results import write_results
 from zmpi.comm import Comm
-from zmpi.data import BatchSampler, CharTokenizer, SyntheticSource, load_text, train_val_split
+from zmpi.data import BatchSampler, SyntheticSource
 from zmpi.engine import Engine
 from zmpi.models.gpt import GPT, GPTConfig
 
@@ -130,9 +131,7 @@ def crossover(rows, name) -> int | None:
 
 # ---- the loss after the same steps -------------------------------------------------------------
 def losses(args) -> list[dict]:
-    text = load_text()
-    tok = CharTokenizer(text)
-    train, val = train_val_split(tok.encode(text), 0.1)
+    tok, train, val = shakespeare()
     rows = []
     for name, sparse in LAYOUTS.items():
         engine = engine_for(args, sparse, args.loss_seq_len, args.loss_batch, args.d_model,

@@ -27,7 +27,8 @@ from zmpi.comm import Comm
 from zmpi.data import BatchSampler, CharTokenizer, load_text, train_val_split
 from zmpi.engine import Engine
 from zmpi.memory import ARRAY_OPS
-from zmpi.models.gpt import GPT, GPTConfig, gpt_num_params
+from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.models.gpt_counts import gpt_num_params
 from zmpi.parallel.mesh import Mesh
 
 MIB = 2**20

@@ -22,7 +22,8 @@ from zmpi.comm import Comm
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
 from zmpi.memory import OutOfMemory, model_state_placement
-from zmpi.models.gpt import GPT, GPTConfig, gpt_num_params
+from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.models.gpt_counts import gpt_num_params
 
 SETTINGS = [  # (label, stage, offload_optimizer, offload_param)
     ("stage 0 (DP)", 0, False, False), ("stage 1", 1, False, False),

@@ -37,7 +37,7 @@ from published import (  # noqa: E402
 from results import write_results  # noqa: E402
 from zmpi.comm import Comm  # noqa: E402
 from zmpi.memory import held_model_state  # noqa: E402
-from zmpi.models.gpt import gpt_num_params  # noqa: E402
+from zmpi.models.gpt_counts import gpt_num_params  # noqa: E402
 from zmpi.plan.hardware import PRESETS  # noqa: E402
 from zmpi.plan.layout import Job, Layout  # noqa: E402
 from zmpi.plan.memory import layout_memory  # noqa: E402

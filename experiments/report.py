@@ -32,7 +32,7 @@ def main():
     for section in (report.memory, report.lab, report.communication, report.largest,
                     report.throughput, report.tensor, report.pipeline, report.recompute,
                     report.plan, report.nvme, report.onebit, report.zeropp, report.sparse,
-                    report.published_memory):
+                    report.published_memory, report.moe_training, report.llama_gpt):
         section()
     report.write()
     print(f"wrote {args.out} and {report.figures}/")

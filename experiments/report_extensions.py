@@ -1,6 +1,6 @@
 """RESULTS.md's sections on ZeRO-Infinity's NVMe tier, 1-bit Adam, ZeRO++, block-sparse
-attention and the model-state memory of published MoE and Llama models (a mixin of
-report.Report)."""
+attention, the model-state memory of published MoE and Llama models, mixture-of-experts
+training and Llama against GPT-2 (a mixin of report.Report)."""
 import os
 
 
@@ -99,3 +99,40 @@ class ExtensionSections:
                  "shapes' sources and the per-stage expert formula: "
                  "[docs/moe.md](../docs/moe.md#expert-state-memory-of-published-models), "
                  "[docs/models.md](../docs/models.md#model-state-memory-at-64-ranks).", "")
+
+    # ---- 15. Mixture of experts trained
+    def moe_training(self) -> None:
+        self.add("## 15. Mixture of experts: training, expert load and traffic against ep", "",
+                 "Switch Transformer / GShard / DeepSpeed-MoE: at equal active parameters an "
+                 "MoE model reaches a lower loss than its dense base in the same steps; the "
+                 "load-balancing loss keeps the experts' load even so that fewer tokens are "
+                 "dropped; expert parallelism exchanges the tokens by all-to-all. Here: a "
+                 "small MoE GPT and its dense base on Tiny Shakespeare, the expert load and "
+                 "drops per layer with and without the auxiliary loss, and the step time and "
+                 "bytes per rank against ep at 2, 4 and 8 ranks:", "")
+        folder = self.results / "moe_train"
+        if self.rows(folder) is None:
+            return self.missing("mixture-of-experts training", "make bench-moe")
+        png = os.path.relpath(folder / "load.png", self.out.parent)
+        self.add((folder / "table.md").read_text().strip(), "",
+                 f"![Expert load and drops over training]({png})",
+                 "", "Made by `make bench-moe` (`mpiexec -n N python experiments/moe_train.py "
+                 "--scaling --out results/moe_train` for N = 2, 4, 8, then `python "
+                 "experiments/moe_train.py --out results/moe_train`); what is counted and "
+                 "what the figures say: [docs/moe.md](../docs/moe.md#measured).", "")
+
+    # ---- 16. Llama against GPT-2
+    def llama_gpt(self) -> None:
+        self.add("## 16. Llama and GPT-2 of equal parameters", "",
+                 "The Llama recipe (RMSNorm, rotary positions, SwiGLU, no biases; Touvron et "
+                 "al. 2023) against GPT-2's (LayerNorm, learned positions, GELU, biases) at "
+                 "equal parameters: the same data, seed, optimizer and steps on Tiny "
+                 "Shakespeare, one rank:", "")
+        folder = self.results / "llama_vs_gpt"
+        if self.rows(folder) is None:
+            return self.missing("Llama against GPT-2", "make bench-llama")
+        self.add((folder / "table.md").read_text().strip(), "",
+                 f"![Llama and GPT-2]({os.path.relpath(folder / 'loss.png', self.out.parent)})",
+                 "", "Made by `make bench-llama` (`python experiments/llama_vs_gpt.py --out "
+                 "results/llama_vs_gpt`); the models and how the widths are matched: "
+                 "[docs/models.md](../docs/models.md#measured-llama-against-gpt-2).", "")

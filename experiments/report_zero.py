@@ -6,7 +6,7 @@ import json
 from reporting import figure, table, world_sizes
 
 from zmpi.memory import model_state_bytes
-from zmpi.models.gpt import gpt_num_params
+from zmpi.models.gpt_counts import gpt_num_params
 
 STAGES = (0, 1, 2, 3)
 # ZeRO (Rajbhandari et al., SC'20), Fig. 1: model states per device, Psi = 7.5 B, N = 64,

@@ -10,15 +10,13 @@ gets gradient from both ends of the model but is owned (and named) only by unit 
     model.backward_loss()             # grads accumulate into p.grad
 """
 
-import contextlib
-import functools
 import math
 from dataclasses import dataclass, replace
 
 import numpy
 
 from zmpi import backend
-from zmpi.config.moe import MoEConfig
+from zmpi.models.gpt_counts import moe_config
 from zmpi.nn import (
     Block,
     LayerNorm,
@@ -31,11 +29,10 @@ from zmpi.nn import (
     live,
     normal_parameter,
 )
-from zmpi.nn import attention as A
 from zmpi.nn import functional as F
-from zmpi.nn import sparse_attention as S
 from zmpi.nn.moe import MoE
 from zmpi.nn.sparsity import SparsityConfig, model_layout, sparsity_from_dict
+from zmpi.parallel.expert.tensor import tensor_parallel_moe
 from zmpi.parallel.tensor.plan import mark_sequence_parallel, parallelize
 from zmpi.parallel.tensor.regions import (
     GatherFromSequenceRegion,
@@ -49,7 +46,6 @@ from zmpi.parallel.tensor.vocab import (
     vocab_lookup,
     vocab_lookup_backward,
     vocab_parameter,
-    vocab_shard,
 )
 
 GPU_VOCAB_MULTIPLE = 128  # the vocabulary's padding on a GPU: aligned LM-head GEMMs
@@ -73,185 +69,6 @@ class GPTConfig:
     # the token table (and the tied LM head's logits) padded to a multiple of this (times tp);
     # None: default_vocab_multiple of the backend. Padding is never a token: docs/gpu.md
     vocab_multiple: int | None = None
-
-
-def gpt_unit_numels(n_layer: int, d_model: int, vocab_size: int, seq_len: int,
-                    tp: int = 1, vocab_multiple: int = 1, moe=None) -> list[int]:
-    """Parameters one rank allocates in each of zmpi's GPT units, [embedding, block x n_layer,
-    LM head], with tensor parallelism over `tp` ranks and the vocabulary padded to a multiple
-    of vocab_multiple x tp (`vocab_shard`): the token embedding's Vp / tp rows and the position
-    embedding's seq_len d; per block
-    (12 d^2 + 7 d) / tp split (qkv, fc with biases; proj, mlp.proj weights) and 6 d replicated
-    (two LayerNorms, the two row-parallel biases); the head's final LayerNorm, 2 d (it reads
-    the tied embedding). moe: a `moe` config section (dict or MoEConfig; tp 1 only): its
-    MoE blocks hold `moe_block_numel` parameters."""
-    d = d_model
-    embedding = (vocab_shard(vocab_size, tp, 0, vocab_multiple)[2] + seq_len) * d
-    blocks = [(12 * d * d + 7 * d) // tp + 6 * d] * n_layer
-    section = _moe_config(moe)
-    for i, experts in ({} if section is None else section.layer_experts(n_layer)).items():
-        blocks[i] = moe_block_numel(d, experts, section.use_residual,
-                                    section.num_shared_experts)
-    return [embedding, *blocks, 2 * d]
-
-
-def moe_block_numel(d_model: int, num_experts: int, use_residual: bool = False,
-                    num_shared_experts: int = 0) -> int:
-    """Parameters of a GPT block whose MLP is a mixture of `num_experts` experts of 4 d hidden
-    units (zmpi.nn.moe.MoE): the attention and LayerNorms' 4 d^2 + 8 d, the gate's d E, E
-    experts of 8 d^2 + 5 d each, PR-MoE's residual MLP (8 d^2 + 5 d) and coefficient
-    (2 d + 2) with use_residual, and the shared experts' one MLP of 4 d s hidden units
-    (8 s d^2 + 4 s d + d)."""
-    d, E, s = d_model, num_experts, num_shared_experts
-    mlp = _expert_numel(d)
-    return (4 * d * d + 8 * d + d * E + E * mlp + (mlp + 2 * d + 2 if use_residual else 0)
-            + (8 * s * d * d + 4 * s * d + d if s else 0))
-
-
-def gpt_expert_numel(n_layer: int, d_model: int, moe) -> int:
-    """The expert parameters among `gpt_num_params`' (E experts of 8 d^2 + 5 d in each MoE
-    block of the `moe` section; the gate, PR-MoE's residual MLP and shared experts are dense):
-    what the engine's expert strategy holds, split over moe.ep_size ranks (docs/moe.md)."""
-    section = _moe_config(moe)
-    return sum(experts * _expert_numel(d_model)
-               for experts in section.layer_experts(n_layer).values())
-
-
-def _expert_numel(d: int) -> int:
-    """One expert's (or the GPT MLP's) parameters: Linear(d, 4 d), GELU, Linear(4 d, d)."""
-    return 8 * d * d + 5 * d
-
-
-def gpt_num_params(n_layer: int, d_model: int, vocab_size: int, seq_len: int,
-                   tp: int = 1, vocab_multiple: int = 1, moe=None) -> int:
-    """Parameters of zmpi's GPT (tied LM head) that one rank allocates with tensor parallelism
-    over `tp` ranks and the vocabulary padded to a multiple of vocab_multiple x tp, the sum of
-    `gpt_unit_numels`. At tp = 1 and vocab_multiple 1 it is the model's parameters,
-    V d + T d + L (12 d^2 + 13 d) + 2 d; otherwise what a rank allocates (padding included).
-    moe: the `moe` config section, if any (its blocks counted by `moe_block_numel`)."""
-    return sum(gpt_unit_numels(n_layer, d_model, vocab_size, seq_len, tp, vocab_multiple, moe))
-
-
-def gpt_activation_bytes(n_layer: int, d_model: int, n_head: int, vocab_size: int,
-                         seq_len: int, micro_batch: int, act_bytes: int = 4, tp: int = 1,
-                         sequence_parallel: bool = False, recompute: str = "none",
-                         partition: bool = False, cpu: bool = False, id_bytes: int = 8,
-                         block: int | None = None, vocab_multiple: int = 1,
-                         sparsity=None) -> dict:
-    """The activations one rank of zmpi's GPT keeps for backward for one micro-batch of
-    `micro_batch` sequences of `seq_len` tokens: what the ledger counts as "activation", array
-    by array as the layers cache them (docs/activation-memory.md lists every one).
-
-    act_bytes: the activations' itemsize, the compute dtype's (4: fp32, and fp16 or bf16 on
-    the host; 2: fp16 or bf16 on a GPU; 8: fp64), the dense attention's probabilities' too;
-    LayerNorm's statistics, GELU's tanh, block-sparse probabilities and the loss's
-    log-sum-exp are float32 at least. id_bytes: the token ids'
-    itemsize (int64). tp: the tensor-parallel degree (it must divide n_head, and seq_len with
-    sequence_parallel). recompute: "none", "selective" or "full"; partition and cpu (with
-    "full" only): each kept input split over the tp ranks (ceil(n / tp) elements each; not
-    with sequence_parallel) / kept on the host. block: the attention's query rows per block
-    (its probabilities are the lower-triangular blocks of the s x s matrix); None: this
-    backend's, `A.attention_block`. vocab_multiple: the vocabulary's padding (the logits
-    have Vp / tp columns, `vocab_shard`). sparsity: a zmpi.nn.sparsity SparsityConfig for
-    n_head heads (block-sparse attention): the probabilities are the causal layout's kept
-    blocks, padded per row as `sparse_attention_entries` says, of the tensor rank whose heads
-    keep the most (with different_layout_per_head ranks differ); `block` is then unused.
-
-    Returns bytes per rank, {
-      "layer": one transformer block's caches (with "full": only while it runs, in its forward
-               and again in its recompute); "A", "B": layer = s b h (A + B a s / h) with s
-               seq_len, b micro_batch, h d_model, a n_head (Korthikanti et al. 2022's form);
-      "embedding", "head", "loss": the embedding's, the final LayerNorm and LM head's, the
-               cross-entropy's caches;
-      "kept_per_layer", "kept": a block's kept input, and every kept input (the token ids
-               and n_layer block inputs), with "full" (else 0);
-      "device": the peak on the device, "host": the kept inputs with cpu (else 0),
-      "peak_at": when the device peak happens}.
-    Without "full" the peak is the end of the loss's forward: everything cached at once.
-    With "full" it is the kept inputs (on the device unless cpu) plus one unit's working set
-    at its largest: the last block's forward (its recompute in backward holds no more) or the
-    LM head and loss at the end of the forward. (The embedding's working set, ids and
-    positions, is always smaller than a block's.)
-    """
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute {recompute!r}: use 'none', 'selective' or 'full'")
-    if (partition or cpu) and recompute != "full":
-        raise ValueError("partition and cpu act on the inputs that full recompute keeps")
-    if d_model % n_head or n_head % tp:
-        raise ValueError(f"n_head={n_head} must divide d_model={d_model} and be a multiple of "
-                         f"tp={tp}")
-    shard = tp if sequence_parallel and tp > 1 else 1  # the sequence shard's divisor
-    if seq_len % shard:
-        raise ValueError(f"seq_len={seq_len} is not divisible by tp={tp} (sequence parallel)")
-    if partition and shard > 1:
-        raise ValueError("partition: with sequence parallelism the kept inputs are already "
-                         "each rank's share")
-    s, b, h, a = seq_len, micro_batch, d_model, n_head
-    if block is None:
-        block = A.attention_block(s, b * a // tp, backend.is_gpu)
-    p, f = act_bytes, max(4, act_bytes)
-    n = b * s  # positions
-    entries = (a // tp) * A.causal_entries(s, block) if sparsity is None else \
-        _sparse_entries(sparsity, s, tp)  # this rank's heads' probabilities
-    probs = 0 if recompute == "selective" else (p if sparsity is None else f) * b * entries
-    layernorm = f * (n // shard) * (h + 1)  # xhat (b, s, h) and rstd (b, s, 1), or the shard
-    # ln1, ln2; the inputs of qkv and fc, whole (gathered under sequence parallelism); this
-    # rank's q, k, v, proj input, GELU input, mlp.proj input (act_bytes) and GELU's tanh (f)
-    layer = 2 * layernorm + 2 * p * n * h + (12 * p + 4 * f) * n * (h // tp) + probs
-    embedding = id_bytes * n + 8 * s  # the ids (tp > 1: this rank's local ids), positions
-    head = layernorm + p * n * h  # ln_f, the LM head's (gathered) input
-    columns = vocab_shard(vocab_size, tp, 0, vocab_multiple)[2]  # the padded vocabulary's
-    if tp == 1:  # the logits (n, Vp), each row's log-sum-exp and the targets
-        loss = p * n * columns + f * n + id_bytes * n
-    else:  # this rank's logit columns, log-sum-exp, local target ids and the held mask
-        loss = p * n * columns + f * n + id_bytes * n + n
-    out = {"layer": layer, "A": (layer - probs) / (s * b * h), "B": probs / (a * s * s * b),
-           "embedding": embedding, "head": head, "loss": loss,
-           "kept_per_layer": 0, "kept": 0, "host": 0}
-    if recompute != "full":
-        out.update(device=embedding + n_layer * layer + head + loss,
-                   peak_at="the end of the loss's forward")
-        return out
-    split = tp if partition else 1
-
-    def kept(elements, itemsize):
-        return -(-elements // split) * itemsize
-
-    x = kept(n // shard * h, p)  # a block's input (b, s, h), or its sequence shard
-    out["kept_per_layer"], out["kept"] = x, kept(n, id_bytes) + n_layer * x
-    work = max(layer, head + loss)
-    out.update(device=work + (0 if cpu else out["kept"]), host=out["kept"] if cpu else 0,
-               peak_at="the last block's forward" if layer >= head + loss
-               else "the end of the loss's forward")
-    return out
-
-
-@functools.lru_cache(maxsize=64)
-def _sparse_entries(sparsity, seq_len: int, tp: int) -> int:
-    """Probability entries per sequence of the tensor rank whose heads keep the most of
-    `sparsity`'s causal layout at seq_len (S.sparse_attention_entries; made once)."""
-    layout, heads = model_layout(sparsity, seq_len), sparsity.num_heads // tp
-    return max(S.sparse_attention_entries(layout[r * heads:(r + 1) * heads], sparsity.block)
-               for r in range(tp))
-
-
-def korthikanti_activation_bytes(n_layer: int, d_model: int, n_head: int, seq_len: int,
-                                 micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
-                                 recompute: str = "none") -> dict:
-    """Korthikanti et al. 2022's activation memory per transformer layer (their Table 2;
-    16-bit activations, dropout masks of one byte), bytes per rank: {"A", "B", "layer",
-    "total"}, layer = s b h (A + B a s / h) and total = n_layer layers (the paper counts the
-    embedding and the output layer apart). A = 10 + 24 / t, or 34 / t with sequence
-    parallelism; B = 5 / t, 0 with selective recompute; full recompute keeps the layer's
-    input, A = 2 (2 / t with sequence parallelism: the input is the sequence shard), B = 0."""
-    sp = sequence_parallel and tp > 1
-    if recompute == "full":
-        A, B = (2 / tp if sp else 2), 0
-    else:
-        A, B = (34 / tp if sp else 10 + 24 / tp), (0 if recompute == "selective" else 5 / tp)
-    s, b, h = seq_len, micro_batch, d_model
-    layer = s * b * h * (A + B * n_head * s / h)
-    return {"A": A, "B": B, "layer": layer, "total": n_layer * layer}
 
 
 class TokenPositionEmbedding(Module):
@@ -376,15 +193,6 @@ class LMHead(Module):
         return self.ln_f.backward(dh)
 
 
-def _moe_config(spec) -> MoEConfig | None:
-    """The MoEConfig of GPT's `moe` argument (None, a `moe` config section or a MoEConfig);
-    None without experts."""
-    if spec is None:
-        return None
-    section = spec if isinstance(spec, MoEConfig) else MoEConfig.from_dict(spec)
-    return section if section.enabled else None
-
-
 def _sparsity(spec, n_head: int):
     """The SparsityConfig of GPT's `sparse_attention` argument (None, a DeepSpeed section or a
     SparsityConfig), for n_head heads."""
@@ -431,7 +239,10 @@ class GPT(UnitModel):
     or a MoEConfig. The blocks it names (every moe_layer_interval-th, or `layers`) get a
     mixture of experts (zmpi.nn.moe.MoE, each with its own expert count and random stream,
     seeded from `seed` and the block) in place of their MLP, as DeepSpeed-MoE and GShard do;
-    its routing groups are the batch's sequences. Not with tensor parallelism. Whoever trains
+    its routing groups are the batch's sequences. With tp, every expert (and PR-MoE's residual
+    MLP, the shared experts) is split over the tensor ranks as the MLP is, the router whole on
+    each (zmpi.parallel.expert.tensor; with sequence parallelism it gathers the sequence).
+    Whoever trains
     the model sets each MoE layer's routing (`moe_layers()`; the Engine does: docs/moe.md);
     `inference()` routes as in evaluation (eval_capacity_factor, no random draws).
     """
@@ -444,11 +255,8 @@ class GPT(UnitModel):
         if self.tp is not None and c.n_head % tp.size:
             raise ValueError(f"n_head={c.n_head} is not divisible by the tensor-parallel size "
                              f"{tp.size}: every rank must hold an equal share of the heads")
-        self.moe = _moe_config(moe)
+        self.moe = moe_config(moe)
         experts = {} if self.moe is None else self.moe.layer_experts(c.n_layer)
-        if experts and self.tp is not None:
-            raise ValueError("MoE blocks are not split by tensor parallelism yet: build an MoE "
-                             "GPT without tp")
         rng = numpy.random.default_rng(seed)
         proj_std = 0.02 / math.sqrt(2 * c.n_layer)
         embedding = TokenPositionEmbedding(c.vocab_size, c.seq_len, c.d_model, rng, dtype,
@@ -464,6 +272,9 @@ class GPT(UnitModel):
         blocks = [parallelize(Block(c.d_model, c.n_head, rng=rng, dtype=dtype,
                                     proj_std=proj_std, sparsity=sparsity, mlp=mlp(i)), self.tp, sp)
                   for i in range(c.n_layer)]
+        for block in blocks:  # an MoE's experts split over tp as the MLP (docs/moe.md)
+            if isinstance(block.mlp, MoE):
+                tensor_parallel_moe(block.mlp, self.tp, sp)
         loss = None if self.tp is None else VocabParallelCrossEntropy(self.tp, c.vocab_size,
                                                                       multiple=multiple)
         super().__init__([embedding, *blocks, LMHead(embedding, c.d_model, dtype, sp)],
@@ -505,21 +316,6 @@ class GPT(UnitModel):
     def moe_layers(self) -> list[MoE]:
         """The MoE layers, in block order ([] for a dense model)."""
         return [block.mlp for block in self.units[1:-1] if isinstance(block.mlp, MoE)]
-
-    @contextlib.contextmanager
-    def inference(self):
-        """As UnitModel.inference, with every MoE layer routing as in evaluation
-        (eval_capacity_factor, no random draws) until it ends."""
-        layers = self.moe_layers()
-        training = [layer.training for layer in layers]
-        for layer in layers:
-            layer.training = False
-        try:
-            with super().inference():
-                yield
-        finally:
-            for layer, was in zip(layers, training, strict=True):
-                layer.training = was
 
     def tied_parameters(self):
         """The LM head's output projection is the token embedding (where tied)."""

@@ -18,14 +18,18 @@ Every parallel dimension sees the units as the GPT's: ZeRO partitions them, pipe
 them, tensor parallelism splits each block by its layers' plans (zmpi.parallel.tensor.plan:
 q, k, v, gate, up column-parallel; o, down row-parallel; key/value heads split over the tensor
 ranks where tp divides num_key_value_heads, replicated where num_key_value_heads < tp) and
-the vocabulary by rows; docs/models.md.
+the vocabulary by rows; docs/models.md. Attention takes the GPT's three paths: zmpi.nn.gqa's
+blocked one, block-sparse over a `sparse_attention` layout of num_attention_heads heads, and
+the fused flash kernels (the config's attention_kernel "flash", on a GPU), each reading a
+query head's key/value head by index.
 """
 
 from dataclasses import dataclass
 
 import numpy
 
-from zmpi.models.gpt import GPT, LMHead, TokenPositionEmbedding
+from zmpi.models.gpt import GPT, LMHead, TokenPositionEmbedding, _sparsity
+from zmpi.models.gpt_counts import gpt_activation_bytes
 from zmpi.nn import Block, UnitModel
 from zmpi.nn.llama_layers import GroupedQueryAttention, RMSNorm, RotaryEmbedding, SwiGLU
 from zmpi.parallel.tensor.plan import parallelize
@@ -129,15 +133,43 @@ def llama_flops_per_token(config: LlamaConfig, seq_len: int) -> int:
     return c.num_hidden_layers * block + 2 * d * c.vocab_size
 
 
+def llama_activation_bytes(config: LlamaConfig, micro_batch: int, act_bytes: int = 4,
+                           tp: int = 1, **options) -> dict:
+    """The activations one rank of zmpi's Llama keeps for backward for one micro-batch of
+    `micro_batch` sequences of config.seq_len tokens: zmpi.models.gpt_counts.gpt_activation_bytes's
+    count (its keyword `options`: sequence_parallel, recompute, partition, cpu, id_bytes,
+    block, vocab_multiple, sparsity; the same dict back) with Llama's block: RMSNorms, this
+    rank's q and the key/value heads it computes (n_kv_head / tp, or one where tp is a
+    multiple of n_kv_head), SwiGLU's gate and up outputs and down input (3 intermediate_size
+    / tp per token), no position table; under sequence parallelism q, k, v, gate and up each
+    keep the sequence they gathered."""
+    c = config
+    return gpt_activation_bytes(c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
+                                c.vocab_size, c.seq_len, micro_batch, act_bytes, tp,
+                                n_kv_head=c.num_key_value_heads,
+                                swiglu_hidden=c.intermediate_size, positions=False,
+                                separate_projections=True, **options)
+
+
+# What a Llama block sends over the tensor group per micro-batch, in B T C elements (the GPT's
+# is 4: zmpi/cli/estimate.py's tensor_traffic): the attention's and SwiGLU's row-parallel
+# outputs forward, and backward the input gradients of q, k, v, gate and up, each its own
+# column-parallel layer (docs/models.md)
+TENSOR_REDUCTIONS_PER_BLOCK = 7
+
+
 class LlamaBlock(Block):
     """Llama's pre-norm block, Block's forward and backward over Llama's layers:
     x = x + attn(ln1(x)); x = x + mlp(ln2(x)) with ln1, ln2 RMSNorms, attn a
-    GroupedQueryAttention (RoPE from `rope`), mlp a SwiGLU of `hidden` units. x (B, T, C) ->
-    (B, T, C); under sequence parallelism the sequence shard, as Block's."""
+    GroupedQueryAttention (RoPE from `rope`; block-sparse over `sparsity`'s layout when
+    given), mlp a SwiGLU of `hidden` units. x (B, T, C) -> (B, T, C); under sequence
+    parallelism the sequence shard, as Block's."""
 
-    def __init__(self, d_model, n_head, n_kv_head, hidden, rope, eps, rng, dtype, std=0.02):
+    def __init__(self, d_model, n_head, n_kv_head, hidden, rope, eps, rng, dtype, std=0.02,
+                 sparsity=None):
         self.ln1 = RMSNorm(d_model, eps, dtype)
-        self.attn = GroupedQueryAttention(d_model, n_head, n_kv_head, rope, rng, dtype, std)
+        self.attn = GroupedQueryAttention(d_model, n_head, n_kv_head, rope, rng, dtype, std,
+                                          sparsity=sparsity)
         self.ln2 = RMSNorm(d_model, eps, dtype)
         self.mlp = SwiGLU(d_model, hidden, rng, dtype, std)
 
@@ -150,17 +182,23 @@ class Llama(GPT):
     tp, sequence_parallel: as the GPT's (the mesh's tensor-parallel Comm; each block split by
     its layers' plans as it is built, the vocabulary by rows, the loss vocabulary-parallel).
     n_head must be a multiple of tp, and num_key_value_heads a multiple or a divisor of it.
-    The GPT's generate, check_batch and inference serve it unchanged; there is no sparse
-    attention and no MoE (`sparse_attention` and `moe` are None)."""
 
-    sparse_attention = None
+    sparse_attention: as the GPT's (None, a DeepSpeed `sparse_attention` section or a
+    SparsityConfig) for num_attention_heads query heads: every block's attention block-sparse
+    over that layout intersected with the causal mask, each query head reading its key/value
+    head, each tensor rank running its own query heads' layouts; the batch's T a multiple of
+    the layout's block. The GPT's generate, check_batch and inference serve it unchanged;
+    there is no MoE (`moe` is None)."""
+
     moe = None
 
-    def __init__(self, config, seed=0, dtype=numpy.float32, tp=None, sequence_parallel=False):
+    def __init__(self, config, seed=0, dtype=numpy.float32, tp=None, sequence_parallel=False,
+                 sparse_attention=None):
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"Llama takes a LlamaConfig, got {type(config).__name__}")
         self.config = c = self._setup(config, tp, sequence_parallel)
         sp = self.sequence_parallel
+        self.sparse_attention = sparsity = _sparsity(sparse_attention, c.num_attention_heads)
         if self.tp is not None and c.num_attention_heads % tp.size:
             raise ValueError(f"num_attention_heads={c.num_attention_heads} is not divisible by "
                              f"the tensor-parallel size {tp.size}")
@@ -171,7 +209,8 @@ class Llama(GPT):
                                            self.tp, sp, c.vocab_multiple, positions=False)
         blocks = [parallelize(LlamaBlock(c.hidden_size, c.num_attention_heads,
                                          c.num_key_value_heads, c.intermediate_size, rope,
-                                         c.rms_norm_eps, rng, dtype), self.tp, sp)
+                                         c.rms_norm_eps, rng, dtype, sparsity=sparsity),
+                              self.tp, sp)
                   for _ in range(c.num_hidden_layers)]
         head = LMHead(embedding, c.hidden_size, dtype, sp,
                       norm=RMSNorm(c.hidden_size, c.rms_norm_eps, dtype),

@@ -1,7 +1,7 @@
-"""Activation memory per rank by formula (zmpi.models.gpt.gpt_activation_bytes, Korthikanti et
-al. 2022's count adapted to zmpi's layers: docs/activation-memory.md) against the ledger's
-measurement, `peak("activation")`, byte for byte: fp32 and fp64 in this process, the fp16 and
-bf16 an Engine uses on the host (activations in fp32), fp16 on a device (the CuPy stand-in:
+"""Activation memory per rank by formula (zmpi.models.gpt_counts.gpt_activation_bytes,
+Korthikanti et al. 2022's count adapted to zmpi's layers: docs/activation-memory.md) against the
+ledger's measurement, `peak("activation")`, byte for byte: fp32 and fp64 in this process, the
+fp16 and bf16 an Engine uses on the host (activations in fp32), fp16 on a device (the CuPy stand-in:
 2-byte activations), every recompute policy, T within one attention block and across blocks
 (a multiple of the block and not), kept inputs on the host; tensor and sequence parallelism
 and partitioned kept inputs on 2 ranks (tests/ranks/activation_memory_checks.py, one launch).
@@ -24,13 +24,8 @@ from mpi_util import RANKS_DIR, REPO_ROOT, run_mpi
 from zmpi.cli import main
 from zmpi.engine import Engine
 from zmpi.memory import MemoryLedger
-from zmpi.models.gpt import (
-    GPT,
-    GPTConfig,
-    default_vocab_multiple,
-    gpt_activation_bytes,
-    korthikanti_activation_bytes,
-)
+from zmpi.models.gpt import GPT, GPTConfig, default_vocab_multiple
+from zmpi.models.gpt_counts import gpt_activation_bytes, korthikanti_activation_bytes
 from zmpi.nn.attention import ATTENTION_BLOCK, attention_block
 from zmpi.nn.checkpointing import InputStore
 from zmpi.nn.module import activations_counted_in
@@ -291,3 +286,97 @@ def test_the_docs_examples_print_what_is_pasted():
         out = subprocess.run([sys.executable, *args[1:]], capture_output=True, text=True,
                              check=True, cwd=REPO_ROOT).stdout
         assert out == pasted, command
+
+
+# -- the Llama (models/llama.py's llama_activation_bytes: the same count with its block) ----
+
+def _llama(n_kv_head, T, **shape):
+    from zmpi.models.llama import LlamaConfig
+
+    return LlamaConfig(**{"vocab_size": 11, "hidden_size": 16, "intermediate_size": 40,
+                          "num_hidden_layers": 2, "num_attention_heads": 4,
+                          "num_key_value_heads": n_kv_head, "max_position_embeddings": T,
+                          **shape})
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("T,B", SIZES[:2], ids=SIZE_IDS[:2])
+@pytest.mark.parametrize("n_kv_head", (4, 2, 1), ids=("mha", "gqa", "mqa"))
+@pytest.mark.parametrize("dtype", (np.float32, np.float64), ids=("fp32", "fp64"))
+def test_llama_formula_is_the_ledgers_peak(dtype, n_kv_head, T, B, policy):
+    """RMSNorms' statistics, q and the n_kv_head key/value heads (rotated), SwiGLU's three
+    hidden-width arrays, no position table: byte for byte, multi-head, grouped and multi-query,
+    every policy, within one attention block and across two."""
+    from zmpi.models.llama import Llama, llama_activation_bytes
+
+    config = _llama(n_kv_head, T)
+    model = Llama(config, seed=0, dtype=dtype)
+    model.set_recompute(policy)
+    ids, targets = batch(T, B)
+    ledger = MemoryLedger()
+    with activations_counted_in(ledger):
+        model.forward_loss(ids, targets)
+        model.backward_loss()
+    want = llama_activation_bytes(config, B, np.dtype(dtype).itemsize, recompute=policy)
+    assert ledger.peak("activation") == want["device"]
+
+
+@pytest.mark.mpi
+def test_llama_tensor_and_sequence_parallel_ranks_match_the_formula():
+    """tp 2, key/value heads split (2) and replicated (1: each rank computes the one its query
+    heads read), with and without sequence parallelism (q, k, v, gate and up each keep the
+    sequence they gathered), every policy: the ledger's peak is `llama_activation_bytes`, and
+    the tensor group's counters are `zmpi estimate --model llama`'s (7 L + 2) B T C + 3 B T
+    (allreduced; sequence parallel: reduce-scattered and allgathered, the cross-entropy's
+    allreduced), without full recompute (whose second forward is not counted, as the GPT's),
+    and their calls `zmpi plan`'s (zmpi.plan.collectives.stage_calls; full recompute too)."""
+    from zmpi.cli.estimate import tensor_ops
+    from zmpi.models.llama import TENSOR_REDUCTIONS_PER_BLOCK, llama_activation_bytes
+    from zmpi.plan.collectives import stage_calls
+    from zmpi.plan.layout import Job, Layout
+
+    reports = run_mpi(RANKS_DIR / "llama_accounting_checks.py", 2, timeout=180)
+    runs = reports[0]["runs"]
+    assert len(runs) == 12 and [r["device"] for r in reports[1]["runs"]] == \
+        [r["device"] for r in runs]
+    for run in runs:
+        config = _llama(run["n_kv_head"], 16, vocab_size=13)
+        want = llama_activation_bytes(config, 2, 4, 2, recompute=run["recompute"],
+                                      sequence_parallel=run["sequence_parallel"])
+        assert run["device"] == want["device"], run
+        if not run["sequence_parallel"]:  # zmpi plan's count of the calls (one micro-batch)
+            job = Job(2, 16, 4, 13, 16, 2, 1, 2, "fp32", model="llama",
+                      n_kv_head=run["n_kv_head"], intermediate_size=40)
+            layout = Layout(1, 1, 2, 0, "none", run["recompute"], False, 2, 1, "1f1b")
+            assert stage_calls(job, layout, 0)["tp"] == sum(
+                c["calls"] for c in run["traffic"].values()), run
+        if run["recompute"] == "full":
+            continue
+        args = type("Args", (), {"micro_batch": 2, "seq_len": 16, "n_layer": 2, "d_model": 16,
+                                 "sequence_parallel": run["sequence_parallel"]})
+        ops = tensor_ops(args, TENSOR_REDUCTIONS_PER_BLOCK)
+        got = {op: c["bytes"] // 4 for op, c in run["traffic"].items() if c["calls"]}
+        assert got == ops, run
+
+
+def test_zmpi_estimate_counts_a_llamas_activations_and_tensor_traffic(capsys):
+    """`zmpi estimate --model llama --micro-batch`: `llama_activation_bytes` under "activation",
+    and the tensor traffic of 7 B T C per block ((7 L + 2) B T C + 3 B T), in the JSON and the
+    text."""
+    from zmpi.models.llama import LlamaConfig, llama_activation_bytes
+
+    flags = ["estimate", "--model", "llama", "--n-layer", "4", "--d-model", "64", "--n-head",
+             "4", "--n-kv-head", "2", "--intermediate-size", "176", "--vocab-size", "100",
+             "--seq-len", "32", "--world-size", "4", "--tp", "2", "--micro-batch", "2",
+             "--precision", "fp32", "--recompute", "selective"]
+    main([*flags, "--json"])
+    got = json.loads(capsys.readouterr().out)
+    config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=176,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32)
+    want = llama_activation_bytes(config, 2, 4, 2, recompute="selective",
+                                  block=attention_block(32, 2 * 4 // 2, on_device=True))
+    assert got["activation"]["zmpi"] == want
+    assert got["tensor_traffic_elements"] == (7 * 4 + 2) * 2 * 32 * 64 + 3 * 2 * 32
+    main(flags)
+    assert "allreduced ((7 L + 2) B T C + 3 B T)" in capsys.readouterr().out

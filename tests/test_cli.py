@@ -402,7 +402,8 @@ def test_train_on_a_binary_token_file(tmp_path):
 
 
 def test_estimate_from_a_shape_per_stage_precision_offload_and_json():
-    from zmpi.models.gpt import GPT, GPTConfig, gpt_num_params
+    from zmpi.models.gpt import GPT, GPTConfig
+    from zmpi.models.gpt_counts import gpt_num_params
 
     assert gpt_num_params(2, 32, 65, 16) == GPT(GPTConfig(65, 16, 2, 2, 32)).num_parameters()
 

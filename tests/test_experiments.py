@@ -41,6 +41,14 @@ def results(tmp_path_factory):
          out / "nvme_checksums")
     _run("bench_sparse_attention.py", 1, "--d-model", "32", "--seq-lens", "64,128",
          "--repeats", "1", "--out", out / "sparse_attention")
+    moe = ["--n-layer", "2", "--d-model", "16", "--n-head", "2", "--seq-len", "16",
+           "--experts", "4", "--out", out / "moe_train"]
+    _run("moe_train.py", 2, "--scaling", "--micro-batch", "2", "--scaling-steps", "1", *moe)
+    _run("moe_train.py", 1, "--batch", "4", "--steps", "30", "--window", "5",
+         "--val-batches", "1", "--aux-coef", "0.1", *moe)
+    _run("llama_vs_gpt.py", 1, "--n-layer", "2", "--d-model", "32", "--n-head", "4",
+         "--kv-heads", "2", "--seq-len", "16", "--batch", "4", "--steps", "30", "--window", "5",
+         "--val-batches", "1", "--out", out / "llama_vs_gpt")
     return out
 
 
@@ -144,6 +152,71 @@ def test_sparse_bench_every_layout_fits_at_least_dense_and_trains(results):
 
 
 @pytest.mark.mpi
+def test_moe_bench_trains_counts_the_load_and_meets_the_all_to_all_formula(results):
+    """The MoE GPT and its dense base have equal active parameters (the gate's d x E per MoE
+    layer aside); every run's loss falls; each step's load sums to the batch's assignments
+    (k = 1: its tokens) with at most that many dropped, and the aux loss evens the load (the
+    run is deterministic: same seed, batches and code); the scaling rows (2 ranks: ep 1 and
+    2) send on ep what the all-to-all formula says, 4 calls per MoE layer, and on dp and edp
+    what the strategies declare; the tables and the figure are written."""
+    import json
+
+    import numpy as np
+
+    folder = results / "moe_train"
+    meta = json.loads((folder / "run.json").read_text())
+    runs = {r["run"]: r for r in meta["runs"]}
+    assert list(runs) == ["dense", "MoE aux 0.1", "MoE no aux"]
+    for name, r in runs.items():
+        assert len(r["losses"]) == 30 and r["train_loss"] < r["losses"][0], name
+        assert r["steps_in_budget"] >= 1 and r["val_loss"] > 0, name
+    dense = runs["dense"]
+    for name in ("MoE aux 0.1", "MoE no aux"):
+        r = runs[name]
+        assert r["active_params"] - dense["active_params"] == 16 * 4  # one MoE layer's gate
+        assert r["total_params"] > r["active_params"]
+        assert all(sum(layer) == 4 * 16 for step in r["load"] for layer in step)
+        assert all(0 <= d <= 4 * 16 for step in r["dropped"] for d in step)
+    assert {(m["run"], m["step"]) for m in meta["balance"]} == {
+        (n, s) for n in ("MoE aux 0.1", "MoE no aux") for s in (2, 14, 29)}
+
+    def max_over_mean(r):  # over the run's steps (3.0 without the aux loss here, 1.9 with)
+        return np.mean([max(layer) / np.mean(layer) for step in r["load"] for layer in step])
+
+    assert max_over_mean(runs["MoE aux 0.1"]) < max_over_mean(runs["MoE no aux"])
+    [scaling] = meta["scaling"]
+    assert [(s["ranks"], s["ep"]) for s in scaling["rows"]] == [(2, 1), (2, 2)]
+    for s in scaling["rows"]:
+        assert s["ep_sent_mib"] == pytest.approx(s["ep_formula_sent_mib"], rel=1e-12)
+        assert s["ep_alltoall_calls"] == s["ep_formula_calls"] == (4 if s["ep"] == 2 else 0)
+        assert s["ep_alltoall_bytes"] == s["ep_formula_bytes"]  # one MoE layer: 4 calls
+        assert s["dp_sent_mib"] == pytest.approx(s["dp_declared_mib"], rel=1e-12)
+        assert s["edp_sent_mib"] == pytest.approx(s["edp_declared_mib"], rel=1e-12)
+    table = (folder / "table.md").read_text()
+    assert "| MoE no aux | 0 |" in table and "| 2 | 2 x 1 |" in table
+    assert (folder / "load.png").stat().st_size > 1000
+
+
+@pytest.mark.mpi
+def test_llama_bench_matches_the_gpts_parameters_and_trains(results):
+    """Each Llama's parameters are within 1 % of the GPT-2's (its SwiGLU width chosen for
+    it); every model's loss falls; the table and the loss curves name every model."""
+    import json
+
+    folder = results / "llama_vs_gpt"
+    rows = json.loads((folder / "run.json").read_text())["runs"]
+    assert [r["model"] for r in rows] == ["GPT-2", "Llama", "Llama GQA 2 kv"]
+    for r in rows:
+        assert abs(r["params"] / rows[0]["params"] - 1) < 0.01, r["model"]
+        assert r["train_loss"] < r["losses"][0] and r["step_ms"] > 0, r["model"]
+    assert rows[2]["config"]["num_key_value_heads"] == 2
+    assert rows[2]["config"]["intermediate_size"] > rows[1]["config"]["intermediate_size"]
+    table = (folder / "table.md").read_text()
+    assert all(f"| {r['model']} |" in table for r in rows)
+    assert (folder / "losses.csv").read_text().startswith("step,GPT-2,Llama,Llama GQA 2 kv\n")
+
+
+@pytest.mark.mpi
 def test_checksum_bench_times_both_passes_with_and_without(results):
     import json
 
@@ -215,7 +288,8 @@ def test_report_collects_every_table_and_marks_what_is_missing(results, tmp_path
     subprocess.run([sys.executable, EXPERIMENTS / "report.py", "--results", results, "--out",
                     out], env={**ENV, "MPLBACKEND": "Agg"}, check=True, cwd=REPO_ROOT)
     text = out.read_text()
-    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "## 7.", "## 8."):
+    for heading in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "## 7.", "## 8.",
+                    "## 15.", "## 16."):
         assert heading in text
     fig1 = _md_rows(out, "| 0 |") + _md_rows(out, "| 3 |")
     assert ["0", "120", "120.0"] in fig1 and ["3", "1.9", "1.9"] in fig1  # the paper's Fig. 1

@@ -37,8 +37,8 @@ FAULTS = {  # mode: (env, exit code, every message that must appear in stderr)
         " s (ZMPI_COLLECTIVE_TIMEOUT) in allreduce(sum) (float32 x 4, 2 ranks), called at "
         "tests/ranks/faults.py"]),
     "gather_on_rank0": ({"ZMPI_DEBUG": "1"}, None, [
-        "rank 0: call #4 allgather float32", "in full_master (from tests/ranks/faults.py",
-        "rank 1: call #4 end of program at exit"]),
+        "rank 0: call #5 allgather float32", "in full_master (from tests/ranks/faults.py",
+        "rank 1: call #5 end of program at exit"]),
     "diverge": ({}, 1, ["RuntimeError: replicas diverged after step 2: params of unit 1 "
                         "(Block) differs between the ranks of the data-parallel group: ranks [0] "
                         "hold copy 0; ranks [1] hold copy 1"]),

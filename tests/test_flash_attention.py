@@ -195,16 +195,18 @@ def test_the_kernels_equal_the_twin_at_every_tile_size(rng, monkeypatch, cuda_de
                             1e-12 if dtype == np.float64 else 2e-3)
 
 
-def _kernels_equal_the_twin(rng, dev, layout, T, n_head, hd, dtype, tol):
-    """The launchers on `dev` against the twin on random qkv and dy (B 2, T positions): y,
-    lse and dqkv within tol, every element written; returns qkv."""
-    qkv = rng.standard_normal((2, T, 3 * n_head * hd)).astype(dtype)
+def _kernels_equal_the_twin(rng, dev, layout, T, n_head, hd, dtype, tol, n_kv_head=None):
+    """The launchers on `dev` against the twin on random qkv and dy (B 2, T positions; n_kv_head
+    key/value heads, n_head if None): y, lse and dqkv within tol, every element written;
+    returns qkv."""
+    nkv = n_head if n_kv_head is None else n_kv_head
+    qkv = rng.standard_normal((2, T, (n_head + 2 * nkv) * hd)).astype(dtype)
     dy = rng.standard_normal((2, T, n_head * hd)).astype(dtype)
-    y, lse = FA._forward_twin(qkv, layout, n_head)
-    dqkv = FA._backward_twin(dy, qkv, y, lse, layout, n_head)
-    y_k, lse_k = FA.cuda_flash_forward(dev.asarray(qkv), layout, n_head)
+    y, lse = FA._forward_twin(qkv, layout, n_head, nkv)
+    dqkv = FA._backward_twin(dy, qkv, y, lse, layout, n_head, nkv)
+    y_k, lse_k = FA.cuda_flash_forward(dev.asarray(qkv), layout, n_head, nkv)
     dqkv_k = FA.cuda_flash_backward(dev.asarray(dy), dev.asarray(qkv), y_k, lse_k, layout,
-                                    n_head)
+                                    n_head, nkv)
     for got, want in ((y_k, y), (lse_k, lse), (dqkv_k, dqkv)):
         got = dev.asnumpy(got).astype(np.float64)
         assert np.isfinite(got).all()  # every element written
@@ -244,7 +246,7 @@ def test_the_tensor_core_kernels_equal_the_twin(rng, monkeypatch, cuda_device, d
     if dev is cuda_cpu.DEVICE:  # and before Ampere, the SIMT kernels
         monkeypatch.setattr(dev, "compute_capability", "75")
         launched.clear()
-        FA.cuda_flash_forward(dev.asarray(qkv), layout, n_head)
+        FA.cuda_flash_forward(dev.asarray(qkv), layout, n_head, n_head)
         assert launched == ["flash_forward"]
 
 
@@ -253,11 +255,11 @@ def test_the_launcher_opts_in_to_its_tiles_shared_memory(rng, cuda_device):
     first (the CPU executor, as CUDA, refuses the launch otherwise). hd 64 in fp32: the
     forward's 64-row tiles take 82 KiB."""
     qkv, layout = rng.standard_normal((1, 64, 3 * 64)).astype(np.float32), FA.dense_layout(64)
-    y, _ = FA.cuda_flash_forward(cuda_device.asarray(qkv), layout, 1)
+    y, _ = FA.cuda_flash_forward(cuda_device.asarray(qkv), layout, 1, 1)
     need = FA._shared_bytes("flash_forward", 64, 64, np.float32)
     assert need > FA.SHARED_BYTES
     assert FA._function("flash_forward", "float", "float").max_dynamic_shared_size_bytes >= need
-    want, _ = FA._forward_twin(qkv, layout, 1)
+    want, _ = FA._forward_twin(qkv, layout, 1, 1)
     np.testing.assert_allclose(cuda_device.asnumpy(y), want, rtol=1e-5, atol=1e-5)
 
 
@@ -516,11 +518,11 @@ def test_each_cuda_launcher_matches_its_twin(cuda_device, dtype):
         layout = layout or FA.dense_layout(T)
         qkv = rng.standard_normal((2, T, 3 * n_head * hd)).astype(dtype)
         dy = rng.standard_normal((2, T, n_head * hd)).astype(dtype)
-        y, lse = FA.cuda_flash_forward(cupy.asarray(qkv), layout, n_head)
-        ty, tlse = FA._forward_twin(qkv, layout, n_head)
+        y, lse = FA.cuda_flash_forward(cupy.asarray(qkv), layout, n_head, n_head)
+        ty, tlse = FA._forward_twin(qkv, layout, n_head, n_head)
         dqkv = FA.cuda_flash_backward(cupy.asarray(dy), cupy.asarray(qkv), y, lse, layout,
-                                      n_head)
-        tdqkv = FA._backward_twin(dy, qkv, ty, tlse, layout, n_head)
+                                      n_head, n_head)
+        tdqkv = FA._backward_twin(dy, qkv, ty, tlse, layout, n_head, n_head)
         for got, want in ((y, ty), (lse, tlse), (dqkv, tdqkv)):
             np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float64),
                                        want.astype(np.float64), rtol=tol, atol=tol)

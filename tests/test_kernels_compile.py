@@ -22,6 +22,7 @@ import nvrtc
 import pytest
 
 from zmpi import backend, kernels
+from zmpi.kernels import llama as llama_kernels
 from zmpi.kernels import source
 from zmpi.optim.adam import AdamCoefficients
 
@@ -165,7 +166,7 @@ def test_ops_names_every_kernel_launcher_and_twin():
     assert sorted(listed) == sorted(found)
     pairs = set()
     for module in ("zmpi.nn.functional", "zmpi.nn.attention", "zmpi.optim.adam",
-                   "zmpi.kernels.flash_attention"):
+                   "zmpi.kernels.flash_attention", "zmpi.nn.llama_functional"):
         pairs |= {(op.__wrapped__, op.launcher)
                   for op in vars(importlib.import_module(module)).values()
                   if callable(op) and hasattr(op, "launcher")}
@@ -188,7 +189,9 @@ def test_signatures_parse():
         "layernorm_forward", "layernorm_backward", "column_sums", "column_sums_total",
         "gelu_forward", "gelu_backward", "causal_softmax", "softmax_backward",
         "cross_entropy_forward", "cross_entropy_backward", "adam", "sum_of_squares",
-        "bias_grad"}
+        "bias_grad", "rmsnorm_forward", "rmsnorm_backward", "rmsnorm_dw_partials",
+        "rmsnorm_dw_total", "rope_forward", "rope_backward", "swiglu_forward",
+        "swiglu_backward"}
     count = signatures["adam"][4]
     assert (count.declaration, count.pointer, count.dtype) == ("const long long n", False,
                                                                np.dtype(np.int64))
@@ -222,6 +225,16 @@ def _launches(dtype, master):
     kernels.cuda_sum_of_squares(a(100), 0.5, np.dtype(master))
     kernels.cuda_bias_grad(a(300, 40), None)
     kernels.cuda_bias_grad(a(3, 40), a(40))
+    y, cache = llama_kernels.cuda_rmsnorm_forward(x, w, 1e-6)
+    for dw in (None, a(8)):
+        llama_kernels.cuda_rmsnorm_backward(a(2, 3, 8), cache, dw)
+    cos, sin = a(3, 4), a(3, 4)
+    heads = a(2, 3, 5, 8).reshape(2, 3, 5, 8).transpose(0, 2, 1, 3)  # (B, n, T, hd) as a view
+    llama_kernels.cuda_rope_forward(heads, cos, sin)
+    llama_kernels.cuda_rope_backward(a(2, 5, 3, 8), cos, sin,
+                                     np.empty((2, 3, 5, 8), dtype).transpose(0, 2, 1, 3))
+    y, cache = llama_kernels.cuda_swiglu_forward(a(4, 33), a(4, 33))
+    llama_kernels.cuda_swiglu_backward(a(4, 33), cache)
 
 
 @pytest.mark.parametrize("dtype, master", [(np.float16, np.float32),

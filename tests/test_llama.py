@@ -6,8 +6,9 @@ stage 3 with optimizer states and parameters on NVMe at dp 4; tensor
 parallelism at (dp, tp) = (2, 2) with key/value heads replicated (n_kv_head 1 < tp) and split
 (n_kv_head 2 = tp), at tp 4 with each key/value head on two ranks; pipelines at (dp, pp) =
 (2, 2) and (pp, tp) = (2, 2) with a tied head; sequence parallelism at (dp, tp) = (2, 2)
-with replicated key/value heads; a checkpoint saved at (dp, tp) = (2, 2) loaded
-at dp 4."""
+with replicated key/value heads; block-sparse attention at (dp, tp) = (2, 2) with one
+key/value head (each rank its query heads' layouts); a checkpoint saved at (dp, tp) = (2, 2)
+loaded at dp 4."""
 import numpy as np
 import pytest
 from gradcheck import directional_check
@@ -16,7 +17,8 @@ from mpi_util import RANKS_DIR, run_mpi
 from zmpi.models.llama import Llama, LlamaConfig, llama_flops_per_token, llama_unit_numels
 from zmpi.nn.llama_layers import GroupedQueryAttention
 
-LAUNCH = ["4,1,1,2", "2,1,2,1", "2,1,2,2", "1,1,4,2", "2,2,1,2", "1,2,2,1,tied", "2,1,2,1,sp"]
+LAUNCH = ["4,1,1,2", "2,1,2,1", "2,1,2,2", "1,1,4,2", "2,2,1,2", "1,2,2,1,tied", "2,1,2,1,sp",
+          "2,1,2,1,sparse"]
 
 
 def small(**kw):
@@ -139,18 +141,15 @@ def test_bad_model_sections_are_one_line(section, message):
         Config.from_dict({"train_micro_batch_size_per_gpu": 1, "model": section})
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention: block-sparse attention has no "
-     "grouped-query path"),
-    ({"moe": {"num_experts": 2}}, "moe: a Llama has no MoE blocks yet"),
-    ({"attention_kernel": "flash"}, "attention_kernel: \"flash\" has no grouped-query path"),
-])
-def test_gpt_only_paths_are_refused_for_a_llama(extra, message):
+def test_gpt_only_paths_are_refused_for_a_llama():
     from zmpi.config import Config, ConfigError
 
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match="moe: a Llama has no MoE blocks yet"):
         Config.from_dict({"train_micro_batch_size_per_gpu": 1, "model": {"model_type": "llama"},
-                          **extra})
+                          "moe": {"num_experts": 2}})
+    for extra in ({"sparse_attention": {"mode": "fixed"}}, {"attention_kernel": "flash"}):
+        Config.from_dict({"train_micro_batch_size_per_gpu": 1, "model": {"model_type": "llama"},
+                          **extra})  # the grouped-query flash and block-sparse paths
 
 
 @pytest.mark.parametrize("section, message", [
@@ -176,6 +175,7 @@ def test_zmpi_train_model_llama_refuses_a_bad_section_in_one_line(tmp_path, sect
 
 @pytest.mark.mpi
 def test_zmpi_train_model_llama_with_tp_2(tmp_path):
+    """One key/value head replicated over the 2 tensor ranks, block-sparse attention."""
     import json
 
     from mpi_util import CLI, launch_mpi
@@ -184,7 +184,8 @@ def test_zmpi_train_model_llama_with_tp_2(tmp_path):
     section = {"model_type": "llama", "num_key_value_heads": 1, "intermediate_size": 40,
                "rope_theta": 5e5, "tie_word_embeddings": True, "max_position_embeddings": 16,
                "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
-    config.write_text(json.dumps({"model": section}))
+    config.write_text(json.dumps({"model": section, "sparse_attention": {
+        "mode": "local", "block": 4, "num_sliding_window_blocks": 1}}))
     result = launch_mpi(CLI, 2, timeout=120, args=[
         "train", "--config", config, "--tp", "2", "--steps", "4", "--n-layer", "1",
         "--d-model", "16", "--n-head", "2", "--seq-len", "8", "--batch", "4",
@@ -201,6 +202,7 @@ def test_zmpi_train_model_llama_with_tp_2(tmp_path):
                                                   if k != "vocab_multiple"}, vocab_multiple=1)))
     assert result.stdout.startswith(f"zmpi train: Llama {params:,} params, 2 ranks (dp 1 x pp 1 "
                                     "x tp 2)"), result.stdout[:300]
+    assert "sparse attention local (block 4, 67% of causal blocks)" in result.stdout.splitlines()[0]
 
 
 def _estimate(*flags):
@@ -231,8 +233,8 @@ def test_zmpi_estimate_counts_llama_2_and_3(flags, params):
 @pytest.mark.parametrize("flags, message", [
     (["--n-kv-head", 2], "--n-kv-head: a Llama's; add --model llama"),
     (["--model", "llama"], "--model llama: needs --n-head"),
-    (["--model", "llama", "--n-head", 4, "--micro-batch", 1], "--model llama: a Llama's "
-     "activations and tensor traffic are not counted yet"),
+    (["--model", "llama", "--n-head", 4, "--moe", 4], "--model llama: a Llama has no MoE "
+     "blocks"),
     (["--model", "llama", "--n-head", 4, "--n-kv-head", 3], "num_key_value_heads=3 does not "
      "divide num_attention_heads=4"),
 ])
@@ -257,3 +259,27 @@ def test_recompute_gives_the_same_gradients(policy):
         grads.append({n: q.grad.copy() for n, q in model.named_parameters()})
     assert all(np.array_equal(grads[0][n], grads[1][n]) for n in grads[0])
     assert GroupedQueryAttention.recompute_core is False  # the class default is untouched
+
+
+def test_train_size_check_counts_a_llama_as_a_llama(tmp_path, monkeypatch, capsys):
+    """The size check `zmpi train` makes before building the model (16 bytes a parameter
+    against the machine's memory) counts a Llama by llama_num_params: on a machine whose
+    memory lies between the GPT formula's count of the same shape and the Llama's (untied
+    head, SwiGLU), the Llama is refused in one line giving its own count."""
+    from zmpi.cli import inputs, main
+    from zmpi.models.gpt_counts import gpt_num_params
+    from zmpi.models.llama import llama_num_params
+
+    llama = llama_num_params(LlamaConfig(vocab_size=65, hidden_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, max_position_embeddings=8))
+    gpt = gpt_num_params(2, 64, 65, 8)
+    assert llama > gpt  # the memory below fits the GPT count, not the Llama's
+    monkeypatch.setattr(inputs, "_host_memory", lambda: 8 * (llama + gpt))
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--model", "llama", "--n-layer", "2", "--d-model", "64", "--n-head", "2",
+              "--seq-len", "8", "--batch", "1", "--steps", "1", "--sample-tokens", "0",
+              "--out", str(tmp_path / "run")])
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2, line
+    assert line.startswith(f"zmpi train: the Llama (n_layer 2, d_model 64, vocab_size 65: "
+                           f"{llama:,} parameters) needs at least"), line

@@ -17,7 +17,8 @@ from zmpi.checkpoint.manifest import _body_crc, read_manifest
 from zmpi.config import Config, ConfigError, MoEConfig
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
-from zmpi.models.gpt import GPT, GPTConfig, gpt_expert_numel, gpt_num_params, gpt_unit_numels
+from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.models.gpt_counts import gpt_expert_numel, gpt_num_params, gpt_unit_numels
 from zmpi.nn.layers import MLP
 from zmpi.nn.moe import MoE
 
@@ -76,17 +77,8 @@ BAD = [  # (moe section, other config keys, the one line)
     ({"num_experts": 0}, {}, "moe.num_experts: must be an integer >= 1"),
     ({"num_experts": [4, 0]}, {}, "moe.num_experts: must be an integer >= 1"),
     ({"num_experts": [4, 6], "ep_size": 4}, {}, "moe.ep_size: 4 does not divide num_experts 6"),
-    ({"num_experts": 4, "ep_size": 2}, {"zero_optimization": {"stage": 3, "strategy": "hybrid"}},
-     "zero_optimization.strategy: 'hybrid' is not built with moe.ep_size 2"),
-    ({"num_experts": 4, "ep_size": 2}, {"zero_optimization": {"stage": 3,
-                                                              "zero_quantized_weights": True}},
-     "zero_optimization.strategy: 'zeropp' is not built with moe.ep_size 2"),
-    ({"num_experts": 4, "ep_size": 2}, {"zero_optimization": {
-        "stage": 2, "offload_optimizer": {"device": "cpu"}}},
-     "zero_optimization.offload_optimizer.device: 'cpu': offload is not built with moe.ep_size"),
-    ({"num_experts": 4, "ep_size": 2}, {"zero_optimization": {
-        "stage": 3, "offload_param": {"device": "cpu"}}},
-     "zero_optimization.offload_param.device: 'cpu': offload is not built with moe.ep_size"),
+    ({"num_experts": 4, "ep_size": 2}, {"zero_optimization": {"strategy": "my_plugin"}},
+     "zero_optimization.strategy: 'my_plugin' is not built with moe.ep_size 2"),
     ({"num_experts": 4, "ep_size": 2}, {"optimizer": {"type": "OneBitAdam"}},
      "optimizer.type: OneBitAdam is not built with moe.ep_size 2"),
     ({"num_experts": 4, "k": 5}, {}, "moe.k: 5 experts per token, but a layer has only 4"),
@@ -101,10 +93,6 @@ BAD = [  # (moe section, other config keys, the one line)
      "moe.top2_2nd_expert_sampling: samples the choices after the first: it needs k >= 2"),
     ({"num_experts": 4, "drop_tokens": "yes"}, {}, "moe.drop_tokens: expected bool"),
     ({"num_experts": 4, "use_tutel": True}, {}, "moe.use_tutel: unknown key"),
-    ({"num_experts": 4}, {"tensor_parallel": {"autotp_size": 2}},
-     "tensor_parallel.autotp_size: 2: MoE layers are not split by tensor parallelism yet"),
-    ({"num_experts": 4}, {"pipeline": {"stages": 2}},
-     "pipeline.stages: 2: MoE layers are not run by the pipeline schedules yet"),
 ]
 
 
@@ -190,6 +178,47 @@ def test_the_engine_routes_scales_and_reports_the_moe_losses():
     assert all(layer.training for layer in model.moe_layers())
 
 
+def test_the_engine_counts_each_layers_load_and_drops_over_the_steps_micro_batches():
+    """engine.moe.statistics: per MoE layer the assignments routed to each expert before
+    drops and those over capacity, summed over the step's 2 micro-batches: what one process
+    routing the same rows counts; k assignments a token in all; the next step starts again
+    from 0, a step that fp16 skips (its optimizer step count unchanged) too, and a recompute
+    (full activation checkpointing) does not count twice."""
+    from zmpi.comm import Comm
+
+    section = {"num_experts": 4, "k": 2, "capacity_factor": 0.5, "min_capacity": 0}
+    engine = Engine(GPT(SMALL, moe=section), _engine_config(
+        section, gradient_accumulation_steps=2,
+        activation_checkpointing={"recompute": "full"}))
+    with pytest.raises(ValueError, match="^no MoE routing tallied since the last"):
+        engine.moe.statistics(Comm())
+    x, y = SyntheticSource(16, 8, 8, seed=1).sample(0)
+    alone = GPT(SMALL, moe=section)  # the initial weights: step 0's routing
+    want = [(np.zeros(4, np.int64), 0) for _ in alone.moe_layers()]
+    for rows, offset in ((slice(0, 4), 0), (slice(4, 8), 4)):
+        for layer in alone.moe_layers():
+            layer.set_routing((0,), offset)
+        alone.loss(x[rows], y[rows])
+        want = [(load + layer.routing.load, dropped + int(layer.routing.dropped))
+                for (load, dropped), layer in zip(want, alone.moe_layers(), strict=True)]
+    engine.train_step(x, y)
+    got = engine.moe.statistics(Comm())
+    assert len(got) == 3 and all(load.sum() == 2 * 8 * 8 for load, _ in got)  # k per token
+    assert all(dropped > 0 for _, dropped in got)  # capacity 2 of a group's 4 per expert
+    for (load, dropped), (want_load, want_dropped) in zip(got, want, strict=True):
+        assert load.tolist() == want_load.tolist() and dropped == want_dropped
+    engine.train_step(x, y)
+    assert all(load.sum() == 2 * 8 * 8 for load, _ in engine.moe.statistics(Comm()))
+    with pytest.raises(ValueError, match="^no MoE routing tallied since the last"):
+        engine.moe.statistics(Comm())
+    skipping = Engine(GPT(SMALL, moe=section), _engine_config(
+        section, fp16={"enabled": True, "initial_scale_power": 60}))
+    for _ in range(2):  # 2^60 overflows float16: both steps skipped, global_steps stays 0
+        skipping.train_step(x[:4], y[:4])
+        assert all(load.sum() == 2 * 4 * 8 for load, _ in skipping.moe.statistics(Comm()))
+    assert skipping.global_steps == 0 and skipping.scaler.skipped_steps == 2
+
+
 def test_moe_flags_build_the_moe_section(tmp_path):
     from test_cli import _args
 
@@ -219,18 +248,24 @@ def test_zmpi_estimate_counts_the_experts():
     assert psi() == (0, gpt_num_params(4, 64, 100, 32))
     assert psi("--moe", json.dumps(section)) == (0, gpt_num_params(4, 64, 100, 32, moe=section))
     assert psi("--moe", "8") == (0, gpt_num_params(4, 64, 100, 32, moe={"num_experts": 8}))
-    code, said = psi("--moe", "8", "--tp", "2")
-    assert code == 2 and said == ("zmpi estimate: --moe 8: MoE blocks are not split by tensor "
-                                  "parallelism yet: --tp 1")
+    assert psi("--moe", "8", "--tp", "2") == (0, gpt_num_params(4, 64, 100, 32, 2,
+                                                              moe={"num_experts": 8}))
+    code, said = psi("--moe", "8", "--tp", "2", "--micro-batch", "1")
+    assert code == 2 and said == ("zmpi estimate: --moe 8: --micro-batch counts the MoE blocks' "
+                                  "activations and all-to-all at --tp 1 only: leave out "
+                                  "--micro-batch, or give --tp 1")
     code, said = psi("--moe", '{"num_experts": 4, "layers": [9]}')
     assert code == 2 and "moe.layers: block 9 is not in a model of 4 blocks" in said
     code, said = psi("--moe", '{"num_experts": 4, "ep_size": 4}')
     assert code == 2 and said == ('zmpi estimate: --moe {"num_experts": 4, "ep_size": 4}: '
                                   'ep_size 4 does not divide the data-parallel size 2 '
                                   '(--world-size)')
-    code, said = psi("--moe", '{"num_experts": 4, "ep_size": 2}', "--offload-optimizer")
-    assert code == 2 and said.endswith("offload is not built with ep_size 2 (docs/moe.md): "
-                                       "leave out the offload flags, or give ep_size 1")
+    code, said = psi("--moe", '{"num_experts": 4, "ep_size": 2}', "--tp", "2")
+    assert code == 2 and said.endswith("ep_size 2 does not divide the data-parallel size 1 "
+                                       "(--world-size / --tp)")
+    # offload at ep above 1 is built: the expert states placed as the dense ones (the ledger
+    # at one layout: tests/test_moe_engine_rest.py, test_estimate_with_offload_is_the_ledger)
+    assert psi("--moe", '{"num_experts": 4, "ep_size": 2}', "--offload-optimizer")[0] == 0
 
 
 def test_zmpi_estimate_at_ep_counts_expert_states_over_ep_and_dp_over_ep():
@@ -260,6 +295,65 @@ def test_zmpi_estimate_at_ep_counts_expert_states_over_ep_and_dp_over_ep():
                 model_state_bytes(psi - experts, n, stage) + \
                 model_state_bytes(experts / ep, n // ep, stage)
             assert row["device_gb"] == pytest.approx(want / 1e9, rel=1e-12), (ep, n, stage)
+
+
+@pytest.mark.parametrize("section", SECTIONS)
+def test_each_tensor_rank_holds_the_moe_block_count(section):
+    """Under tensor parallelism every tensor rank of a GPT with MoE blocks holds
+    gpt_unit_numels(..., tp)'s parameters per unit (moe_block_numel: every expert, PR-MoE's
+    residual MLP and the shared experts split as the dense MLP, the router and coefficient
+    whole) and gpt_expert_numel(..., tp) of the experts' (what the expert strategy holds
+    before ep splits it). One process: the tensor group's rank and size are all that
+    building the model reads of it (zmpi.parallel.expert.tensor); the engine's runs at tp 2
+    are tests/test_moe_tensor.py's."""
+    from types import SimpleNamespace
+
+    config = GPTConfig(vocab_size=16, seq_len=8, n_layer=3, n_head=4, d_model=16,
+                       vocab_multiple=1)
+    for tp in (2, 4):
+        for rank in range(tp):
+            model = GPT(config, tp=SimpleNamespace(rank=rank, size=tp), moe=section)
+            held = [sum(p.data.size for _, p in unit.named_parameters()) for unit in model.units]
+            assert held == gpt_unit_numels(3, 16, 16, 8, tp, moe=section), (tp, rank)
+            experts = sum(p.data.size for layer in model.moe_layers()
+                          for _, p in layer.experts.named_parameters())
+            assert experts == gpt_expert_numel(3, 16, section, tp), (tp, rank)
+
+
+def test_zmpi_estimate_with_tp_and_ep_counts_each_tensor_ranks_share():
+    """--moe with --tp 2 and ep_size 2 on 8 ranks: Psi is a tensor rank's share of the model
+    (gpt_num_params at tp 2), its experts' states over the 4 / 2 data-parallel ranks holding
+    the same experts and the dense ones' over the 4; with --offload-optimizer both placed as
+    ZeRO-Offload places them (zmpi.memory.model_state_placement, group by group)."""
+    from zmpi.memory import model_state_bytes, model_state_placement
+
+    section = {"num_experts": 4, "moe_layer_interval": 2, "use_residual": True,
+               "num_shared_experts": 1, "ep_size": 2}
+    psi = gpt_num_params(4, 64, 100, 32, 2, moe=section)
+    experts = gpt_expert_numel(4, 64, section, 2)
+    assert experts == 2 * 4 * ((8 * 64 * 64 + 4 * 64) // 2 + 64)  # two MoE blocks of 4
+
+    def estimate(*flags):
+        out = subprocess.run([sys.executable, "-m", "zmpi.cli", "estimate", "--n-layer", "4",
+                              "--d-model", "64", "--vocab-size", "100", "--seq-len", "32",
+                              "--world-size", "8", "--tp", "2", "--json", "--moe",
+                              json.dumps(section), *flags],
+                             capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    got = estimate()
+    assert (got["params"], got["expert_params"], got["dp"], got["ep"]) == (psi, experts, 4, 2)
+    for row in got["stages"]:
+        want = model_state_bytes(psi - experts, 4, row["stage"]) + \
+            model_state_bytes(experts / 2, 2, row["stage"])
+        assert row["device_gb"] == pytest.approx(want / 1e9, rel=1e-12), row
+    for row in estimate("--offload-optimizer", "--stage", "2")["stages"]:
+        places = [model_state_placement(p, n, 2, offload_optimizer=True)
+                  for p, n in ((psi - experts, 4), (experts / 2, 2))]
+        for where in ("device", "host"):
+            want = sum(sum(place[where].values()) for place in places)
+            assert row[f"{where}_gb"] == pytest.approx(want / 1e9, rel=1e-12), (where, row)
 
 
 def _losses(run_dir):
@@ -295,6 +389,30 @@ def test_train_with_moe_flags_and_resume_a_stage3_checkpoint_at_dp_1(tmp_path):
 
 
 @pytest.mark.mpi
+def test_train_writes_every_pipeline_stages_moe_load_and_drops(tmp_path):
+    """At pipeline.stages 2 each stage holds one of the two MoE blocks: metrics.csv (written by
+    rank 0, stage 0) has both layers' columns, and each layer's load sums to k x the step's
+    tokens (the second stage's gathered to rank 0)."""
+    config = tmp_path / "pp.json"
+    config.write_text(json.dumps({"moe": {"num_experts": 2, "k": 2},
+                                  "pipeline": {"stages": 2}}))
+    result = launch_mpi(CLI, 2, timeout=180, args=[
+        "train", "--config", config, "--n-layer", "2", "--d-model", "16", "--n-head", "2",
+        "--seq-len", "16", "--batch", "4", "--steps", "2", "--sample-tokens", "0",
+        "--out", tmp_path / "run"])
+    assert result.returncode == 0, result.describe()
+    header, *rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
+    names = header.split(",")
+    assert [n for n in names if n.startswith("moe")] == [
+        f"moe{j}_{c}" for j in (0, 1) for c in ("dropped", "load0", "load1")]
+    for row in rows:
+        cells = dict(zip(names, row.split(","), strict=True))
+        for j in (0, 1):
+            assert int(cells[f"moe{j}_load0"]) + int(cells[f"moe{j}_load1"]) == 2 * 4 * 16
+            assert 0 <= int(cells[f"moe{j}_dropped"]) <= 2 * 4 * 16
+
+
+@pytest.mark.mpi
 def test_train_at_ep_2_saves_and_one_rank_resumes_at_ep_1(tmp_path):
     """`zmpi train` with a config's moe.ep_size 2 on 2 ranks trains (the banner counts every
     expert once) and saves the expert shards at ep 2 (--save-every); 1 rank at ep 1 resumes
@@ -311,6 +429,14 @@ def test_train_at_ep_2_saves_and_one_rank_resumes_at_ep_1(tmp_path):
     count = gpt_num_params(2, 16, 65, 16, moe={"num_experts": 4, "k": 2})
     assert f"zmpi train: GPT {count:,} params, 2 ranks (dp 2 x pp 1 x tp 1, ep 2)" in \
         result.stdout, result.stdout
+    # the memory table: what each rank holds is what the dense and the experts' strategies
+    # declare, and the SC'20 formula of each over its group (the experts' left out before)
+    table = result.stdout.split("model-state memory per rank")[1].splitlines()
+    assert "both with the experts' over 1 rank" in table[1], table
+    for row in table[3:5]:
+        _, psi, _, device, declared, formula, *_ = row.split()
+        assert device == declared == formula, table
+        assert int(psi.replace(",", "")) < count  # two of the four experts of each layer
     saved, again = tmp_path / "run" / "checkpoints", tmp_path / "one_checkpoints"
     resumed = launch_mpi(CLI, 1, timeout=180, args=[
         "train", "--config", one, *flags, "--resume", saved, "--resume-tag", "step1",
@@ -319,6 +445,16 @@ def test_train_at_ep_2_saves_and_one_rank_resumes_at_ep_1(tmp_path):
     assert "resumed from" in resumed.stdout and "saved by 2 ranks" in resumed.stdout
     assert _losses(tmp_path / "one")[1] == pytest.approx(_losses(tmp_path / "run")[1],
                                                          rel=1e-12, abs=0)
+    # metrics.csv's expert load and drops per MoE layer: summed over the ep-2 run's ranks,
+    # what one rank routing every row counts (the same tokens on every layout)
+    header, *rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
+    moe = [i for i, name in enumerate(header.split(",")) if name.startswith("moe")]
+    assert [header.split(",")[i] for i in moe] == [
+        f"moe{j}_{c}" for j in (0, 1) for c in ("dropped", "load0", "load1", "load2", "load3")]
+    by_step = {int(r.split(",")[0]): [int(r.split(",")[i]) for i in moe] for r in rows}
+    resumed = (tmp_path / "one" / "metrics.csv").read_text().splitlines()[1:]
+    assert [int(resumed[0].split(",")[i]) for i in moe] == by_step[1]
+    assert all(sum(cells[1:5]) == 2 * 4 * 16 for cells in by_step.values())  # k x rows x T
     # the offline tools know the expert shards: the step-2 checkpoints of both runs (ep 2 on
     # 2 ranks, ep 1 on 1) consolidate to the same whole (E, ...) experts
     assert "experts over expert-parallel 2 x expert-data-parallel 1 (8 expert tensors)" in \

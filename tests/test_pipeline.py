@@ -195,3 +195,42 @@ def test_a_config_error_on_one_pipeline_stage_is_raised_on_every_stage(tmp_path)
     assert said[0].startswith("ConfigError zero_optimization.stage3_max_live_parameters: "
                               "zmpi keeps up to 67520 parameter elements"), said
     assert said[0].endswith("(on pipeline stage 1 of 2)"), said
+
+
+REPLICAS_DIFFER_ON_ONE_STAGE = """
+import sys
+import numpy as np
+from zmpi.comm import Comm
+from zmpi.engine import Engine
+from zmpi.models.gpt import GPT, GPTConfig
+
+comm, said = Comm(), []
+for change in ("one more", "nan"):  # on world rank 3: stage 1's second data-parallel rank
+    model = GPT(GPTConfig(16, 8, 2, 2, 16), seed=0)
+    w = dict(model.named_parameters())["units.2.ln1.weight"].data  # a block of stage 1
+    if comm.rank == 3:
+        w[0] = np.nan if change == "nan" else w[0] + 1
+    try:
+        Engine(model, {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+                       "pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}},
+               comm).close()
+        said.append("built")
+    except ValueError as e:
+        said.append(str(e))
+with open(f"{sys.argv[1]}/rank{comm.rank}.txt", "w") as fh:
+    fh.write("\\n".join(said))
+"""
+
+
+@pytest.mark.mpi
+def test_replicas_that_differ_on_one_pipeline_stage_are_refused_on_every_stage(tmp_path):
+    """dp 2 x pp 2, the second stage's replicas built differently (a changed value, a NaN on
+    one of them): the data-parallel check of the initial values fails on that stage only (the
+    NaN on one rank only). Those ranks once raised alone and the others waited for ever in
+    the next collective; now every rank raises the same one line, naming the stage."""
+    said = said_by_ranks(tmp_path, REPLICAS_DIFFER_ON_ONE_STAGE, nprocs=4, timeout=120)
+    assert len(set(said)) == 1, said
+    assert said[0].split("\n") == [
+        "ranks built different initial models: seed the model identically on every rank "
+        "(on pipeline stage 1 of 2)",
+        "the model's initial parameters contain NaN or inf (on pipeline stage 1 of 2)"], said

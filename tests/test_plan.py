@@ -14,7 +14,8 @@ from mpi_util import CLI, REPO_ROOT, launch_mpi
 
 from zmpi.config import Config
 from zmpi.memory import model_state_breakdown
-from zmpi.models.gpt import GPT, GPTConfig, gpt_unit_numels
+from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.models.gpt_counts import gpt_unit_numels
 from zmpi.parallel.pipeline.stage import PipelineStage
 from zmpi.plan.hardware import PRESETS, Hardware
 from zmpi.plan.layout import BUCKET_NUMEL, Job, Layout, layouts, to_config
@@ -331,6 +332,22 @@ def test_plan_json_and_bad_inputs(tmp_path):
     r = _plan(*SMALL_FLAGS, "--device-memory", "1kB", "--out", str(tmp_path / "x.json"))
     assert r.returncode == 1 and "no layout fits" in r.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--n-kv-head", "2"], "n_kv_head: a Llama's; give model llama"),
+    (["--model", "llama", "--n-kv-head", "3"], "num_key_value_heads=3 does not divide "
+     "num_attention_heads=4"),
+    (["--moe", '{"num_experts": 4, "ep_size": 2}'], "moe.ep_size: the planner searches it"),
+    (["--moe", "4", "--model", "llama"], "moe: MoE blocks are a GPT's"),
+    (["--moe", "{"], "--moe {: "),
+])
+def test_bad_llama_and_moe_plans_are_one_line(flags, message):
+    r = _plan("--n-layer", "2", "--d-model", "32", "--n-head", "4", "--vocab", "65",
+              "--seq-len", "16", "--global-batch", "2", "--nodes", "1", "--gpus-per-node", "1",
+              "--hardware", "cpu", *flags, timeout=60)
+    [line] = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and line.startswith(f"zmpi plan: {message}"), line
 
 
 def test_the_table_counts_in_the_right_number(capsys):

@@ -17,7 +17,8 @@ from zmpi.comm import MPI, Comm
 from zmpi.config import Config, ConfigError
 from zmpi.engine import Engine
 from zmpi.memory import MemoryLedger
-from zmpi.models.gpt import GPT, GPTConfig, gpt_activation_bytes
+from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.models.gpt_counts import gpt_activation_bytes
 from zmpi.nn.attention import ATTENTION_BLOCK, causal_entries
 from zmpi.nn.module import activations_counted_in
 from zmpi.nn.sparsity import causal_layout, sparsity_from_dict

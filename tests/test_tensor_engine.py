@@ -43,7 +43,7 @@ def test_tensor_parallel_training_matches_the_unsplit_model(reports):
 
 @pytest.mark.mpi
 def test_each_rank_holds_the_formulas_share_of_the_model(reports):
-    from zmpi.models.gpt import gpt_num_params
+    from zmpi.models.gpt_counts import gpt_num_params
 
     for name, run in reports[0]["runs"].items():  # vocabulary 13: padded to a multiple of tp
         assert run["local_params"] == gpt_num_params(N_LAYER, C, 13, T, run["tp"]), name

@@ -17,14 +17,8 @@ from zmpi.checkpoint.manifest import read_manifest
 from zmpi.config import Config, ConfigError
 from zmpi.data import SyntheticSource
 from zmpi.engine import Engine
-from zmpi.models.gpt import (
-    GPT,
-    GPTConfig,
-    default_vocab_multiple,
-    gpt_activation_bytes,
-    gpt_num_params,
-    gpt_unit_numels,
-)
+from zmpi.models.gpt import GPT, GPTConfig, default_vocab_multiple
+from zmpi.models.gpt_counts import gpt_activation_bytes, gpt_num_params, gpt_unit_numels
 from zmpi.parallel.tensor.vocab import vocab_shard
 from zmpi.plan.layout import Job
 from zmpi.plan.memory import stage_units

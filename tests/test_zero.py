@@ -354,10 +354,13 @@ def test_loss_scaler_trajectory(run, whole_suite):
             assert case["skipped_change"] == 0.0
 
 
-def _moe_reference(section, accumulation, clip):
+def moe_reference(section, accumulation, clip, n_steps=zero_checks.STEPS,
+                  delay_after=None):
     """One process's (parameters, losses, routing) for a MoE case of zero_checks: the whole
-    global batch of each step in one forward, each MoE layer keyed by the step and its
-    groups from 0, the auxiliary and z losses added to the loss as the engine reports it."""
+    global batch of each of `n_steps` steps in one forward, each MoE layer keyed by the step
+    and its groups from 0, the auxiliary and z losses added to the loss as the engine reports
+    it; delay_after: reference_train's (the delayed update, DPU). Also
+    tests/test_moe_engine_rest.py's reference."""
     config = zero_checks.GPT_CONFIG
     source = SyntheticSource(config.vocab_size, config.seq_len,
                              zero_checks.GLOBAL_BATCH * accumulation, seed=1)
@@ -375,15 +378,16 @@ def _moe_reference(section, accumulation, clip):
         return value + sum(float(layer.aux_loss + layer.z_loss) for layer in layers)
 
     model.loss = moe_loss
-    batches = [source.global_sample(step) for step in range(zero_checks.STEPS)]
-    params, losses = reference_train(model, batches, lr=1e-2, weight_decay=0.1, clip=clip)
+    batches = [source.global_sample(step) for step in range(n_steps)]
+    params, losses = reference_train(model, batches, lr=1e-2, weight_decay=0.1, clip=clip,
+                                     delay_after=delay_after)
     return params, losses, routing
 
 
 @pytest.fixture(scope="module")
 def moe_references():
     """{case: (parameters, losses, routing)} of one process for each of zero_checks.MOE_CASES."""
-    return {name: _moe_reference(section, accumulation, clip)
+    return {name: moe_reference(section, accumulation, clip)
             for name, (_, accumulation, clip, _, section) in zero_checks.MOE_CASES.items()}
 
 

@@ -365,12 +365,16 @@ def estimate_rows(psi, n, stages, param_bytes, optimizer_bytes, offload_optimize
     ZeRO-Offload's placement) and elements each rank sends per step; a stage the offload
     settings exclude carries its reason instead (what `zmpi estimate` prints). psi_experts
     of the psi parameters are experts split over ep ranks (`expert_groups`): their states
-    and traffic counted over the n / ep ranks holding the same experts, the rest over n."""
+    and traffic counted over the n / ep ranks holding the same experts, the rest over n; the
+    row's "expert_traffic_elements" is then the experts' share of its traffic (what the
+    expert-data-parallel group sends: the engine's "edp" dimension)."""
     rows = []
     groups = [(psi - psi_experts, n), *expert_groups(psi_experts, n, ep)]
     for stage in stages:
-        row = {"stage": stage, "traffic_elements": sum(comm_volume_elements(p, r, stage)
-                                                       for p, r in groups)}
+        traffic = [comm_volume_elements(p, r, stage) for p, r in groups]
+        row = {"stage": stage, "traffic_elements": sum(traffic)}
+        if psi_experts:
+            row["expert_traffic_elements"] = traffic[1]
         try:
             places = [model_state_placement(p, r, stage, param_bytes, param_bytes,
                                             optimizer_bytes / 3, optimizer_bytes / 3,

@@ -212,13 +212,17 @@ class RunRecord:
     the rows for steps >= first_step, which the killed run did after its last checkpoint and
     this run does again (and a row a kill cut short), rewriting the file atomically; run.json
     then says so: "metrics_truncated_from": first_step, "metrics_rows_dropped": how many.
-    The rows before first_step stay, and the new ones are appended after them.
+    The rows before first_step stay, and the new ones are appended after them. `columns`:
+    the header a new metrics.csv gets (METRICS, and a run's own after them: zmpi train adds
+    each MoE layer's expert load and drops: docs/moe.md).
     A write that fails (ENOSPC) is a RecordError naming the file, not the OSError of a
     buffered write surfacing later (from append, or from close). Constructing it is
     collective over `comm` (run.json's "hosts", `rank_hosts`)."""
 
-    def __init__(self, out: str | Path, comm, first_step: int = 0, lock=None, **meta):
+    def __init__(self, out: str | Path, comm, first_step: int = 0, lock=None,
+                 columns=METRICS, **meta):
         self.out, self.active, self.lock = Path(out), comm.rank == 0, lock
+        self.columns = tuple(columns)
         self.meta = run_metadata(comm, rank_hosts(comm), first_step=first_step, **meta)
         self._metrics = None
         if self.active:
@@ -242,7 +246,7 @@ class RunRecord:
             self._metrics = open(path, "a", newline="")  # noqa: SIM115 (open for the run)
             self._writer = csv.writer(self._metrics)
             if fresh:
-                self._writer.writerow(METRICS)
+                self._writer.writerow(self.columns)
 
     @contextlib.contextmanager
     def _writing(self, name: str):

@@ -1,5 +1,5 @@
 """Rank side of tests/test_activation_memory.py: the activation peak the ledger measures on 2
-tensor-parallel ranks, to set beside zmpi.models.gpt.gpt_activation_bytes.
+tensor-parallel ranks, to set beside zmpi.models.gpt_counts.gpt_activation_bytes.
 
     mpiexec -n 2 python tests/ranks/activation_memory_checks.py
 

@@ -6,6 +6,8 @@ and loaded at (world, 1, 1).
 
     mpiexec -n 4 python tests/ranks/llama_checks.py 4,1,1,2 2,1,2,1,sp  # dp,pp,tp,kv[,tied][,sp]
 
+(`sparse`: block-sparse attention over SPARSE's per-head layouts, the one process's too.)
+
 Reports per layout and strategy: the largest error of any parameter relative to the move
 training made (per tensor and model-wide), the loss difference, whether the replicated
 parameters stayed identical on the tensor ranks (engine.check_replicas), this rank's
@@ -25,6 +27,9 @@ from zmpi.models.llama import Llama, LlamaConfig
 from zmpi.parallel.mesh import Mesh
 
 BATCH, MICRO_BATCHES, STEPS = 8, 2, 3
+# per-head random layouts: tensor rank 1's query heads keep other blocks than rank 0's
+SPARSE = {"mode": "bigbird", "block": 2, "num_random_blocks": 1, "num_sliding_window_blocks": 1,
+          "num_global_blocks": 1, "different_layout_per_head": True}
 
 
 def llama_config(n_kv_head, tied=False):
@@ -46,18 +51,20 @@ STRATEGIES = {  # name: zero_optimization
 }
 
 
-def config(zero, dp, pp, tp, clip):
+def config(zero, dp, pp, tp, clip, sparse=None):
     return {"train_micro_batch_size_per_gpu": BATCH // (dp * MICRO_BATCHES),
+            **({"sparse_attention": sparse} if sparse else {}),
             "gradient_accumulation_steps": MICRO_BATCHES, "gradient_clipping": clip,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
             "tensor_parallel": {"autotp_size": tp}, "pipeline": {"stages": pp},
             "zero_optimization": {**zero, "reduce_bucket_size": 500}}
 
 
-def build(comm, cfg, dp, pp, tp, zero, clip, sp=False):
+def build(comm, cfg, dp, pp, tp, zero, clip, sp=False, sparse=None):
     mesh = Mesh(comm, tp=tp, pp=pp)
-    model = Llama(cfg, seed=0, dtype=np.float64, tp=mesh.tp_comm, sequence_parallel=sp)
-    settings = config(zero, dp, pp, tp, clip)
+    model = Llama(cfg, seed=0, dtype=np.float64, tp=mesh.tp_comm, sequence_parallel=sp,
+                  sparse_attention=sparse)
+    settings = config(zero, dp, pp, tp, clip, sparse)
     settings["tensor_parallel"]["sequence_parallel"] = sp
     return mesh, Engine(model, settings, comm, mesh=mesh)
 
@@ -74,22 +81,24 @@ def main():
         dp, pp, tp, kv, *flags = arg.split(",")
         dp, pp, tp, kv, tied, sp = int(dp), int(pp), int(tp), int(kv), "tied" in flags, \
             "sp" in flags
+        sparse = SPARSE if "sparse" in flags else None
         assert dp * pp * tp == comm.size
         cfg = llama_config(kv, tied)
         strategies = STRATEGIES if (pp, tp) == (1, 1) else \
             {k: STRATEGIES[k] for k in ("stage1", "stage3")}
         for k, (name, zero) in enumerate(strategies.items()):
             clip = 0.05 if k % 2 else 0.0  # the norm across split parameters
-            if (kv, tied, name, clip) not in refs:
+            key = (kv, tied, name, clip, sparse is not None)
+            if key not in refs:
                 data = SyntheticSource(cfg.vocab_size, cfg.seq_len, BATCH, 0, 1, seed=1)
-                serial = Engine(Llama(cfg, seed=0, dtype=np.float64),
-                                config(zero, 1, 1, 1, clip), alone)
+                serial = Engine(Llama(cfg, seed=0, dtype=np.float64, sparse_attention=sparse),
+                                config(zero, 1, 1, 1, clip, sparse), alone)
                 init = serial.gather_parameters()
                 losses = [serial.train_step(*data.global_sample(s)) for s in range(STEPS)]
-                refs[kv, tied, name, clip] = init, serial.gather_parameters(), losses
+                refs[key] = init, serial.gather_parameters(), losses
                 serial.close()
-            init, want, want_losses = refs[kv, tied, name, clip]
-            mesh, engine = build(comm, cfg, dp, pp, tp, zero, clip, sp)
+            init, want, want_losses = refs[key]
+            mesh, engine = build(comm, cfg, dp, pp, tp, zero, clip, sp, sparse)
             data = SyntheticSource(cfg.vocab_size, cfg.seq_len, BATCH, mesh.dp_rank, dp, seed=1)
             losses = [engine.train_step(*data.sample(s)) for s in range(STEPS)]
             if tp > 1:

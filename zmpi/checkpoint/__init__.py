@@ -11,8 +11,9 @@
 
 `store` is the on-disk format (files, shards, ranged reads), `manifest` the manifest and its
 checks, `ownership` which run may write a directory and what its retention may delete,
-`sharded` the collective save and load (`Checkpointer`, on an engine's `TrainState`), `tools`
-the offline inspection, verification and consolidation.
+`sharded` the collective save and load (`Checkpointer`, on an engine's `TrainState`),
+`agreement` the ranks agreeing on each step's outcome and the fallback to an older checkpoint,
+`tools` the offline inspection, verification and consolidation.
 """
 from zmpi.checkpoint.store import CheckpointError
 

@@ -183,7 +183,8 @@ def init_from(engine, directory) -> str:
     dtype. The optimizer state, steps and loss scaler stay as built: a fresh run from these
     weights. The same HFError on every rank if the directory is not the engine's model (its
     model section, one line naming each key that differs). Returns a line for the log."""
-    from zmpi.checkpoint.sharded import agree, read_owned
+    from zmpi.checkpoint.agreement import agree
+    from zmpi.checkpoint.sharded import read_owned
     from zmpi.engine.state import TrainState
 
     state = TrainState(engine)

@@ -207,8 +207,9 @@ def _check_files(files: list, key: str, want) -> None:
 
 def _check_experts(m: dict) -> set:
     """The expert section's parameter names (`experts`: {layout over the expert-data-parallel
-    shards, tensor: its split over the ep ranks}; `expert_files`, ep-rank-major), after
-    checking it; ValueError otherwise."""
+    shards, tensor: its split over the ep ranks, and under pipeline parallelism pipeline:
+    its units' split points between the stages}; `expert_files`, stage-major, then by ep
+    rank), after checking it; ValueError otherwise."""
     experts = m["experts"]
     layout, tensor = experts.get("layout"), experts.get("tensor")
     if type(layout) is not dict or type(tensor) is not dict:
@@ -217,14 +218,22 @@ def _check_experts(m: dict) -> set:
     if type(n) is not int or n < 1:
         raise ValueError(f"experts.layout has world_size {n!r}, not a size")
     names = _check_layout(layout, n)
-    ep = TensorSplits.from_dict(tensor).size
+    splits = TensorSplits.from_dict(tensor)  # an ExpertSplits when split over tp too
+    ep = getattr(splits, "ep", splits).size
     if m.get("mesh", {}).get("ep", 1) != ep:
         raise ValueError(f"mesh has ep {m.get('mesh', {}).get('ep', 1)}, the experts are split "
                          f"over {ep}")
-    if len(m["expert_files"]) != n * ep:
+    pp = _check_pipeline(experts.get("pipeline"), len(layout["units"]))
+    if pp != m.get("mesh", {}).get("pp", 1):
+        raise ValueError(f"experts.pipeline has {count(pp, 'stage')}, the mesh pp "
+                         f"{m.get('mesh', {}).get('pp', 1)}")
+    if len(m["expert_files"]) != n * splits.size * pp:
         raise ValueError(f"expert_files lists {count(len(m['expert_files']), 'shard')} for "
-                         f"{n} expert-data-parallel shards x ep {ep}")
-    _check_files(m["expert_files"], "expert_files", lambda i: expert_shard_name(i % n, n, i // n))
+                         f"{n} expert-data-parallel shards x ep {ep}"
+                         + (f" x tp {splits.tp.size}" if hasattr(splits, "tp") else "")
+                         + (f" x pp {pp}" if pp > 1 else ""))
+    _check_files(m["expert_files"], "expert_files", lambda i: expert_shard_name(
+        i % n, n, i // n % splits.size, i // (n * splits.size), pp))
     if names & _names(m["layout"]):
         raise ValueError("experts.layout names parameters of the layout")
     return names

@@ -38,10 +38,10 @@ from pathlib import Path
 import numpy as np
 
 from zmpi import backend
+from zmpi.checkpoint.agreement import RanksReadDifferently, agree, load_fallback, read_alike
 from zmpi.checkpoint.manifest import read_manifest, state_crc, write_manifest
 from zmpi.checkpoint.ownership import (
     Claim,
-    complete_checkpoints,
     other_runs,
     probe,
     prune,
@@ -67,24 +67,6 @@ from zmpi.checkpoint.store import (
 )
 from zmpi.checkpoint.tensor import read_resliced
 from zmpi.words import count
-
-
-def agree(comm, what: str, fn, *args):
-    """Run fn(*args) on every rank and return this rank's result; if it raised anywhere,
-    raise a CheckpointError on every rank naming the first rank that failed (nobody is left
-    waiting in a later collective). Only the error messages travel."""
-    from zmpi.comm.agree import agreed_call  # here: importing zmpi.comm starts MPI
-
-    def describe(e):
-        return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-
-    result, failed, error = agreed_call(comm, lambda: fn(*args), describe)
-    if failed:
-        rank, text = failed[0]
-        where = "" if comm.size == 1 else f" (rank {rank})"
-        raise CheckpointError(f"{what} failed{where}: {text}") from (
-            error if rank == comm.rank else None)
-    return result
 
 
 # ---- a save in flight, and what a load returns ------------------------------------------------
@@ -142,7 +124,8 @@ class Loaded:
 def check_same_model(manifest: dict, layout, splits, where, experts=None) -> None:
     """CheckpointError ("mismatch") unless the checkpoint has the same parameters and whole
     shapes (`layout` split over the tensor ranks as `splits` says: a TensorSplits; with the
-    expert section `experts`, an ExpertStates, at ep > 1), in whichever sections."""
+    expert section `experts` at ep > 1, its `layout` and `splits`: zmpi.engine.state's
+    SavedExperts), in whichever sections."""
     saved = {name: shape for section in sections(manifest)
              for name, shape in section["splits_obj"].whole_shapes(
                  section["layout_obj"]).items()}
@@ -290,11 +273,12 @@ class Checkpointer:
             strategy.rank, layout.world_size, state.tp_rank, state.splits.size, state.stage,
             state.stages), dict(attrs, tp_rank=state.tp_rank, pp_stage=state.stage),
             state.held)]
-        if state.experts is not None:  # the ep rank in the tensor rank's place
+        if state.experts is not None:  # the ep (x tp) slice in the tensor rank's place
             ex = state.experts
             parts.append(("expert_files", ex.strategy, ex.layout, staging / expert_shard_name(
-                ex.strategy.rank, ex.layout.world_size, ex.ep_rank),
-                dict(attrs, tp_rank=ex.ep_rank, pp_stage=0), frozenset()))
+                ex.strategy.rank, ex.layout.world_size, ex.slice_rank, state.stage,
+                state.stages), dict(attrs, tp_rank=ex.slice_rank, pp_stage=state.stage),
+                frozenset()))
         writes = [(key, path, section_layout, dict(attrs_, rank=owner.rank,
                                                    world_size=section_layout.world_size),
                    _snapshot(owner, state.memory, async_, buffers), skip)
@@ -376,12 +360,12 @@ class Checkpointer:
             ckpt = resolve_tag(directory, tag)
             manifest = read_manifest(ckpt)
             check_same_model(manifest, state.saved_layout, state.saved_splits,
-                             ckpt / MANIFEST, state.experts)
+                             ckpt / MANIFEST, state.saved_experts)
             state.check_model(manifest, ckpt / MANIFEST)
             same_dtype = manifest["dtype"] == state.dtype.name
             ex = state.experts
             ours = [(layout, strategy.rank, state.splits, state.tp_rank)] + (
-                [] if ex is None else [(ex.layout, ex.strategy.rank, ex.splits, ex.ep_rank)])
+                [] if ex is None else [(ex.layout, ex.strategy.rank, ex.splits, ex.slice_rank)])
             readers = [ShardReader(ckpt, section, verify) for section in sections(manifest)]
             try:
                 states = [{s: read_owned(readers, s, section_layout, rank,
@@ -401,7 +385,7 @@ class Checkpointer:
         except CheckpointError as error:
             if not fallback or tag is not None or isinstance(error, RanksReadDifferently):
                 raise  # disagreeing file systems are not a damaged checkpoint: no fallback
-            ckpt, manifest, states, skipped = _load_fallback(comm, directory, read, error)
+            ckpt, manifest, states, skipped = load_fallback(comm, directory, read, error)
         dense, experts = states[0], (states[1] if len(states) > 1 else {})
         notes = skipped + state.restore(manifest, dense, experts) + \
             comm.bcast_object(other_runs(ckpt.parent, manifest) if comm.rank == 0 else None)
@@ -412,54 +396,3 @@ class Checkpointer:
                       manifest["global_steps"], manifest["client_state"], notes,
                       manifest["run_id"], manifest.get("mesh") or
                       {"dp": manifest["world_size"], "pp": 1, "tp": 1})
-
-
-class RanksReadDifferently(CheckpointError):
-    """The ranks read different checkpoints (`read_alike`): their file systems disagree, so a
-    load raises it on every rank and never falls back to an older checkpoint over it."""
-
-
-def read_alike(comm, where: str, read, tag):
-    """`agree` on read(tag) -> (path, manifest, states), and on every rank having read the
-    same checkpoint (its manifest's checkpoint_id): each rank finds the directory itself
-    (`latest`, or where an interrupted re-save left it), and a file system that shows the
-    ranks different files (a stale cache, node-local copies) would otherwise have them
-    train on from different states, or make different collectives as they restore."""
-    result = agree(comm, where, read, tag)
-    found = comm.allgather_object((str(result[0]), result[1]["checkpoint_id"]))
-    if len({checkpoint_id for _, checkpoint_id in found}) > 1:
-        said = "; ".join(f"rank {r}: {path} ({checkpoint_id[:8]})"
-                         for r, (path, checkpoint_id) in enumerate(found))
-        raise RanksReadDifferently(f"{where} failed: the ranks read different checkpoints "
-                                   f"({said}): their file systems disagree on what this "
-                                   "directory holds")
-    return result
-
-
-def fallback_tags(directory, exclude) -> list[str]:
-    """The tags of the other complete checkpoints in `directory`, newest (global step, then
-    time) first: what a load falls back to when the newest one is damaged."""
-    found = [(m["global_steps"], path.stat().st_mtime, path.name)
-             for path, m in complete_checkpoints(Path(directory)) if path != exclude]
-    return [name for *_, name in sorted(found, reverse=True)]
-
-
-def _load_fallback(comm, directory, read, error):
-    """load(fallback=True): the newest complete checkpoint that loads, after `error` on the
-    one `latest` names; every rank tries the same tags in the same order."""
-    try:
-        newest = resolve_tag(directory, None)
-    except CheckpointError:
-        newest = None
-    tags = comm.bcast_object(fallback_tags(directory, newest) if comm.rank == 0 else None)
-    notes = [f"the newest checkpoint could not be loaded ({error})"]
-    for candidate in tags:
-        try:
-            return (*read_alike(comm, f"load_checkpoint {directory} tag {candidate}", read,
-                                candidate), notes + [f"fell back to {candidate}"])
-        except RanksReadDifferently:
-            raise
-        except CheckpointError as e:
-            notes.append(f"{candidate} could not be loaded either ({e})")
-    raise CheckpointError(f"{error}; no other checkpoint in {directory} loads "
-                          f"({len(tags)} tried)") from None

@@ -73,20 +73,26 @@ def shard_name(rank: int, world_size: int, tp_rank: int = 0, tp: int = 1, stage:
     return name if stages == 1 else f"pp{stage:03d}-{name}"
 
 
-def expert_shard_name(rank: int, world_size: int, ep_rank: int) -> str:
+def expert_shard_name(rank: int, world_size: int, ep_rank: int, stage: int = 0,
+                      stages: int = 1) -> str:
     """The shard file of the expert section (zmpi.engine.moe.ExpertStates, at ep > 1) of
-    expert-data-parallel shard `rank` of `world_size`, on expert-parallel rank `ep_rank`."""
-    return f"ep{ep_rank:03d}-{shard_name(rank, world_size)}"
+    expert-data-parallel shard `rank` of `world_size`, on expert-parallel rank `ep_rank`
+    (and, under pipeline parallelism, of pipeline stage `stage` of `stages`)."""
+    name = f"ep{ep_rank:03d}-{shard_name(rank, world_size)}"
+    return name if stages == 1 else f"pp{stage:03d}-{name}"
 
 
 def expert_section(manifest: dict) -> dict | None:
     """The expert section of a checkpoint saved at ep > 1 (None otherwise) as a manifest of
     its own, for ShardReader, open_shard and file_pieces: its layout (over the
     expert-data-parallel shards), its split over the ep ranks in the place of tensor
-    ranks, its files (`expert_files`), no pipeline."""
+    ranks, its files (`expert_files`), and saved under pipeline parallelism its own
+    `pipeline` entry (the split points of its units between the stages)."""
     if "experts" not in manifest:
         return None
     section = {k: v for k, v in manifest.items() if k not in ("pipeline", "tensor")}
+    if "pipeline" in manifest["experts"]:
+        section["pipeline"] = manifest["experts"]["pipeline"]
     section.update(files=manifest["expert_files"], layout_obj=manifest["expert_layout_obj"],
                    splits_obj=manifest["expert_splits_obj"])
     return section

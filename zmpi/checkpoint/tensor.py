@@ -102,9 +102,12 @@ class TensorSplits:
     @classmethod
     def from_dict(cls, d: dict | None) -> TensorSplits:
         """From a manifest's "tensor" entry (None: a checkpoint saved without tensor
-        parallelism). ValueError if it is not a sound description."""
+        parallelism). ValueError if it is not a sound description. An expert section split
+        over both the ep and the tensor ranks ({size, ep, tp}) gives an ExpertSplits."""
         if d is None:
             return cls()
+        if "ep" in d:
+            return ExpertSplits.from_dict(d)
         size, splits = d.get("size"), d.get("splits")
         if type(size) is not int or size < 1 or type(splits) is not dict:
             raise ValueError("tensor is not {size >= 1, splits}")
@@ -158,6 +161,8 @@ class TensorSplits:
     def same_slice(self, name: str, other: TensorSplits, tp_rank: int) -> bool:
         """Whether tensor rank `tp_rank` holds the same elements of `name` here and in
         `other` (both whole, or the same runs of the same split)."""
+        if not isinstance(other, TensorSplits):
+            return False  # an ExpertSplits: read through the whole indices
         mine, theirs = self.splits.get(name), other.splits.get(name)
         if mine is None or theirs is None:
             return mine is theirs
@@ -168,7 +173,11 @@ class TensorSplits:
                       n: int) -> np.ndarray:
         """Whole flat indices of the local slice's flat elements [start, start + n) on tensor
         rank `tp_rank` (int64; -1 for padding)."""
-        local = np.arange(start, start + n, dtype=np.int64)
+        return self.whole_of(name, local_shape, tp_rank, np.arange(start, start + n,
+                                                                   dtype=np.int64))
+
+    def whole_of(self, name: str, local_shape, tp_rank: int, local: np.ndarray) -> np.ndarray:
+        """`whole_indices` of the local slice's flat elements `local` (int64, none padding)."""
         split = self.splits.get(name)
         if split is None:
             return local
@@ -200,6 +209,73 @@ class TensorSplits:
         tensor_rank = owner[coords[split.axis]]
         coords[split.axis] = position[coords[split.axis]]
         return tensor_rank, np.ravel_multi_index(coords, tuple(local_shape))
+
+
+class ExpertSplits:
+    """The expert section of a checkpoint saved at ep > 1 under tensor parallelism
+    (zmpi.parallel.expert.tensor): each expert parameter split over the ep ranks on its expert
+    axis (`ep`, a TensorSplits over the ep ranks, from the `ep_*` marks) and over the tensor
+    ranks on its hidden axis (`tp`, a TensorSplits over the tensor ranks; proj_bias whole).
+    Slice rank q = ep rank x tp + tensor rank, its files' place in the section, holds ep slice
+    q // tp of tensor slice q % tp: a local slice sits in a "middle" shape (the expert axis
+    whole, the hidden one this tensor rank's), which sits in the whole. The interface is
+    TensorSplits' as read_resliced, read_owned and the manifest use it, so a section split both
+    ways reads into any other split, and the other way round.
+
+        manifest: {"size": ep x tp, "ep": {TensorSplits over ep}, "tp": {over tp}}
+    """
+
+    def __init__(self, ep: TensorSplits, tp: TensorSplits):
+        self.ep, self.tp = ep, tp
+        self.size = ep.size * tp.size
+        self.splits = {**tp.splits, **ep.splits}  # every name split either way
+
+    def to_dict(self) -> dict:
+        return {"size": self.size, "ep": self.ep.to_dict(), "tp": self.tp.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ExpertSplits:
+        """ValueError unless d is {size, ep, tp} with size = ep's x tp's."""
+        try:
+            out = cls(TensorSplits.from_dict(d["ep"]), TensorSplits.from_dict(d["tp"]))
+        except (KeyError, TypeError, AttributeError):
+            raise ValueError("tensor is not {size, ep, tp}") from None
+        if d.get("size") != out.size:
+            raise ValueError(f"tensor.size {d.get('size')!r} is not ep x tp = {out.size}")
+        return out
+
+    def _middle(self, name: str, local_shape) -> tuple:
+        return self.ep.whole_shape(name, local_shape)
+
+    def whole_shape(self, name: str, local_shape) -> tuple:
+        return self.tp.whole_shape(name, self._middle(name, local_shape))
+
+    def whole_shapes(self, layout) -> dict:
+        return {name: self.whole_shape(name, shape) for name, shape in layout.shapes().items()}
+
+    def check_slices(self, layout) -> None:
+        """TensorSplits.check_slices of each split: ep's on the local shapes, tp's on the
+        middle ones."""
+        self.ep.check_slices(layout)
+        middle = {name: self._middle(name, shape) for name, shape in layout.shapes().items()}
+        self.tp.check_slices(type("Shapes", (), {"shapes": lambda _: middle})())
+
+    def same_slice(self, name: str, other, rank: int) -> bool:
+        j, t = divmod(rank, self.tp.size)
+        return (isinstance(other, ExpertSplits) and other.tp.size == self.tp.size
+                and self.ep.same_slice(name, other.ep, j)
+                and self.tp.same_slice(name, other.tp, t))
+
+    def whole_indices(self, name: str, local_shape, rank: int, start: int,
+                      n: int) -> np.ndarray:
+        j, t = divmod(rank, self.tp.size)
+        middle = self.ep.whole_indices(name, local_shape, j, start, n)  # no padding there
+        return self.tp.whole_of(name, self._middle(name, local_shape), t, middle)
+
+    def locate(self, name: str, local_shape, whole: np.ndarray):
+        t, middle = self.tp.locate(name, self._middle(name, local_shape), whole)
+        j, local = self.ep.locate(name, local_shape, middle)
+        return j * self.tp.size + t, local
 
 
 def read_resliced(reader, state: str, name: str, start: int, out: np.ndarray,

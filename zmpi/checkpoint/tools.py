@@ -63,7 +63,7 @@ def inspect(directory, tag=None) -> str:
            if splits.size > 1 else "")
         + (f" x pipeline {m['pipeline']['stages']} (stages split the units at "
            f"{m['pipeline']['bounds']})" if "pipeline" in m else "")
-        + (f"; experts over expert-parallel {m['expert_splits_obj'].size} x "
+        + (f"; experts over expert-parallel {_expert_split(m['expert_splits_obj'])} x "
            f"expert-data-parallel {m['expert_layout_obj'].world_size} "
            f"({count(len(m['expert_splits_obj'].splits), 'expert tensor')})"
            if "experts" in m else "")
@@ -77,6 +77,12 @@ def inspect(directory, tag=None) -> str:
     lines += [f"    {f['file']}  {f['bytes']:>12,} bytes  crc32 {f['crc32']:08x}"
               for f in files]
     return "\n".join(lines)
+
+
+def _expert_split(splits) -> str:
+    """The expert section's split: "ep", or "ep x tensor-parallel tp" (an ExpertSplits)."""
+    return str(splits.size) if not hasattr(splits, "ep") else \
+        f"{splits.ep.size} x tensor-parallel {splits.tp.size}"
 
 
 def runs_note(directory, tag=None) -> list[str]:

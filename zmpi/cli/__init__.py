@@ -234,8 +234,11 @@ def main(argv=None) -> None:
     e.add_argument("--moe", metavar="E|JSON", default=None,
                    help="with a GPT shape: mixture-of-experts blocks of E experts each in every "
                    "block, or a moe config section as JSON (docs/moe.md); their experts count "
-                   "in Psi, and at its ep_size above 1 their states per rank over the "
-                   "world size / ep ranks holding the same experts")
+                   "in Psi (each tensor rank's share with --tp), and at its ep_size above 1 "
+                   "their states per rank over the data-parallel size / ep ranks holding the "
+                   "same experts (offloaded as the dense ones with the offload flags); with "
+                   "--micro-batch (--tp 1) their activations and, at ep_size above 1, the "
+                   "all-to-all per micro-batch")
     e.add_argument("--stage", type=int, choices=range(4), default=None,
                    help="one ZeRO stage (default: all four)")
     e.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16",

@@ -2,23 +2,31 @@
 (zmpi.memory.estimate_rows), for a parameter count or a GPT shape; with --tp, over the
 data-parallel ranks of each tensor rank's share, plus Megatron's tensor-parallel traffic (with
 --sequence-parallel, Korthikanti et al.'s reduce-scatters and allgathers); with --micro-batch,
-the activation memory per rank (zmpi.models.gpt.gpt_activation_bytes) beside Korthikanti et
-al.'s count (docs/activation-memory.md); with --moe, a GPT shape's MoE blocks' experts counted in
-Psi, and at the section's ep_size above 1 their states per rank over the ranks holding the same
-experts (zmpi.memory.expert_groups; docs/moe.md)."""
+the activation memory per rank (zmpi.models.gpt_counts.gpt_activation_bytes) beside Korthikanti et
+al.'s count (docs/activation-memory.md); with --moe, a GPT shape's MoE blocks counted in Psi
+(each tensor rank's share under --tp), and at the section's ep_size above 1 their experts'
+states per rank over the ranks holding the same experts (zmpi.memory.expert_groups; placed on
+the device or the host as the dense states with the offload flags; docs/moe.md), with
+--micro-batch (tp 1) their activations and the all-to-all (models/moe_counts.py); with
+--model llama, a Llama's (models/llama.py)."""
 from __future__ import annotations
 
 import json
 import math
 
 from zmpi.memory import estimate_rows
-from zmpi.models.gpt import (
+from zmpi.models.gpt_counts import (
     gpt_activation_bytes,
     gpt_expert_numel,
     gpt_num_params,
     korthikanti_activation_bytes,
 )
-from zmpi.models.llama import llama_num_params
+from zmpi.models.llama import (
+    TENSOR_REDUCTIONS_PER_BLOCK,
+    llama_activation_bytes,
+    llama_num_params,
+)
+from zmpi.models.moe_counts import moe_alltoall
 from zmpi.nn.attention import attention_block
 
 # The activations' itemsize by --precision on a GPU: fp16 and bf16 compute in their 16-bit
@@ -78,47 +86,53 @@ def check_inputs(args) -> None:
 
 def moe_section(args):
     """--moe as a MoEConfig for the GPT shape (None without it): an expert count E, or a `moe`
-    config section as JSON (docs/moe.md). Refused with --params, --tp above 1 (MoE blocks are
-    not split by tensor parallelism yet) and --micro-batch (the MoE layers' activations are
-    not counted yet), at ep_size above 1 where it does not divide --world-size or with an
-    offload flag (the engine builds neither), or where the section does not fit the shape."""
-    from zmpi.config import ConfigError, MoEConfig, parse_json
+    config section as JSON (docs/moe.md). Under --tp each tensor rank's share of the MoE
+    blocks is counted (`moe_block_numel`: every expert split as the dense MLP, the router
+    whole); with offload flags the expert states are placed as the dense ones (the engine
+    offloads both strategies). Refused with --params, at ep_size above 1 where it does not
+    divide the data-parallel size (--world-size / --tp), with --micro-batch at --tp above 1
+    (the MoE blocks' activations and all-to-all are counted at tp 1 only), or where the
+    section does not fit the shape."""
+    from zmpi.config import ConfigError, MoEConfig
 
     flag = getattr(args, "moe", None)
     if flag is None:
         return None
     for given, why in ((args.params is not None, "needs a GPT shape (--n-layer), not --params"),
-                       (args.tp > 1, "MoE blocks are not split by tensor parallelism yet: "
-                                     "--tp 1"),
-                       (args.micro_batch is not None, "the MoE layers' activations are not "
-                                                      "counted yet: leave out --micro-batch")):
+                       (args.tp > 1 and args.micro_batch is not None,
+                        "--micro-batch counts the MoE blocks' activations and all-to-all at "
+                        "--tp 1 only: leave out --micro-batch, or give --tp 1")):
         if given:
             raise Refused(f"--moe {flag}: {why}")
     try:
-        text = flag.strip()
-        section = parse_json(text, "--moe") if text.startswith("{") else \
-            {"num_experts": int(text) if text.isdigit() else text}
-        moe = MoEConfig.from_dict(section)
+        moe = MoEConfig.from_dict(moe_flag(flag))
         moe.layer_experts(args.n_layer)
     except ConfigError as e:
         raise Refused(f"--moe {flag}: {e}") from None
     if not moe.enabled:
         raise Refused(f"--moe {flag}: give num_experts")
-    if moe.ep_size > 1 and args.world_size % moe.ep_size:
+    dp = args.world_size // args.tp  # (--tp divides --world-size: estimate checks first)
+    if moe.ep_size > 1 and dp % moe.ep_size:
         raise Refused(f"--moe {flag}: ep_size {moe.ep_size} does not divide the data-parallel "
-                      f"size {args.world_size} (--world-size)")
-    if moe.ep_size > 1 and (args.offload_optimizer or args.offload_param):
-        raise Refused(f"--moe {flag}: offload is not built with ep_size {moe.ep_size} "
-                      "(docs/moe.md): leave out the offload flags, or give ep_size 1")
+                      f"size {dp} (--world-size" + (" / --tp)" if args.tp > 1 else ")"))
     return moe
+
+
+def moe_flag(flag: str) -> dict:
+    """--moe E|JSON (zmpi estimate's and zmpi plan's) as a `moe` section: {"num_experts": E},
+    or the JSON object; a ConfigError where the JSON is not one."""
+    from zmpi.config import parse_json
+
+    text = flag.strip()
+    return parse_json(text, "--moe") if text.startswith("{") else \
+        {"num_experts": int(text) if text.isdigit() else text}
 
 
 def llama_shape(args):
     """The LlamaConfig of --model llama's shape (None for a GPT's): --n-layer, --d-model,
     --n-head (required), --n-kv-head, --intermediate-size, --tie-word-embeddings,
-    --vocab-size. Refused with --params, --micro-batch and --moe (a Llama's activations and
-    tensor traffic are not counted yet; it has no MoE blocks), or a shape the model refuses;
-    the Llama-only flags are refused for a GPT."""
+    --vocab-size. Refused with --params and --moe (a Llama has no MoE blocks), or a shape the
+    model refuses; the Llama-only flags are refused for a GPT."""
     from zmpi.models.llama import LlamaConfig
 
     llama_only = [flag for flag, given in (
@@ -131,8 +145,6 @@ def llama_shape(args):
         return None
     for given, why in ((args.params is not None, "needs a shape (--n-layer), not --params"),
                        (args.n_head is None, "needs --n-head (its key/value width)"),
-                       (args.micro_batch is not None, "a Llama's activations and tensor "
-                        "traffic are not counted yet: leave out --micro-batch"),
                        (getattr(args, "moe", None) is not None, "a Llama has no MoE blocks")):
         if given:
             raise Refused(f"--model llama: {why}")
@@ -172,7 +184,7 @@ def estimate(args) -> None:
             args.n_layer, args.d_model, args.vocab_size, args.seq_len, tp, args.vocab_multiple,
             moe)
     ep = moe.ep_size if moe is not None else 1
-    experts = gpt_expert_numel(args.n_layer, args.d_model, moe) if ep > 1 else 0
+    experts = gpt_expert_numel(args.n_layer, args.d_model, moe, tp) if ep > 1 else 0
     dp = args.world_size // tp
     pb = args.param_bytes if args.param_bytes is not None else \
         (4 if args.precision == "fp32" else 2)
@@ -183,9 +195,13 @@ def estimate(args) -> None:
     if args.sequence_parallel and (tp == 1 or args.micro_batch is None):
         raise Refused("--sequence-parallel needs --tp above 1 and "
                       "--micro-batch")
-    tensor = tensor_traffic(args) if tp > 1 and args.micro_batch else None
-    ops = tensor_ops(args) if tensor is not None else None
-    activation = activation_memory(args)
+    per_block = 4 if llama is None else TENSOR_REDUCTIONS_PER_BLOCK
+    tensor = tensor_traffic(args, per_block) if tp > 1 and args.micro_batch else None
+    ops = tensor_ops(args, per_block) if tensor is not None else None
+    activation = activation_memory(args, moe, llama)
+    alltoall = None if moe is None or ep == 1 or args.micro_batch is None else moe_alltoall(
+        args.n_layer, args.d_model, args.seq_len, args.micro_batch, moe,
+        args.recompute or "none")
     if args.json:
         print(json.dumps({"params": psi, "expert_params": experts, "ep": ep,
                           "world_size": args.world_size, "tp": tp, "dp": dp,
@@ -193,7 +209,7 @@ def estimate(args) -> None:
                           "offload_optimizer": args.offload_optimizer,
                           "offload_param": args.offload_param, "stages": rows,
                           "tensor_traffic_elements": tensor, "tensor_traffic_ops": ops,
-                          "activation": activation}, indent=2))
+                          "activation": activation, "alltoall": alltoall}, indent=2))
         return
     offload = args.offload_optimizer or args.offload_param
     print(f"Psi = {psi:.4g} parameters" + (f" per tensor rank (tp = {tp})" if tp > 1 else "")
@@ -205,12 +221,15 @@ def estimate(args) -> None:
              f"{dp // ep} holding the same" if ep > 1 else ""))
     if tensor is not None and not args.sequence_parallel:
         print(f"tensor-parallel traffic per step and micro-batch: {tensor:.4g} elements "
-              f"allreduced ((4 L + 2) B T C + 3 B T), each rank sending 2 (T-1)/T of them")
+              f"allreduced (({per_block} L + 2) B T C + 3 B T), each rank sending 2 (T-1)/T of "
+              "them")
     elif tensor is not None:
         print(f"tensor-parallel traffic per step and micro-batch, sequence parallel: "
               f"{ops['reduce_scatter']:.4g} elements reduce-scattered and as many allgathered "
-              f"((4 L + 2) B T C each, every rank sending (T-1)/T of them), "
+              f"(({per_block} L + 2) B T C each, every rank sending (T-1)/T of them), "
               f"{ops['allreduce']:.4g} allreduced (3 B T, the cross-entropy)")
+    if alltoall is not None:
+        print_alltoall(alltoall, ep, ACTIVATION_BYTES[args.precision])
     if activation is not None:
         print_activations(activation, args)
     if not offload:
@@ -227,33 +246,40 @@ def estimate(args) -> None:
                   f"{r['traffic_elements']:>28.3g}")
 
 
-def tensor_traffic(args) -> int:
+def tensor_traffic(args, per_block: int = 4) -> int:
     """Elements allreduced over the tensor-parallel group per micro-step (forward and backward)
-    by zmpi's GPT: 4 of B T C per block (f and g of attention and MLP), 1 each for the
+    by zmpi's GPT: 4 of B T C per block (f and g of attention and MLP; a Llama's
+    `TENSOR_REDUCTIONS_PER_BLOCK`, 7, given as per_block), 1 each for the
     vocabulary-parallel embedding and the LM head's input gradient, and 3 of B T for the
-    cross-entropy (max, sum of exponentials, target logit)."""
-    positions = args.micro_batch * args.seq_len
-    return (4 * args.n_layer + 2) * positions * args.d_model + 3 * positions
+    cross-entropy (max, sum of exponentials, target logit). Full recompute's second forward
+    is not counted."""
+    return sum(tensor_ops(args, per_block, sequence_parallel=False).values())
 
 
-def tensor_ops(args) -> dict[str, int]:
+def tensor_ops(args, per_block: int = 4, sequence_parallel=None) -> dict[str, int]:
     """`tensor_traffic` by collective, {op: elements of the calls' buffers} as the counters
-    count them: without sequence parallelism all of it allreduced; with it the blocks',
-    embedding's and LM head's (4 L + 2) B T C reduce-scattered and as many allgathered (the
-    same bytes sent per rank), the cross-entropy's 3 B T allreduced. (The sequence-parallel
-    parameters' gradient sum, once a step, is not activations and not counted here.)"""
+    count them: without sequence parallelism (None: --sequence-parallel's) all of it
+    allreduced; with it the blocks', embedding's and LM head's (per_block L + 2) B T C
+    reduce-scattered and as many allgathered (the same bytes sent per rank), the
+    cross-entropy's 3 B T allreduced. (The sequence-parallel parameters' gradient sum, once a
+    step, is not activations and not counted here.)"""
     positions = args.micro_batch * args.seq_len
-    blocks = (4 * args.n_layer + 2) * positions * args.d_model
-    if not args.sequence_parallel:
+    blocks = (per_block * args.n_layer + 2) * positions * args.d_model
+    if sequence_parallel is None:
+        sequence_parallel = args.sequence_parallel
+    if not sequence_parallel:
         return {"allreduce": blocks + 3 * positions}
     return {"allreduce": 3 * positions, "reduce_scatter": blocks, "allgather": blocks}
 
 
-def activation_memory(args) -> dict | None:
+def activation_memory(args, moe=None, llama=None) -> dict | None:
     """With --micro-batch: the activations one rank keeps for backward (bytes), by
-    zmpi.models.gpt.gpt_activation_bytes ("zmpi") and Korthikanti et al.'s Table 2
-    ("korthikanti"), with the heads, recompute policy and activation itemsize they are for;
-    None without --micro-batch. A flag that cannot act is a SystemExit naming it."""
+    zmpi.models.gpt_counts.gpt_activation_bytes ("zmpi"; the MoE blocks of `moe`, the --moe section,
+    at their bound: every capacity slot filled) and Korthikanti et al.'s Table 2
+    ("korthikanti", a dense GPT's), with the heads, recompute policy and activation itemsize
+    they are for; None without --micro-batch. llama: the LlamaConfig of --model llama, counted
+    by zmpi.models.llama.llama_activation_bytes. A flag that cannot act is a SystemExit naming
+    it."""
     given = [flag for flag, value in (
         ("--n-head", args.n_head is not None and getattr(args, "model", "gpt") != "llama"),
         ("--recompute", args.recompute is not None),
@@ -288,15 +314,18 @@ def activation_memory(args) -> dict | None:
     shape = {"n_layer": args.n_layer, "d_model": args.d_model, "n_head": n_head,
              "seq_len": args.seq_len, "micro_batch": args.micro_batch, "tp": tp,
              "sequence_parallel": args.sequence_parallel, "recompute": recompute}
+    options = {"act_bytes": act_bytes, "vocab_multiple": args.vocab_multiple,
+               "partition": args.partition_activations, "cpu": args.cpu_checkpointing,
+               "block": block, "sparsity": sparsity}
+    if llama is None:
+        zmpi = gpt_activation_bytes(vocab_size=args.vocab_size, moe=moe, **options, **shape)
+    else:
+        zmpi = llama_activation_bytes(llama, args.micro_batch, tp=tp, recompute=recompute,
+                                      sequence_parallel=args.sequence_parallel, **options)
     return {"n_head": n_head, "recompute": recompute, "act_bytes": act_bytes,
             "sparse_attention": None if sparsity is None else args.sparse_attention,
             "partition": args.partition_activations, "cpu": args.cpu_checkpointing,
-            "zmpi": gpt_activation_bytes(vocab_size=args.vocab_size, act_bytes=act_bytes,
-                                         vocab_multiple=args.vocab_multiple,
-                                         partition=args.partition_activations,
-                                         cpu=args.cpu_checkpointing, block=block,
-                                         sparsity=sparsity, **shape),
-            "korthikanti": korthikanti_activation_bytes(**shape)}
+            "zmpi": zmpi, "korthikanti": korthikanti_activation_bytes(**shape)}
 
 
 def _sparsity(flag, n_head: int, seq_len: int):
@@ -314,6 +343,17 @@ def _sparsity(flag, n_head: int, seq_len: int):
     except (ConfigError, ValueError) as e:
         raise Refused(f"--sparse-attention {flag}: {e}") from None
     return sparsity
+
+
+def print_alltoall(a2a: dict, ep: int, act_bytes: int) -> None:
+    """The line of `moe_alltoall` in the text output."""
+    bound = " at most (dropless: capacity counted as its bound, a sequence)" \
+        if a2a["upper_bound"] else ""
+    print(f"expert-parallel all-to-all per step and micro-batch, over ep = {ep} ranks: "
+          f"{a2a['calls']} calls of capacity buffers, {a2a['elements']:.4g} elements "
+          f"({_size(a2a['elements'] * act_bytes)}){bound}, each rank sending {ep - 1}/{ep} "
+          f"of them" + (f"; {a2a['scalar_calls']} allreduce_scalar of the capacity"
+                        if a2a["scalar_calls"] else ""))
 
 
 def print_activations(act: dict, args) -> None:
@@ -337,6 +377,11 @@ def print_activations(act: dict, args) -> None:
               f"{_size(k['layer'])}; kept in all (token ids too) {_size(z['kept'])}")
         print(f"  working set: one block {layer}, or the LM head and loss "
               f"{_size(z['head'] + z['loss'])}")
+    moe = [size for size in z["blocks"] if size != z["layer"]]
+    if moe:
+        print(f"  MoE blocks: {len(moe)} of {args.n_layer}, "
+              f"{' or '.join(_size(size) for size in sorted(set(moe)))} each in place of a "
+              "layer (every capacity slot filled: a bound; models/moe_counts.py)")
     print(f"  embedding {_size(z['embedding'])}, LM head {_size(z['head'])}, loss "
           f"{_size(z['loss'])}")
     host = f" and {_size(z['host'])} on the host" if z["host"] else ""

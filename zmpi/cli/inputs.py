@@ -185,6 +185,22 @@ def _checked_inputs(args, world_size: int):
     return tokenizer, train_tokens, val_tokens, vocab_size, config, notes
 
 
+def llama_config(args, section: dict, vocab_size: int):
+    """The LlamaConfig of --model llama: the shape flags (resolved from the model section's
+    num_hidden_layers, hidden_size and num_attention_heads where not given), the vocabulary,
+    and the section's Llama keys (max_position_embeddings: seq_len where not given); the
+    model's ValueError where it refuses the shape."""
+    from zmpi.config.sections import ModelConfig
+    from zmpi.models.llama import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=args.d_model, num_hidden_layers=args.n_layer,
+        num_attention_heads=args.n_head, seq_len=args.seq_len,
+        vocab_multiple=section.get("vocab_multiple"),
+        **{"max_position_embeddings": args.seq_len,
+           **{k: section[k] for k in ModelConfig.LLAMA_ONLY if k in section}})
+
+
 def _host_memory() -> int:
     """Bytes of physical memory of this machine."""
     import os
@@ -195,20 +211,31 @@ def _host_memory() -> int:
 def _check_plausible_sizes(args, resolved, vocab: int, world_size: int) -> None:
     """Sizes no machine of this kind can hold, refused before anything is allocated (an
     InputError naming the flags and keys): the model's states, at 16 bytes a parameter (fp32
-    master, Adam's m and v, a parameter and a gradient; V d + T d + L (12 d^2 + 13 d) + 2 d
-    parameters) beyond the memory of `world_size` such machines and, with NVMe offload, the
-    drive's free space; or one micro-batch's logits, (micro-batch, seq_len, vocab / tp) in
-    fp32, beyond one machine's memory. `--n-layer 1000000000` grew memory with no first line,
-    `--batch 1000000000` was an ArrayMemoryError per rank, `vocab_size: 1e12` NumPy's message
-    naming no key."""
+    master, Adam's m and v, a parameter and a gradient; a GPT's parameters by
+    zmpi.models.gpt_counts.gpt_num_params, the `moe` section's MoE blocks included, a Llama's
+    by zmpi.models.llama.llama_num_params) beyond the memory of `world_size` such machines
+    and, with NVMe offload, the drive's free space; or one micro-batch's logits,
+    (micro-batch, seq_len, vocab / tp) in fp32, beyond one machine's memory.
+    `--n-layer 1000000000` grew memory with no first line, `--batch 1000000000` was an
+    ArrayMemoryError per rank, `vocab_size: 1e12` NumPy's message naming no key."""
     import os
     import shutil
 
+    from zmpi.config import ConfigError
+    from zmpi.models.gpt_counts import gpt_num_params
+    from zmpi.models.llama import llama_num_params
     from zmpi.words import count
 
     memory = _host_memory()
-    d, tp = args.d_model, resolved.tensor_parallel.autotp_size
-    params = vocab * d + args.seq_len * d + args.n_layer * (12 * d * d + 13 * d) + 2 * d
+    d, tp, moe = args.d_model, resolved.tensor_parallel.autotp_size, resolved.moe
+    llama = resolved.model.model_type == "llama"
+    if llama:
+        try:  # the shapes ModelConfig leaves to the model (a head size RoPE cannot rotate)
+            params = llama_num_params(llama_config(args, resolved.model.to_dict(), vocab))
+        except ValueError as e:
+            raise ConfigError("model", str(e)) from None
+    else:
+        params = gpt_num_params(args.n_layer, d, vocab, args.seq_len, moe=moe)
     room, where = world_size * memory, f"the memory of {count(world_size, 'rank')} of this " \
         f"machine ({_gib(memory)} each)"
     zero = resolved.zero_optimization
@@ -220,10 +247,13 @@ def _check_plausible_sizes(args, resolved, vocab: int, world_size: int) -> None:
             room += shutil.disk_usage(drive).free
             where += f" and the free space of {section.nvme_path}"
     if 16 * params > room:
-        raise InputError(f"the model (n_layer {args.n_layer:,}, d_model {d:,}, vocab_size "
-                         f"{vocab:,}: {params:,} parameters) needs at least "
-                         f"{_gib(16 * params)} for its states (16 bytes a parameter), more "
-                         f"than {where}: check --n-layer, --d-model and model.vocab_size")
+        experts = f", moe.num_experts {_show_experts(moe)}" if moe.enabled else ""
+        raise InputError(f"the {'Llama' if llama else 'model'} (n_layer {args.n_layer:,}, "
+                         f"d_model {d:,}, vocab_size {vocab:,}{experts}: {params:,} "
+                         f"parameters) needs at least {_gib(16 * params)} for its states (16 "
+                         f"bytes a parameter), more than {where}: check --n-layer, --d-model"
+                         + (", model.vocab_size and moe.num_experts" if experts
+                            else " and model.vocab_size"))
     micro = resolved.train_micro_batch_size_per_gpu
     logits = 4 * micro * args.seq_len * -(-vocab // tp)
     if logits > memory:
@@ -233,6 +263,11 @@ def _check_plausible_sizes(args, resolved, vocab: int, world_size: int) -> None:
                          f"{args.seq_len:,} x vocab_size {vocab:,} x 4 bytes), more than this "
                          f"machine's memory ({_gib(memory)}): check --batch, "
                          "train_micro_batch_size_per_gpu and model.vocab_size")
+
+
+def _show_experts(moe) -> str:
+    experts = moe.num_experts
+    return str(list(experts)) if isinstance(experts, tuple) else f"{experts:,}"
 
 
 def _gib(n: int) -> str:

@@ -9,13 +9,16 @@ import sys
 import time
 from pathlib import Path
 
+from zmpi.cli.estimate import moe_flag
 from zmpi.cli.inputs import _rank
 from zmpi.config import ConfigError
 from zmpi.config.sparse import sparse_attention_flag
 from zmpi.files import check_output, write_atomic
-from zmpi.models.gpt import default_vocab_multiple, gpt_num_params
+from zmpi.models.gpt import default_vocab_multiple
+from zmpi.models.gpt_counts import gpt_num_params
+from zmpi.models.llama import llama_num_params
 from zmpi.plan.hardware import parse_size
-from zmpi.plan.layout import PRECISIONS, Job, to_config
+from zmpi.plan.layout import MODELS, PRECISIONS, Job, to_config
 from zmpi.plan.measure import load_hardware
 from zmpi.plan.search import RESERVE, plan
 from zmpi.words import count
@@ -25,7 +28,18 @@ def add_parser(sub) -> None:
     """The `plan` subcommand's flags."""
     p = sub.add_parser("plan", help="choose dp x pp x tp, ZeRO stage, offload, recompute and "
                        "micro-batch for a GPT on a cluster (docs/plan.md)")
-    p.add_argument("--model", choices=("gpt",), default="gpt", help="the model family")
+    p.add_argument("--model", choices=MODELS, default="gpt", help="the model family "
+                   "(llama: --n-head query heads, docs/models.md)")
+    p.add_argument("--n-kv-head", type=int, default=None,
+                   help="a Llama's key/value heads (default: --n-head)")
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help="a Llama's SwiGLU hidden units (default: 8/3 d rounded up to 8)")
+    p.add_argument("--tie-word-embeddings", action="store_true",
+                   help="a Llama whose LM head reads the token embedding")
+    p.add_argument("--moe", metavar="E|JSON", default=None,
+                   help="a GPT with mixture-of-experts blocks of E experts each in every block, "
+                   "or a moe section as JSON without ep_size: the plan searches the "
+                   "expert-parallel degree (docs/plan.md#mixture-of-experts)")
     for flag, text in (("--n-layer", "transformer blocks"), ("--d-model", "hidden size"),
                        ("--n-head", "attention heads"), ("--seq-len", "sequence length"),
                        ("--global-batch", "sequences per optimizer step"),
@@ -67,6 +81,17 @@ def _sparse_section(flag: str | None) -> str | None:
     return json.dumps(section, sort_keys=True)
 
 
+def _moe_section(flag: str | None) -> str | None:
+    """--moe as the Job's canonical JSON section (None without it); ValueError naming the
+    flag if it is no section."""
+    if flag is None:
+        return None
+    try:
+        return json.dumps(moe_flag(flag), sort_keys=True)
+    except ConfigError as e:
+        raise ValueError(f"--moe {flag}: {e}") from None
+
+
 def run(args) -> None:
     """`zmpi plan`: exits with code 2 and one line on a bad input, 1 if no layout fits.
     Under mpiexec (`--hardware this` then measures on every rank) rank 0 alone reports and
@@ -74,7 +99,9 @@ def run(args) -> None:
     try:
         job = Job(args.n_layer, args.d_model, args.n_head, args.vocab, args.seq_len,
                   args.global_batch, args.nodes, args.gpus_per_node, args.precision,
-                  _sparse_section(args.sparse_attention))
+                  _sparse_section(args.sparse_attention), model=args.model,
+                  n_kv_head=args.n_kv_head, intermediate_size=args.intermediate_size,
+                  tie_word_embeddings=args.tie_word_embeddings, moe=_moe_section(args.moe))
         if args.top < 1:
             raise ValueError(f"--top must be >= 1, got {args.top}")
         device = None if args.device_memory is None else \
@@ -164,9 +191,17 @@ def _gb(nbytes: float) -> str:
 
 
 def _print_table(job: Job, hw, result, device, seconds) -> None:
-    psi = gpt_num_params(job.n_layer, job.d_model, job.vocab_size, job.seq_len)
+    if job.llama is None:
+        psi = gpt_num_params(job.n_layer, job.d_model, job.vocab_size, job.seq_len,
+                             moe=job.moe_section)
+        name = "GPT" if job.moe is None else \
+            f"GPT with {count(len(job.moe_section.layer_experts(job.n_layer)), 'MoE block')}"
+    else:
+        c = job.llama
+        psi, name = llama_num_params(c), (f"Llama ({c.num_key_value_heads} key/value heads, "
+                                          f"SwiGLU {c.intermediate_size})")
     device = hw.device_memory if device is None else device
-    print(f"GPT {count(job.n_layer, 'layer')}, d {job.d_model}, {count(job.n_head, 'head')}, "
+    print(f"{name} {count(job.n_layer, 'layer')}, d {job.d_model}, {count(job.n_head, 'head')}, "
           f"vocab {job.vocab_size}, seq {job.seq_len}: {psi / 1e9:.4g} B parameters, "
           f"{job.precision}; batch {job.global_batch}; {job.nodes} x {job.gpus_per_node} = "
           f"{count(job.world_size, 'rank')} of {hw.name} ({_gb(device)} GB "

@@ -35,14 +35,23 @@ def memory_table(engine, comm) -> str:
     to what its strategy declares (`expected_model_state()`: the strategy's own account, which
     the test suite checks the ledger against) and, as an independent check, the SC'20 formula
     of the closest ZeRO stage (`stage_formula`; for stages 0-3 the two agree), and the
-    parameters it holds (Psi: its pipeline stage's, its tensor-parallel share, + padding)."""
+    parameters it holds (Psi: its pipeline stage's, its tensor-parallel share, + padding).
+    At expert-parallel degree > 1 the declaration and the formula add the experts' strategy
+    (the same stage over the expert-data-parallel group: zmpi.engine.moe.ExpertStates), whose
+    states the ledger holds beside the dense ones."""
     s = engine.strategy
     mbytes = engine.master_dtype.itemsize
-    declared, stage = s.expected_model_state(), closest_zero_stage(s)
-    paper = stage_formula(s) or {}
-    rows = comm.allgather_object((comm.rank, engine.num_params, engine.layout.padding,
+    stage = closest_zero_stage(s)
+    declared = {d: sum(sum(t.expected_model_state()[d].values()) for t in engine.strategies)
+                for d in DEVICES}
+    papers = [stage_formula(t) for t in engine.strategies]
+    paper = {d: sum(p[d] for p in papers) for d in DEVICES} if all(papers) else {}
+    layouts = [engine.layout] + ([engine.experts.layout] if engine.experts else [])
+    held = sum(layout.num_params for layout in layouts)  # this rank's E / ep experts alone
+    padding = sum(layout.padding for layout in layouts)
+    rows = comm.allgather_object((comm.rank, held, padding,
                                   *(engine.memory.model_state_bytes(d) for d in DEVICES),
-                                  *(sum(declared[d].values()) for d in DEVICES),
+                                  *(declared[d] for d in DEVICES),
                                   *(paper.get(d) for d in DEVICES),
                                   engine.memory.peak(MODEL_STATE, "device")))
     zero = f"ZeRO-{stage}"
@@ -51,7 +60,9 @@ def memory_table(engine, comm) -> str:
              f"{'on' if s.offload_optimizer else 'off'}, params "
              f"{'on' if s.offload_param else 'off'})",
              f"declared: the strategy's own expected_model_state(); {zero}: the SC'20 formula "
-             f"of ZeRO stage {stage} over {count(s.world_size, 'rank')} (closest to its sharding)",
+             f"of ZeRO stage {stage} over {count(s.world_size, 'rank')} (closest to its sharding)"
+             + (f"; both with the experts' over {count(engine.experts.strategy.world_size, 'rank')}"
+                if engine.experts else ""),
              f"{'rank':>4} {'Psi':>14} {'padding':>8} {'device MiB':>11} {'declared':>9} "
              f"{zero:>7} {'host MiB':>9} {'declared':>9} {zero:>7} {'device peak':>12}"]
     mib = 2**20

@@ -17,12 +17,13 @@ from zmpi.cli.inputs import (
     _checked_inputs,
     _exit_bad_input,
     inputs_digest,
+    llama_config,
     stage_origin,
 )
 from zmpi.cli.report import memory_table, traffic_line
-from zmpi.config.sections import ModelConfig
-from zmpi.models.gpt import GPT, GPTConfig, gpt_num_params
-from zmpi.models.llama import Llama, LlamaConfig, llama_num_params
+from zmpi.models.gpt import GPT, GPTConfig
+from zmpi.models.gpt_counts import gpt_num_params
+from zmpi.models.llama import Llama, llama_num_params
 from zmpi.nn.sparsity import MODES, model_layout
 from zmpi.offload.files import NVMeError
 from zmpi.parallel.mesh import Mesh
@@ -36,7 +37,14 @@ def train(args) -> None:
     from zmpi.config import ConfigError
     from zmpi.data import BatchSampler, FileWatch
     from zmpi.engine import Engine
-    from zmpi.runinfo import PreemptionGuard, RunRecord, StepSummary, claim_out, rank_logger
+    from zmpi.runinfo import (
+        METRICS,
+        PreemptionGuard,
+        RunRecord,
+        StepSummary,
+        claim_out,
+        rank_logger,
+    )
 
     comm = Comm()
     where = f"config {args.config}" if args.config else "config from the flags"
@@ -57,7 +65,7 @@ def train(args) -> None:
     llama = _get(config, "model.model_type") == "llama"
     try:
         args.seed = config["seed"]  # the config's, unless --seed overrides it
-        model_cfg = _llama_config(args, config["model"], model_vocab) if llama else GPTConfig(
+        model_cfg = llama_config(args, config["model"], model_vocab) if llama else GPTConfig(
             model_vocab, args.seq_len, args.n_layer, args.n_head, args.d_model,
             _get(config, "model.vocab_multiple") or None)
         # the mesh first: a tensor-parallel model is split over its tp group as it is built
@@ -66,9 +74,9 @@ def train(args) -> None:
         common = {"seed": args.seed, "tp": mesh.tp_comm,
                   "dtype": np.float64 if args.precision == "fp64" else np.float32,
                   "sequence_parallel": _get(config, "tensor_parallel.sequence_parallel") is True}
-        model = Llama(model_cfg, **common) if llama else GPT(
-            model_cfg, sparse_attention=config.get("sparse_attention") or None,
-            moe=config.get("moe") or None, **common)
+        sparse = config.get("sparse_attention") or None
+        model = Llama(model_cfg, sparse_attention=sparse, **common) if llama else GPT(
+            model_cfg, sparse_attention=sparse, moe=config.get("moe") or None, **common)
         engine = Engine(model, config, comm, mesh=mesh)
     except (ValueError, MemoryError, NVMeError, OSError) as e:  # alike on every rank
         _exit_build_failure(e, where, comm.rank)
@@ -115,9 +123,13 @@ def train(args) -> None:
     if args.save_every:
         _claim(engine, ckpt_dir, args.overwrite_ckpt_dir, log)
     # run.json says "failed" if anything below raises (RunRecord.__exit__)
+    # each MoE layer's expert load and drops per step, every stage's layers in block order
+    experts = [layer.router.num_experts for layer in engine.moe.layers]
+    if mesh.pp > 1:
+        experts = [e for stage in mesh.pp_comm.allgather_object(experts) for e in stage]
     with RunRecord(out, comm, argv=sys.argv, config=cfg.to_dict(), model=vars(model_cfg),
                    engine=engine.describe(), first_step=first, run_id=engine.run_id,
-                   lock=out_lock) as record:
+                   lock=out_lock, columns=METRICS + _moe_columns(experts)) as record:
         guard = PreemptionGuard()
         summary = StepSummary()  # what the end needs; the rows go to metrics.csv only
         bar = tqdm(range(first, args.steps), disable=comm.rank != 0, file=sys.stdout,
@@ -129,8 +141,10 @@ def train(args) -> None:
             loss = engine.train_step(*train_data.sample(step))
             tokens_per_s = global_batch * args.seq_len / (time.perf_counter() - t0)
             summary.add(loss)
+            moe = _moe_statistics(engine, mesh) if experts else []
             record.append((step, loss, tokens_per_s, engine.scaler.scale, engine.lr,
-                           engine.scaler.skipped_steps))
+                           engine.scaler.skipped_steps,
+                           *(x for load, dropped in moe for x in (dropped, *load.tolist()))))
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
             if args.log_dir and step % cfg.steps_per_print == 0:
                 log.info(f"step {step} loss {loss:.4f} tokens/s {tokens_per_s:.0f}")
@@ -185,16 +199,23 @@ def train(args) -> None:
         log.info(f"wrote {out}/run.json, metrics.csv, sample.txt")
 
 
-def _llama_config(args, section: dict, vocab_size: int) -> LlamaConfig:
-    """The LlamaConfig of --model llama: the shape flags (resolved from the model section's
-    num_hidden_layers, hidden_size and num_attention_heads where not given), the vocabulary,
-    and the section's Llama keys (max_position_embeddings: seq_len where not given)."""
-    return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=args.d_model, num_hidden_layers=args.n_layer,
-        num_attention_heads=args.n_head, seq_len=args.seq_len,
-        vocab_multiple=section.get("vocab_multiple"),
-        **{"max_position_embeddings": args.seq_len,
-           **{k: section[k] for k in ModelConfig.LLAMA_ONLY if k in section}})
+def _moe_columns(experts: list[int]) -> tuple[str, ...]:
+    """metrics.csv's columns for MoE layers of `experts` experts each (block order, j from
+    0): moe<j>_dropped, the step's (token, choice) assignments over their expert's capacity,
+    then moe<j>_load<e>, the assignments routed to expert e before drops, each summed over
+    every rank's rows (`_moe_statistics`)."""
+    return tuple(name for j, count in enumerate(experts) for name in (
+        f"moe{j}_dropped", *(f"moe{j}_load{e}" for e in range(count))))
+
+
+def _moe_statistics(engine, mesh) -> list:
+    """The last step's [(load, dropped)] of every MoE layer in block order, summed over the
+    data-parallel ranks (engine.moe.statistics); with pipeline stages, each stage's layers
+    gathered in stage order. A collective: every rank calls it."""
+    stats = engine.moe.statistics(mesh.dp_comm)
+    if mesh.pp > 1:  # rank 0 writes metrics.csv; the stages hold different layers
+        stats = [s for stage in mesh.pp_comm.allgather_object(stats) for s in stage]
+    return stats
 
 
 def _exit_build_failure(error, where: str, rank: int):
@@ -271,7 +292,7 @@ def _sound_alternative(directory) -> str:
     does not verify): the newest that verifies, as a hint to add to the error (rank 0,
     offline; reads each candidate whole)."""
     from zmpi.checkpoint import tools
-    from zmpi.checkpoint.sharded import fallback_tags
+    from zmpi.checkpoint.agreement import fallback_tags
     from zmpi.checkpoint.store import resolve_tag
 
     try:

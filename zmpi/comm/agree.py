@@ -1,7 +1,7 @@
 """A call whose failure every rank learns: a check or a step that fails on some ranks only
 must end every rank alike, or the ranks it passed on wait for ever in their next collective
 with the ranks it failed on. One pickled allgather of what each rank has to say (None: all
-well); the callers decide what to raise from it (zmpi.checkpoint.sharded.agree,
+well); the callers decide what to raise from it (zmpi.checkpoint.agreement.agree,
 zmpi.engine.checks.agreed_across_stages)."""
 from __future__ import annotations
 

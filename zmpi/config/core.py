@@ -115,14 +115,10 @@ class Config(_Section):
                "activation_checkpointing.partition_activations", "with sequence_parallel each "
                "tensor rank's unit inputs are already its own share of the sequence: drop one")
         check_onebit_layout(self)  # 1-bit Adam: ZeRO stage 0 and data parallelism only
-        check_moe_layout(self)  # MoE: no tensor parallelism or pipeline yet
+        check_moe_layout(self)  # MoE: what is not built yet at ep > 1
         if self.model.model_type == "llama":  # GPT-only paths (docs/models.md)
-            _check(not self.sparse_attention.enabled, "sparse_attention", "block-sparse "
-                   "attention has no grouped-query path yet: not with model.model_type llama")
             _check(not self.moe.enabled, "moe", "a Llama has no MoE blocks yet: not with "
                    "model.model_type llama")
-            _check(self.attention_kernel != "flash", "attention_kernel", "\"flash\" has no "
-                   "grouped-query path yet: not with model.model_type llama")
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Config:

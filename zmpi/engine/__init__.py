@@ -5,9 +5,12 @@
     loss = engine.train_step(x, y)
 
     core.py      Engine: set-up, train_step (forward and backward per micro-batch), eval, close
+    build.py     a partition strategy built over a group (the engine's over dp, the experts')
+    moe.py       MoE layers: their routing per micro-batch, and at ep > 1 the expert states
     step.py      the step: unscale, overflow, clip, Adam (what is the same for every stage)
     delayed.py   the one-step delayed update (DPU) in its background thread
     state.py     TrainState: what a checkpoint holds of an engine, and how it is restored
+    checkpoints.py the Engine's save_checkpoint, load_checkpoint (on its TrainState)
     checks.py    set-up checks and diagnostics (replica check, first non-finite unit)
     profile.py   PhaseProfile: time per phase and per unit, the critical rank
     traffic.py   what the collectives moved, per group and per mesh dimension

@@ -126,7 +126,8 @@ def check_sparse_attention(config, model) -> None:
     built = getattr(model, "sparse_attention", None)
     if not config.sparse_attention.enabled and built is None:
         return
-    heads = getattr(getattr(model, "config", None), "n_head", None)
+    shape = getattr(model, "config", None)  # a GPTConfig's n_head, a LlamaConfig's query heads
+    heads = getattr(shape, "n_head", None) or getattr(shape, "num_attention_heads", None)
     want = config.sparse_attention.sparsity(heads) if heads is not None else None
     if built != want:
         say = "dense" if built is None else f"{type(built).__name__}"
@@ -154,10 +155,11 @@ def check_units(units, unit_params) -> None:
 
 
 def check_same_on_replicas(initial, comm) -> None:
-    """ValueError unless every rank of `comm` (the replicas of this rank's slice of the
-    model: the data-parallel group) built the same initial parameters."""
+    """ValueError, on every rank of `comm`, unless every rank of it (the replicas of this
+    rank's slice of the model: the data-parallel group) built the same finite initial
+    parameters."""
     checksum = float(np.abs(initial).sum(dtype=np.float64))
-    if not math.isfinite(checksum):
+    if comm.allreduce_scalar(0.0 if math.isfinite(checksum) else 1.0, op="max"):
         raise ValueError("the model's initial parameters contain NaN or inf")
     low = comm.allreduce_scalar(checksum, op="min")
     high = comm.allreduce_scalar(checksum, op="max")
@@ -232,10 +234,50 @@ def check_grads_contract(strategy, grads, dtype) -> None:
 def check_replicas(engine) -> None:
     """engine.check_replicas: see its docstring."""
     engine.wait_update()  # the delayed update writes the master weights
-    strategy, layout = engine.strategy, engine.layout
     scalars = (engine.global_steps, engine.scaler.scale, engine.optimizer.step_count)
     dp = engine.mesh.dp_comm  # the replicas of this rank's slice of the model
-    checks = [("data-parallel", dp, "step, loss scale and optimizer step", [scalars])]
+    # (kind of group, its Comm, what is compared, digests, where each digest is or None)
+    checks = [("data-parallel", dp, "step, loss scale and optimizer step", [scalars], None)]
+    names = [f" of unit {u} ({type(unit).__name__})" for u, unit in enumerate(engine.model.units)]
+    checks += _state_checks(engine.strategy, engine.layout, dp, "data-parallel", names)
+    if engine.experts is not None:  # the expert states, over the ranks holding those experts
+        ex = engine.experts
+        where = [f" (the experts) of unit {engine._unit_index[id(unit)]} "
+                 f"({type(unit).__name__})" for unit in ex.units]
+        checks += _state_checks(ex.strategy, ex.layout, ex.groups.edp_comm,
+                                "expert-data-parallel", where)
+    if engine.mesh.tp > 1:  # what every tensor rank holds whole must stay identical
+        for state in STATES[1:]:  # the optimizer's layout, which tp_replicated indexes
+            host = backend.to_host(engine.strategy.state_buffer(state)[0])
+            crc = 0
+            for s in engine.tp_replicated:
+                crc = zlib.crc32(np.ascontiguousarray(host[s]).view(np.uint8), crc)
+            checks.append(("tensor-parallel", engine.mesh.tp_comm,
+                           f"{state} of the tensor-replicated parameters", [crc], None))
+    found = None  # the first difference this rank's groups saw
+    for kind, comm, what, digests, where in checks:
+        everyone = comm.allgather_object((engine.comm.rank, digests))  # world ranks
+        ranks = [r for r, _ in everyone]
+        for u, copies in enumerate(zip(*(d for _, d in everyone), strict=True)):
+            if len(set(copies)) > 1 and found is None:
+                holders = {}
+                for r, d in zip(ranks, copies, strict=True):
+                    holders.setdefault(d, []).append(r)
+                found = (f"{what}{'' if where is None else where[u]} differs between the "
+                         f"ranks of the {kind} group: " + "; ".join(
+                             f"ranks {rs} hold copy {i}" for i, rs in enumerate(holders.values())))
+    # a group's ranks alone saw its difference: the first rank's that saw one, on every rank
+    found = next((f for f in engine.comm.allgather_object(found) if f is not None), None)
+    if found is not None:
+        raise RuntimeError(f"replicas diverged after step {engine.global_steps}: {found}")
+
+
+def _state_checks(strategy, layout, comm, kind: str, where: list) -> list:
+    """check_replicas' checks of one strategy's model states (`layout` its flat layout,
+    `where` a description of each of its units): each unit's CRC-32 of every state it
+    replicates over `comm` (a `kind` group), and of every sharded state over the replicas of
+    a shard (hybrid sharding)."""
+    checks = []
     for state in STATES:
         buf, sharded = strategy.state_buffer(state)
         if sharded and strategy.replica is None:
@@ -243,33 +285,10 @@ def check_replicas(engine) -> None:
         host = backend.to_host(buf)
         slices = [layout.shard_slice(u) if sharded else layout.full_slice(u)
                   for u in range(len(layout.units))]
-        checks.append(("replica" if sharded else "data-parallel",
-                       strategy.replica if sharded else dp, state,
-                       [zlib.crc32(np.ascontiguousarray(host[s]).view(np.uint8))
-                        for s in slices]))
-    if engine.mesh.tp > 1:  # what every tensor rank holds whole must stay identical
-        for state in STATES[1:]:  # the optimizer's layout, which tp_replicated indexes
-            host = backend.to_host(strategy.state_buffer(state)[0])
-            crc = 0
-            for s in engine.tp_replicated:
-                crc = zlib.crc32(np.ascontiguousarray(host[s]).view(np.uint8), crc)
-            checks.append(("tensor-parallel", engine.mesh.tp_comm,
-                           f"{state} of the tensor-replicated parameters", [crc]))
-    for kind, comm, what, digests in checks:
-        everyone = comm.allgather_object((engine.comm.rank, digests))  # world ranks
-        ranks = [r for r, _ in everyone]
-        for u, copies in enumerate(zip(*(d for _, d in everyone), strict=True)):
-            if len(set(copies)) > 1:
-                holders = {}
-                for r, d in zip(ranks, copies, strict=True):
-                    holders.setdefault(d, []).append(r)
-                unit = "" if kind == "tensor-parallel" or what.startswith("step") else (
-                    f" of unit {u} ({type(engine.model.units[u]).__name__})")
-                raise RuntimeError(
-                    f"replicas diverged after step {engine.global_steps}: {what}{unit} "
-                    f"differs between the ranks of the {kind} group: "
-                    + "; ".join(f"ranks {rs} hold copy {i}"
-                                for i, rs in enumerate(holders.values())))
+        checks.append(("replica" if sharded else kind, strategy.replica if sharded else comm,
+                       state, [zlib.crc32(np.ascontiguousarray(host[s]).view(np.uint8))
+                               for s in slices], where))
+    return checks
 
 
 def first_nonfinite_unit(engine, grads) -> str:

@@ -39,6 +39,8 @@ from zmpi import backend, kernels
 from zmpi.checkpoint.sharded import Checkpointer
 from zmpi.checkpoint.tensor import TensorSplits
 from zmpi.comm import make_progress
+from zmpi.engine.build import build_strategy
+from zmpi.engine.checkpoints import EngineCheckpoints
 from zmpi.engine.checks import (
     agreed_across_stages,
     as_one_unit,
@@ -46,7 +48,6 @@ from zmpi.engine.checks import (
     check_mesh,
     check_model_shape,
     check_replicas,
-    check_same_on_replicas,
     check_sparse_attention,
     check_units,
     storage_dtype,
@@ -57,7 +58,6 @@ from zmpi.engine.moe import ExpertStates, MoERouting, check_moe, make_expert_par
 from zmpi.engine.optimizer import build_optimizer
 from zmpi.engine.pipeline import PipelineRun
 from zmpi.engine.profile import PhaseProfile
-from zmpi.engine.state import TrainState
 from zmpi.engine.step import reduce_and_update
 from zmpi.engine.tensor import gather_tensor_slices, replicated_ranges, sequence_ranges
 from zmpi.engine.traffic import EngineTraffic
@@ -70,11 +70,10 @@ from zmpi.optim import lr_schedules
 from zmpi.optim.loss_scaler import LossScaler
 from zmpi.parallel.mesh import Mesh
 from zmpi.parallel.pipeline.stage import PipelineStage
-from zmpi.zero import StrategyContext, get_strategy
-from zmpi.zero.flat import ModelLayout
+from zmpi.zero import get_strategy
 
 
-class Engine(EngineTraffic):
+class Engine(EngineTraffic, EngineCheckpoints):
     """ZeRO data-parallel training of `model` (a zmpi.nn UnitModel built in fp32, identically
     seeded on every rank). After construction the model's Parameters are views into buffers the
     engine owns; in ZeRO-3 they are None while their unit is released."""
@@ -102,7 +101,7 @@ class Engine(EngineTraffic):
         check_model_shape(config, model)
         check_sparse_attention(config, model)
         self.moe = MoERouting(model)  # the MoE layers' routing and losses (engine/moe.py)
-        check_moe(config, self.mesh, model, self.moe)
+        check_moe(config, self.mesh, model)
         if self.mesh.experts is not None:  # each rank keeps its E / ep experts of each layer
             make_expert_parallel(self.moe, self.mesh.experts)
         self.config = config.resolve_batch(self.mesh.dp)
@@ -120,6 +119,7 @@ class Engine(EngineTraffic):
         if self.mesh.pp > 1:  # this rank keeps and trains its stage's units
             model = PipelineStage(model, self.mesh.pp_rank, self.mesh.pp,
                                   self.config.pipeline.partition)
+            self.moe = MoERouting(model)  # the stage's MoE layers: it routes and sums those
         kernels.set_mode(self.config.kernels)
         flash_attention.set_kernel(self.config.attention_kernel)  # ConfigError for flash on NumPy
         if self.config.tf32:
@@ -141,23 +141,19 @@ class Engine(EngineTraffic):
         # fp32 master weights and Adam state; fp64 when the model itself is fp64 (exactness tests).
         self.master_dtype = np.dtype(np.float64 if self.dtype == np.float64 else np.float32)
         cls = get_strategy(self.config.strategy_name)
-        # The strategy's groups: the ranks that partition the model states (the layout's
-        # world size) and the ranks that replicate them (hybrid sharding).
-        shard_group, replica_group = cls.process_groups(self.mesh.dp_comm,
-                                                        self.config.zero_optimization)
-        self.layout = ModelLayout.of(unit_params, shard_group.size)
-        initial = self.layout.values_of(unit_params, self.master_dtype)
-        check_same_on_replicas(initial, self.mesh.dp_comm)
-
+        # The strategy over the data-parallel group: its groups are the ranks that partition
+        # the model states (the layout's world size) and the ranks that replicate them
+        # (hybrid sharding).
         context = dict(ledger=self.memory, dtype=self.dtype, master_dtype=self.master_dtype,
                        xp=self.xp, config=self.config.zero_optimization, mesh=self.mesh,
                        aio=self.config.aio)
-        self.strategy = agreed_across_stages(self.mesh, lambda: cls(StrategyContext(
-            units=units, unit_params=unit_params, layout=self.layout, shard_group=shard_group,
-            replica_group=replica_group, **context)))
-        self.strategy.initialize(initial)
-        self.experts = ExpertStates(cls, units, expert_params, self.mesh.experts,
-                                    **context) if expert_params else None
+        self.strategy, self.layout = build_strategy(
+            cls, self.mesh.dp_comm, units, unit_params, context,
+            agree=lambda build: agreed_across_stages(self.mesh, build))
+        # agreed across the stages: a stage without MoE blocks builds none, and would wait
+        # for ever in the next collective across stages after a refusal on one that has some
+        self.experts = agreed_across_stages(self.mesh, lambda: ExpertStates(
+            cls, units, expert_params, self.mesh.experts, context) if expert_params else None)
         # the strategies every step runs: the engine's, and the experts' at ep > 1
         self.strategies = (self.strategy,) + ((self.experts.strategy,) if self.experts else ())
         self.tensor_splits = TensorSplits.of_model(unit_params, self.mesh.tp_comm)  # checkpoints
@@ -192,7 +188,8 @@ class Engine(EngineTraffic):
         self.global_steps = 0
         if self.config.debug.check_collectives:
             experts = self.mesh.experts.comms().values() if self.mesh.experts else ()
-            for c in (self.comm, *self.strategy.comms().values(), *experts):
+            for c in (self.comm, *experts,
+                      *(c for strategy in self.strategies for c in strategy.comms().values())):
                 c.enable_collective_checks()
         self.reset_counters()
         notes = self.config.notes()
@@ -281,9 +278,10 @@ class Engine(EngineTraffic):
                                                and self.optimizer.reduces_gradients)
                 self.moe.before(self.global_steps, first + rows_i.start, self.scaler.scale,
                                 inputs[rows_i])
-                total = total + self.model.forward_loss(self.xp.asarray(inputs[rows_i]),
-                                                        self.xp.asarray(targets[rows_i]),
-                                                        normalizer) + self.moe.losses()
+                loss = self.model.forward_loss(self.xp.asarray(inputs[rows_i]),
+                                               self.xp.asarray(targets[rows_i]), normalizer)
+                total = total + self.moe.with_losses(loss)
+                self.moe.tally()
                 clock.lap("forward")
                 self.model.backward_loss(scale=self.scaler.scale)
                 clock.lap("backward")
@@ -358,56 +356,13 @@ class Engine(EngineTraffic):
         for strategy in self.strategies:
             strategy.close_storage()  # the NVMe tier's files
         self.checkpoints.release()
-        for group in self.strategy.comms().values():  # the policy's own groups (hybrid)
-            if group not in self.mesh.comms().values():
-                group.free()
+        for strategy in self.strategies:  # the policies' own groups (hybrid, ZeRO++)
+            for group in strategy.comms().values():
+                if group not in self.mesh.comms().values():
+                    group.free()
         if self.pipeline is not None:
             self.pipeline.free()
         self.mesh.free()
-
-    # ---- checkpoints ------------------------------------------------------------------------
-    def save_checkpoint(self, directory, tag=None, keep_last=None, async_=False,
-                        client_state=None):
-        """Save the whole training state under directory/tag (default tag `step<N>`, N the
-        global step) and point directory/latest at it. A collective: every rank calls it with
-        the same arguments and writes its shard; returns the checkpoint's directory.
-
-        The first save into a directory claims it for this run (`claim_checkpoint_dir`).
-        keep_last=K deletes all but the K newest of this run's complete checkpoints in
-        `directory`, after the new one is complete (never another run's). async_=True copies
-        this rank's state to host buffers and writes it in a background thread; the checkpoint
-        is completed (manifest, `latest`) at the first train_step after every rank finished
-        writing, or at the next save, load or close, where an error in the writer is raised.
-        client_state: a JSON-serialisable dict stored with the checkpoint (rank 0's), e.g. the
-        data position; load returns it. A CheckpointError is raised on every rank if any rank
-        fails; `latest` and the earlier checkpoints are then as they were."""
-        return self.checkpoints.save(TrainState(self), directory, tag, keep_last, async_,
-                                     client_state)
-
-    def claim_checkpoint_dir(self, directory, overwrite=False):
-        """Make `directory` this run's to save into, until close() (a collective; the first
-        save does it anyway, `zmpi train` at start-up). Refused with a CheckpointError on every
-        rank if another process holds it, a rank cannot write there, or it holds another
-        run's checkpoints; with overwrite=True those are deleted once this run's first
-        checkpoint is complete. Returns the claim (its `notes` say what was repaired)."""
-        return self.checkpoints.claim(directory, overwrite)
-
-    def load_checkpoint(self, directory, tag=None, verify=True, fallback=False):
-        """Restore the whole training state from directory/tag (default: the tag `latest`
-        names), saved at any world size and by any strategy. A collective. Every file read is
-        checked against the manifest (size, and CRC-32 unless verify=False) and HDF5's
-        Fletcher-32; any problem raises a CheckpointError on every rank that names the file,
-        and the engine is left as it was. fallback=True (with no tag): if the newest
-        checkpoint does not load, the newest one that does (the notes say so). The engine
-        continues the run that saved the checkpoint (its run id). Returns a `Loaded` (tag,
-        step, client_state and notes on what differs from this engine's config)."""
-        return self.checkpoints.load(TrainState(self), directory, tag, verify, fallback)
-
-    @property
-    def run_id(self) -> str:
-        """The run this engine trains: a new one per engine, or the one of the checkpoint it
-        loaded. Every checkpoint it saves records it (zmpi.checkpoint.ownership)."""
-        return self.checkpoints.run_id
 
     def _step(self, loss) -> float:
         try:
@@ -422,7 +377,8 @@ class Engine(EngineTraffic):
         replicated model state (parameters in stages 0-2, everything in stage 0) on every
         data-parallel rank; each unit of each sharded state across the replicas of a shard
         (hybrid sharding); under tensor parallelism, the optimizer states of the parameters
-        every tensor rank holds whole. A collective;
+        every tensor rank holds whole; at ep > 1, the expert states likewise over the ranks
+        holding the same experts (expert data parallel). A collective;
         RuntimeError on every rank, naming the first differing state and unit and which ranks
         hold which copy. `debug.check_replicas_every` runs it every K steps."""
         check_replicas(self)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
 from zmpi.runinfo import git_revision
 
@@ -36,6 +37,12 @@ class TrainState:
         self.stage, self.stages = engine.mesh.pp_rank, engine.mesh.pp
         self.held = pipe.held_names if pipe else frozenset()
         self.experts = engine.experts
+        # the expert section the manifest describes (at ep > 1): every stage's under pipelines
+        if pipe is not None and pipe.whole_experts is not None:
+            self.saved_experts = SavedExperts(*pipe.whole_experts)
+        else:
+            self.saved_experts = None if engine.experts is None else SavedExperts(
+                engine.experts.layout, engine.experts.splits)
 
     def settle(self) -> None:
         """Before a snapshot: a delayed update in flight finishes (its publication stays
@@ -65,9 +72,8 @@ class TrainState:
             body["tensor"] = self.saved_splits.to_dict()
         if self.stages > 1:
             body["pipeline"] = {"stages": self.stages, "bounds": engine.model.bounds}
-        if self.experts is not None:  # their own layout (over edp), split over the ep ranks
-            body["experts"] = {"layout": self.experts.layout.to_dict(),
-                               "tensor": self.experts.splits.to_dict()}
+        if self.saved_experts is not None:  # their own layout (over edp), split over ep
+            body["experts"] = self.saved_experts.to_dict()
         json.dumps(body["client_state"])  # TypeError now, not when the manifest is written
         return body
 
@@ -150,6 +156,31 @@ class TrainState:
         if engine.delayed.unpublished and not delayed:
             engine.flush()
         return notes
+
+
+@dataclass(frozen=True)
+class SavedExperts:
+    """The expert section of a checkpoint saved at ep > 1 (zmpi.engine.moe.ExpertStates):
+    its `layout` over the expert-data-parallel shards and `splits` over the ep ranks, and
+    under pipeline parallelism every stage's expert units put together (PipelineRun's
+    whole_experts) with `bounds`, their split points between the stages (None without)."""
+
+    layout: object
+    splits: object
+    bounds: list | None = None
+
+    def to_dict(self) -> dict:
+        """The manifest's `experts` entry. ValueError, alike on every rank, where a pipeline
+        stage holds no MoE layer (its expert files would be missing from the stage-major
+        list): not built yet."""
+        out = {"layout": self.layout.to_dict(), "tensor": self.splits.to_dict()}
+        if self.bounds is not None:
+            if any(a == b for a, b in zip(self.bounds, self.bounds[1:], strict=False)):
+                raise ValueError("save_checkpoint at moe.ep_size > 1 under pipeline stages "
+                                 "needs an MoE block on every stage (the stages' MoE blocks "
+                                 f"split at {self.bounds}): not built yet (docs/moe.md)")
+            out["pipeline"] = {"stages": len(self.bounds) - 1, "bounds": list(self.bounds)}
+        return out
 
 
 def _attention_change(saved: dict, ours) -> list[str]:

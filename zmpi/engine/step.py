@@ -79,16 +79,21 @@ def reduce_and_update(engine, loss) -> float:
             "it, or give 0 for dynamic scaling")
     # Adam on the master shard and moments (host, device or NVMe: the strategy's)
     coef = clip_coef(engine, sumsq, grads, grad_scale, expert_sumsq)
-    update = (engine.optimizer, grads, grad_scale, coef)
+
+    def update(publish: bool) -> None:  # the engine's states, then the experts' (ep > 1)
+        for each, g in zip(engine.strategies, (grads, expert_grads), strict=False):
+            # the same step of the same optimizer: the experts' does not count it again
+            each.optimizer_step(engine.optimizer, g, grad_scale, coef,
+                                each.publish_targets() if publish else None,
+                                advance=each is strategy)
+
     if engine.delay_update and engine.global_steps >= engine.delay_update_warmup:
-        strategy.swap_grad_buffers()  # backward of the next step fills the other buffer
-        engine.delayed.start(lambda: strategy.optimizer_step(*update), engine.global_steps)
+        for each in engine.strategies:  # backward of the next step fills the other buffers
+            each.swap_grad_buffers()
+        engine.delayed.start(lambda: update(publish=False), engine.global_steps)
     else:
         start = time.perf_counter()  # host params: written as Adam goes (publish_targets)
-        strategy.optimizer_step(*update, publish=strategy.publish_targets())
-        if experts:  # the same step of the same optimizer: its step count is advanced
-            experts.strategy.optimizer_step(engine.optimizer, expert_grads, grad_scale, coef,
-                                            experts.strategy.publish_targets(), advance=False)
+        update(publish=True)
         engine.update_timing["optimizer_s"] += time.perf_counter() - start
         for each in engine.strategies:
             each.publish_params()
@@ -123,10 +128,10 @@ def clip_coef(engine, sumsq: float, grads, grad_scale: float, expert_sumsq: floa
         sumsq = tensor_norm_sq(engine, sumsq, grads, grad_scale)
     elif engine.strategy.shard_optimizer:  # each shard group holds the stage's model once
         sumsq = engine.strategy.comm.allreduce_scalar(sumsq)
-    if engine.pipeline is not None:  # every stage's share
-        sumsq = engine.mesh.pp_comm.allreduce_scalar(sumsq)
     if engine.experts is not None:  # each expert once: over edp's shards, then over ep
-        sumsq += engine.experts.global_sumsq(expert_sumsq)
+        sumsq += engine.experts.global_sumsq(expert_sumsq, grad_scale)
+    if engine.pipeline is not None:  # every stage's share, its experts' included
+        sumsq = engine.mesh.pp_comm.allreduce_scalar(sumsq)
     coef = max_norm / (math.sqrt(sumsq) + 1e-6)  # as torch.nn.utils.clip_grad_norm_
     return min(coef, 1.0)
 

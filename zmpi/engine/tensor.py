@@ -96,14 +96,17 @@ def tensor_norm_sq(engine, sumsq: float, grads, grad_scale: float) -> float:
     return engine.mesh.tp_comm.allreduce_scalar(sumsq - replicated) + replicated
 
 
-def gather_tensor_slices(value, parameter, tp) -> np.ndarray:
+def gather_tensor_slices(value, parameter, tp, mark: str = "tp") -> np.ndarray:
     """The whole value of `parameter` from every tensor rank's slice (`value`, host), its
     padding dropped (a padded vocabulary, at any tp), or a copy of `value` where it is not
-    split (a collective over `tp` when it is and tp.size > 1)."""
-    axis = getattr(parameter, "tp_split", None)
+    split (a collective over `tp` when it is and tp.size > 1). mark: the attributes that say
+    how it is split, `<mark>_split` (the axis), `<mark>_index` (this rank's indices along
+    it), `<mark>_full` (the unpadded length, if padded): "tp" (zmpi.parallel.tensor), or "ep"
+    with `tp` the expert-parallel group (zmpi.parallel.expert: the experts' axis)."""
+    axis = getattr(parameter, f"{mark}_split", None)
     if axis is None:
         return value.copy()
-    mine = (np.asarray(parameter.tp_index), np.ascontiguousarray(value))
+    mine = (np.asarray(getattr(parameter, f"{mark}_index")), np.ascontiguousarray(value))
     parts = [mine] if tp.size == 1 else tp.allgather_object(mine)
     shape = list(value.shape)
     shape[axis] = sum(len(index) for index, _ in parts)
@@ -113,5 +116,5 @@ def gather_tensor_slices(value, parameter, tp) -> np.ndarray:
         taken[axis] = index
         full[tuple(taken)] = part
     kept = [slice(None)] * full.ndim  # a padded split (the vocabulary) drops its padding
-    kept[axis] = slice(getattr(parameter, "tp_full", None))
+    kept[axis] = slice(getattr(parameter, f"{mark}_full", None))
     return full[tuple(kept)]

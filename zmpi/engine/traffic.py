@@ -12,7 +12,9 @@ sent_bytes, traffic_by_dimension), over these functions:
                                 inside pp; the all-to-alls in ep, the expert strategy's in edp)
 
 At ep > 1 the engine's traffic, sent bytes and expected traffic also have the kind "experts":
-the expert strategy's (its "world", the expert-data-parallel group: engine/moe.py).
+the expert strategy's "world" (the expert-data-parallel group: engine/moe.py), and
+"experts_<kind>" for its other kinds (hybrid sharding's "experts_shard" and
+"experts_replica", ZeRO++'s "experts_intra" and "experts_inter", cut inside that group).
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ class EngineTraffic:
 
     def reset_counters(self) -> None:
         """Zero the counters of every Comm the engine sends on (world, mesh, strategy)."""
-        for comm in groups(self.comm, self.mesh, self.strategy, self.pipeline):
+        for comm in groups(self.comm, self.mesh, self.strategy, self.pipeline,
+                           self.experts.strategy if self.experts else None):
             comm.reset_counters()
 
     def traffic(self) -> dict[str, dict]:
@@ -45,22 +48,28 @@ class EngineTraffic:
         return {**sent_by_group(self.strategy), **self._experts(sent_by_group)}
 
     def _experts(self, of) -> dict:
-        """{"experts": of(the expert strategy)["world"]} at ep > 1, else {}."""
-        return {} if self.experts is None else {"experts": of(self.experts.strategy)["world"]}
+        """{"experts": of(the expert strategy)["world"], "experts_<kind>": its other kinds}
+        at ep > 1, else {}."""
+        if self.experts is None:
+            return {}
+        return {"experts" if kind == "world" else f"experts_{kind}": value
+                for kind, value in of(self.experts.strategy).items()}
 
     def traffic_by_dimension(self) -> dict[str, dict]:
         """{"dp"|"pp"|"tp": {op: {calls, bytes, sent}}} since the last reset: each mesh
         dimension's collectives (the strategy's groups count in "dp", where they live), so
         each dimension's formula is checked against its own counters. At moe.ep_size > 1 also
         "ep" (the MoE layers' all-to-alls) and "edp" (the expert strategy's collectives)."""
-        return by_dimension(self.mesh, self.strategy, self.pipeline)
+        return by_dimension(self.mesh, self.strategy, self.pipeline,
+                            self.experts.strategy if self.experts else None)
 
 
-def groups(comm, mesh, strategy, pipeline=None) -> list:
+def groups(comm, mesh, strategy, pipeline=None, experts=None) -> list:
     """Every distinct Comm the engine sends on: the world, the mesh's, the strategy's, the
-    pipeline's tied-weight groups."""
+    pipeline's tied-weight groups, the expert strategy's (`experts`, at ep > 1)."""
     every = (comm, *mesh.comms().values(), *strategy.comms().values(),
-             *(pipeline.comms() if pipeline else ()))
+             *(pipeline.comms() if pipeline else ()),
+             *(experts.comms().values() if experts else ()))
     return list({id(c): c for c in every}.values())
 
 
@@ -73,11 +82,13 @@ def sent_by_group(strategy) -> dict[str, int]:
             for kind, comm in strategy.comms().items()}
 
 
-def by_dimension(mesh, strategy, pipeline=None) -> dict[str, dict]:
+def by_dimension(mesh, strategy, pipeline=None, experts=None) -> dict[str, dict]:
     dims = mesh.comms()
     members = {dim: [comm] for dim, comm in dims.items()}
     members["dp"] += [c for c in strategy.comms().values() if c not in dims.values()]
     members["pp"] += list(pipeline.comms() if pipeline else ())
+    if experts is not None:  # the expert strategy's own groups, cut inside edp
+        members["edp"] += [c for c in experts.comms().values() if c not in dims.values()]
     out = {}
     for dim, comms in members.items():
         out[dim] = {}

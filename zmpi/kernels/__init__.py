@@ -24,15 +24,16 @@ arrays), read and write float16/bfloat16/float32/float64, and are compiled as NV
 by default, multiply-adds contracted into FMAs: their results agree with the twins' within
 rounding (a test compiles with --fmad=false where bit-matching them is the point).
 Activations keep their dtype through them: float16 (or bfloat16) in, the same out, float32
-only in registers (and in what a backward reuses at full precision: LayerNorm's x-hat and
-1/std, GELU's tanh, the loss's log-sum-exp).
+only in registers (and in what a backward reuses at full precision: LayerNorm's and RMSNorm's
+x-hat and 1/std or 1/rms, GELU's tanh, the loss's log-sum-exp).
 
 `matmul` is the batched matrix product (attention's): cuBLAS on the operands as they are,
 float16 and bfloat16 on tensor cores with float32 accumulation, where CuPy's own matmul casts
 float16 to float32 and the product back, has no batched bfloat16 product at all (CuPy 14.2:
 cupy/cupy#10317), and copies operands that are not contiguous.
 
-The package (zmpi.kernels: this module, .source, .flash_attention, .host and the .cu files) is
+The package (zmpi.kernels: this module, .source, .llama (the Llama family's launchers),
+.flash_attention, .host and the .cu files) is
 the only place with CUDA or compiled loops; zmpi.backend is the only module that knows which
 array module runs.
 """
@@ -57,6 +58,7 @@ class Op(NamedTuple):
 
 
 _NN, _LAUNCH, _FLASH = "zmpi.nn.functional:", "zmpi.kernels:", "zmpi.kernels.flash_attention:"
+_LL, _LLAMA = "zmpi.nn.llama_functional:", "zmpi.kernels.llama:"
 # Every fused op with CUDA of its own, in one place (tests/test_kernels_compile.py holds it to
 # the .cu files' kernels and to the kernels.fused pairs the modules make); `matmul` is cuBLAS's.
 OPS = {
@@ -88,6 +90,19 @@ OPS = {
                          "zmpi.optim.adam:_sum_of_squares_twin"),
     "bias_grad": Op(("bias_grad.cu",), ("bias_grad",), _LAUNCH + "cuda_bias_grad",
                     _NN + "_bias_grad_twin"),
+    "rmsnorm_forward": Op(("rmsnorm.cu",), ("rmsnorm_forward",),
+                          _LLAMA + "cuda_rmsnorm_forward", _LL + "_rmsnorm_forward_twin"),
+    "rmsnorm_backward": Op(("rmsnorm.cu",),
+                           ("rmsnorm_backward", "rmsnorm_dw_partials", "rmsnorm_dw_total"),
+                           _LLAMA + "cuda_rmsnorm_backward", _LL + "_rmsnorm_backward_twin"),
+    "rope_forward": Op(("rope.cu",), ("rope_forward",), _LLAMA + "cuda_rope_forward",
+                       _LL + "_rope_forward_twin"),
+    "rope_backward": Op(("rope.cu",), ("rope_backward",), _LLAMA + "cuda_rope_backward",
+                        _LL + "_rope_backward_twin"),
+    "swiglu_forward": Op(("swiglu.cu",), ("swiglu_forward",), _LLAMA + "cuda_swiglu_forward",
+                         _LL + "_swiglu_forward_twin"),
+    "swiglu_backward": Op(("swiglu.cu",), ("swiglu_backward",),
+                          _LLAMA + "cuda_swiglu_backward", _LL + "_swiglu_backward_twin"),
     "flash_forward": Op(("flash.cu", "flash_tc.cu"), ("flash_forward", "flash_tc_forward"),
                         _FLASH + "cuda_flash_forward", _FLASH + "_forward_twin"),
     "flash_backward": Op(("flash.cu", "flash_tc.cu"),
@@ -112,14 +127,16 @@ def mode() -> str:
     return _mode[0]
 
 
-def fused(twin, cuda, in_place: bool = False, launches: int = 1):
+def fused(twin, cuda, in_place: bool = False, launches: int = 1, strided: bool = False):
     """The op that runs `twin(*args)` or `cuda(*args)` as the table in the module docstring
     says. The first argument decides: a device array under "fused" takes the fused path, with
     every device array argument made C-contiguous first (a copy, and a launch, only when it is
     not: the kernels index rows and columns of contiguous arrays). in_place: the op updates
     its arguments, which must then be C-contiguous already (ValueError: a copy would be
     updated instead). launches: the GPU operations `cuda` runs (what the stand-in counts for
-    the twin). The op keeps its pair as `op.__wrapped__` (the twin) and `op.launcher`."""
+    the twin). strided: `cuda` reads and writes arrays through their strides (its docstring
+    says which layouts), so they reach it as given, views included (an `out` view is written
+    where it lies). The op keeps its pair as `op.__wrapped__` (the twin) and `op.launcher`."""
 
     @functools.wraps(twin)
     def op(*args):
@@ -130,7 +147,9 @@ def fused(twin, cuda, in_place: bool = False, launches: int = 1):
                                 if backend.is_device_array(a)):
             raise ValueError(f"{twin.__name__}: updates its arguments in place, which must be "
                              "C-contiguous")
-        args = tuple(xp.ascontiguousarray(a) if backend.is_device_array(a) else a for a in args)
+        if not strided:
+            args = tuple(xp.ascontiguousarray(a) if backend.is_device_array(a) else a
+                         for a in args)
         launch_twin = getattr(xp, "launch_twin", None)  # a CuPy without CUDA: the stand-in
         if launch_twin is not None:
             return launch_twin(twin, *args, launches=launches)
@@ -283,12 +302,16 @@ def cuda_matmul(a, b, out):
     return c
 
 
+def _row_norm_outputs(x):
+    """A row norm's outputs for x (..., C): y like x, and in x's accumulation dtype `acc`
+    xhat (..., C) and rstd (..., 1) (the backward's cache). Returns (acc, y, xhat, rstd)."""
+    xp, acc = backend.xp, acc_dtype(x.dtype)
+    return acc, xp.empty_like(x), xp.empty(x.shape, acc), xp.empty((*x.shape[:-1], 1), acc)
+
+
 def cuda_layernorm_forward(x, w, b, eps):
-    xp, C = backend.xp, x.shape[-1]
-    acc = acc_dtype(x.dtype)
-    y = xp.empty_like(x)
-    xhat = xp.empty(x.shape, acc)
-    rstd = xp.empty((*x.shape[:-1], 1), acc)
+    C = x.shape[-1]
+    acc, y, xhat, rstd = _row_norm_outputs(x)
     _launch("layernorm_forward", x.dtype, x.size // C,
             (x, w.astype(x.dtype, copy=False), b.astype(x.dtype, copy=False), y, xhat, rstd,
              np.int32(C), _scalar(acc, eps)))
@@ -302,14 +325,25 @@ def cuda_layernorm_backward(dy, cache, dw=None, db=None):
     dx = xp.empty_like(dy)
     _launch("layernorm_backward", dy.dtype, rows,
             (dy, xhat, rstd, w.astype(dy.dtype, copy=False), dx, np.int32(C)))
-    parts = min(64, rows)
-    partial = xp.empty((2, parts, C), xhat.dtype)
-    _launch("column_sums", dy.dtype, (-(-C // THREADS), parts),
-            (dy, xhat, partial, np.int64(rows), np.int32(C)))
-    dw, db = (xp.empty(C, dy.dtype) if a is None else a for a in (dw, db))
-    _launch("column_sums_total", dy.dtype, -(-C // THREADS),
-            (partial, dw, db, np.int32(parts), np.int32(C)))
+    dw, db = _column_sums("column_sums", "column_sums_total", dy, xhat, (dw, db))
     return dx, dw, db
+
+
+def _column_sums(partials, total, dy, xhat, outs):
+    """The column sums of dy * xhat (dy (..., C) T, xhat of its shape in ACC) and, given two
+    `outs`, of dy: kernel `partials` sums min(64, rows) row parts of THREADS columns a block
+    into (len(outs), parts, C) ACC, then `total` sums those into `outs` (arrays (C,) of dy's
+    dtype, or None for new ones), rounding once. The `outs` written, as a tuple. (LayerNorm's
+    dw and db, RMSNorm's dw: common.cuh's column_partials and column_totals.)"""
+    xp, C = backend.xp, dy.shape[-1]
+    rows = dy.size // C
+    parts = min(64, rows)
+    partial = xp.empty((len(outs), parts, C), xhat.dtype)
+    _launch(partials, dy.dtype, (-(-C // THREADS), parts),
+            (dy, xhat, partial, np.int64(rows), np.int32(C)))
+    outs = tuple(xp.empty(C, dy.dtype) if a is None else a for a in outs)
+    _launch(total, dy.dtype, -(-C // THREADS), (partial, *outs, np.int32(parts), np.int32(C)))
+    return outs
 
 
 def cuda_gelu_forward(x):

@@ -58,6 +58,39 @@ template <typename A> __device__ A block_reduce(A v, A* shared, const bool is_ma
     return warp_reduce(v, is_max);
 }
 
+// Column sums of the weight (and bias) gradients of a row normalisation, in two kernels that
+// share these bodies (LayerNorm's column_sums / column_sums_total, RMSNorm's
+// rmsnorm_dw_partials / rmsnorm_dw_total): the first sums rows y, y + gridDim.y, ... of column
+// c = blockIdx.x * blockDim.x + threadIdx.x of dy xhat (and, BIAS, of dy) into partial
+// (1 + BIAS, gridDim.y, C); the second sums a column's `parts` partials and rounds once as it
+// writes dw[c] (and db[c]). Without BIAS, db is not read and may be null.
+template <bool BIAS> __device__ void column_partials(const T* dy, const ACC* xhat, ACC* partial,
+                                                     const long long rows, const int C) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    ACC sw = 0, sb = 0;
+    for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
+        const ACC d = to_acc(dy[r * C + c]);
+        sw += d * xhat[r * C + c];
+        if (BIAS) sb += d;
+    }
+    partial[(long long)blockIdx.y * C + c] = sw;
+    if (BIAS) partial[((long long)gridDim.y + blockIdx.y) * C + c] = sb;
+}
+
+template <bool BIAS> __device__ void column_totals(const ACC* partial, T* dw, T* db,
+                                                   const int parts, const int C) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    ACC sw = 0, sb = 0;
+    for (int p = 0; p < parts; ++p) {
+        sw += partial[(long long)p * C + c];
+        if (BIAS) sb += partial[((long long)parts + p) * C + c];
+    }
+    store(dw + c, sw);
+    if (BIAS) store(db + c, sb);
+}
+
 #define GRID_STRIDE(i, n) \
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n); \
          i += (long long)gridDim.x * blockDim.x)

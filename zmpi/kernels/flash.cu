@@ -16,29 +16,44 @@
 // (a ragged last block of a dense layout). No T x T matrix exists anywhere: scores live only as
 // an S x S tile in shared memory.
 //
-// Layouts in global memory: qkv (B, seq, 3C) [q | k | v], head h's columns h hd .. (h + 1) hd of
-// each third; y, dy (B, seq, C); dqkv (B, seq, 3C); lse, delta (B nh, seq) ACC. q is scaled by
-// `scale` (1 / sqrt(hd)) as it is read, in ACC.
+// Grouped-query attention: nkv key/value heads (nkv divides nh; nkv = nh is multi-head
+// attention) and query head h reads key/value head h / g, g = nh / nkv, by index: the keys and
+// values are never repeated. The keys' backward runs a block per (key tile, batch x key/value
+// head) and sums dk and dv over the group's g query heads in shared memory, one head after
+// the other (the tiles its own query head would visit, then the next head's): no atomics, no
+// per-query-head partials in global memory, the same sums in the same order at g = 1.
+//
+// Layouts in global memory: qkv (B, seq, (nh + 2 nkv) hd) [q | k | v], query head h's columns
+// h hd .. (h + 1) hd of q, key/value head l's l hd .. (l + 1) hd of k and of v; y, dy (B, seq,
+// C), C = nh hd; dqkv as qkv; lse, delta (B nh, seq) ACC. q is scaled by `scale` (1 /
+// sqrt(hd)) as it is read, in ACC.
 // The geometry of a flash kernel's block (SIMT and tensor-core alike), from its launch: grid x
-// walks the tiles of S rows, grid y the (batch, head) pairs b nh + h. Which head it is, the
-// first row of its tile (queries, or keys in the backward of keys), the layout's block count,
-// and where the head starts in the arrays qkv, dqkv (B, seq, 3C) and y, dy (B, seq, C).
+// walks the tiles of S rows, grid y the (batch, query head) pairs b nh + h (the keys'
+// backward: the (batch, key/value head) pairs, each block making the FlashHead of each of its
+// query heads). Which query head it is, the first row of its tile (queries, or keys in the
+// backward of keys), the layout's block count, and where the head and its key/value head start
+// in the arrays qkv, dqkv and y, dy.
 struct FlashHead {
-    int C;             // nh hd: the columns of y and dy, and of each third of qkv
+    int C;             // nh hd: the columns of y and dy, and of qkv's q
+    int K;             // nkv hd: the columns of qkv's k and of its v
     int nb;            // the layout's blocks of `block` rows over seq (the last may be ragged)
-    int bh, b, h;      // blockIdx.y = b nh + h: the (batch, head) pair, its batch, its head
+    int bh, b, h;      // b nh + h: the (batch, query head) pair, its batch, its head
     int r0;            // blockIdx.x S: the tile's first row
-    long long stride;  // 3C: from one row of qkv (or dqkv) to the next
-    long long at_qkv;  // the element (b, 0, h hd) of qkv and dqkv: row 0 of the head's q third
+    long long stride;  // C + 2 K: from one row of qkv (or dqkv) to the next
+    long long at_q;    // the element (b, 0, h hd) of qkv and dqkv: row 0 of the head's q
+    long long at_k;    // the element (b, 0, C + (h / g) hd): row 0 of its key/value head's k;
+                       // its v is K after
     long long at_y;    // the element (b, 0, h hd) of y and dy: row 0 of the head
-    const T* q;        // qkv + at_qkv: the head's q, row 0; its k and v, C and 2C after
-    const T* k;
+    const T* q;        // qkv + at_q: the head's q, row 0
+    const T* k;        // qkv + at_k, and K after: its key/value head's k and v, row 0
     const T* v;
-    __device__ FlashHead(const T* qkv, const int seq, const int nh, const int hd,
-                         const int block, const int S)
-        : C(nh * hd), nb((seq + block - 1) / block), bh(blockIdx.y), b(bh / nh), h(bh % nh),
-          r0(blockIdx.x * S), stride(3LL * C), at_qkv((long long)b * seq * stride + h * hd),
-          at_y((long long)b * seq * C + h * hd), q(qkv + at_qkv), k(q + C), v(q + 2 * C) {}
+    __device__ FlashHead(const T* qkv, const int bh, const int seq, const int nh, const int nkv,
+                         const int hd, const int block, const int S)
+        : C(nh * hd), K(nkv * hd), nb((seq + block - 1) / block), bh(bh), b(bh / nh),
+          h(bh % nh), r0(blockIdx.x * S), stride((long long)C + 2 * K),
+          at_q((long long)b * seq * stride + h * hd),
+          at_k((long long)b * seq * stride + C + h / (nh / nkv) * hd),
+          at_y((long long)b * seq * C + h * hd), q(qkv + at_q), k(qkv + at_k), v(k + K) {}
 };
 
 // A bump allocator over a kernel's dynamic shared memory: the tile of the next n elements of
@@ -214,10 +229,10 @@ __device__ void flash_key_tiles(const FlashHead& head, const int* row_ptr, const
 // keys at a time: o = o alpha + p v with p = exp(s - m_new), alpha = exp(m_old - m_new).
 extern "C" __global__ void flash_forward(const T* qkv, const int* row_ptr, const int* cols,
                                          T* y, ACC* lse, const int seq, const int nh,
-                                         const int hd, const int block, const int layout_heads,
-                                         const int S, const ACC scale) {
+                                         const int nkv, const int hd, const int block,
+                                         const int layout_heads, const int S, const ACC scale) {
     extern __shared__ __align__(16) unsigned char flash_smem[];
-    const FlashHead head(qkv, seq, nh, hd, block, S);
+    const FlashHead head(qkv, blockIdx.y, seq, nh, nkv, hd, block, S);
     const int q0 = head.r0, ld = hd + 1;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     unsigned char* at = flash_smem;
@@ -271,15 +286,16 @@ extern "C" __global__ void flash_forward(const T* qkv, const int* row_ptr, const
 
 // FlashAttention-2's backward, queries: delta = rowsum(dy y) (B nh, seq) for the rows q0 .. q0
 // + S, and dq = scale sum over kept keys of ds k, ds = p (dp - delta), p = exp(s - lse), dp =
-// dy v^T, into dqkv's q third. Runs before flash_backward_dkv, which reads delta.
+// dy v^T, into dqkv's q. Runs before flash_backward_dkv, which reads delta.
 extern "C" __global__ void flash_backward_dq(const T* qkv, const T* y, const T* dy,
                                              const ACC* lse, const int* row_ptr,
                                              const int* cols, T* dqkv, ACC* delta,
-                                             const int seq, const int nh, const int hd,
-                                             const int block, const int layout_heads,
-                                             const int S, const ACC scale) {
+                                             const int seq, const int nh, const int nkv,
+                                             const int hd, const int block,
+                                             const int layout_heads, const int S,
+                                             const ACC scale) {
     extern __shared__ __align__(16) unsigned char flash_smem[];
-    const FlashHead head(qkv, seq, nh, hd, block, S);
+    const FlashHead head(qkv, blockIdx.y, seq, nh, nkv, hd, block, S);
     const int q0 = head.r0, ld = hd + 1;
     unsigned char* at = flash_smem;
     ACC* sQ = flash_carve<ACC>(at, S * ld);
@@ -313,21 +329,23 @@ extern "C" __global__ void flash_backward_dq(const T* qkv, const T* y, const T* 
         }
     });
     __syncthreads();
-    flash_store_rows(dqkv + head.at_qkv, head.stride, q0, seq, S, hd, sDQ, ld, scale);
+    flash_store_rows(dqkv + head.at_q, head.stride, q0, seq, S, hd, sDQ, ld, scale);
 }
 
-// FlashAttention-2's backward, keys: for key rows k0 .. k0 + S of head h, over the query
-// blocks that keep their block (the transposed layout col_ptr, rows): dv = sum p^T dy, dk = sum
-// ds^T q (q scaled), into dqkv's k and v thirds. A key no query keeps gets zeros.
+// FlashAttention-2's backward, keys: for key rows k0 .. k0 + S of key/value head l (grid
+// (nb block / S, B nkv)), over each query head h of its group (h / g = l, in order) and the
+// query blocks of h that keep their block (the transposed layout col_ptr, rows): dv = sum p^T
+// dy, dk = sum ds^T q (q scaled), into dqkv's k and v. A key no query keeps gets zeros.
 extern "C" __global__ void flash_backward_dkv(const T* qkv, const T* dy, const ACC* lse,
                                               const ACC* delta, const int* col_ptr,
                                               const int* rows, T* dqkv, const int seq,
-                                              const int nh, const int hd, const int block,
-                                              const int layout_heads, const int S,
-                                              const ACC scale) {
+                                              const int nh, const int nkv, const int hd,
+                                              const int block, const int layout_heads,
+                                              const int S, const ACC scale) {
     extern __shared__ __align__(16) unsigned char flash_smem[];
-    const FlashHead head(qkv, seq, nh, hd, block, S);
-    const int k0 = head.r0, ld = hd + 1;
+    const int g = nh / nkv;  // blockIdx.y = b nkv + l: query heads (b nkv + l) g .. + g - 1
+    const FlashHead first(qkv, blockIdx.y * g, seq, nh, nkv, hd, block, S);
+    const int k0 = first.r0, ld = hd + 1;
     unsigned char* at = flash_smem;
     ACC* sK = flash_carve<ACC>(at, S * ld);
     ACC* sV = flash_carve<ACC>(at, S * ld);
@@ -339,48 +357,51 @@ extern "C" __global__ void flash_backward_dkv(const T* qkv, const T* dy, const A
     ACC* sS = flash_carve<ACC>(at, S * S);  // ds
     ACC* sLse = flash_carve<ACC>(at, S);
     ACC* sD = flash_carve<ACC>(at, S);
-    flash_load(head.k, head.stride, k0, seq, S, hd, ld, sK, (ACC)1);
-    flash_load(head.v, head.stride, k0, seq, S, hd, ld, sV, (ACC)1);
+    flash_load(first.k, first.stride, k0, seq, S, hd, ld, sK, (ACC)1);
+    flash_load(first.v, first.stride, k0, seq, S, hd, ld, sV, (ACC)1);
     for (int e = threadIdx.x; e < S * ld; e += blockDim.x) {
         sDK[e] = 0;
         sDV[e] = 0;
     }
-    int begin, end;
-    flash_list(col_ptr, head.h, layout_heads, head.nb, k0 / block, &begin, &end);
-    flash_tiles(
-        rows, begin, end, block, S,
-        [&](const int q0) { return flash_queries_seen(q0, k0, S, seq); },
-        [&](const int q0) {
-            flash_load(head.q, head.stride, q0, seq, S, hd, ld, sQ, scale);
-            flash_load(dy + head.at_y, head.C, q0, seq, S, hd, ld, sDY, (ACC)1);
-            for (int r = threadIdx.x; r < S; r += blockDim.x) {
-                sLse[r] = q0 + r < seq ? lse[(long long)head.bh * seq + q0 + r] : (ACC)0;
-                sD[r] = q0 + r < seq ? delta[(long long)head.bh * seq + q0 + r] : (ACC)0;
-            }
-        },
-        [&](const int q0) {
-            for (int e = threadIdx.x; e < S * S; e += blockDim.x) {
-                const int r = e / S, c = e % S;
-                const ACC p = flash_kept(q0 + r, k0 + c, seq)
-                                  ? acc_exp(flash_dot(sQ + r * ld, sK + c * ld, hd) - sLse[r])
-                                  : (ACC)0;
-                sP[e] = p;
-                sS[e] = p * (flash_dot(sDY + r * ld, sV + c * ld, hd) - sD[r]);
-            }
-            __syncthreads();
-            for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
-                const int c = e / hd, d = e % hd;
-                ACC gv = 0, gk = 0;
-                for (int r = 0; r < S; ++r) {
-                    gv += sP[r * S + c] * sDY[r * ld + d];
-                    gk += sS[r * S + c] * sQ[r * ld + d];
+    for (int member = 0; member < g; ++member) {  // the group's query heads, in order
+        const FlashHead head(qkv, first.bh + member, seq, nh, nkv, hd, block, S);
+        int begin, end;
+        flash_list(col_ptr, head.h, layout_heads, head.nb, k0 / block, &begin, &end);
+        flash_tiles(
+            rows, begin, end, block, S,
+            [&](const int q0) { return flash_queries_seen(q0, k0, S, seq); },
+            [&](const int q0) {
+                flash_load(head.q, head.stride, q0, seq, S, hd, ld, sQ, scale);
+                flash_load(dy + head.at_y, head.C, q0, seq, S, hd, ld, sDY, (ACC)1);
+                for (int r = threadIdx.x; r < S; r += blockDim.x) {
+                    sLse[r] = q0 + r < seq ? lse[(long long)head.bh * seq + q0 + r] : (ACC)0;
+                    sD[r] = q0 + r < seq ? delta[(long long)head.bh * seq + q0 + r] : (ACC)0;
                 }
-                sDV[c * ld + d] += gv;
-                sDK[c * ld + d] += gk;
-            }
-        });
+            },
+            [&](const int q0) {
+                for (int e = threadIdx.x; e < S * S; e += blockDim.x) {
+                    const int r = e / S, c = e % S;
+                    const ACC p = flash_kept(q0 + r, k0 + c, seq)
+                                      ? acc_exp(flash_dot(sQ + r * ld, sK + c * ld, hd) - sLse[r])
+                                      : (ACC)0;
+                    sP[e] = p;
+                    sS[e] = p * (flash_dot(sDY + r * ld, sV + c * ld, hd) - sD[r]);
+                }
+                __syncthreads();
+                for (int e = threadIdx.x; e < S * hd; e += blockDim.x) {
+                    const int c = e / hd, d = e % hd;
+                    ACC gv = 0, gk = 0;
+                    for (int r = 0; r < S; ++r) {
+                        gv += sP[r * S + c] * sDY[r * ld + d];
+                        gk += sS[r * S + c] * sQ[r * ld + d];
+                    }
+                    sDV[c * ld + d] += gv;
+                    sDK[c * ld + d] += gk;
+                }
+            });
+    }
     __syncthreads();
-    T* dhead = dqkv + head.at_qkv;  // the head in dqkv: dk C after, dv 2C after
-    flash_store_rows(dhead + head.C, head.stride, k0, seq, S, hd, sDK, ld, (ACC)1);
-    flash_store_rows(dhead + 2 * head.C, head.stride, k0, seq, S, hd, sDV, ld, (ACC)1);
+    T* dk = dqkv + first.at_k;  // the key/value head in dqkv: its dk, and its dv K after
+    flash_store_rows(dk, first.stride, k0, seq, S, hd, sDK, ld, (ACC)1);
+    flash_store_rows(dk + first.K, first.stride, k0, seq, S, hd, sDV, ld, (ACC)1);
 }

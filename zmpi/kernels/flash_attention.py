@@ -7,7 +7,14 @@ arrays. The CPU keeps zmpi.nn.attention and zmpi.nn.sparse_attention.
 
     y, cache = flash_attention_forward(qkv, n_head)                   # dense causal
     y, cache = flash_attention_forward(qkv, n_head, layout, block)    # a causal block layout
+    y, cache = flash_attention_forward(qkv, n_head, n_kv_head=2)      # grouped-query
     dqkv = flash_attention_backward(dy, cache)
+
+Grouped-query attention (a Llama's, zmpi.nn.gqa): qkv (B, T, (n_head + 2 n_kv_head) hd)
+[q | k | v], n_kv_head dividing n_head; query head h reads key/value head h // (n_head /
+n_kv_head) by index, never a repeated copy; the backward of keys runs a block per key tile
+and (batch, key/value head) that sums dk and dv over its group's query heads in shared
+memory (docs/gpu.md says why). n_kv_head = n_head is multi-head attention, unchanged.
 
 The algorithm (Dao et al., FlashAttention-2): each block of query rows runs an online softmax
 over the key blocks its layout row keeps, in ascending order, keeping a running max m and sum l
@@ -126,22 +133,40 @@ def _sparse_layout(kept_bytes: bytes, shape, block: int) -> Layout:
 
 
 class FlashCache(NamedTuple):
-    """What backward needs: qkv and y (B, T, C) in their dtype, lse (B, nh, T) in the
-    accumulator's, the layout and the head count."""
+    """What backward needs: qkv (B, T, (nh + 2 nkv) hd) and y (B, T, nh hd) in their dtype, lse
+    (B, nh, T) in the accumulator's, the layout and the head counts."""
     qkv: object
     y: object
     lse: object
     layout: Layout
     n_head: int
+    n_kv_head: int
 
 
-def flash_attention_forward(qkv, n_head: int, layout=None, block: int | None = None):
-    """Causal multi-head attention of qkv (B, T, 3C) [q | k | v] -> (y (B, T, C), FlashCache):
-    dense causal (layout None; T any length), or over a causal block layout (n_head or 1,
-    T / block, T / block) (T a multiple of block: ValueError otherwise). Computes what
-    zmpi.nn.attention.attention_forward and zmpi.nn.sparse_attention.sparse_attention_forward
-    compute, to round-off."""
-    B, T, C3 = qkv.shape
+def head_size(qkv, n_head: int, n_kv_head: int) -> int:
+    """hd of a packed qkv (B, T, (n_head + 2 n_kv_head) hd); ValueError unless n_kv_head (an
+    integer >= 1) divides n_head and the width is a multiple of n_head + 2 n_kv_head."""
+    width = qkv.shape[-1]
+    if (type(n_kv_head) is not int or n_kv_head < 1 or n_head % n_kv_head
+            or width % (n_head + 2 * n_kv_head)):
+        raise ValueError(f"attention: qkv of width {width} for n_head {n_head} and n_kv_head "
+                         f"{n_kv_head} (n_kv_head must divide n_head, the width be (n_head + "
+                         "2 n_kv_head) x the head size)")
+    return width // (n_head + 2 * n_kv_head)
+
+
+def flash_attention_forward(qkv, n_head: int, layout=None, block: int | None = None,
+                            n_kv_head: int | None = None):
+    """Causal attention of qkv (B, T, (nh + 2 nkv) hd) [q | k | v] -> (y (B, T, nh hd),
+    FlashCache): dense causal (layout None; T any length), or over a causal block layout (n_head
+    or 1, T / block, T / block) (T a multiple of block: ValueError otherwise). n_kv_head (None:
+    n_head, multi-head attention, qkv (B, T, 3C)) key/value heads, dividing n_head: query head
+    h reads key/value head h // (n_head / n_kv_head) (grouped-query attention; 1: multi-query).
+    Computes what zmpi.nn.attention.attention_forward, zmpi.nn.gqa.gqa_attention_forward and
+    zmpi.nn.sparse_attention.sparse_attention_forward compute, to round-off."""
+    n_kv_head = n_head if n_kv_head is None else n_kv_head
+    head_size(qkv, n_head, n_kv_head)
+    B, T, _ = qkv.shape
     if layout is None:
         plan = dense_layout(T)
     else:
@@ -151,13 +176,15 @@ def flash_attention_forward(qkv, n_head: int, layout=None, block: int | None = N
         plan = sparse_layout(layout, block)
     if plan.heads not in (1, n_head):
         raise ValueError(f"flash attention: a layout of {plan.heads} heads for n_head {n_head}")
-    y, lse = _forward(qkv, plan, n_head)
-    return y, FlashCache(qkv, y, lse, plan, n_head)
+    y, lse = _forward(qkv, plan, n_head, n_kv_head)
+    return y, FlashCache(qkv, y, lse, plan, n_head, n_kv_head)
 
 
 def flash_attention_backward(dy, cache: FlashCache):
-    """dy (B, T, C) -> dqkv (B, T, 3C) in qkv's dtype."""
-    return _backward(dy, cache.qkv, cache.y, cache.lse, cache.layout, cache.n_head)
+    """dy (B, T, nh hd) -> dqkv (B, T, (nh + 2 nkv) hd) in qkv's dtype: dk and dv of each
+    key/value head summed over the query heads of its group."""
+    return _backward(dy, cache.qkv, cache.y, cache.lse, cache.layout, cache.n_head,
+                     cache.n_kv_head)
 
 
 # -- the twins: the blocked algorithm with array operations ------------------------------------
@@ -169,6 +196,22 @@ def _heads(x, n_head: int, hd: int, acc, nb: int, block: int):
     out = np.zeros((n, B, n_head, nb * block, hd), acc)
     out[..., :T, :] = x.reshape(B, T, n, n_head, hd).transpose(2, 0, 3, 1, 4)
     return out.reshape(n, B, n_head, nb, block, hd)
+
+
+def _qkv_heads(qkv, n_head: int, n_kv_head: int, acc, nb: int, block: int):
+    """qkv (B, T, (nh + 2 nkv) hd) -> (q (B, nh, nb, block, hd) scaled by 1 / sqrt(hd), k, v
+    (B, nkv, nb, block, hd)) in acc, zero past T; and hd."""
+    hd = head_size(qkv, n_head, n_kv_head)
+    q = _heads(qkv[..., :n_head * hd], n_head, hd, acc, nb, block)[0]
+    q *= acc.type(1.0 / math.sqrt(hd))
+    k, v = _heads(qkv[..., n_head * hd:], n_kv_head, hd, acc, nb, block)
+    return q, k, v, hd
+
+
+def _merged(x, T: int):
+    """Heads (B, n, nb, block, hd) -> (B, T, n hd), the rows before T."""
+    B, n, nb, block, hd = x.shape
+    return x.reshape(B, n, nb * block, hd)[:, :, :T].transpose(0, 2, 1, 3).reshape(B, T, n * hd)
 
 
 def _steps(layout: Layout, n_head: int, i: int, T: int):
@@ -186,14 +229,13 @@ def _steps(layout: Layout, n_head: int, i: int, T: int):
         yield np.maximum(j, 0), valid
 
 
-def _forward_twin(qkv, layout: Layout, n_head: int):
-    B, T, C3 = qkv.shape
-    hd, acc, block, nb = C3 // 3 // n_head, kernels.acc_dtype(qkv.dtype), layout.block, layout.nb
-    q, k, v = _heads(qkv, n_head, hd, acc, nb, block)
-    q *= acc.type(1.0 / math.sqrt(hd))
+def _forward_twin(qkv, layout: Layout, n_head: int, n_kv_head: int):
+    B, T, _ = qkv.shape
+    acc, block, nb = kernels.acc_dtype(qkv.dtype), layout.block, layout.nb
+    q, k, v, hd = _qkv_heads(qkv, n_head, n_kv_head, acc, nb, block)
     y = np.empty((B, n_head, nb, block, hd), acc)
     lse = np.empty((B, n_head, nb, block), acc)
-    heads = np.arange(n_head)
+    heads = np.arange(n_head) // (n_head // n_kv_head)  # the key/value head of each query head
     for i in range(nb):
         m = np.full((B, n_head, block, 1), -np.inf, acc)
         total = np.zeros((B, n_head, block, 1), acc)
@@ -210,25 +252,24 @@ def _forward_twin(qkv, layout: Layout, n_head: int):
         with np.errstate(divide="ignore", invalid="ignore"):  # rows past T: none counted
             y[:, :, i] = o / total
             lse[:, :, i] = (m + np.log(total))[..., 0]
-    y = y.reshape(B, n_head, nb * block, hd)[:, :, :T].transpose(0, 2, 1, 3)
-    return (y.reshape(B, T, C3 // 3).astype(qkv.dtype),
+    return (_merged(y, T).astype(qkv.dtype),
             np.ascontiguousarray(lse.reshape(B, n_head, nb * block)[..., :T]))
 
 
-def _backward_twin(dy, qkv, y, lse, layout: Layout, n_head: int):
-    B, T, C3 = qkv.shape
-    hd, acc, block, nb = C3 // 3 // n_head, kernels.acc_dtype(qkv.dtype), layout.block, layout.nb
+def _backward_twin(dy, qkv, y, lse, layout: Layout, n_head: int, n_kv_head: int):
+    B, T, _ = qkv.shape
+    acc, block, nb = kernels.acc_dtype(qkv.dtype), layout.block, layout.nb
+    q, k, v, hd = _qkv_heads(qkv, n_head, n_kv_head, acc, nb, block)
     scale = acc.type(1.0 / math.sqrt(hd))
-    q, k, v = _heads(qkv, n_head, hd, acc, nb, block)
-    q *= scale
     dyh, yh = _heads(np.concatenate([dy, y], axis=-1), n_head, hd, acc, nb,
                      block)
     delta = (dyh * yh).sum(axis=-1)  # (B, nh, nb, block)
     lse_b = np.zeros((B, n_head, nb * block), acc)
     lse_b[..., :T] = lse
     lse_b = lse_b.reshape(B, n_head, nb, block)
-    dq, dk, dv = np.zeros((3, B, n_head, nb, block, hd), acc)
-    heads = np.arange(n_head)
+    dq = np.zeros((B, n_head, nb, block, hd), acc)
+    dk, dv = np.zeros((2, B, n_kv_head, nb, block, hd), acc)
+    heads = np.arange(n_head) // (n_head // n_kv_head)  # the key/value head of each query head
     for i in range(nb):
         for j, valid in _steps(layout, n_head, i, T):
             k_j, v_j = k[:, heads, j], v[:, heads, j]
@@ -236,11 +277,12 @@ def _backward_twin(dy, qkv, y, lse, layout: Layout, n_head: int):
             p = np.exp(s - lse_b[:, :, i, :, None])
             ds = p * (dyh[:, :, i] @ v_j.swapaxes(-1, -2) - delta[:, :, i, :, None])
             dq[:, :, i] += ds @ k_j
-            dk[:, heads, j] += ds.swapaxes(-1, -2) @ q[:, :, i]
-            dv[:, heads, j] += p.swapaxes(-1, -2) @ dyh[:, :, i]
+            # summed over the query heads of a group (a (head, block) pair may repeat)
+            np.add.at(dk, (slice(None), heads, j), ds.swapaxes(-1, -2) @ q[:, :, i])
+            np.add.at(dv, (slice(None), heads, j), p.swapaxes(-1, -2) @ dyh[:, :, i])
     dq *= scale
-    dqkv = np.stack([dq, dk, dv]).reshape(3, B, n_head, nb * block, hd)[..., :T, :]
-    return dqkv.transpose(1, 3, 0, 2, 4).reshape(B, T, C3).astype(qkv.dtype)
+    return np.concatenate([_merged(dq, T), _merged(dk, T), _merged(dv, T)],
+                          axis=-1).astype(qkv.dtype)
 
 
 # -- the CUDA launchers ---------------------------------------------------------------------------
@@ -343,16 +385,18 @@ def families(tc: bool) -> tuple[str, ...]:
     return (*FAMILIES, FLASH, *((FLASH_TC,) if tc else ()))
 
 
-def _launch(kernel: str, qkv, layout: Layout, n_head: int, args):
+def _launch(kernel: str, qkv, layout: Layout, n_head: int, n_kv_head: int, args):
     """Run `kernel` (its tensor-core twin where `tensor_cores` says) on tiles of S rows over the
-    layout's nb blocks for every (batch, head) of qkv (B, T, 3C); args: the kernel's up to its
-    `seq`, the shape arguments added here."""
-    B, T, C3 = qkv.shape
-    hd = C3 // 3 // n_head
+    layout's nb blocks for every (batch, query head) of qkv (B, T, (nh + 2 nkv) hd), or for the
+    keys' backward every (batch, key/value head), which sums over its group's query heads in
+    the kernel; args: the kernel's up to its `seq`, the shape arguments added here."""
+    B, T, _ = qkv.shape
+    hd = head_size(qkv, n_head, n_kv_head)
     acc = kernels.acc_dtype(qkv.dtype)
     tc = tensor_cores(qkv.dtype, hd, layout.block)
     s = tile_rows(kernel, layout.block, hd, acc, tc, shared_limit())
-    grid = (layout.nb * layout.block // s, B * n_head)
+    heads = n_kv_head if kernel == "flash_backward_dkv" else n_head
+    grid = (layout.nb * layout.block // s, B * heads)
     if 0 in grid or T == 0:
         return
     name = kernel.replace("flash_", "flash_tc_") if tc else kernel
@@ -361,28 +405,29 @@ def _launch(kernel: str, qkv, layout: Layout, n_head: int, args):
     if shared > SHARED_BYTES and function.max_dynamic_shared_size_bytes < shared:
         function.max_dynamic_shared_size_bytes = shared  # the opt-in, once per kernel and size
     function(grid, (2 * s if tc else kernels.THREADS,),  # tensor cores: a warp per 16 rows
-             (*args, np.int32(T), np.int32(n_head), np.int32(hd), np.int32(layout.block),
+             (*args, np.int32(T), np.int32(n_head), np.int32(n_kv_head), np.int32(hd),
+              np.int32(layout.block),
               np.int32(layout.heads), np.int32(s), acc.type(1.0 / math.sqrt(hd))),
              shared_mem=shared)
 
 
-def cuda_flash_forward(qkv, layout: Layout, n_head: int):
-    xp, (B, T, C3) = backend.xp, qkv.shape
-    y = xp.empty((B, T, C3 // 3), qkv.dtype)
+def cuda_flash_forward(qkv, layout: Layout, n_head: int, n_kv_head: int):
+    xp, (B, T, _) = backend.xp, qkv.shape
+    y = xp.empty((B, T, n_head * head_size(qkv, n_head, n_kv_head)), qkv.dtype)
     lse = xp.empty((B, n_head, T), kernels.acc_dtype(qkv.dtype))
     row_ptr, cols, _, _ = layout.device()
-    _launch("flash_forward", qkv, layout, n_head, (qkv, row_ptr, cols, y, lse))
+    _launch("flash_forward", qkv, layout, n_head, n_kv_head, (qkv, row_ptr, cols, y, lse))
     return y, lse
 
 
-def cuda_flash_backward(dy, qkv, y, lse, layout: Layout, n_head: int):
+def cuda_flash_backward(dy, qkv, y, lse, layout: Layout, n_head: int, n_kv_head: int):
     xp = backend.xp
     dqkv = xp.empty_like(qkv)
     delta = xp.empty_like(lse)
     row_ptr, cols, col_ptr, rows = layout.device()
-    _launch("flash_backward_dq", qkv, layout, n_head,
+    _launch("flash_backward_dq", qkv, layout, n_head, n_kv_head,
             (qkv, y, dy, lse, row_ptr, cols, dqkv, delta))
-    _launch("flash_backward_dkv", qkv, layout, n_head,
+    _launch("flash_backward_dkv", qkv, layout, n_head, n_kv_head,
             (qkv, dy, lse, delta, col_ptr, rows, dqkv))
     return dqkv
 

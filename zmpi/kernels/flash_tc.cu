@@ -128,7 +128,7 @@ __device__ void tc_load_async(const T* src, const long long stride, const int r0
     }
 }
 
-// body(r0, buf) for every tile r0 that flash_next_tile (flash.cu) gives from list, begin and keep,, after
+// body(r0, buf) for every tile r0 that flash_next_tile (flash.cu) gives from list, begin and keep,
 // after load(r0, buf) has put what the tile needs in shared memory buffer buf (0 or 1) by
 // asynchronous copies: the next tile's copies are in flight (into the other buffer) while
 // body works on this one (cp.async, double-buffered). Every thread of the block calls it;
@@ -182,11 +182,11 @@ __device__ void tc_key_tiles(const FlashHead& head, const int* row_ptr, const in
 // B nh), S / 16 warps): flash.cu's flash_forward, its products on tensor cores
 extern "C" __global__ void flash_tc_forward(const T* qkv, const int* row_ptr, const int* cols,
                                             T* y, ACC* lse, const int seq, const int nh,
-                                            const int hd, const int block,
+                                            const int nkv, const int hd, const int block,
                                             const int layout_heads, const int S,
                                             const ACC scale) {
     extern __shared__ __align__(32) unsigned char flash_smem[];
-    const FlashHead head(qkv, seq, nh, hd, block, S);
+    const FlashHead head(qkv, blockIdx.y, seq, nh, nkv, hd, block, S);
     const TcLeadingDims ld(S, hd);
     const int q0 = head.r0, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     unsigned char* at = flash_smem;
@@ -251,11 +251,12 @@ extern "C" __global__ void flash_tc_forward(const T* qkv, const int* row_ptr, co
 extern "C" __global__ void flash_tc_backward_dq(const T* qkv, const T* y, const T* dy,
                                                 const ACC* lse, const int* row_ptr,
                                                 const int* cols, T* dqkv, ACC* delta,
-                                                const int seq, const int nh, const int hd,
-                                                const int block, const int layout_heads,
-                                                const int S, const ACC scale) {
+                                                const int seq, const int nh, const int nkv,
+                                                const int hd, const int block,
+                                                const int layout_heads, const int S,
+                                                const ACC scale) {
     extern __shared__ __align__(32) unsigned char flash_smem[];
-    const FlashHead head(qkv, seq, nh, hd, block, S);
+    const FlashHead head(qkv, blockIdx.y, seq, nh, nkv, hd, block, S);
     const TcLeadingDims ld(S, hd);
     const int q0 = head.r0, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     unsigned char* at = flash_smem;
@@ -295,22 +296,24 @@ extern "C" __global__ void flash_tc_backward_dq(const T* qkv, const T* y, const 
             tc_product<false>(sP + w0 * ld.p, ld.p, sK, ld.hd, S, hd / 16, sDQ + w0 * ld.o, ld.o,
                               true);
         });
-    flash_store_rows(dqkv + head.at_qkv, head.stride, q0, seq, S, hd, sDQ, ld.o, scale);
+    flash_store_rows(dqkv + head.at_q, head.stride, q0, seq, S, hd, sDQ, ld.o, scale);
 }
 
-// flash.cu's flash_backward_dkv on tensor cores: for key rows k0 .. k0 + S, over the query
-// blocks that keep their block, dv = sum p^T dy and dk = scale sum ds^T q, p and ds rounded
-// to T; each warp's 16 keys against S queries at a time
+// flash.cu's flash_backward_dkv on tensor cores: for key rows k0 .. k0 + S of key/value head
+// l, over each query head of its group in order and the query blocks that keep their block,
+// dv = sum p^T dy and dk = scale sum ds^T q, p and ds rounded to T; each warp's 16 keys
+// against S queries at a time
 extern "C" __global__ void flash_tc_backward_dkv(const T* qkv, const T* dy, const ACC* lse,
                                                  const ACC* delta, const int* col_ptr,
                                                  const int* rows, T* dqkv, const int seq,
-                                                 const int nh, const int hd, const int block,
-                                                 const int layout_heads, const int S,
-                                                 const ACC scale) {
+                                                 const int nh, const int nkv, const int hd,
+                                                 const int block, const int layout_heads,
+                                                 const int S, const ACC scale) {
     extern __shared__ __align__(32) unsigned char flash_smem[];
-    const FlashHead head(qkv, seq, nh, hd, block, S);
+    const int g = nh / nkv;  // blockIdx.y = b nkv + l: query heads (b nkv + l) g .. + g - 1
+    const FlashHead first(qkv, blockIdx.y * g, seq, nh, nkv, hd, block, S);
     const TcLeadingDims ld(S, hd);
-    const int k0 = head.r0, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int k0 = first.r0, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     unsigned char* at = flash_smem;
     T* sK = flash_carve<T>(at, S * ld.hd);
     T* sV = flash_carve<T>(at, S * ld.hd);
@@ -324,8 +327,8 @@ extern "C" __global__ void flash_tc_backward_dkv(const T* qkv, const T* dy, cons
     float* sDV = flash_carve<float>(at, S * ld.o);
     float* const lseBuf[2] = {flash_carve<float>(at, S), flash_carve<float>(at, S)};
     float* const deltaBuf[2] = {flash_carve<float>(at, S), flash_carve<float>(at, S)};
-    tc_load(head.k, head.stride, k0, seq, S, hd, ld.hd, sK);
-    tc_load(head.v, head.stride, k0, seq, S, hd, ld.hd, sV);
+    tc_load(first.k, first.stride, k0, seq, S, hd, ld.hd, sK);
+    tc_load(first.v, first.stride, k0, seq, S, hd, ld.hd, sV);
     for (int e = threadIdx.x; e < S * ld.o; e += blockDim.x) {
         sDK[e] = 0;
         sDV[e] = 0;
@@ -333,49 +336,52 @@ extern "C" __global__ void flash_tc_backward_dkv(const T* qkv, const T* dy, cons
     const int w0 = warp * 16, r = w0 + (lane >> 1), half = lane & 1;  // r: a key row
     float* s = sS + w0 * ld.s;
     float* t = sT + w0 * ld.s;
-    int begin, end;
-    flash_list(col_ptr, head.h, layout_heads, head.nb, k0 / block, &begin, &end);
     __syncthreads();  // sK, sV, sDK, sDV written
-    const ACC* lse_h = lse + (long long)head.bh * seq;
-    const ACC* delta_h = delta + (long long)head.bh * seq;
-    tc_pipelined_tiles(
-        rows, begin, end, block, S,
-        [&](const int q0) { return flash_queries_seen(q0, k0, S, seq); },
-        [&](const int q0, const int buf) {
-            tc_load_async(head.q, head.stride, q0, seq, S, hd, ld.hd, qBuf[buf]);
-            tc_load_async(dy + head.at_y, head.C, q0, seq, S, hd, ld.hd, dyBuf[buf]);
-            for (int i = threadIdx.x; i < S; i += blockDim.x) {  // 0 past seq
-                const bool inside = q0 + i < seq;
-                __pipeline_memcpy_async(lseBuf[buf] + i, inside ? lse_h + q0 + i : lse_h, 4,
-                                        inside ? 0 : 4);
-                __pipeline_memcpy_async(deltaBuf[buf] + i, inside ? delta_h + q0 + i : delta_h,
-                                        4, inside ? 0 : 4);
-            }
-        },
-        [&](const int q0, const int buf) {
-            const T* sQ = qBuf[buf];
-            const T* sDY = dyBuf[buf];
-            const float* sLse = lseBuf[buf];
-            const float* sD = deltaBuf[buf];
-            tc_product<true>(sK + w0 * ld.hd, ld.hd, sQ, ld.hd, hd, S / 16, s, ld.s, false);
-            tc_product<true>(sV + w0 * ld.hd, ld.hd, sDY, ld.hd, hd, S / 16, t, ld.s, false);
-            __syncwarp();
-            for (int j = half; j < S; j += 2) {
-                const int c = tc_column(j, lane, S);  // a query column
-                const float p = flash_kept(q0 + c, k0 + r, seq)
-                                    ? acc_exp(s[(r - w0) * ld.s + c] * scale - sLse[c])
-                                    : 0.0f;
-                store(sP + r * ld.p + c, p);
-                store(sDS + r * ld.p + c, p * (t[(r - w0) * ld.s + c] - sD[c]));
-            }
-            __syncwarp();
-            tc_product<false>(sP + w0 * ld.p, ld.p, sDY, ld.hd, S, hd / 16, sDV + w0 * ld.o, ld.o,
-                              true);
-            tc_product<false>(sDS + w0 * ld.p, ld.p, sQ, ld.hd, S, hd / 16, sDK + w0 * ld.o, ld.o,
-                              true);
-        });
-    T* dhead = dqkv + head.at_qkv;  // the head in dqkv: dk C after, dv 2C after
-    flash_store_rows(dhead + head.C, head.stride, k0, seq, S, hd, sDK, ld.o, scale);
-    flash_store_rows(dhead + 2 * head.C, head.stride, k0, seq, S, hd, sDV, ld.o, 1.0f);
+    for (int member = 0; member < g; ++member) {  // the group's query heads, in order
+        const FlashHead head(qkv, first.bh + member, seq, nh, nkv, hd, block, S);
+        int begin, end;
+        flash_list(col_ptr, head.h, layout_heads, head.nb, k0 / block, &begin, &end);
+        const ACC* lse_h = lse + (long long)head.bh * seq;
+        const ACC* delta_h = delta + (long long)head.bh * seq;
+        tc_pipelined_tiles(
+            rows, begin, end, block, S,
+            [&](const int q0) { return flash_queries_seen(q0, k0, S, seq); },
+            [&](const int q0, const int buf) {
+                tc_load_async(head.q, head.stride, q0, seq, S, hd, ld.hd, qBuf[buf]);
+                tc_load_async(dy + head.at_y, head.C, q0, seq, S, hd, ld.hd, dyBuf[buf]);
+                for (int i = threadIdx.x; i < S; i += blockDim.x) {  // 0 past seq
+                    const bool inside = q0 + i < seq;
+                    __pipeline_memcpy_async(lseBuf[buf] + i, inside ? lse_h + q0 + i : lse_h, 4,
+                                            inside ? 0 : 4);
+                    __pipeline_memcpy_async(deltaBuf[buf] + i, inside ? delta_h + q0 + i : delta_h,
+                                            4, inside ? 0 : 4);
+                }
+            },
+            [&](const int q0, const int buf) {
+                const T* sQ = qBuf[buf];
+                const T* sDY = dyBuf[buf];
+                const float* sLse = lseBuf[buf];
+                const float* sD = deltaBuf[buf];
+                tc_product<true>(sK + w0 * ld.hd, ld.hd, sQ, ld.hd, hd, S / 16, s, ld.s, false);
+                tc_product<true>(sV + w0 * ld.hd, ld.hd, sDY, ld.hd, hd, S / 16, t, ld.s, false);
+                __syncwarp();
+                for (int j = half; j < S; j += 2) {
+                    const int c = tc_column(j, lane, S);  // a query column
+                    const float p = flash_kept(q0 + c, k0 + r, seq)
+                                        ? acc_exp(s[(r - w0) * ld.s + c] * scale - sLse[c])
+                                        : 0.0f;
+                    store(sP + r * ld.p + c, p);
+                    store(sDS + r * ld.p + c, p * (t[(r - w0) * ld.s + c] - sD[c]));
+                }
+                __syncwarp();
+                tc_product<false>(sP + w0 * ld.p, ld.p, sDY, ld.hd, S, hd / 16, sDV + w0 * ld.o,
+                                  ld.o, true);
+                tc_product<false>(sDS + w0 * ld.p, ld.p, sQ, ld.hd, S, hd / 16, sDK + w0 * ld.o,
+                                  ld.o, true);
+            });
+    }
+    T* dk = dqkv + first.at_k;  // the key/value head in dqkv: its dk, and its dv K after
+    flash_store_rows(dk, first.stride, k0, seq, S, hd, sDK, ld.o, scale);
+    flash_store_rows(dk + first.K, first.stride, k0, seq, S, hd, sDV, ld.o, 1.0f);
 }
 #endif

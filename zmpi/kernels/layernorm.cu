@@ -43,31 +43,14 @@ extern "C" __global__ void layernorm_backward(const T* dy, const ACC* xhat, cons
     }
 }
 
-// partial (2, gridDim.y, C): column sums of dy xhat and of dy over rows y, y + gridDim.y, ...
+// partial (2, gridDim.y, C): column sums of dy xhat and of dy (common.cuh's column_partials)
 extern "C" __global__ void column_sums(const T* dy, const ACC* xhat, ACC* partial,
                                        const long long rows, const int C) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
-    ACC sw = 0, sb = 0;
-    for (long long r = blockIdx.y; r < rows; r += gridDim.y) {
-        const ACC d = to_acc(dy[r * C + c]);
-        sw += d * xhat[r * C + c];
-        sb += d;
-    }
-    partial[(long long)blockIdx.y * C + c] = sw;
-    partial[((long long)gridDim.y + blockIdx.y) * C + c] = sb;
+    column_partials<true>(dy, xhat, partial, rows, C);
 }
 
 // dw[c], db[c]: the sums of column_sums' partials (2, parts, C), rounded once as written
 extern "C" __global__ void column_sums_total(const ACC* partial, T* dw, T* db, const int parts,
                                              const int C) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
-    ACC sw = 0, sb = 0;
-    for (int p = 0; p < parts; ++p) {
-        sw += partial[(long long)p * C + c];
-        sb += partial[((long long)parts + p) * C + c];
-    }
-    store(dw + c, sw);
-    store(db + c, sb);
+    column_totals<true>(partial, dw, db, parts, C);
 }

@@ -6,7 +6,8 @@
 
 One .cu file per op family (llm.c's dev/cuda layout: one op a file, its launcher and NumPy twin
 named in zmpi.kernels.OPS): layernorm, gelu, softmax and the loss, adam, a bias's gradient,
-flash attention (SIMT) and flash attention on tensor cores. common.cuh holds what they share
+the Llama family's RMSNorm, rotary embeddings and SwiGLU gating, flash attention (SIMT) and
+flash attention on tensor cores. common.cuh holds what they share
 (the T and ACC types, conversions, reductions). A module's source is common.cuh followed by its
 families, joined here rather than #included: CuPy's RawModule keys its on-disk cache on the code
 and the options, so an edit to an included file would go unseen. The CPU executor
@@ -22,7 +23,8 @@ from pathlib import Path
 
 COMMON = "common.cuh"
 # The fused ops' families, in the order a module holds them (zmpi.kernels' module)
-FAMILIES = ("layernorm.cu", "gelu.cu", "softmax_loss.cu", "adam.cu", "bias_grad.cu")
+FAMILIES = ("layernorm.cu", "gelu.cu", "softmax_loss.cu", "adam.cu", "bias_grad.cu",
+            "rmsnorm.cu", "rope.cu", "swiglu.cu")
 FLASH = "flash.cu"  # flash attention, SIMT: compiled after FAMILIES
 FLASH_TC = "flash_tc.cu"  # flash attention on tensor cores (<mma.h>): after FLASH
 CU_FILES = (COMMON, *FAMILIES, FLASH, FLASH_TC)

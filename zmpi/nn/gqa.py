@@ -12,6 +12,10 @@ causal mask with the softmax is attention's fused op (`causal_softmax`, one kern
 and the keys' and values' gradients sum over their group inside the products. Queries go
 `block` rows at a time (`attention_block`) against the keys they may see, as attention's do.
 
+The flash and block-sparse paths (zmpi.kernels.flash_attention, zmpi.nn.sparse_attention)
+take q, k and v packed into one array [q | k | v] (B, T, (nh + 2 nkv) hd): `pack_qkv` writes
+it (rotating q and k on the way), `unpack_dqkv` takes its gradient apart (rotating back).
+
 Rotary position embeddings (zmpi.nn.llama_functional), when given as the tables of the
 positions the rows hold, rotate q and k per head after the heads are split, and their
 gradients back before they are merged.
@@ -153,3 +157,50 @@ def gqa_attention_backward(dy, cache, rope=None):
     dkT, dvT = sums
     return (_merged(dq.reshape(B, nh, T, hd), rope), _merged(dkT.swapaxes(-1, -2), rope),
             _merged(dvT.swapaxes(-1, -2)))
+
+
+def pack_qkv(q, k, v, n_head, n_kv_head, rope=None):
+    """The flash and block-sparse paths' input: q (B, T, nh hd), k, v (B, T, nkv hd) -> qkv
+    (B, T, (nh + 2 nkv) hd) [q | k | v], a new array, q and k rotated by rope's tables (cos,
+    sin) (T, hd/2) when given, written in place into it (one pass each)."""
+    xp = array_module(q)
+    B, T, _ = q.shape
+    hd = q.shape[-1] // n_head
+    qkv = xp.empty((B, T, (n_head + 2 * n_kv_head) * hd), dtype=q.dtype)
+    for x, part, rotate in zip((q, k, v), _parts(qkv, n_head, n_kv_head, hd), (1, 1, 0),
+                               strict=True):
+        if rope is None or not rotate:
+            part[...] = x
+        else:
+            rope_forward(_as_heads(x, hd), *rope, out=_as_heads(part, hd))
+    return qkv
+
+
+def unpack_dqkv(dqkv, n_head, n_kv_head, rope=None):
+    """The gradient of pack_qkv: dqkv (B, T, (nh + 2 nkv) hd) -> (dq (B, T, nh hd), dk, dv
+    (B, T, nkv hd)), dq and dk rotated back by rope's tables when given (new arrays; views of
+    dqkv where nothing rotates)."""
+    xp = array_module(dqkv)
+    hd = dqkv.shape[-1] // (n_head + 2 * n_kv_head)
+    out = []
+    for part, rotate in zip(_parts(dqkv, n_head, n_kv_head, hd), (1, 1, 0), strict=True):
+        if rope is None or not rotate:
+            out.append(part)
+        else:
+            grad = xp.empty(part.shape, dtype=part.dtype)
+            rope_backward(_as_heads(part, hd), *rope, out=_as_heads(grad, hd))
+            out.append(grad)
+    return tuple(out)
+
+
+def _parts(qkv, n_head, n_kv_head, hd):
+    """The views q (B, T, nh hd), k, v (B, T, nkv hd) of a packed qkv."""
+    nq, nkv = n_head * hd, n_kv_head * hd
+    return qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
+
+
+def _as_heads(x, hd):
+    """x (B, T, n hd), possibly a strided view of its last axis -> the view (B, n, T, hd) that
+    rope_forward rotates along T."""
+    B, T, width = x.shape
+    return x.reshape(B, T, width // hd, hd).transpose(0, 2, 1, 3)

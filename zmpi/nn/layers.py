@@ -138,7 +138,71 @@ class GELU(Module):
         return F.gelu_backward(dy, self._pop())
 
 
-class CausalSelfAttention(Module):
+class AttentionPaths(Module):
+    """What causal attention layers share (CausalSelfAttention, zmpi.nn.llama_layers'
+    GroupedQueryAttention): the choice of the attention core. On a packed qkv (B, T, (n_head +
+    2 n_kv_head) hd) [q | k | v]: zmpi.kernels.flash_attention's fused kernels (the config's
+    attention_kernel "flash", on device arrays), else block-sparse attention
+    (zmpi.nn.sparse_attention) over `sparsity`'s layout for this layer's heads; the layer's
+    own blocked dense path where `_packed` says neither applies.
+
+    sparsity (a zmpi.nn.sparsity SparsityConfig for the model's query heads, or None), n_head
+    (this rank's query heads, heads [head_offset, head_offset + n_head) of the model's under
+    tensor parallelism) and recompute_core are the layer's."""
+
+    sparsity = None
+    # selective recompute: keep q, k, v but not the (B, nh, T, T) attention probabilities,
+    # which backward recomputes (bit for bit); set by UnitModel.set_recompute
+    recompute_core = False
+    head_offset = 0  # this rank's first head of the model's (tensor parallelism)
+
+    @staticmethod
+    def _check_sparsity(sparsity, n_head):
+        """ValueError unless sparsity is None or a layout of n_head heads."""
+        if sparsity is not None and sparsity.num_heads != n_head:
+            raise ValueError(f"a sparse attention layout of {sparsity.num_heads} heads for "
+                             f"n_head={n_head}")
+
+    def _packed(self, x) -> bool:
+        """Whether attention on x (a device array or not) runs on a packed qkv: the flash
+        kernels or block-sparse attention."""
+        return flash_attention.enabled_for(x) or not self._dense
+
+    def _packed_forward(self, qkv, n_kv_head=None):
+        """(y (B, T, n_head hd), cache) of the flash kernels or block-sparse attention on qkv
+        (n_kv_head key/value heads; None: n_head)."""
+        sparse = () if self._dense else (self.layout(qkv.shape[1]), self.sparsity.block)
+        if flash_attention.enabled_for(qkv):
+            return flash_attention.flash_attention_forward(qkv, self.n_head, *sparse,
+                                                           n_kv_head=n_kv_head)
+        return S.sparse_attention_forward(qkv, self.n_head, *sparse, n_kv_head=n_kv_head,
+                                          keep_probs=not self.recompute_core)
+
+    def _packed_cache(self, cache) -> bool:
+        """Whether `cache` is a _packed_forward's (else the blocked dense path's)."""
+        return isinstance(cache, flash_attention.FlashCache) or not self._dense
+
+    @staticmethod
+    def _packed_backward(dy, cache):
+        """dqkv (B, T, (n_head + 2 n_kv_head) hd) of a _packed_forward's cache."""
+        backward = (flash_attention.flash_attention_backward
+                    if isinstance(cache, flash_attention.FlashCache) else
+                    S.sparse_attention_backward)
+        return backward(dy, cache)
+
+    @property
+    def _dense(self) -> bool:
+        """Dense attention: no sparsity, or mode "dense" (every block kept: the dense kernels,
+        which query blocks of their own size, give its numbers bit for bit)."""
+        return self.sparsity is None or isinstance(self.sparsity, DenseSparsityConfig)
+
+    def layout(self, T: int) -> numpy.ndarray:
+        """This layer's heads' block layout at sequence length T (n_head, T/block, T/block),
+        intersected with the causal mask; ValueError if T is not a multiple of the block."""
+        return model_layout(self.sparsity, T)[self.head_offset:self.head_offset + self.n_head]
+
+
+class CausalSelfAttention(AttentionPaths):
     """Multi-head causal self-attention.  x (B, T, C) -> y (B, T, C).
 
     qkv: Linear (C, 3C) producing [q | k | v]; proj: Linear (C, C), init std `proj_std`
@@ -151,23 +215,17 @@ class CausalSelfAttention(Module):
     made once per sequence length T (a multiple of its block) for this layer's heads. Mode
     "dense" runs the dense kernels (its layout keeps every block: the same numbers). With the
     config's attention_kernel "flash", on device arrays, dense and sparse attention run
-    zmpi.kernels.flash_attention's fused kernels instead (they keep no probabilities either way).
+    zmpi.kernels.flash_attention's fused kernels instead (they keep no probabilities either way):
+    AttentionPaths.
     """
 
     tp_plan = {"qkv": "colwise_heads", "proj": "rowwise"}
-    # selective recompute: keep q, k, v but not the (B, nh, T, T) attention probabilities,
-    # which backward recomputes (bit for bit); set by UnitModel.set_recompute
-    recompute_core = False
-
-    head_offset = 0  # this rank's first head of the model's (tensor parallelism)
 
     def __init__(self, d_model, n_head, rng=None, dtype=numpy.float32, std=0.02, proj_std=None,
                  sparsity=None):
         if d_model % n_head:
             raise ValueError(f"d_model={d_model} is not divisible by n_head={n_head}")
-        if sparsity is not None and sparsity.num_heads != n_head:
-            raise ValueError(f"a sparse attention layout of {sparsity.num_heads} heads for "
-                             f"n_head={n_head}")
+        self._check_sparsity(sparsity, n_head)
         rng = numpy.random.default_rng(rng)
         self.n_head, self.sparsity = n_head, sparsity
         self.qkv = Linear(d_model, 3 * d_model, rng=rng, dtype=dtype, std=std)
@@ -176,12 +234,8 @@ class CausalSelfAttention(Module):
 
     def forward(self, x):
         qkv = self.qkv.forward(x)  # (B, T, 3C)
-        sparse = () if self._dense else (self.layout(qkv.shape[1]), self.sparsity.block)
-        if flash_attention.enabled_for(qkv):
-            y, cache = flash_attention.flash_attention_forward(qkv, self.n_head, *sparse)
-        elif sparse:
-            y, cache = S.sparse_attention_forward(qkv, self.n_head, *sparse,
-                                                  keep_probs=not self.recompute_core)
+        if self._packed(qkv):
+            y, cache = self._packed_forward(qkv)
         else:
             y, cache = A.attention_forward(qkv, self.n_head, keep_probs=not self.recompute_core)
         self._save(cache)
@@ -189,21 +243,8 @@ class CausalSelfAttention(Module):
 
     def backward(self, dy):
         cache = self._pop()
-        backward = (flash_attention.flash_attention_backward
-                    if isinstance(cache, flash_attention.FlashCache) else
-                    A.attention_backward if self._dense else S.sparse_attention_backward)
+        backward = self._packed_backward if self._packed_cache(cache) else A.attention_backward
         return self.qkv.backward(backward(self.proj.backward(dy), cache))
-
-    @property
-    def _dense(self) -> bool:
-        """Dense attention: no sparsity, or mode "dense" (every block kept: the dense kernels,
-        which query blocks of their own size, give its numbers bit for bit)."""
-        return self.sparsity is None or isinstance(self.sparsity, DenseSparsityConfig)
-
-    def layout(self, T: int) -> numpy.ndarray:
-        """This layer's heads' block layout at sequence length T (n_head, T/block, T/block),
-        intersected with the causal mask; ValueError if T is not a multiple of the block."""
-        return model_layout(self.sparsity, T)[self.head_offset:self.head_offset + self.n_head]
 
 
 class Dense(Module):

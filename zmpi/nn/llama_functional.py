@@ -10,8 +10,11 @@ returns gradients and never accumulates (the layers do, zmpi.nn.llama_layers).
 
 Everything runs in the array module of its inputs; normalisation and the gating compute in
 float32 at least (float64 stays) and return their input's dtype, as zmpi.nn.functional's
-LayerNorm and GELU. These are not fused ops: on a GPU each array operation is a launch of its
-own (CUDA kernels for them, with the same contracts, are for a later change).
+LayerNorm and GELU. The six forward and backward ops are fused ops (zmpi.kernels.fused, the
+same switch as the GPT's LayerNorm and GELU): on a GPU under "fused" each is one CUDA kernel
+(RMSNorm's backward three: dx, and dw's column sums in two), zmpi.kernels.llama's launchers of
+rmsnorm.cu, rope.cu and swiglu.cu, which compute in float32 (float64 for float64) and round
+once as they write; NumPy, the stand-in and "composed" run the `_..._twin` functions here.
 
 RoPE layout: transformers' (`rotate_half`), not the original interleaved one: in a head of
 size hd, channel i < hd/2 and channel i + hd/2 form the pair rotated by the angle p * f_i at
@@ -27,7 +30,9 @@ import math
 
 import numpy
 
+from zmpi import kernels
 from zmpi.backend import array_module
+from zmpi.kernels import llama as K
 from zmpi.nn.checks import check_int, check_number
 from zmpi.nn.functional import _f32, _written
 
@@ -36,11 +41,26 @@ from zmpi.nn.functional import _f32, _written
 
 def rmsnorm_forward(x, w, eps):
     """y = x * rstd * w over the last axis, rstd = 1 / sqrt(mean(x^2) + eps), computed in
-    float32 at least and returned in x's dtype.
+    float32 at least and returned in x's dtype. Fused: one kernel on a GPU.
 
     x (..., C), w (C,) -> y (..., C).  cache = (xhat, rstd, w): xhat = x * rstd (..., C) and
     rstd (..., 1) in float32 at least; w last (read again at backward time by the layer).
     """
+    return _rmsnorm_forward(x, w, eps)
+
+
+def rmsnorm_backward(dy, cache, dw=None):
+    """dy (..., C) -> dx (..., C), dw (C,), in dy's dtype (computed in float32 at least). dw:
+    an array of dy's dtype to write the weight's gradient into (`parameter.grad_out`), or None.
+
+    With g = dy * w: dx = rstd * (g - xhat * mean(g * xhat)) (the direct path and the path
+    through rstd; RMSNorm has no mean to subtract, unlike LayerNorm). Fused: dx in one kernel
+    on a GPU, dw's column sums in a second, written by a third that sums its partials."""
+    return _rmsnorm_backward(dy, cache, dw)
+
+
+def _rmsnorm_forward_twin(x, w, eps):
+    """rmsnorm_forward as array operations (the CPU's path, and "composed")."""
     xp, f = array_module(x), _f32(x)
     x32 = x.astype(f, copy=False)
     rstd = (x32 * x32).mean(axis=-1, keepdims=True)  # (..., 1)
@@ -52,12 +72,8 @@ def rmsnorm_forward(x, w, eps):
     return y.astype(x.dtype, copy=False), (xhat, rstd, w)
 
 
-def rmsnorm_backward(dy, cache, dw=None):
-    """dy (..., C) -> dx (..., C), dw (C,), in dy's dtype (computed in float32 at least). dw:
-    an array of dy's dtype to write the weight's gradient into (`parameter.grad_out`), or None.
-
-    With g = dy * w: dx = rstd * (g - xhat * mean(g * xhat)) (the direct path and the path
-    through rstd; RMSNorm has no mean to subtract, unlike LayerNorm)."""
+def _rmsnorm_backward_twin(dy, cache, dw):
+    """rmsnorm_backward as array operations, in the order its kernels take the products."""
     xhat, rstd, w = cache
     C = dy.shape[-1]
     dy32 = dy.astype(xhat.dtype, copy=False)
@@ -70,6 +86,10 @@ def rmsnorm_backward(dy, cache, dw=None):
     g -= t
     g *= rstd
     return g.astype(dy.dtype, copy=False), dw
+
+
+_rmsnorm_forward = kernels.fused(_rmsnorm_forward_twin, K.cuda_rmsnorm_forward)
+_rmsnorm_backward = kernels.fused(_rmsnorm_backward_twin, K.cuda_rmsnorm_backward, launches=3)
 
 
 # -- swiglu -----------------------------------------------------------------------------------
@@ -87,10 +107,26 @@ def _sigmoid(x):
 
 def swiglu_forward(g, u):
     """silu(g) * u = g * sigmoid(g) * u, computed in float32 at least and returned in g's dtype.
+    Fused: one kernel on a GPU.
 
-    g, u (..., H) (the gate's and the up projection's outputs) -> y (..., H).
-    cache = (g, u) as given (backward recomputes the sigmoid).
+    g, u (..., H) of one shape (the gate's and the up projection's outputs; a ValueError
+    otherwise) -> y (..., H). cache = (g, u) as given (backward recomputes the sigmoid).
     """
+    if g.shape != u.shape:
+        raise ValueError(f"swiglu takes a gate and an up projection of one shape, got {g.shape} "
+                         f"and {u.shape}")
+    return _swiglu_forward(g, u)
+
+
+def swiglu_backward(dy, cache):
+    """dy (..., H) -> (dg, du) in dy's dtype: du = dy silu(g), dg = dy u silu'(g) with
+    silu'(g) = s (1 + g (1 - s)), s = sigmoid(g); computed in float32 at least. Fused: one
+    kernel on a GPU."""
+    return _swiglu_backward(dy, cache)
+
+
+def _swiglu_forward_twin(g, u):
+    """swiglu_forward, the sigmoid as `_sigmoid`, then times g, then times u."""
     f = _f32(g)
     g32 = g.astype(f, copy=False)
     y = _sigmoid(g32)
@@ -99,9 +135,8 @@ def swiglu_forward(g, u):
     return y.astype(g.dtype, copy=False), (g, u)
 
 
-def swiglu_backward(dy, cache):
-    """dy (..., H) -> (dg, du) in dy's dtype: du = dy silu(g), dg = dy u silu'(g) with
-    silu'(g) = s (1 + g (1 - s)), s = sigmoid(g); computed in float32 at least."""
+def _swiglu_backward_twin(dy, cache):
+    """swiglu_backward, in the order its kernel takes the products."""
     g, u = cache
     f = _f32(dy)
     g32, dy32 = g.astype(f, copy=False), dy.astype(f, copy=False)
@@ -115,6 +150,10 @@ def swiglu_backward(dy, cache):
     dg *= dy32
     dg *= u.astype(f, copy=False)
     return dg.astype(dy.dtype, copy=False), du.astype(dy.dtype, copy=False)
+
+
+_swiglu_forward = kernels.fused(_swiglu_forward_twin, K.cuda_swiglu_forward)
+_swiglu_backward = kernels.fused(_swiglu_backward_twin, K.cuda_swiglu_backward)
 
 
 # -- rope -------------------------------------------------------------------------------------
@@ -212,7 +251,34 @@ def rope_forward(x, cos, sin, out=None):
     """x (..., T, hd) rotated pairwise (the module docstring's layout) by the angles whose
     cosines and sines are cos, sin (T, hd/2), in x's dtype (the tables should be in it too):
     into `out` (an array of x's shape, possibly a strided view) if given, else a new
-    C-contiguous array. No cache: the backward needs only the tables."""
+    C-contiguous array. No cache: the backward needs only the tables. Fused: one kernel on a
+    GPU, x and `out` read and written through their strides (zmpi.kernels.llama's
+    cuda_rope_forward: a head layout taken as a transposed view is not copied). Tables of
+    another shape, or an `out` of another shape, are a ValueError."""
+    _check_rope(x, cos, sin, out)
+    return _rope_forward(x, cos, sin, out)
+
+
+def rope_backward(dy, cos, sin, out=None):
+    """The gradient of rope_forward: dy rotated by the opposite angles (the transpose of an
+    orthogonal rotation is its inverse), as rope_forward takes its arguments. Fused: one
+    kernel on a GPU."""
+    _check_rope(dy, cos, sin, out)
+    return _rope_backward(dy, cos, sin, out)
+
+
+def _check_rope(x, cos, sin, out):
+    want = (*x.shape[-2:-1], x.shape[-1] // 2)
+    if x.ndim < 2 or x.shape[-1] % 2 or cos.shape != want or sin.shape != want:
+        raise ValueError(f"rotary embeddings take x (..., T, hd), hd even, and tables cos, sin "
+                         f"(T, hd/2), got x {x.shape}, cos {cos.shape}, sin {sin.shape}")
+    if out is not None and out.shape != x.shape:
+        raise ValueError(f"rotary embeddings write an out of x's shape {x.shape}, got "
+                         f"{out.shape}")
+
+
+def _rope_forward_twin(x, cos, sin, out):
+    """rope_forward in x's dtype, four products and two sums."""
     xp = array_module(x)
     h = x.shape[-1] // 2
     y = xp.empty(x.shape, dtype=x.dtype) if out is None else out
@@ -224,7 +290,10 @@ def rope_forward(x, cos, sin, out=None):
     return y
 
 
-def rope_backward(dy, cos, sin, out=None):
-    """The gradient of rope_forward: dy rotated by the opposite angles (the transpose of an
-    orthogonal rotation is its inverse)."""
-    return rope_forward(dy, cos, -sin, out)
+def _rope_backward_twin(dy, cos, sin, out):
+    """rope_backward: rope_forward's twin with the sines negated."""
+    return _rope_forward_twin(dy, cos, -sin, out)
+
+
+_rope_forward = kernels.fused(_rope_forward_twin, K.cuda_rope_forward, strided=True)
+_rope_backward = kernels.fused(_rope_backward_twin, K.cuda_rope_backward, strided=True)

@@ -19,8 +19,9 @@ them: the transpose of torch's (out, in). Init as transformers' Llama: every wei
 normal(0, std = 0.02) (`proj_std` for the two that write the residual stream, o and down, as
 the GPT's layers take it), RMSNorm weights 1.
 
-Not built here (docs/layers.md): fused CUDA kernels for these ops, grouped-query attention in
-the flash and block-sparse attention paths. The model is models/llama.py.
+RMSNorm, RoPE and SwiGLU's gating are fused ops (zmpi.nn.llama_functional): one CUDA kernel
+each way on a GPU under the config's "kernels": "fused", as the GPT's LayerNorm and GELU. The
+model is models/llama.py.
 """
 
 import numpy
@@ -28,7 +29,7 @@ import numpy
 from zmpi.backend import array_module
 from zmpi.nn import gqa as G
 from zmpi.nn import llama_functional as L
-from zmpi.nn.layers import Linear, constant_parameter
+from zmpi.nn.layers import AttentionPaths, Linear, constant_parameter
 from zmpi.nn.module import Module
 from zmpi.nn.parameter import accumulate_grad_, compute_data, grad_out
 
@@ -130,7 +131,7 @@ class RotaryEmbedding:
         return self._last[1]
 
 
-class GroupedQueryAttention(Module):
+class GroupedQueryAttention(AttentionPaths):
     """Grouped-query causal self-attention (Ainslie et al. 2023) with rotary position
     embeddings, as Llama's.  forward(x (B, T, C), offset=0) -> (B, T, C).
 
@@ -142,23 +143,27 @@ class GroupedQueryAttention(Module):
     biases). offset: the global position of x's first row (sequence and context parallelism
     give each rank's chunk its own; an integer >= 0), for the rotations.
 
-    The attention core is zmpi.nn.gqa's blocked path; selective recompute (`recompute_core`,
-    set by UnitModel.set_recompute) drops the attention probabilities as CausalSelfAttention
-    does.
+    The attention core (AttentionPaths, as CausalSelfAttention's) is zmpi.nn.gqa's blocked
+    path; with `sparsity` (a zmpi.nn.sparsity SparsityConfig for the n_head query heads)
+    block-sparse attention over its layout, and with the config's attention_kernel "flash" on
+    device arrays the fused flash kernels, both on q, k (rotated) and v packed into one qkv
+    (zmpi.nn.gqa.pack_qkv), reading each group's key/value head by index. Selective recompute
+    (`recompute_core`, set by UnitModel.set_recompute) drops the attention probabilities as
+    CausalSelfAttention does.
 
     Tensor parallelism (zmpi.parallel.tensor.plan's gqa_heads): q, k, v column-parallel by
     heads, o row-parallel; key/value heads split over the tensor ranks where the tensor size
-    divides n_kv_head, else replicated (each rank computes the one its query heads read).
+    divides n_kv_head, else replicated (each rank computes the one its query heads read); each
+    rank's query heads are heads [head_offset, head_offset + n_head) of the sparse layout's.
     """
 
-    # selective recompute: keep q, k, v but not the attention probabilities (bit for bit)
-    recompute_core = False
     tp_plan = {"q": "gqa_heads", "o": "rowwise"}
 
     def __init__(self, d_model, n_head, n_kv_head=None, rope=None, rng=None,
-                 dtype=numpy.float32, std=0.02, proj_std=None):
+                 dtype=numpy.float32, std=0.02, proj_std=None, sparsity=None):
         n_kv_head = n_head if n_kv_head is None else n_kv_head
         G.check_heads(d_model, n_head, n_kv_head)
+        self._check_sparsity(sparsity, n_head)
         hd = d_model // n_head
         if rope is not None and (not isinstance(rope, RotaryEmbedding) or rope.head_dim != hd):
             raise ValueError(f"rope must be None or a RotaryEmbedding of head size {hd} "
@@ -167,6 +172,7 @@ class GroupedQueryAttention(Module):
                                 if isinstance(rope, RotaryEmbedding) else ""))
         rng = numpy.random.default_rng(rng)
         self.d_model, self.n_head, self.n_kv_head, self.rope = d_model, n_head, n_kv_head, rope
+        self.sparsity = sparsity
         self.q = Linear(d_model, n_head * hd, bias=False, rng=rng, dtype=dtype, std=std)
         self.k = Linear(d_model, n_kv_head * hd, bias=False, rng=rng, dtype=dtype, std=std)
         self.v = Linear(d_model, n_kv_head * hd, bias=False, rng=rng, dtype=dtype, std=std)
@@ -180,16 +186,25 @@ class GroupedQueryAttention(Module):
         _check_input(x, self.d_model, "GroupedQueryAttention", ndim=3)
         L.check_int("position offset", offset, 0)
         q, k, v = self.q.forward(x), self.k.forward(x), self.v.forward(x)
-        y, cache = G.gqa_attention_forward(q, k, v, self.n_head, self.n_kv_head,
-                                           self._tables(q.shape[1], offset, q),
-                                           keep_probs=not self.recompute_core)
+        tables = self._tables(q.shape[1], offset, q)
+        if self._packed(q):
+            qkv = G.pack_qkv(q, k, v, self.n_head, self.n_kv_head, tables)
+            y, cache = self._packed_forward(qkv, self.n_kv_head)
+        else:
+            y, cache = G.gqa_attention_forward(q, k, v, self.n_head, self.n_kv_head, tables,
+                                               keep_probs=not self.recompute_core)
         self._save(cache, offset)
         return self.o.forward(y)
 
     def backward(self, dy):
         cache, offset = self._pop()
         dy = self.o.backward(dy)
-        dq, dk, dv = G.gqa_attention_backward(dy, cache, self._tables(dy.shape[1], offset, dy))
+        tables = self._tables(dy.shape[1], offset, dy)
+        if self._packed_cache(cache):
+            dq, dk, dv = G.unpack_dqkv(self._packed_backward(dy, cache), self.n_head,
+                                       self.n_kv_head, tables)
+        else:
+            dq, dk, dv = G.gqa_attention_backward(dy, cache, tables)
         dx = self.q.backward(dq)
         dx += self.k.backward(dk)
         dx += self.v.backward(dv)

@@ -70,12 +70,19 @@ class UnitModel(Module):
     @contextmanager
     def inference(self):
         """Forwards with no backward to follow (evaluation, sampling): full recompute keeps no
-        input for them."""
+        input for them, and every module with a `training` flag (one whose forward differs in
+        evaluation: zmpi.nn.moe.MoE's routing, eval_capacity_factor and no random draw) runs
+        with it False; each flag is restored when it ends."""
+        flagged = [(m, m.training) for m in self.modules() if hasattr(m, "training")]
         previous, self._inference = self._inference, True
         try:
+            for m, _ in flagged:
+                m.training = False
             yield
         finally:
             self._inference = previous
+            for m, was in reversed(flagged):  # an MoE layer's flag is its router's: outer last
+                m.training = was
 
     def inputs_kept(self) -> int:
         """How many inputs one forward keeps for full recompute: one per group of recomputed

@@ -22,7 +22,15 @@ operation here is a launch per block row (the CuPy path works, about 35 launches
 forward and backward, but is launch-bound): zmpi.kernels.flash_attention's fused kernels replace the
 row loops there (the config's attention_kernel "flash").
 
-Shapes: B batch, T time, C channels, nh heads, hd = C // nh head size, nb = T // block.
+Grouped-query attention (n_kv_head key/value heads dividing n_head, query head h reading
+key/value head h // (n_head / n_kv_head)): qkv is (B, T, (nh + 2 nkv) hd); each head's key
+blocks are gathered from its key/value head by index (the gather is a copy either way), and
+the keys' gradients are kept per query head, as for multi-head attention, then summed over
+each group once at the end (the heads of a group may keep different blocks, so a row's
+scatter cannot add them in place).
+
+Shapes: B batch, T time, C channels, nh heads, nkv key/value heads, hd = C // nh head size,
+nb = T // block, g = nh // nkv.
 """
 import functools
 import math
@@ -31,7 +39,8 @@ import numpy
 
 from zmpi import kernels
 from zmpi.backend import array_module
-from zmpi.nn.attention import _softmax_, softmax_backward, split_heads
+from zmpi.kernels.flash_attention import head_size
+from zmpi.nn.attention import _head_scales, _softmax_, softmax_backward, split_heads
 from zmpi.nn.functional import _f32
 from zmpi.nn.sparsity import causal_layout, check_layout
 
@@ -39,7 +48,8 @@ from zmpi.nn.sparsity import causal_layout, check_layout
 class _Plan:
     """The index arrays of one layout (made once per layout, block, causal and array module).
     For each query block row i, with m_i the most key blocks any head keeps in it:
-      gather[i]  (nh, m_i): h * nb + j for each key block j head h keeps, ascending; a head
+      gather[i]  (nh, m_i): l * nb + j for each key block j head h keeps, ascending, l = h // g
+                 its key/value head (g query heads a group; l = h for multi-head); a head
                  that keeps fewer is padded up to m_i (with its first block), before its
                  diagonal block under causal (the diagonal stays last, as in dense attention)
                  and at the end otherwise;
@@ -71,19 +81,20 @@ def sparse_attention_entries(layout, block: int, causal: bool = True) -> int:
     return block * block * kept.shape[0] * int(kept.sum(axis=-1).max(axis=0).sum())
 
 
-def _plan(xp, layout, n_head: int, T: int, block: int, causal: bool) -> _Plan:
-    """The _Plan of the layout the layer runs (causal: intersected with the causal mask),
-    checked first (zmpi.nn.sparsity.check_layout: ValueError naming what is wrong)."""
+def _plan(xp, layout, n_head: int, T: int, block: int, causal: bool, group: int) -> _Plan:
+    """The _Plan of the layout the layer runs (causal: intersected with the causal mask) for
+    `group` query heads a key/value head, checked first (zmpi.nn.sparsity.check_layout:
+    ValueError naming what is wrong)."""
     kept = _kept(layout, causal)
     check_layout(kept, T, block)
     if kept.shape[0] != n_head:
         raise ValueError(f"sparse attention: a layout of {kept.shape[0]} heads for "
                          f"n_head {n_head}")
-    return _cached_plan(xp, kept.tobytes(), kept.shape, block, causal)
+    return _cached_plan(xp, kept.tobytes(), kept.shape, block, causal, group)
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_plan(xp, kept_bytes: bytes, shape, block: int, causal: bool) -> _Plan:
+def _cached_plan(xp, kept_bytes: bytes, shape, block: int, causal: bool, group: int) -> _Plan:
     kept = numpy.frombuffer(kept_bytes, bool).reshape(shape)
     nh, nb, _ = shape
     triu = numpy.triu(numpy.ones((block, block), bool), k=1)
@@ -99,7 +110,7 @@ def _cached_plan(xp, kept_bytes: bytes, shape, block: int, causal: bool) -> _Pla
             slots[h, m - diagonal[h]:] = c[len(c) - diagonal[h]:]
         padding = slots < 0
         heads, first = numpy.arange(nh)[:, None], numpy.array([c[:1] for c in cols])
-        gather.append(xp.asarray(heads * nb + numpy.where(padding, first, slots)))
+        gather.append(xp.asarray(heads // group * nb + numpy.where(padding, first, slots)))
         scatter.append(xp.asarray(heads * (nb + 1) + numpy.where(padding, nb, slots)))
         pad.append(xp.asarray(numpy.repeat(numpy.where(padding, -numpy.inf, 0), block, axis=1)
                               .astype(numpy.float32)[:, None]) if padding.any() else None)
@@ -110,29 +121,34 @@ def _cached_plan(xp, kept_bytes: bytes, shape, block: int, causal: bool) -> _Pla
     return _Plan(tuple(gather), tuple(scatter), tuple(pad), tuple(future))
 
 
-def sparse_attention_forward(qkv, n_head, layout, block, causal=True, keep_probs=True):
+def sparse_attention_forward(qkv, n_head, layout, block, causal=True, keep_probs=True,
+                             n_kv_head=None):
     """Multi-head block-sparse attention core: y = softmax(q k^T / sqrt(hd) + mask) v, heads
     merged, where the mask is -inf outside the layout's kept blocks (and, with causal, above
     the diagonal: kept blocks above the diagonal are ignored, i.e. the layout is intersected
     with the causal mask, and inside a kept diagonal block a query sees the keys up to itself).
 
-    qkv (B, T, 3C) holding [q | k | v] -> y (B, T, C). layout: (n_head, T/block, T/block) 0/1,
+    qkv (B, T, 3C) holding [q | k | v] -> y (B, T, C); with n_kv_head key/value heads (None:
+    n_head), qkv (B, T, (nh + 2 nkv) hd) and y (B, T, nh hd), query head h reading key/value
+    head h // (n_head / n_kv_head). layout: (n_head, T/block, T/block) 0/1,
     a host NumPy array (its index arrays are made once and cached); every query block row of
     every head must keep a key block (zmpi.nn.sparsity.check_layout's ValueError naming the
     head and row, as for a T not a multiple of block or a layout of the wrong shape).
-    cache = (q, kv, probs, plan): q (scaled) (B, nh, nb, block, hd), kv (2, B, nh * nb, block,
+    cache = (q, kv, probs, plan): q (scaled) (B, nh, nb, block, hd), kv (2, B, nkv * nb, block,
     hd) and probs a tuple, per query block row i, of its probabilities (B, nh, block, m_i *
     block) over its gathered key blocks, float32 at least (sparse_attention_entries counts
     them). keep_probs=False (selective recompute): probs is None and sparse_attention_backward
     recomputes each row's by the same operations, so the gradients are bit for bit the same.
     """
     xp = array_module(qkv)
-    B, T, C3 = qkv.shape
-    plan = _plan(xp, layout, n_head, T, block, causal)
-    nb, hd = T // block, C3 // 3 // n_head
-    heads = split_heads(qkv, n_head)  # (3, B, nh, T, hd)
-    q = heads[0].reshape(B, n_head, nb, block, hd)
-    kv = heads[1:].reshape(2, B, n_head * nb, block, hd)
+    B, T, _ = qkv.shape
+    n_kv_head = n_head if n_kv_head is None else n_kv_head
+    hd = head_size(qkv, n_head, n_kv_head)
+    plan = _plan(xp, layout, n_head, T, block, causal, n_head // n_kv_head)
+    nb = T // block
+    q, kv = _split(qkv, n_head, n_kv_head, hd)
+    q = q.reshape(B, n_head, nb, block, hd)
+    kv = kv.reshape(2, B, n_kv_head * nb, block, hd)
     y = xp.empty((B, n_head, nb, block, hd), dtype=qkv.dtype)
     probs = []
     for i, k_g, v_g in _gathered(kv, plan):
@@ -140,8 +156,23 @@ def sparse_attention_forward(qkv, n_head, layout, block, causal=True, keep_probs
         kernels.matmul(att.astype(v_g.dtype, copy=False), v_g, out=y[:, :, i])
         if keep_probs:
             probs.append(att)
-    y = y.reshape(B, n_head, T, hd).transpose(0, 2, 1, 3).reshape(B, T, C3 // 3)
+    y = y.reshape(B, n_head, T, hd).transpose(0, 2, 1, 3).reshape(B, T, n_head * hd)
     return y, (q, kv, tuple(probs) if keep_probs else None, plan)
+
+
+def _split(qkv, n_head: int, n_kv_head: int, hd: int):
+    """qkv (B, T, (nh + 2 nkv) hd) -> (q (B, nh, T, hd) scaled by 1/sqrt(hd), kv (2, B, nkv, T,
+    hd)), contiguous: split_heads' one pass for multi-head attention, else q and kv apart."""
+    if n_kv_head == n_head:
+        heads = split_heads(qkv, n_head)
+        return heads[0], heads[1:]
+    xp = array_module(qkv)
+    B, T, _ = qkv.shape
+    q = xp.empty((B, n_head, T, hd), dtype=qkv.dtype)
+    xp.multiply(qkv[..., :n_head * hd].reshape(B, T, n_head, hd).transpose(0, 2, 1, 3),
+                _head_scales(xp, qkv.dtype, hd)[0], out=q)
+    kv = qkv[..., n_head * hd:].reshape(B, T, 2, n_kv_head, hd).transpose(2, 0, 3, 1, 4)
+    return q, xp.ascontiguousarray(kv)
 
 
 def _gathered(kv, plan):
@@ -168,18 +199,20 @@ def _row_probs(q_i, k_g, pad, future):
 
 
 def sparse_attention_backward(dy, cache):
-    """dy (B, T, C) -> dqkv (B, T, 3C), block row by block row as the forward (recomputing
+    """dy (B, T, nh hd) -> dqkv (B, T, (nh + 2 nkv) hd), block row by block row as the forward
+    (recomputing
     each row's probabilities when the forward kept none). With q' = q / sqrt(hd), s = q' k^T
     over a row's gathered blocks: dq = (ds k) / sqrt(hd), dk = ds^T q', dv = p^T dy, dk and
     dv summed into their key blocks row after row (in place, by the plan's scatter indices,
     which never repeat a block within a row; as (S, hd) products, so that each block's rows
-    are contiguous in both the product and the sum)."""
+    are contiguous in both the product and the sum), per query head, then summed over each
+    group of g query heads of a key/value head."""
     xp = array_module(dy)
     q, kv, probs, plan = cache
     B, nh, nb, block, hd = q.shape
-    T = nb * block
+    T, nkv = nb * block, kv.shape[2] // nb
     dyh = xp.ascontiguousarray(dy.reshape(B, nb, block, nh, hd).transpose(0, 3, 1, 2, 4))
-    dqkv = xp.empty((B, nb, block, 3, nh, hd), dtype=q.dtype)
+    dqkv = xp.empty((B, nb, block, nh + 2 * nkv, hd), dtype=q.dtype)  # [q | k | v] heads
     dkv = xp.zeros((2, B, nh * (nb + 1), block, hd), dtype=q.dtype)  # + a spare block a head
     for i, k_g, v_g in _gathered(kv, plan):
         q_i, dy_i, m = q[:, :, i], dyh[:, :, i], plan.gather[i].shape[1]
@@ -187,10 +220,12 @@ def sparse_attention_backward(dy, cache):
         dv = kernels.matmul(att.astype(dy.dtype, copy=False).swapaxes(-1, -2), dy_i)
         ds = softmax_backward(kernels.matmul(dy_i, v_g.swapaxes(-1, -2)), att)
         xp.multiply(kernels.matmul(ds, k_g).transpose(0, 2, 1, 3), 1.0 / math.sqrt(hd),
-                    out=dqkv[:, i, :, 0])
+                    out=dqkv[:, i, :, :nh])
         dk = kernels.matmul(ds.swapaxes(-1, -2), q_i)  # (B, nh, S, hd)
         for total, d in ((dkv[0], dk), (dkv[1], dv)):
             total[:, plan.scatter[i]] += d.reshape(B, nh, m, block, hd)
     dkv = dkv.reshape(2, B, nh, nb + 1, block, hd)[:, :, :, :nb]
-    dqkv[:, :, :, 1:] = dkv.transpose(1, 3, 4, 0, 2, 5)  # (B, nb, block, 2, nh, hd)
-    return dqkv.reshape(B, T, 3 * nh * hd)
+    if nkv < nh:  # each key/value head's: the sum over its query heads
+        dkv = dkv.reshape(2, B, nkv, nh // nkv, nb, block, hd).sum(axis=3)
+    dqkv[:, :, :, nh:] = dkv.transpose(1, 3, 4, 0, 2, 5).reshape(B, nb, block, 2 * nkv, hd)
+    return dqkv.reshape(B, T, (nh + 2 * nkv) * hd)

@@ -158,16 +158,18 @@ class NvmeOptimizerState(SwappedStore):
         return dict.fromkeys(STATES, held)
 
     # ---- the step --------------------------------------------------------------------------
-    def step(self, optimizer, grads, grad_scale=1.0, clip_coef=1.0, publish=None) -> None:
+    def step(self, optimizer, grads, grad_scale=1.0, clip_coef=1.0, publish=None,
+             advance=True) -> None:
         """One Adam step of `optimizer` (zmpi.optim.Adam: it counts the step and updates each
         block with `update_`) from `grads` (numel, host, any float dtype; read only). publish:
         [(start, dst), ...] as Adam.step_'s, dst on the host or the device: each updated block
-        is cast into them."""
+        is cast into them. advance=False: the step was counted already (a second set of
+        states of the same step, as Adam.update_)."""
         self._usable()
         if grads.shape != (self.numel,):
             raise ValueError(f"grads {grads.shape}: ({self.numel},) expected")
         pieces = sorted(publish or [], key=lambda piece: piece[0])
-        optimizer.step_count += 1
+        optimizer.step_count += advance
         r = self.resident
         if r:
             p, m, v = self._resident

@@ -34,11 +34,13 @@ LOSS_ALLREDUCES = 3  # the cross-entropy's max, sum of exponentials and target l
 SP_PARAMS_PER_BLOCK = 6  # h each: two LayerNorms' weight and bias, two row-parallel biases
 
 
-def tensor_calls(layout: Layout, blocks: int, first: bool, last: bool) -> tuple[int, int]:
+def tensor_calls(layout: Layout, blocks: int, first: bool, last: bool,
+                 per_block: int = 4) -> tuple[int, int]:
     """(ring passes of the b s h activations, calls) per micro-batch, the loss's allreduces
-    not included (see the module docstring)."""
+    not included (see the module docstring); per_block: a block's collectives (the GPT's 4,
+    `Job.tensor_reductions_per_block`), 2 of them forward."""
     full = layout.recompute == "full"
-    allreduces = blocks * (4 + 2 * full) + first * (1 + full) + last
+    allreduces = blocks * (per_block + 2 * full) + first * (1 + full) + last
     if not layout.sequence_parallel:
         return 2 * allreduces, allreduces
     passes = 2 * allreduces - first * full  # the embedding's recomputed forward: one pass
@@ -61,11 +63,13 @@ def data_calls(layout: Layout, n_units: int, holds_head: bool) -> int:
     return sum(rounds.values()) * n_units + tied
 
 
-def pipeline_calls(layout: Layout, first: bool, last: bool) -> tuple[int, int, int]:
-    """(sends per micro-batch, header sends per step, tied allreduces per step) of a stage."""
+def pipeline_calls(layout: Layout, first: bool, last: bool,
+                   tied: bool = True) -> tuple[int, int, int]:
+    """(sends per micro-batch, header sends per step, tied allreduces per step: none for an
+    untied model) of a stage."""
     if layout.pp == 1:
         return 0, 0, 0
-    return 2 - first - last, int(not last), int(first or last)
+    return 2 - first - last, int(not last), int((first or last) and tied)
 
 
 def stage_calls(job: Job, layout: Layout, stage: int) -> dict[str, int]:
@@ -74,15 +78,16 @@ def stage_calls(job: Job, layout: Layout, stage: int) -> dict[str, int]:
     COUNTED_OPS: `counted_calls`)."""
     units = stage_units(job, layout.pp, layout.tp)[stage]
     first, last = stage == 0, stage == layout.pp - 1
-    blocks = stage_blocks(len(units), first, last, layout.pp)
+    blocks = stage_blocks(len(units), first, last, layout.pp, job.tied)
     m, out = layout.micro_batches, {}
     if layout.tp > 1:
-        out["tp"] = m * (tensor_calls(layout, blocks, first, last)[1] + LOSS_ALLREDUCES * last) \
-            + layout.sequence_parallel
+        out["tp"] = m * (tensor_calls(layout, blocks, first, last,
+                                      job.tensor_reductions_per_block)[1]
+                         + LOSS_ALLREDUCES * last) + layout.sequence_parallel
     if layout.dp > 1:
-        out["dp"] = data_calls(layout, len(units), last)
+        out["dp"] = data_calls(layout, len(units), last and job.tied)
     if layout.pp > 1:
-        sends, headers, tied = pipeline_calls(layout, first, last)
+        sends, headers, tied = pipeline_calls(layout, first, last, job.tied)
         out["pp"] = m * sends + headers + tied
     return out
 

@@ -100,7 +100,7 @@ def _least_in_turns(engines: list, batches: list, steps: int, clock) -> list[flo
 def _block_figures(shape: dict, seconds: float, gemm_rate: float) -> dict:
     """One shape of measure_layer: its block's `seconds`, matmul FLOPs and activation bytes,
     and the seconds besides the matmuls at `gemm_rate`."""
-    from zmpi.models.gpt import gpt_activation_bytes
+    from zmpi.models.gpt_counts import gpt_activation_bytes
     from zmpi.nn.attention import attention_block, causal_entries
 
     b, s, h, heads = shape["micro_batch"], shape["seq_len"], shape["d_model"], shape["n_head"]

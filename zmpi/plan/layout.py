@@ -5,10 +5,12 @@ every candidate layout of a job (`layouts`), and the DeepSpeed-style config that
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass
 
+MODELS = ("gpt", "llama")
 PRECISIONS = ("fp16", "bf16", "fp32")
 OFFLOADS = ("none", "optimizer", "optimizer+param")
 RECOMPUTES = ("none", "selective", "full")
@@ -30,7 +32,12 @@ class Job:
     prices attention as dense, an upper bound). vocab_multiple: the vocabulary padded to a
     multiple of it x tp, as zmpi allocates it (`zmpi plan` gives 128 on a GPU, 1 on a CPU:
     models/gpt.py's default_vocab_multiple): the embedding's parameters, the LM head's GEMM and
-    its logits count Vp."""
+    its logits count Vp. model: "gpt", or "llama" (models/llama.py: n_layer blocks of
+    d_model with n_head query heads and n_kv_head key/value heads (None: n_head), a SwiGLU of
+    intermediate_size units (None: LlamaConfig's default), an untied head unless
+    tie_word_embeddings); the Llama-only fields are refused for a GPT. moe: a GPT's `moe`
+    section as JSON text (hashable; docs/moe.md) without ep_size, which the planner searches
+    (`layouts`); None: no MoE blocks."""
 
     n_layer: int
     d_model: int
@@ -43,6 +50,11 @@ class Job:
     precision: str = "fp16"
     sparse_attention: str | None = None
     vocab_multiple: int = 1
+    model: str = "gpt"
+    n_kv_head: int | None = None
+    intermediate_size: int | None = None
+    tie_word_embeddings: bool = False
+    moe: str | None = None
 
     def __post_init__(self):
         for name, most in JOB_LIMITS.items():
@@ -57,6 +69,19 @@ class Job:
         if type(self.vocab_multiple) is not int or self.vocab_multiple < 1:
             raise ValueError(f"vocab_multiple must be an integer >= 1, got "
                              f"{self.vocab_multiple!r}")
+        if self.model not in MODELS:
+            raise ValueError(f"model {self.model!r}: use one of {', '.join(MODELS)}")
+        if self.model == "gpt":
+            given = [key for key in ("n_kv_head", "intermediate_size", "tie_word_embeddings")
+                     if getattr(self, key) not in (None, False)]
+            if given:
+                raise ValueError(f"{', '.join(given)}: a Llama's; give model llama")
+        else:
+            self.llama  # noqa: B018 (LlamaConfig's ValueError, one line, if it cannot be)
+        if self.moe is not None:
+            if self.model != "gpt":
+                raise ValueError("moe: MoE blocks are a GPT's")
+            self.moe_section.layer_experts(self.n_layer)  # ConfigError (a ValueError) if not
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
         if self.sparse_attention is not None:
@@ -72,6 +97,58 @@ class Job:
         from zmpi.config.sparse import sparse_attention_flag
 
         return sparse_attention_flag(self.sparse_attention).sparsity(self.n_head)
+
+    @property
+    def llama(self):
+        """The LlamaConfig of a Llama job (None for a GPT's)."""
+        return None if self.model == "gpt" else _llama_config(self)
+
+    @property
+    def moe_section(self):
+        """The MoEConfig of `moe` (None without it); a ConfigError naming the key where the
+        section is no MoE section, or gives ep_size (the planner chooses it)."""
+        return None if self.moe is None else _moe_config(self.moe)
+
+    def expert_parallel_sizes(self, dp: int) -> list[int]:
+        """The expert-parallel degrees a layout of dp data-parallel ranks may take: [1]
+        without MoE blocks, else the divisors of dp that divide every layer's expert count."""
+        if self.moe is None:
+            return [1]
+        counts = self.moe_section.layer_experts(self.n_layer).values()
+        return [e for e in _divisors(dp) if all(c % e == 0 for c in counts)]
+
+    @property
+    def tied(self) -> bool:
+        """Whether the LM head reads the token embedding (the GPT's always does): a
+        pipeline's last stage then holds a copy of it, and stage 3 gathers it for the head."""
+        return self.model == "gpt" or self.tie_word_embeddings
+
+    @property
+    def tensor_reductions_per_block(self) -> int:
+        """A block's b s h collectives over the tensor group per micro-batch, forward and
+        backward: the GPT's 4, the Llama's TENSOR_REDUCTIONS_PER_BLOCK (7)."""
+        from zmpi.models.llama import TENSOR_REDUCTIONS_PER_BLOCK
+
+        return 4 if self.model == "gpt" else TENSOR_REDUCTIONS_PER_BLOCK
+
+    def block_matmul(self, tp: int) -> int:
+        """Multiply-adds per token of one block's matrices on one of tp tensor ranks: the
+        GPT's 12 d^2 / tp; the Llama's (2 d^2 + 3 d intermediate_size) / tp and the key/value
+        heads it computes (n_kv_head / tp, or one where tp is a multiple of n_kv_head)."""
+        d = self.d_model
+        if self.model == "gpt":
+            return 12 * d * d // tp
+        c = self.llama
+        kv = max(c.num_key_value_heads // tp, 1) * (d // self.n_head)
+        return (2 * d * d + 3 * d * c.intermediate_size) // tp + 2 * d * kv
+
+    def heads_split(self, tp: int) -> bool:
+        """Whether tp tensor ranks split the model's heads: tp divides n_head and, for a
+        Llama, divides n_kv_head or is a multiple of it."""
+        if self.n_head % tp:
+            return False
+        kv = self.llama.num_key_value_heads if self.model == "llama" else tp
+        return kv % tp == 0 or tp % kv == 0
 
     @property
     def world_size(self) -> int:
@@ -93,7 +170,8 @@ class Layout:
     zmpi.parallel.mesh orders them), ZeRO `stage`, `offload` (none, the optimizer, or the
     optimizer and the parameters), activation `recompute`, sequence parallelism (tp > 1),
     `micro_batch` sequences per rank per micro-step, `micro_batches` m per optimizer step
-    (gradient accumulation, and the pipeline's micro-batches), the pipeline `schedule`."""
+    (gradient accumulation, and the pipeline's micro-batches), the pipeline `schedule`, and
+    with MoE blocks the expert-parallel degree `ep` (dividing dp)."""
 
     dp: int
     pp: int
@@ -105,18 +183,48 @@ class Layout:
     micro_batch: int
     micro_batches: int
     schedule: str
+    ep: int = 1
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields; `ep` only above 1 (a layout without MoE blocks has none)."""
+        out = asdict(self)
+        if self.ep == 1:
+            del out["ep"]
+        return out
 
     def describe(self) -> str:
         """One line: 'dp 4 pp 2 tp 8, stage 1, offload none, recompute full, sp, b 1 x m 16
         (1f1b)'."""
         sp = ", sp" if self.sequence_parallel else ""
         schedule = f" ({self.schedule})" if self.pp > 1 else ""
-        return (f"dp {self.dp} pp {self.pp} tp {self.tp}, stage {self.stage}, offload "
+        ep = f" ep {self.ep}" if self.ep > 1 else ""
+        return (f"dp {self.dp} pp {self.pp} tp {self.tp}{ep}, stage {self.stage}, offload "
                 f"{self.offload}, recompute {self.recompute}{sp}, b {self.micro_batch} x m "
                 f"{self.micro_batches}{schedule}")
+
+
+@functools.lru_cache(maxsize=64)
+def _moe_config(text: str):
+    from zmpi.config import ConfigError, MoEConfig
+
+    section = MoEConfig.from_dict(json.loads(text))
+    if section.ep_size != 1:
+        raise ConfigError("moe.ep_size", "the planner searches it: leave it out")
+    if not section.enabled:
+        raise ConfigError("moe.num_experts", "give num_experts")
+    return section
+
+
+@functools.lru_cache(maxsize=64)
+def _llama_config(job: Job):
+    from zmpi.models.llama import LlamaConfig
+
+    return LlamaConfig(vocab_size=job.vocab_size, hidden_size=job.d_model,
+                       intermediate_size=job.intermediate_size, num_hidden_layers=job.n_layer,
+                       num_attention_heads=job.n_head, num_key_value_heads=job.n_kv_head,
+                       max_position_embeddings=job.seq_len,
+                       tie_word_embeddings=job.tie_word_embeddings,
+                       vocab_multiple=job.vocab_multiple)
 
 
 def _divisors(n: int) -> list[int]:
@@ -137,34 +245,39 @@ def layouts(job: Job, max_tp: int | None = None):
     `max_tp`, default a node's GPUs: tensor parallelism stays inside a node), pp at most the
     model's units, dp x pp x tp the world; the global batch splits into dp x micro_batch x
     micro_batches; parameter offload with stage 3 only, optimizer offload from stage 1;
-    sequence parallelism where tp > 1 divides seq_len; GPipe only with pipelines."""
+    sequence parallelism where tp > 1 divides seq_len; GPipe only with pipelines. With MoE
+    blocks: tp 1 and pp 1 (the planner does not count MoE blocks split over tensor ranks or
+    stages yet), every expert-parallel degree `Job.expert_parallel_sizes` allows, offload
+    only at ep 1."""
     world = job.world_size
     max_tp = job.gpus_per_node if max_tp is None else max_tp
     for tp in _divisors(world):
-        if tp > max_tp or job.n_head % tp:
+        if tp > max_tp or not job.heads_split(tp) or (job.moe is not None and tp > 1):
             continue
         for pp in _divisors(world // tp):
-            if pp > job.n_layer + 2:
+            if pp > job.n_layer + 2 or (job.moe is not None and pp > 1):
                 continue
             dp = world // (tp * pp)
             if job.global_batch % dp:
                 continue
             per_rank = job.global_batch // dp
-            for micro_batch in _divisors(per_rank):
+            for micro_batch, ep in ((b, e) for b in _divisors(per_rank)
+                                    for e in job.expert_parallel_sizes(dp)):
                 m = per_rank // micro_batch
                 for stage in range(4):
-                    for offload in stage_offloads(stage):
+                    for offload in stage_offloads(stage)[:1 if ep > 1 else None]:
                         for recompute in RECOMPUTES:
                             for sp in ((False, True) if tp > 1 and job.seq_len % tp == 0
                                        else (False,)):
                                 for schedule in SCHEDULES if pp > 1 else SCHEDULES[:1]:
                                     yield Layout(dp, pp, tp, stage, offload, recompute, sp,
-                                                 micro_batch, m, schedule)
+                                                 micro_batch, m, schedule, ep)
 
 
 def to_config(job: Job, layout: Layout) -> dict:
     """The DeepSpeed-style config `zmpi train --config` runs `layout` of `job` with, launched
-    on job.world_size ranks; zmpi's own `model` section carries the GPT shape."""
+    on job.world_size ranks; zmpi's own `model` section carries the GPT shape (a Llama's in
+    its LlamaConfig names)."""
     config = {
         "train_batch_size": job.global_batch,
         "train_micro_batch_size_per_gpu": layout.micro_batch,
@@ -179,10 +292,21 @@ def to_config(job: Job, layout: Layout) -> dict:
         "model": {"n_layer": job.n_layer, "d_model": job.d_model, "n_head": job.n_head,
                   "vocab_size": job.vocab_size, "seq_len": job.seq_len},
     }
+    if job.model == "llama":  # transformers' names (docs/models.md)
+        c = job.llama
+        config["model"] = {"model_type": "llama", "num_hidden_layers": job.n_layer,
+                           "hidden_size": job.d_model, "num_attention_heads": job.n_head,
+                           "num_key_value_heads": c.num_key_value_heads,
+                           "intermediate_size": c.intermediate_size,
+                           "tie_word_embeddings": job.tie_word_embeddings,
+                           "vocab_size": job.vocab_size, "seq_len": job.seq_len,
+                           "max_position_embeddings": job.seq_len}
     if job.precision != "fp32":
         config[job.precision] = {"enabled": True}
     if job.sparse_attention is not None:
         config["sparse_attention"] = json.loads(job.sparse_attention)
+    if job.moe is not None:
+        config["moe"] = {**json.loads(job.moe), "ep_size": layout.ep}
     if layout.offload != "none":
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if layout.offload == "optimizer+param":

@@ -9,7 +9,7 @@ place), 0 with it (every reduced shard lands in a device buffer and is copied to
 
 - Model states, exactly as the strategy holds them (`zmpi.memory.held_model_state` over the
   stage's units, each padded to a multiple of dp, as zmpi.zero.flat lays them out).
-- Activations: one micro-batch's (`zmpi.models.gpt.gpt_activation_bytes` over the stage's
+- Activations: one micro-batch's (`zmpi.models.gpt_counts.gpt_activation_bytes` over the stage's
   units) times w; with full recompute the kept inputs times w, the LM head's caches of the
   w - 1 micro-batches whose backward waits (the last stage), and one unit's working set.
 - The device peak is the larger of two moments, because the ZeRO buffers peak when the
@@ -36,13 +36,15 @@ place), 0 with it (every reduced shard lands in a device buffer and is copied to
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, fields
 
 import numpy as np
 
 from zmpi.memory import held_model_state
-from zmpi.models.gpt import gpt_activation_bytes, gpt_unit_numels
+from zmpi.models.gpt_counts import gpt_activation_bytes, gpt_expert_numel, gpt_unit_numels
+from zmpi.models.llama import llama_activation_bytes, llama_unit_numels
 from zmpi.nn.attention import attention_block
 from zmpi.parallel.pipeline.partition import partition
 from zmpi.plan.layout import BUCKET_NUMEL, Job, Layout
@@ -112,20 +114,23 @@ class _Activations:
 def stage_units(job: Job, pp: int, tp: int) -> tuple[tuple[int, ...], ...]:
     """Per pipeline stage, the parameter count of each unit it holds (one rank's share under
     tensor parallelism): the partition's run of [embedding, blocks, head], the last stage of a
-    pipeline led by its held copy of the embedding (the head's tied weights)."""
+    pipeline led by its held copy of the embedding (the head's tied weights; an untied
+    Llama's head has its own)."""
     numels = gpt_unit_numels(job.n_layer, job.d_model, job.vocab_size, job.seq_len, tp,
-                             job.vocab_multiple)
+                             job.vocab_multiple, job.moe_section) if job.llama is None else \
+        llama_unit_numels(job.llama, tp, job.vocab_multiple)
     bounds = partition(numels, pp)
     stages = [tuple(numels[bounds[s]:bounds[s + 1]]) for s in range(pp)]
-    if pp > 1:
+    if pp > 1 and job.tied:
         stages[-1] = (numels[0], *stages[-1])
     return tuple(stages)
 
 
-def stage_blocks(n_units: int, first: bool, last: bool, pp: int) -> int:
+def stage_blocks(n_units: int, first: bool, last: bool, pp: int, tied: bool = True) -> int:
     """Transformer blocks among a stage's `n_units` units: not the embedding (first stage),
-    the head (last stage) or, in a pipeline, the last stage's held copy of the embedding."""
-    return n_units - first - last - (1 if pp > 1 and last else 0)
+    the head (last stage) or, in a pipeline of a `tied` model, the last stage's held copy of
+    the embedding."""
+    return n_units - first - last - (1 if pp > 1 and last and tied else 0)
 
 
 def padded(numel: int, dp: int) -> int:
@@ -157,10 +162,10 @@ def layout_peaks(job: Job, layout: Layout, on_gpu: bool) -> tuple[np.ndarray, np
 
 def _stage_peaks(job: Job, layout: Layout, on_gpu: bool):
     """(_StageStates, _Activations, device peaks, host peaks), over the stages at once."""
-    st = _states(job, layout.pp, layout.tp, layout.dp, layout.stage, layout.offload)
+    st = _states(job, layout.pp, layout.tp, layout.dp, layout.stage, layout.offload, layout.ep)
     act = _activations(job, layout.tp, layout.sequence_parallel, layout.recompute,
                        layout.micro_batch, layout.micro_batches, layout.schedule, layout.pp,
-                       on_gpu)
+                       on_gpu, layout.ep)
     beyond = _peak_beyond_model_states(layout.stage, layout.offload != "none",
                                        layout.micro_batches, layout.recompute == "full", st, act)
     return st, act, st.model_state["device"] + beyond, st.model_state["host"] + st.landing
@@ -204,26 +209,59 @@ def _columns(records: list):
 
 
 @functools.lru_cache(maxsize=4096)
-def _states(job: Job, pp: int, tp: int, dp: int, zero_stage: int, offload: str) -> _StageStates:
-    """The _StageStates of the pipeline stages, as _columns."""
+def _states(job: Job, pp: int, tp: int, dp: int, zero_stage: int, offload: str,
+            ep: int = 1) -> _StageStates:
+    """The _StageStates of the pipeline stages, as _columns. At expert-parallel degree ep > 1
+    (MoE blocks, one stage, no offload: `layouts`) the engine runs two instances of the
+    ZeRO stage: the dense parameters over the dp ranks, each rank's 1 / ep of the experts
+    over the dp / ep ranks holding the same (docs/moe.md); their states add up, and so do
+    their gradients, buffers and gathers in flight (a bound: the two need not peak at once)."""
     out = []
-    pb = job.param_bytes
     for stage, units in enumerate(stage_units(job, pp, tp)):
-        sizes = [padded(n, dp) for n in units]
-        full = sum(sizes)
-        held = held_model_state(full, full // dp, pb, 4, zero_stage >= 1, zero_stage >= 2,
-                                zero_stage >= 3, offload != "none",
-                                offload == "optimizer+param")
-        landing = max(sizes) // dp * pb if zero_stage >= 2 and offload != "none" else 0
-        gathered = _gathered_pair(sizes, stage == pp - 1) * pb if zero_stage == 3 else 0
-        blocks = stage_blocks(len(sizes), stage == 0, stage == pp - 1, pp)
-        end = len(sizes) - (stage == pp - 1)  # one past the last block
-        after = tuple(sum(sizes[u + 1:]) // dp * pb for u in (end - blocks, end - 1))
-        unit = max(sizes) * pb
-        out.append(_StageStates({d: sum(held[d].values()) for d in held}, full * pb,
-                                full // dp * pb, unit, gathered, landing, after,
-                                2 * BUCKET_NUMEL * pb + unit + unit // dp))
+        first, last = stage == 0, stage == pp - 1
+        if ep == 1:
+            out.append(_instance(job, units, dp, zero_stage, offload, first, last, pp))
+            continue
+        experts = moe_unit_experts(job, ep)
+        dense = [n - e * ep for n, e in zip(units, experts, strict=True)]
+        parts = (_instance(job, dense, dp, zero_stage, offload, first, last, pp),
+                 _instance(job, [e for e in experts if e], dp // ep, zero_stage, offload,
+                           False, False, 1))
+        out.append(_StageStates(*(
+            {d: x[d] + y[d] for d in x} if isinstance(x, dict) else
+            tuple(i + j for i, j in zip(x, y, strict=True)) if isinstance(x, tuple) else x + y
+            for x, y in ([getattr(p, f.name) for p in parts] for f in fields(_StageStates)))))
     return _columns(out)
+
+
+def moe_unit_experts(job: Job, ep: int) -> list[int]:
+    """Per unit of `job` (one stage: [embedding, blocks, head]) the expert parameters one
+    rank holds at expert-parallel degree ep: E / ep experts of 8 d^2 + 5 d in each MoE block
+    (models/gpt_counts.py's gpt_expert_numel), 0 elsewhere."""
+    section = job.moe_section
+    layers = section.layer_experts(job.n_layer)
+    one = gpt_expert_numel(job.n_layer, job.d_model, section) // sum(layers.values())
+    return [0, *(layers.get(i, 0) * one // ep for i in range(job.n_layer)), 0]
+
+
+def _instance(job: Job, units, dp: int, zero_stage: int, offload: str, first: bool,
+              last: bool, pp: int) -> _StageStates:
+    """The _StageStates of one stage's `units` (parameter counts) under one instance of the
+    ZeRO stage over dp ranks."""
+    pb = job.param_bytes
+    sizes = [padded(n, dp) for n in units]
+    full = sum(sizes)
+    held = held_model_state(full, full // dp, pb, 4, zero_stage >= 1, zero_stage >= 2,
+                            zero_stage >= 3, offload != "none", offload == "optimizer+param")
+    landing = max(sizes) // dp * pb if zero_stage >= 2 and offload != "none" else 0
+    gathered = _gathered_pair(sizes, last and job.tied) * pb if zero_stage == 3 else 0
+    blocks = stage_blocks(len(sizes), first, last, pp, job.tied)
+    end = len(sizes) - last  # one past the last block
+    after = tuple(sum(sizes[u + 1:]) // dp * pb for u in (end - blocks, end - 1))
+    unit = max(sizes) * pb
+    return _StageStates({d: sum(held[d].values()) for d in held}, full * pb, full // dp * pb,
+                        unit, gathered, landing, after,
+                        2 * BUCKET_NUMEL * pb + unit + unit // dp)
 
 
 def _gathered_pair(sizes: list[int], holds_head: bool) -> int:
@@ -240,26 +278,31 @@ def _gathered_pair(sizes: list[int], holds_head: bool) -> int:
 
 @functools.lru_cache(maxsize=1 << 16)  # shared by the layouts that differ in dp and ZeRO only
 def _activations(job: Job, tp: int, sequence_parallel: bool, recompute: str, micro_batch: int,
-                 micro_batches: int, schedule: str, pp: int, on_gpu: bool) -> _Activations:
+                 micro_batches: int, schedule: str, pp: int, on_gpu: bool,
+                 ep: int = 1) -> _Activations:
     """The _Activations of the pipeline stages, as _columns."""
     return _columns([_activation(job, tp, sequence_parallel, recompute, micro_batch,
-                                 micro_batches, schedule, pp, stage, on_gpu)
+                                 micro_batches, schedule, pp, stage, on_gpu, ep)
                      for stage in range(pp)])
 
 
 def _activation(job: Job, tp: int, sequence_parallel: bool, recompute: str, micro_batch: int,
-                micro_batches: int, schedule: str, pp: int, stage: int,
-                on_gpu: bool) -> _Activations:
-    """The activations stage `stage` keeps (the module docstring)."""
-    a = micro_batch_activation(job, tp, sequence_parallel, recompute, micro_batch, on_gpu)
+                micro_batches: int, schedule: str, pp: int, stage: int, on_gpu: bool,
+                ep: int = 1) -> _Activations:
+    """The activations stage `stage` keeps (the module docstring); a block's are the
+    largest block's (MoE blocks keep more than dense ones: a bound where they differ)."""
+    a = dict(micro_batch_activation(job, tp, sequence_parallel, recompute, micro_batch, on_gpu,
+                                    ep))
+    a["layer"] = max(a["blocks"])
     first, last = stage == 0, stage == pp - 1
-    blocks = stage_blocks(len(stage_units(job, pp, tp)[stage]), first, last, pp)
+    blocks = stage_blocks(len(stage_units(job, pp, tp)[stage]), first, last, pp, job.tied)
     w = micro_batches if schedule == "gpipe" else min(pp - stage, micro_batches)
     end = a["head"] + a["loss"] if last else 0
     first_blocks = [0, max(blocks - 1, 0)]  # blocks below the stage's first and last one
     if recompute != "full":
         below = a["embedding"] if first else 0
-        one = below + blocks * a["layer"] + end
+        layers = sum(a["blocks"]) if blocks == job.n_layer else blocks * a["layer"]
+        one = below + layers + end
         left = tuple(below + (j + 1) * a["layer"] for j in first_blocks)
         return _Activations(one * w, one, end, a["layer"], w, left)
     below = a["kept"] - job.n_layer * a["kept_per_layer"] if first else 0  # the token ids
@@ -272,10 +315,19 @@ def _activation(job: Job, tp: int, sequence_parallel: bool, recompute: str, micr
 
 @functools.lru_cache(maxsize=4096)
 def micro_batch_activation(job: Job, tp: int, sequence_parallel: bool, recompute: str,
-                           micro_batch: int, on_gpu: bool) -> dict:
-    """`gpt_activation_bytes` of one micro-batch of `job` (attention in zmpi's blocks)."""
+                           micro_batch: int, on_gpu: bool, ep: int = 1) -> dict:
+    """`gpt_activation_bytes` (a Llama's `llama_activation_bytes`) of one micro-batch of
+    `job` (attention in zmpi's blocks), its MoE blocks at expert-parallel degree ep (every
+    capacity slot filled: models/moe_counts.py)."""
     block = attention_block(job.seq_len, micro_batch * job.n_head // tp, on_gpu)
+    if job.llama is not None:
+        return llama_activation_bytes(job.llama, micro_batch, job.act_bytes(on_gpu), tp,
+                                      sequence_parallel=sequence_parallel,
+                                      recompute=recompute, block=block, sparsity=job.sparsity,
+                                      vocab_multiple=job.vocab_multiple)
     return gpt_activation_bytes(job.n_layer, job.d_model, job.n_head, job.vocab_size,
                                 job.seq_len, micro_batch, job.act_bytes(on_gpu), tp,
                                 sequence_parallel, recompute, block=block,
-                                sparsity=job.sparsity, vocab_multiple=job.vocab_multiple)
+                                sparsity=job.sparsity, vocab_multiple=job.vocab_multiple,
+                                moe=None if job.moe is None else dataclasses.replace(
+                                    job.moe_section, ep_size=ep))

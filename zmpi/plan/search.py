@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from zmpi.models.llama import llama_flops_per_token
+from zmpi.models.moe_counts import moe_extra_flops
 from zmpi.plan.hardware import Hardware
 from zmpi.plan.layout import Job, Layout, layouts
 from zmpi.plan.memory import StageMemory, layout_memory, layout_peaks
@@ -51,11 +53,21 @@ class Plan:
 def model_flops_per_step(job: Job, recompute: bool = False) -> float:
     """Megatron-LM 2021's FLOPs of one step (their eq. 3): 96 B s l h^2 (1 + s / (6 h) +
     V / (16 l h)) counting full recompute's second forward, 72 B s l h^2 (1 + s / (6 h) +
-    V / (12 l h)) without it (the logit layer, 6 B s h V, is never recomputed)."""
+    V / (12 l h)) without it (the logit layer, 6 B s h V, is never recomputed); a Llama's
+    from `llama_flops_per_token`, three forwards a token (the blocks' four recomputed); MoE
+    blocks add their gates and each token's k experts beyond the dense MLPs
+    (`moe_extra_flops(useful=True)`)."""
     B, s, L, h, V = job.global_batch, job.seq_len, job.n_layer, job.d_model, job.vocab_size
+    if job.llama is not None:  # llama_flops_per_token's forward, three times (four recomputed)
+        forward = llama_flops_per_token(job.llama, s)
+        head = 2 * h * V
+        return B * s * (3 * forward + (forward - head if recompute else 0))
+    # MoE blocks: their gates and the k experts of every token beyond the dense MLPs
+    moe = 0 if job.moe is None else (4 if recompute else 3) * moe_extra_flops(
+        L, h, s, B, job.moe_section, useful=True)
     if recompute:
-        return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
-    return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+        return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)) + moe
+    return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)) + moe
 
 
 def evaluate(job: Job, layout: Layout, hw: Hardware) -> Candidate:

@@ -50,8 +50,9 @@ over the node's ranks (a rank alone on a node uses every core's thread).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+from zmpi.models.moe_counts import moe_alltoall, moe_extra_flops
 from zmpi.nn.attention import attention_block, causal_entries
 from zmpi.parallel.tensor.vocab import vocab_shard
 from zmpi.plan.collectives import (
@@ -63,7 +64,13 @@ from zmpi.plan.collectives import (
 )
 from zmpi.plan.hardware import Hardware, Link
 from zmpi.plan.layout import Job, Layout
-from zmpi.plan.memory import micro_batch_activation, padded, stage_blocks, stage_units
+from zmpi.plan.memory import (
+    micro_batch_activation,
+    moe_unit_experts,
+    padded,
+    stage_blocks,
+    stage_units,
+)
 
 ELEMENTWISE_PASSES = 6  # activation bytes touched per micro-batch: written and read forward,
 #                         read with their gradients written and read backward
@@ -78,7 +85,9 @@ class StepTime:
     """Seconds per optimizer step: `compute` (matmuls and elementwise work of the slowest
     stage's micro-batches, recompute included), `tensor` and `pipeline` (their
     communication on that stage), `bubble` (the pipeline's idle time), `data` (exposed
-    data-parallel communication), `optimizer` (the update, host copies included); `total`."""
+    data-parallel communication), `optimizer` (the update, host copies included), `alltoall`
+    (MoE blocks' expert-parallel exchanges, not overlapped; 0 and left out of `to_dict`
+    without them); `total`."""
 
     compute: float
     tensor: float
@@ -86,14 +95,18 @@ class StepTime:
     bubble: float
     data: float
     optimizer: float
+    alltoall: float = 0.0
 
     @property
     def total(self) -> float:
         return (self.compute + self.tensor + self.pipeline + self.bubble + self.data
-                + self.optimizer)
+                + self.optimizer + self.alltoall)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "total": self.total}
+        out = asdict(self)
+        if not self.alltoall:
+            del out["alltoall"]
+        return {**out, "total": self.total}
 
 
 def ring_sent(nbytes: float, ranks: int) -> float:
@@ -135,6 +148,7 @@ def _links(job: Job, layout: Layout, hw: Hardware) -> dict[str, Link]:
             return chosen
         return hw.oversubscribed or Link(chosen.bandwidth * share, chosen.latency)
     return {"tp": link(layout.tp), "dp": link(layout.tp * layout.dp),
+            "ep": link(layout.tp * layout.ep),
             "pp": link(layout.tp * layout.dp * layout.pp) if layout.pp > 1 else hw.intra_node}
 
 
@@ -164,11 +178,12 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     bandwidth = hw.memory_bandwidth * hw.core_share(ranks_per_node)
     links = _links(job, layout, hw)
     act = micro_batch_activation(job, layout.tp, layout.sequence_parallel, "none",
-                                 layout.micro_batch, on_gpu)
+                                 layout.micro_batch, on_gpu, layout.ep)
     kept = micro_batch_activation(job, layout.tp, layout.sequence_parallel, layout.recompute,
-                                  layout.micro_batch, on_gpu)
-    again = {"none": 0, "selective": act["layer"] - kept["layer"], "full": act["layer"]}
-    layer_bytes = act["layer"] + FORWARD_SHARE * again[layout.recompute]
+                                  layout.micro_batch, on_gpu, layout.ep)
+    act_layer, kept_layer = (sum(a["blocks"]) / job.n_layer for a in (act, kept))  # a mean
+    again = {"none": 0, "selective": act_layer - kept_layer, "full": act_layer}
+    layer_bytes = act_layer + FORWARD_SHARE * again[layout.recompute]
     elementwise_s = 1 / elementwise_rate(hw, ranks_per_node)
     again_share = 1 + FORWARD_SHARE if layout.recompute == "full" else 1
     block_overhead = hw.layer_overhead / hw.core_share(ranks_per_node) * again_share
@@ -179,7 +194,7 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     b, s, h, t = layout.micro_batch, job.seq_len, job.d_model, layout.tp
     block = attention_block(s, b * job.n_head // t, on_gpu)
     scores = b * causal_entries(s, block)
-    linear = 2 * b * s * 12 * h * h / t
+    linear = 2 * b * s * job.block_matmul(t)
     attention = 4 * scores * h / t
     block_forward = linear + attention
     block_extra = {"none": 0.0, "selective": attention / 2, "full": block_forward}
@@ -195,26 +210,36 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     sp_copy_s = 4 * (1 + 1 / t) * activation_bytes / bandwidth \
         if layout.sequence_parallel and t > 1 else 0.0
     stages = stage_units(job, layout.pp, layout.tp)
+    section = None if job.moe is None else replace(job.moe_section, ep_size=layout.ep)
+    # MoE blocks (one stage: `layouts`): their gates and experts beyond the dense MLPs, forward
+    # and backward (and again under full recompute), and their all-to-alls over ep
+    moe_flops = 0 if section is None else (3 + (layout.recompute == "full")) * moe_extra_flops(
+        job.n_layer, h, s, b, section)
+    a2a = None if section is None or layout.ep == 1 else moe_alltoall(
+        job.n_layer, h, s, b, section, layout.recompute)
+    # the sequence-parallel parameters (h each) per block and in the head: a Llama's RMSNorms
+    sp_block, sp_head = (SP_PARAMS_PER_BLOCK, 2) if job.llama is None else (2, 1)
     micro, per_step = [], []
     kinds = {(st == 0, st == layout.pp - 1, len(units), sum(units), units[0])
              for st, units in enumerate(stages)}
     for first, last, n_units, params, leading in kinds:  # stages alike: alike times
-        blocks = stage_blocks(n_units, first, last, layout.pp)
+        blocks = stage_blocks(n_units, first, last, layout.pp, job.tied)
         flops = blocks * (3 * block_forward + block_extra[layout.recompute]) \
-            + (3 * head_forward if last else 0)
+            + (3 * head_forward if last else 0) + moe_flops
         elementwise = blocks * layer_bytes + (act["head"] + act["loss"] if last else 0)
-        passes, calls = tensor_calls(layout, blocks, first, last)
+        passes, calls = tensor_calls(layout, blocks, first, last,
+                                     job.tensor_reductions_per_block)
         loss_calls = LOSS_ALLREDUCES * last
         tensor = 0.0 if t == 1 else links["tp"].seconds(
             (t - 1) / t * (passes * activation_bytes + 2 * last * loss_bytes),
             links["tp"].latencies(calls + loss_calls, (t - 1) * (passes + 2 * loss_calls))) \
             + skew * (calls + loss_calls)
-        sends, headers, tied = pipeline_calls(layout, first, last)
+        sends, headers, tied = pipeline_calls(layout, first, last, job.tied)
         pipe = links["pp"].seconds(sends * activation_bytes, sends)
         engine = blocks * block_overhead + n_units * unit_overhead + params * half_storage \
             + sp_copy_s * passes / 2
         micro.append((flops / rate + elementwise * elementwise_s + engine, tensor, pipe))
-        sp_grads = (SP_PARAMS_PER_BLOCK * blocks + 2 * last) * h * job.param_bytes
+        sp_grads = (sp_block * blocks + sp_head * last) * h * job.param_bytes
         per_step.append((
             ring_allreduce(links["tp"], sp_grads, t) + skew
             if layout.sequence_parallel and t > 1 else 0.0,
@@ -227,17 +252,31 @@ def step_time(job: Job, layout: Layout, hw: Hardware) -> StepTime:
     tensor, pipe = tensor + per_step[slowest][0], pipe + per_step[slowest][1]
     bubble = (p - 1) * sum(micro[slowest])
     heaviest = max(range(p), key=lambda st: sum(stages[st]))
-    data, optimizer = _data_and_optimizer(job, layout, hw, stages[heaviest], links["dp"],
-                                          heaviest == p - 1, micro[slowest], bandwidth,
-                                          ranks_per_node)
-    return StepTime(compute, tensor, pipe, bubble, data, optimizer)
+    units = stages[heaviest]
+    alltoall = 0.0
+    if a2a is not None:  # each rank sends (ep - 1) / ep of each buffer, to ep - 1 peers
+        link = links["ep"]
+        alltoall = m * link.seconds(a2a["sent_elements"] * job.act_bytes(on_gpu),
+                                    link.latencies(a2a["calls"], (layout.ep - 1) * a2a["calls"]))
+        experts = moe_unit_experts(job, layout.ep)  # a second ZeRO instance over dp / ep
+        units = [n - e * layout.ep for n, e in zip(units, experts, strict=True)]
+        expert_data, expert_optimizer = _data_and_optimizer(
+            job, replace(layout, dp=layout.dp // layout.ep), hw,
+            [e for e in experts if e], links["dp"], False, micro[slowest], bandwidth,
+            ranks_per_node)
+    data, optimizer = _data_and_optimizer(job, layout, hw, units, links["dp"],
+                                          heaviest == p - 1 and job.tied, micro[slowest],
+                                          bandwidth, ranks_per_node)
+    if a2a is not None:
+        data, optimizer = data + expert_data, optimizer + expert_optimizer
+    return StepTime(compute, tensor, pipe, bubble, data, optimizer, alltoall)
 
 
 def _data_and_optimizer(job, layout, hw, units, link, holds_head, slowest, bandwidth,
                         ranks_per_node):
     """(exposed data-parallel seconds, optimizer seconds) per step for the stage holding
-    `units` (parameter counts; `holds_head`: the LM head too), its slowest micro-batch times
-    `slowest`, its collectives crossing `link`."""
+    `units` (parameter counts; `holds_head`: the LM head reading the tied embedding too),
+    its slowest micro-batch times `slowest`, its collectives crossing `link`."""
     d, m, pb = layout.dp, layout.micro_batches, job.param_bytes
     sizes = [padded(n, d) for n in units]
     full, shard = sum(sizes), sum(sizes) // d

@@ -49,12 +49,9 @@ class StateShards:
         moments from `grads` (optimizer_grads()), as Adam.step_ takes them; on NVMe, streamed
         through the swap buffers (it then writes every publish target, host or device).
         advance=False: the optimizer's step count was advanced already this step (a second
-        set of states of the same step: the expert strategy, zmpi.engine.moe), not on NVMe."""
+        set of states of the same step: the expert strategy, zmpi.engine.moe)."""
         if self.nvme is not None:
-            if not advance:
-                raise ValueError("an optimizer step without advancing the step count is not "
-                                 "built for states on NVMe")
-            self.nvme.step(optimizer, grads, grad_scale, clip_coef, publish)
+            self.nvme.step(optimizer, grads, grad_scale, clip_coef, publish, advance)
         else:
             (optimizer.step_ if advance else optimizer.update_)(
                 self.master, grads, self.adam_m, self.adam_v, grad_scale, clip_coef,

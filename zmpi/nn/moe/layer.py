@@ -49,6 +49,9 @@ class MoE(Module):
     `experts` and `dispatcher` are the layer's two replaceable parts: expert parallelism
     (zmpi.parallel.expert.expert_parallel) swaps in this rank's share of the experts and a
     dispatcher with TokenDispatcher's interface that moves rows between ranks.
+    `sequence_in`, `sequence_out`: None, or set by tensor parallelism with sequence
+    parallelism (zmpi.parallel.expert.tensor): x and y are then this rank's sequence shard
+    (B, T/tp, C), the layer running on the whole sequence between them.
     """
 
     def __init__(self, d_model, num_experts, k=1, *, hidden=None, capacity_factor=1.0,
@@ -78,6 +81,8 @@ class MoE(Module):
         self.shared_experts = (Experts(1, d_model, num_shared_experts * hidden, **mlp)
                                if num_shared_experts else None)
         self.dispatcher = TokenDispatcher()
+        # sequence parallelism's entry and exit (zmpi.parallel.expert.tensor), None without
+        self.sequence_in = self.sequence_out = None
         self.d_model, self.group_size = d_model, group_size
         self.aux_loss_scale = 1.0
         self.routing = None
@@ -109,6 +114,8 @@ class MoE(Module):
 
     # -- forward / backward -------------------------------------------------------------------
     def forward(self, x):
+        if self.sequence_in is not None:  # the whole sequence from this rank's shard
+            x = self.sequence_in.forward(x)
         C = self.d_model
         if x.ndim < 2 or x.shape[-1] != C:
             raise ValueError(f"MoE input must be (..., tokens, {C}), got shape {x.shape}")
@@ -132,10 +139,13 @@ class MoE(Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts.forward(x2)
         self._save(out, perm, routing.weights, mix)
-        return y.reshape(x.shape)
+        y = y.reshape(x.shape)
+        return y if self.sequence_out is None else self.sequence_out.forward(y)
 
     def backward(self, dy):
         out, perm, weights, mix = self._pop()
+        if self.sequence_out is not None:  # the whole sequence's gradient
+            dy = self.sequence_out.backward(dy)
         dy2 = dy.reshape(-1, self.d_model)
         dx = self.shared_experts.backward(dy2) if self.shared_experts is not None else 0
         dmoe = dy2
@@ -148,7 +158,8 @@ class MoE(Module):
         dout, dweights = self.dispatcher.combine_backward(dmoe, out, perm, weights)
         dx = dx + self.dispatcher.dispatch_backward(self.experts.backward(dout), perm)
         dx = dx + self.router.backward(dweights, self.aux_loss_scale)
-        return dx.reshape(dy.shape)
+        dx = dx.reshape(dy.shape)
+        return dx if self.sequence_in is None else self.sequence_in.backward(dx)
 
 
 def _softmax(z):

@@ -91,6 +91,12 @@ class Routing:
     def groups(self) -> int:
         return self.experts.shape[0] // self.group_size
 
+    @property
+    def dropped(self):
+        """Assignments over their expert's capacity (0-d int array, on the routing's device;
+        tokens for k = 1): the experts skipped them, the residual carries their token."""
+        return (~self.kept).sum()
+
 
 def _f32(dtype):
     return numpy.promote_types(dtype, numpy.float32)

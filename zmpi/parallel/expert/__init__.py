@@ -7,6 +7,7 @@ them and back by all-to-all. See docs/moe.md, "Expert parallelism".
     dispatcher   ExpertParallelDispatcher (TokenDispatcher's interface, with two all-to-alls
                  forward and two backward)
     layer        expert_parallel (an MoE layer keeps its E / ep experts and gets the dispatcher)
+    tensor       tensor_parallel_moe (every expert split over the tensor group as the MLP is)
 
 Like zmpi.parallel.tensor, nothing here imports MPI but through a zmpi Comm.
 """
@@ -19,7 +20,8 @@ from zmpi.parallel.expert.groups import (
     expert_groups,
 )
 from zmpi.parallel.expert.layer import expert_parallel, local_experts
+from zmpi.parallel.expert.tensor import tensor_parallel_experts, tensor_parallel_moe
 
 __all__ = ["ExpertGroups", "ExpertParallelDispatcher", "ExpertPermutation",
            "check_expert_layout", "check_experts", "expert_groups", "expert_parallel",
-           "local_experts"]
+           "local_experts", "tensor_parallel_experts", "tensor_parallel_moe"]

@@ -27,11 +27,15 @@ from zmpi.parallel.expert.dispatcher import ExpertParallelDispatcher
 
 def local_experts(experts, held):
     """A copy of the Experts module `experts` holding only the experts `held` (a range of
-    global experts) of each stacked parameter, marked with `ep_split`, `ep_index`, `ep_full`."""
+    global experts) of each stacked parameter, marked with `ep_split`, `ep_index`, `ep_full`
+    (and keeping a tensor-parallel slice's `tp_split`, `tp_index`: zmpi.parallel.expert.tensor)."""
     local = copy.copy(experts)
     for name, p in experts.named_parameters():  # every one has the expert axis first
         q = Parameter(p.data[held.start:held.stop].copy())  # its own storage
         q.ep_split, q.ep_index, q.ep_full = 0, numpy.arange(held.start, held.stop), p.shape[0]
+        for mark in ("tp_split", "tp_index"):  # a tensor-parallel slice stays one
+            if hasattr(p, mark):
+                setattr(q, mark, getattr(p, mark))
         setattr(local, name, q)
     return local
 

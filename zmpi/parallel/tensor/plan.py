@@ -25,7 +25,8 @@ holds one unit's full weights for a moment and never the whole model. The styles
                    n_kv_head, else (n_kv_head < T, T a multiple of it) ReplicatedHeadsLinear,
                    the whole k, v on every rank computing the one head its query heads read,
                    gradient summed over tp (Megatron's replicated key/value heads); the
-                   module's `n_head`, `n_kv_head` become the local counts
+                   module's `n_head`, `n_kv_head` become the local counts and its
+                   `head_offset` its first query head (rank x n_head / T)
     sequence       a replicated module (a LayerNorm or RMSNorm) that runs on the sequence
                    shard under sequence parallelism: its Parameters are marked
                    `sequence_parallel = True` (`mark_sequence_parallel`); without sequence
@@ -127,6 +128,7 @@ def _gqa_heads(module, name, tp, sequence_parallel):
                                          layer.weight.dtype, sequence_parallel)
         setattr(module, kv, part)
     module.n_head, module.n_kv_head = heads, max(nkv // tp.size, 1)
+    module.head_offset = tp.rank * heads  # the model's query heads it keeps
     return _colwise(module, name, tp, sequence_parallel)
 
 

@@ -18,6 +18,11 @@ Then f and g become
     g     = ReduceScatterToSequenceRegion(tp)  forward: reduce-scatter along the sequence
                                                backward: allgather along the sequence
 
+A region whose result is whole on every rank, with its input gradient summed inside (an MoE
+layer under tensor parallelism), runs on the gathered sequence between GatherWholeSequence
+(forward: allgather; backward: this rank's shard of the whole gradient) and
+ShardWholeSequence (forward: this rank's shard; backward: allgather).
+
 The sequence is axis 1 of (B, T, ...) and Comm's collectives take contiguous buffers split
 along their first axis, so each of them moves a sequence-major copy, (T, B, ...) or
 (T/tp, B, ...), and returns a fresh C-contiguous (B, ...) array: one copy on each side of the
@@ -157,6 +162,51 @@ class ReduceScatterToSequenceRegion(Module):
     def forward(self, x):
         self._save(True)
         return reduce_scatter_sequence(self.tp, x)
+
+    def backward(self, dy):
+        self._pop()
+        return gather_sequence(self.tp, dy)
+
+
+def sequence_slice(tp, x):
+    """This rank's sequence shard (B, T/tp, ...) of `x` (B, T, ...), a fresh C-contiguous copy,
+    without communicating. ValueError unless tp.size divides T."""
+    local = sequence_shard(x.shape[1], tp)
+    return array_module(x).ascontiguousarray(x[:, tp.rank * local:(tp.rank + 1) * local])
+
+
+class GatherWholeSequence(Module):
+    """The entry of a region that computes the whole sequence's result, the same on every rank,
+    and whose input gradient comes out whole, summed over tp inside it (an MoE layer under
+    tensor parallelism: zmpi.parallel.expert.tensor). forward gathers the sequence, x
+    (B, T/tp, C) -> (B, T, C) (`gather_sequence`); backward returns this rank's shard of dy
+    (`sequence_slice`): already the whole gradient, so nothing is summed. One allgather
+    forward."""
+
+    def __init__(self, tp):
+        self.tp = tp
+
+    def forward(self, x):
+        self._save(True)
+        return gather_sequence(self.tp, x)
+
+    def backward(self, dy):
+        self._pop()
+        return sequence_slice(self.tp, dy)
+
+
+class ShardWholeSequence(Module):
+    """GatherWholeSequence's exit: forward keeps this rank's shard (B, T/tp, C) of a result that
+    is whole and the same on every rank (`sequence_slice`); backward gathers dy, each rank's
+    shard of it, into the whole (B, T, C) gradient (`gather_sequence`). One allgather
+    backward."""
+
+    def __init__(self, tp):
+        self.tp = tp
+
+    def forward(self, x):
+        self._save(True)
+        return sequence_slice(self.tp, x)
 
     def backward(self, dy):
         self._pop()
