@@ -98,7 +98,7 @@ def table(args, rows) -> list[str]:
     md = [f"{args.n_layer} layers, d_model {args.d_model}, {args.n_head} heads, T "
           f"{args.seq_len}, batch {args.batch}, AdamW lr {args.lr}, gradient clipping 1.0, fp32, "
           f"{args.steps} steps on Tiny Shakespeare (characters), the same seed and batches, "
-          "one rank, the models' steps interleaved on this shared 2-core machine under load. "
+          "one rank, the models' steps interleaved on this 2-core machine (machine-relative). "
           "Each Llama's SwiGLU width brings its parameters nearest the GPT-2's; training "
           f"loss: mean of the last {args.window} steps; validation: {args.val_batches} "
           "held-out batches.", "",

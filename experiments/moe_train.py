@@ -246,7 +246,7 @@ def tables(args, rows, marks, scaled) -> list[str]:
           f"{args.window} steps; "
           f"validation: {args.val_batches} held-out batches; equal time: each run's loss at "
           "the step where its cumulative step time reaches the fastest run's total (one rank, "
-          "the runs' steps interleaved, this shared 2-core machine under load).", "",
+          "the runs' steps interleaved, on this 2-core machine: machine-relative).", "",
           "| run | parameters (active) | step ms | training loss | validation loss | "
           "loss at equal time (steps) |", "|---|---|---|---|---|---|"]
     md += [f"| {r['run']} | {r['total_params']:,} ({r['active_params']:,}) | "
