@@ -45,6 +45,9 @@ FAULTS = {  # mode: (env, exit code, every message that must appear in stderr)
     "nan": ({}, 1, ["FloatingPointError: non-finite gradients at optimizer step 0 (0 skipped "
                     "before; float32); the first in backward order is in unit 1 (Block: "
                     "units.1.attn.proj.bias"]),
+    "nan_pp": ({}, 1, ["the first in backward order is in unit 1 (Block: units.1.attn.proj.bias, "
+                       "units.1.attn.proj.weight, units.1.attn.qkv.bias, ...) of pipeline stage 0 "
+                       "of 2"]),  # stage 1's unit 1 (units.2) was named, or an IndexError
     "bad_ids_on_rank1": ({}, 1, ["[rank 1] IndexError: inputs (token ids) must be in [0, 16), "
                                  "found -1"]),
     "min_scale": ({}, 1, ["loss scale already at its minimum 1); the first in backward order "

@@ -7,7 +7,8 @@ Modes: mismatch_count, mismatch_dtype (with ZMPI_DEBUG=1: ranks call collectives
 sizes/dtypes), skip (rank 1 skips an allreduce: the watchdog fires), gather_on_rank0 (only rank
 0 calls a stage-3 collective), diverge (rank 1's stage-0 master weights drift; the replica
 check fires),
-nan (a NaN in unit 1's gradient on rank 0, fp32), bad_ids_on_rank1 (only rank 1's batch has an
+nan (a NaN in unit 1's gradient on rank 0, fp32), nan_pp (the same on pipeline stage 0 of 2,
+in its last unit), bad_ids_on_rank1 (only rank 1's batch has an
 out-of-range token id), min_scale (fp16 overflows every step at the minimum loss scale),
 stopped (each rank reports its pid, then rank 1 stops itself with SIGSTOP before a collective:
 rank 0's watchdog aborts the job; the test checks that rank 1 does not outlive it).
@@ -66,6 +67,15 @@ def main(mode):
         backward = unit.backward
         unit.backward = lambda dy: (backward(dy), comm.rank == 0 and e.strategy.  # noqa: E731
                                     _unit_grads[1].__setitem__(3, np.nan))[0]
+        e.train_step(*batch(0, comm))
+    elif mode == "nan_pp":  # the NaN in the last unit of pipeline stage 0, which has more
+        # units than stage 1: its index meant nothing on stage 1
+        e = engine(comm, pipeline={"stages": 2})
+        last = len(e.model.units) - 1
+        unit = e.model.units[last]
+        backward = unit.backward
+        unit.backward = lambda dy: (backward(dy), comm.rank == 0 and e.strategy.  # noqa: E731
+                                    _unit_grads[last].__setitem__(3, np.nan))[0]
         e.train_step(*batch(0, comm))
     elif mode == "bad_ids_on_rank1":
         e = engine(comm)

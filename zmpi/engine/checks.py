@@ -291,9 +291,13 @@ def _state_checks(strategy, layout, comm, kind: str, where: list) -> list:
     return checks
 
 
+_UNITS_BOUND = 1 << 30  # more units than any stage has: (stage, unit) as one integer
+
+
 def first_nonfinite_unit(engine, grads) -> str:
-    """The last unit (the first in backward order) whose reduced gradient holds a NaN or inf
-    on any rank, described by index, type and parameter names (a collective)."""
+    """The last unit (the first in backward order: of the last pipeline stage that has one)
+    whose reduced gradient holds a NaN or inf on any rank, described by index (per stage),
+    type and parameter names, the same line on every rank (a collective over every rank)."""
     xp, layout = array_module(grads), engine.layout
     local = -1
     for u in reversed(range(len(layout.units))):
@@ -301,9 +305,16 @@ def first_nonfinite_unit(engine, grads) -> str:
         if not bool(xp.isfinite(grads[part]).all()):
             local = u
             break
-    u = int(engine.comm.allreduce_scalar(local, op="max"))
-    if u < 0:  # the dense gradients are finite: the expert strategy's are not (ep > 1)
+    stage, stages = engine.mesh.pp_rank, engine.mesh.pp
+    key = -1 if local < 0 else stage * _UNITS_BOUND + local  # the last stage's first
+    found = int(engine.comm.allreduce_scalar(key, op="max"))
+    if found < 0:  # the dense gradients are finite: the expert strategy's are not (ep > 1)
         return "the expert parameters of the MoE layers (moe.ep_size > 1)"
-    names = [s.name for s in layout.units[u].slots]
-    return (f"unit {u} ({type(engine.model.units[u]).__name__}: "
-            f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+    mine = None
+    if found // _UNITS_BOUND == stage:  # this stage's unit: its ranks can name it
+        u = found % _UNITS_BOUND
+        names = [s.name for s in layout.units[u].slots]
+        mine = (f"unit {u} ({type(engine.model.units[u]).__name__}: "
+                f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                + (f" of pipeline stage {stage} of {stages}" if stages > 1 else ""))
+    return next(d for d in engine.comm.allgather_object(mine) if d is not None)
