@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from _report import report
 from tp_checks import errors
+from zero_checks import moe_routing_record  # each stage keeps its own layers' routing
 
 from zmpi.checkpoint import CheckpointError
 from zmpi.checkpoint.tools import consolidate, verify
@@ -66,20 +67,6 @@ def config(section, ep, stage, dp, pp, schedule="1f1b", recompute="none", bf16=F
     return cfg
 
 
-def recording(engine):
-    """Wraps engine.moe.losses (called once per micro-batch forward, before its backward and
-    any recompute) to keep each of the stage's MoE layers' (choices, kept) per forward."""
-    seen, losses = [], engine.moe.losses
-
-    def record():
-        seen.append([(layer.routing.experts.copy(), layer.routing.kept.copy())
-                     for layer in engine.moe.layers])
-        return losses()
-
-    engine.moe.losses = record
-    return seen
-
-
 def train(engine, comm_rows, dp, steps, seen):
     """Losses of `steps` and each step's routing [(experts, kept) per layer of the whole
     model, rows in global order] gathered on every rank from the data-parallel ranks (rows)
@@ -108,7 +95,7 @@ def reference(section, bf16, stage):
     dtype = np.float32 if bf16 else np.float64
     engine = Engine(GPT(CFG, seed=0, dtype=dtype, moe=SECTIONS[section]),
                     config(section, 1, stage, 1, 1, bf16=bf16), alone)
-    seen = recording(engine)
+    seen = moe_routing_record(engine)
     init = engine.gather_parameters()
     losses, routes = train(engine, 0, 1, range(STEPS), seen)
     losses.append(evaluate(engine, 0, 1))
@@ -133,7 +120,7 @@ def pipelined(comm, section, ep, stage, schedule, recompute, bf16, tp=1, sp=Fals
     engine = Engine(model, config(section, ep, stage, dp, pp, schedule, recompute, bf16, tp,
                                   sp), comm, mesh=mesh)
     assert engine.mesh.pp == pp and len(engine.moe.layers) == 1  # one MoE block a stage
-    seen = recording(engine)
+    seen = moe_routing_record(engine)
     return engine, seen
 
 
@@ -188,7 +175,7 @@ def checkpoint(comm, out_dir, ep, tp):
                        config(name, 1, 3, dp, 1), group)
         whole.load_checkpoint(directory, tag="saved")
         resumed, _ = train(whole, group.rank, dp, range(RESUME_AT, CKPT_STEPS),
-                           recording(whole))
+                           moe_routing_record(whole))
         whole.close()
     part.free()
     out = {"uninterrupted": uninterrupted, "resumed": comm.bcast_object(resumed)}
