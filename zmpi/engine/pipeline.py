@@ -144,19 +144,12 @@ class PipelineRun:
 
     def evaluate(self, engine, inputs, targets, normalizer) -> float:
         """The forward of `inputs` through the stages; the last stage's loss (0.0 on other
-        stages). The stage's MoE layers route as in evaluation meanwhile, as the whole GPT's
-        do under GPT.inference at pp 1 (eval_capacity_factor, no random draw)."""
+        stages). Called inside the model's inference() (Engine.eval_loss), under which the
+        stage's MoE layers route as in evaluation (eval_capacity_factor, no random draw)."""
         stage, xp = self.stage, engine.xp
-        training = [layer.training for layer in engine.moe.layers]
-        for layer in engine.moe.layers:
-            layer.training = False
-        try:
-            return self.runner.evaluate(xp.asarray(inputs) if stage.is_first else None,
-                                        xp.asarray(targets) if stage.is_last else None,
-                                        normalizer)
-        finally:
-            for layer, was in zip(engine.moe.layers, training, strict=True):
-                layer.training = was
+        return self.runner.evaluate(xp.asarray(inputs) if stage.is_first else None,
+                                    xp.asarray(targets) if stage.is_last else None,
+                                    normalizer)
 
     def sum_tied_grads(self, grads) -> None:
         """Sum each tied unit's gradients (after the data-parallel reduction) over the stages
